@@ -1,0 +1,168 @@
+// swapio._C: raw pointers and sizes in, Python exceptions out. No torch here: the Python layer passes
+// tensor.data_ptr() and keeps the tensor alive until the request is done.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "adam/bind_adam.h"
+#include "common/errors.h"
+#include "io/engine.h"
+#include "io/file.h"
+#include "io/handle.h"
+#include "mem/pinned.h"
+
+namespace py = pybind11;
+using namespace swapio;
+
+namespace {
+
+// IoError -> OSError(errno, message, path) with an extra `offset` attribute. (pybind11 alone would
+// raise RuntimeError.)
+void raise_os_error(const IoError& e) {
+  py::object path = e.path().empty() ? py::object(py::none()) : py::object(py::str(e.path()));
+  std::string msg = e.what();
+  if (!e.path().empty()) msg += " (offset " + std::to_string(e.offset()) + ")";
+  py::object exc = py::reinterpret_steal<py::object>(
+      PyObject_CallFunction(PyExc_OSError, "isO", e.err(), msg.c_str(), path.ptr()));
+  if (!exc) return;  // the Python error from the call stays set
+  exc.attr("offset") = e.offset();
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+io::Op parse_op(const std::string& op) {
+  if (op == "read") return io::Op::read;
+  if (op == "write") return io::Op::write;
+  throw ArgError("op must be 'read' or 'write'");
+}
+
+io::DirectMode parse_direct(py::object direct) {
+  if (direct.is_none()) return io::DirectMode::automatic;
+  return direct.cast<bool>() ? io::DirectMode::on : io::DirectMode::off;
+}
+
+// A page-locked block exposed through the buffer protocol, so torch.frombuffer can wrap it without a copy.
+// `on_free` (if set) runs just before the memory goes: the Python layer unregisters it from CUDA there.
+struct PinnedBuffer {
+  mem::PinnedBlock block;
+  py::object on_free = py::none();
+  ~PinnedBuffer() {
+    if (!on_free.is_none()) {
+      try {
+        on_free(reinterpret_cast<uintptr_t>(block.ptr));
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("swapio pinned buffer release");
+      }
+    }
+    mem::pinned_free(block);
+  }
+};
+
+py::dict probe_file(const std::string& path) {
+  py::dict out;
+  io::OpenFile f(path, io::Op::read, io::DirectMode::automatic);
+  out["direct"] = f.direct();
+  const io::Alignment a = f.direct() ? f.alignment() : io::Alignment{};
+  out["mem_align"] = a.mem;
+  out["offset_align"] = a.offset;
+  out["alignment_from_statx"] = a.from_statx;
+  return out;
+}
+
+py::dict engine_status() {
+  py::dict out;
+  for (const char* name : {"uring", "aio", "psync", "null"}) {
+    int rc = io::probe_engine(*io::find_engine(name));
+    out[name] = rc == 0 ? std::string("ok") : std::string(std::strerror(-rc));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "swapio native core: async O_DIRECT I/O engines, pinned memory, CPU Adam";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      raise_os_error(e);
+    } catch (const ArgError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  py::class_<io::Request, std::shared_ptr<io::Request>>(m, "Request")
+      .def("wait", [](io::Request& r, std::optional<double> timeout) {
+            py::gil_scoped_release nogil;
+            return r.wait_for(timeout ? std::max(0.0, *timeout) : -1.0);
+          }, py::arg("timeout") = py::none(), "Waits until done or timeout (seconds); True when done.")
+      .def("done", &io::Request::done)
+      .def("result", &io::Request::result, py::call_guard<py::gil_scoped_release>(),
+           "Waits; returns bytes moved or raises OSError.")
+      .def("latencies_ns", [](io::Request& r) {
+            std::vector<uint64_t> lat;
+            {
+              py::gil_scoped_release nogil;
+              lat = r.latencies_ns();
+            }
+            return py::bytes(reinterpret_cast<const char*>(lat.data()), lat.size() * sizeof(uint64_t));
+          }, "Per-piece completion latencies (uint64 ns, native byte order) when recorded.")
+      .def_property_readonly("fell_back", &io::Request::fell_back)
+      .def_property_readonly("length", &io::Request::length);
+
+  py::class_<io::Handle>(m, "Handle")
+      .def(py::init([](int64_t block_size, int64_t queue_depth, int64_t threads, std::string engine,
+                       py::object direct) {
+             io::HandleOptions o;
+             o.block_size = block_size;
+             o.queue_depth = queue_depth;
+             o.threads = threads;
+             o.engine = std::move(engine);
+             o.direct = parse_direct(direct);
+             return std::make_unique<io::Handle>(std::move(o));
+           }),
+           py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("engine"),
+           py::arg("direct"))
+      .def("submit", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t length,
+                        const std::string& path, int64_t offset, bool record_latency) {
+             io::Op o = parse_op(op);
+             py::gil_scoped_release nogil;
+             return h.submit(o, buf, length, path, offset, record_latency);
+           }, py::arg("op"), py::arg("buf"), py::arg("length"), py::arg("path"), py::arg("offset"),
+           py::arg("record_latency") = false)
+      .def("submit_random", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t buf_len,
+                               const std::string& path, int64_t span, int64_t count, uint64_t seed,
+                               bool record_latency) {
+             io::Op o = parse_op(op);
+             py::gil_scoped_release nogil;
+             return h.submit_random(o, buf, buf_len, path, span, count, seed, record_latency);
+           }, py::arg("op"), py::arg("buf"), py::arg("buf_len"), py::arg("path"), py::arg("span"),
+           py::arg("count"), py::arg("seed") = 0, py::arg("record_latency") = false)
+      .def("close", &io::Handle::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("engine", &io::Handle::engine)
+      .def_property_readonly("closed", &io::Handle::closed);
+
+  py::class_<PinnedBuffer>(m, "PinnedBuffer", py::buffer_protocol())
+      .def(py::init([](size_t nbytes, bool lock) {
+             auto b = std::make_unique<PinnedBuffer>();
+             b->block = mem::pinned_alloc(nbytes, lock);
+             return b;
+           }), py::arg("nbytes"), py::arg("lock") = true)
+      .def_buffer([](PinnedBuffer& b) {
+        return py::buffer_info(b.block.ptr, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.block.size)}, {1});
+      })
+      .def_property_readonly("ptr", [](const PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.block.ptr); })
+      .def_property_readonly("nbytes", [](const PinnedBuffer& b) { return b.block.size; })
+      .def_property_readonly("locked", [](const PinnedBuffer& b) { return b.block.locked; })
+      .def_property_readonly("lock_errno", [](const PinnedBuffer& b) { return b.block.lock_errno; })
+      .def_readwrite("on_free", &PinnedBuffer::on_free);
+
+  m.def("probe_file", &probe_file, py::arg("path"),
+        "O_DIRECT support and alignment for an existing file.");
+  m.def("engine_status", &engine_status, "'ok' or the reason, for each engine on this kernel.");
+
+  swapio::bind_adam(m);
+}

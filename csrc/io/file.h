@@ -1,0 +1,49 @@
+#pragma once
+// Opening a file for one request: the O_DIRECT descriptor (when the file system takes it), a buffered one for
+// unaligned head/tail bytes, and the direct-I/O alignment the kernel reports for it.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "io/engine.h"
+
+namespace swapio::io {
+
+enum class DirectMode { automatic, on, off };  // automatic: O_DIRECT where the file system takes it
+
+struct Alignment {
+  uint32_t mem = 4096;     // buffer address alignment for O_DIRECT
+  uint32_t offset = 4096;  // file offset and length alignment for O_DIRECT
+  bool from_statx = false;
+};
+
+// Descriptors stay open until the last piece of the request that opened them is done.
+class OpenFile {
+ public:
+  OpenFile(const std::string& path, Op op, DirectMode mode);  // throws IoError / ArgError
+  ~OpenFile();
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+
+  bool direct() const { return direct_fd_ >= 0; }
+  bool fell_back() const { return fell_back_; }  // automatic mode, but the file system refused O_DIRECT
+  int direct_fd() const { return direct_fd_; }
+  int buffered_fd() const { return buffered_fd_; }
+  void ensure_buffered_fd();  // opens it on first need (only unaligned requests have one); throws IoError
+  const Alignment& alignment() const { return align_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  int open_fd(bool direct);
+  std::string path_;
+  Op op_;
+  int direct_fd_ = -1;
+  int buffered_fd_ = -1;
+  bool fell_back_ = false;
+  Alignment align_;
+};
+
+// Direct-I/O alignment for an open descriptor: statx(STATX_DIOALIGN) where the kernel has it, else 4096.
+Alignment query_alignment(int fd);
+
+}  // namespace swapio::io

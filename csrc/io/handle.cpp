@@ -1,0 +1,183 @@
+#include "io/handle.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common/errors.h"
+
+namespace swapio::io {
+namespace {
+
+int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+int64_t round_down(int64_t x, int64_t a) { return x / a * a; }
+
+constexpr int64_t kMaxDepth = 4096;
+constexpr int64_t kMaxThreads = 256;
+constexpr int64_t kMaxBlock = int64_t(1) << 30;
+
+// Sets up one engine context per worker; all or nothing.
+int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<void*>& out) {
+  for (size_t i = 0; i < n; i++) {
+    void* ctx = nullptr;
+    int rc = ops.init(depth, &ctx);
+    if (rc < 0) {
+      for (void* c : out) ops.cleanup(c);
+      out.clear();
+      return rc;
+    }
+    out.push_back(ctx);
+  }
+  return 0;
+}
+
+}  // namespace
+
+Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
+  if (opt_.block_size <= 0 || opt_.block_size > kMaxBlock)
+    throw ArgError("block_size must be between 1 and 1 GiB, got " + std::to_string(opt_.block_size));
+  if (opt_.queue_depth <= 0 || opt_.queue_depth > kMaxDepth)
+    throw ArgError("queue_depth must be between 1 and 4096, got " + std::to_string(opt_.queue_depth));
+  if (opt_.threads <= 0 || opt_.threads > kMaxThreads)
+    throw ArgError("threads must be between 1 and 256, got " + std::to_string(opt_.threads));
+
+  std::string wanted = opt_.engine;
+  if (wanted == "auto") {
+    const char* forced = std::getenv("SWAPIO_ENGINE");
+    if (forced && *forced) wanted = forced;
+  }
+  std::vector<const EngineOps*> candidates;
+  if (wanted == "auto") {
+    candidates = auto_engine_order();
+  } else if (const EngineOps* ops = find_engine(wanted)) {
+    candidates = {ops};
+  } else {
+    throw ArgError("unknown engine '" + wanted + "' (choose auto, uring, aio, psync or null)");
+  }
+  const unsigned depth = static_cast<unsigned>(opt_.queue_depth);
+  int last_rc = 0;
+  for (const EngineOps* ops : candidates) {
+    std::vector<void*> contexts;
+    last_rc = create_contexts(*ops, depth, static_cast<size_t>(opt_.threads), contexts);
+    if (last_rc < 0) continue;
+    engine_ = ops->name;
+    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth));
+    return;
+  }
+  throw IoError(-last_rc, "cannot set up I/O engine '" + wanted + "': " + std::strerror(-last_rc), "", 0);
+}
+
+Handle::~Handle() { close(); }
+
+void Handle::close() {
+  std::vector<std::unique_ptr<Worker>> workers;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    workers.swap(workers_);
+  }
+  workers.clear();  // each worker finishes its queued work, then joins
+}
+
+bool Handle::closed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return workers_.empty();
+}
+
+std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, const std::string& path,
+                                        int64_t offset, bool record_latency) {
+  if (offset < 0) throw ArgError("offset must be >= 0, got " + std::to_string(offset));
+  if (length < 0) throw ArgError("length must be >= 0, got " + std::to_string(length));
+  if (offset > INT64_MAX - length) throw ArgError("offset + length overflows");
+  if (buf == 0 && length > 0) throw ArgError("buffer pointer is null");
+  if (closed()) throw ArgError("the handle is closed");
+
+  auto file = std::make_shared<OpenFile>(path, op, opt_.direct);
+  RequestLayout L;
+  L.op = op;
+  L.buf = reinterpret_cast<char*>(buf);
+  L.offset = offset;
+  L.length = length;
+  L.record_latency = record_latency;
+  const int64_t end = offset + length;
+  int64_t block = opt_.block_size;
+  if (file->direct()) {
+    const int64_t align = file->alignment().offset;
+    block = std::max(align, round_down(block, align));
+    L.head_end = std::min(end, round_up(offset, align));
+    L.tail_start = std::max(L.head_end, round_down(end, align));
+    if (L.head_end > offset || L.tail_start < end) file->ensure_buffered_fd();
+    L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
+  } else {
+    L.head_end = offset;
+    L.tail_start = end;
+  }
+  L.block = static_cast<size_t>(block);
+
+  // Stripes: the aligned middle is split into `threads` runs of whole blocks; the edges join the outer ones.
+  const int64_t middle = L.tail_start - L.head_end;
+  const int64_t blocks = (middle + block - 1) / block;
+  const int64_t stripes = std::max<int64_t>(1, std::min<int64_t>(opt_.threads, blocks));
+  const int64_t stripe_len = round_up((middle + stripes - 1) / stripes, block);
+  std::vector<int64_t> bounds = {offset};
+  for (int64_t i = 1; i < stripes; i++) {
+    int64_t b = std::min(L.head_end + i * stripe_len, L.tail_start);
+    if (b > bounds.back() && b < end) bounds.push_back(b);
+  }
+  bounds.push_back(end);
+
+  auto req = std::make_shared<Request>(L, std::move(file), static_cast<int>(bounds.size() - 1));
+  if (length == 0) {
+    req->complete_now();
+    return req;
+  }
+  dispatch(req, bounds);
+  return req;
+}
+
+std::shared_ptr<Request> Handle::submit_random(Op op, uintptr_t buf, int64_t buf_len, const std::string& path,
+                                               int64_t span, int64_t count, uint64_t seed,
+                                               bool record_latency) {
+  if (count <= 0) throw ArgError("count must be > 0");
+  if (buf == 0 || buf_len < opt_.block_size)
+    throw ArgError("the buffer must hold at least one block (" + std::to_string(opt_.block_size) + " bytes)");
+  if (span < opt_.block_size) throw ArgError("span must hold at least one block");
+  if (closed()) throw ArgError("the handle is closed");
+  auto file = std::make_shared<OpenFile>(path, op, opt_.direct);
+  if (file->direct()) {
+    const Alignment& a = file->alignment();
+    if (opt_.block_size % a.offset != 0 || buf % a.mem != 0)
+      throw ArgError("random O_DIRECT I/O needs block_size a multiple of " + std::to_string(a.offset) +
+                     " and a buffer aligned to " + std::to_string(a.mem));
+  }
+  RequestLayout L;
+  L.op = op;
+  L.buf = reinterpret_cast<char*>(buf);
+  L.length = count * opt_.block_size;
+  L.block = static_cast<size_t>(opt_.block_size);
+  L.random = true;
+  L.count = count;
+  L.span = span;
+  L.seed = seed;
+  L.slots = buf_len / opt_.block_size;
+  L.record_latency = record_latency;
+  const int64_t stripes = std::min<int64_t>(opt_.threads, count);
+  std::vector<int64_t> bounds;
+  for (int64_t i = 0; i <= stripes; i++) bounds.push_back(count * i / stripes);
+  auto req = std::make_shared<Request>(L, std::move(file), static_cast<int>(stripes));
+  dispatch(req, bounds);
+  return req;
+}
+
+void Handle::dispatch(const std::shared_ptr<Request>& req, const std::vector<int64_t>& bounds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (workers_.empty()) throw ArgError("the handle is closed");
+  const uint64_t first = next_worker_.fetch_add(bounds.size() - 1);
+  for (size_t i = 0; i + 1 < bounds.size(); i++) {
+    auto task = std::make_unique<Task>();
+    task->req = req;
+    task->begin = task->cursor = bounds[i];
+    task->end = bounds[i + 1];
+    workers_[(first + i) % workers_.size()]->enqueue(std::move(task));
+  }
+}
+
+}  // namespace swapio::io

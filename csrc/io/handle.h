@@ -1,0 +1,54 @@
+#pragma once
+// AioHandle's native side: validates a request, opens the file, cuts the request into per-worker stripes
+// and hands them to the workers. Thread-safe; close() (or the destructor) finishes queued work first.
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "io/engine.h"
+#include "io/file.h"
+#include "io/request.h"
+#include "io/worker.h"
+
+namespace swapio::io {
+
+struct HandleOptions {
+  int64_t block_size = 1 << 20;
+  int64_t queue_depth = 32;
+  int64_t threads = 1;
+  std::string engine = "auto";  // auto | uring | aio | psync | null
+  DirectMode direct = DirectMode::automatic;
+};
+
+class Handle {
+ public:
+  explicit Handle(HandleOptions options);  // throws ArgError (bad option) or IoError (engine unavailable)
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  // `length` bytes between memory at `buf` and `path` at `offset`.
+  std::shared_ptr<Request> submit(Op op, uintptr_t buf, int64_t length, const std::string& path, int64_t offset,
+                                  bool record_latency);
+  // Benchmarks: `count` block-sized pieces at random block-aligned offsets below `span`, cycling through
+  // the block-sized slots of buf[0, buf_len).
+  std::shared_ptr<Request> submit_random(Op op, uintptr_t buf, int64_t buf_len, const std::string& path,
+                                         int64_t span, int64_t count, uint64_t seed, bool record_latency);
+  void close();
+  bool closed();
+  const std::string& engine() const { return engine_; }
+  const HandleOptions& options() const { return opt_; }
+
+ private:
+  void dispatch(const std::shared_ptr<Request>& req, const std::vector<int64_t>& bounds);
+  HandleOptions opt_;
+  std::string engine_;
+  std::mutex mu_;  // guards workers_ against a concurrent close()
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::atomic<uint64_t> next_worker_{0};
+};
+
+}  // namespace swapio::io

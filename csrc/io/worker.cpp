@@ -1,0 +1,265 @@
+#include "io/worker.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace swapio::io {
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+const char* op_name(Op op) { return op == Op::read ? "read" : "write"; }
+
+std::string describe(const Piece& p, const char* what) {
+  return std::string(op_name(p.op)) + " of " + std::to_string(p.len) + " bytes at offset " +
+         std::to_string(p.offset) + " " + what;
+}
+
+}  // namespace
+
+Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth)
+    : ops_(ops), ctx_(ctx), depth_(depth), slots_(depth), done_(depth) {
+  for (auto& s : slots_) free_.push_back(&s);
+  thread_ = std::thread([this] { run(); });
+}
+
+Worker::~Worker() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+  ops_.cleanup(ctx_);
+  for (auto& s : slots_) std::free(s.bounce);
+}
+
+void Worker::enqueue(std::unique_ptr<Task> task) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    incoming_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void Worker::run() {
+  std::vector<Piece*> batch;
+  batch.reserve(depth_);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (active_.empty() && inflight_ == 0 && retry_.empty()) {
+        cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
+        if (incoming_.empty()) return;  // stopped, and every queued task is finished
+      }
+      while (!incoming_.empty()) {
+        active_.push_back(std::move(incoming_.front()));
+        incoming_.pop_front();
+      }
+    }
+    batch.clear();
+    if (fill(batch)) submit(batch);
+    // Block for a completion only when nothing more can be queued; otherwise just collect what is done.
+    if (inflight_ > 0) reap(free_.empty() || !has_work() ? 1 : 0);
+    retire_finished_tasks();
+  }
+}
+
+bool Worker::has_work() {
+  if (!retry_.empty()) return true;
+  for (auto& t : active_)
+    if (t->cursor < t->end && !t->req->failed()) return true;
+  return false;
+}
+
+bool Worker::fill(std::vector<Piece*>& batch) {
+  while (!retry_.empty()) {
+    batch.push_back(retry_.back());
+    retry_.pop_back();
+  }
+  auto it = active_.begin();
+  while (!free_.empty() && it != active_.end()) {
+    Task& t = **it;
+    if (t.req->failed()) t.cursor = t.end;  // stop issuing pieces of a failed request
+    if (t.cursor >= t.end) {
+      ++it;
+      continue;
+    }
+    Slot* s = free_.back();
+    free_.pop_back();
+    prepare(*s, t);
+    if (s->task) batch.push_back(s);
+  }
+  return !batch.empty();
+}
+
+void Worker::prepare(Slot& s, Task& t) {
+  const RequestLayout& L = t.req->layout();
+  OpenFile& f = t.req->file();
+  int64_t pos, end;
+  bool direct;
+  if (L.random) {
+    int64_t i = t.cursor++;
+    pos = static_cast<int64_t>(splitmix64(L.seed + static_cast<uint64_t>(i)) %
+                               static_cast<uint64_t>(L.span / L.block)) * L.block;
+    end = pos + L.block;
+    s.user = L.buf + (i % L.slots) * L.block;
+    direct = f.direct();
+  } else {
+    pos = t.cursor;
+    if (!f.direct()) {
+      end = std::min<int64_t>(pos + L.block, t.end);
+      direct = false;
+    } else if (pos < L.head_end) {
+      end = std::min(L.head_end, t.end);
+      direct = false;
+    } else if (pos >= L.tail_start) {
+      end = t.end;
+      direct = false;
+    } else {
+      end = std::min<int64_t>({pos + static_cast<int64_t>(L.block), L.tail_start, t.end});
+      direct = true;
+    }
+    s.user = L.buf + (pos - L.offset);
+    t.cursor = end;
+  }
+  s.fd = direct ? f.direct_fd() : f.buffered_fd();
+  s.op = L.op;
+  s.offset = pos;
+  s.total = s.len = static_cast<size_t>(end - pos);
+  s.moved = 0;
+  s.direct = direct;
+  s.bounced = direct && !L.random && L.bounce_middle;
+  s.task = &t;
+  t.inflight++;
+  s.buf = s.user;
+  if (s.bounced) {
+    if (s.bounce_size < s.total) {
+      std::free(s.bounce);
+      s.bounce_size = 0;
+      size_t size = (s.total + 4095) & ~size_t(4095);
+      if (posix_memalign(reinterpret_cast<void**>(&s.bounce), 4096, size) != 0) {
+        s.bounce = nullptr;
+        t.req->fail(ENOMEM, pos, "allocating a bounce buffer for " + describe(s, "failed"));
+        release(s);
+        return;
+      }
+      s.bounce_size = size;
+    }
+    if (s.op == Op::write) std::memcpy(s.bounce, s.user, s.total);
+    s.buf = s.bounce;
+  }
+  if (L.record_latency) s.start_ns = now_ns();
+}
+
+void Worker::submit(std::vector<Piece*>& batch) {
+  size_t i = 0;
+  int idle_tries = 0;
+  while (i < batch.size()) {
+    int rc = ops_.submit(ctx_, &batch[i], static_cast<int>(batch.size() - i));
+    if (rc > 0) {
+      inflight_ += rc;
+      i += static_cast<size_t>(rc);
+      idle_tries = 0;
+    } else if (rc == 0 && inflight_ > 0) {
+      reap(1);  // the queue is full: make room
+    } else if (rc == 0 && ++idle_tries < 1000) {
+      std::this_thread::yield();  // kernel out of resources with nothing of ours in flight: retry a while
+    } else {
+      // The engine refused this piece outright (e.g. EINVAL from io_submit): it fails alone.
+      auto& s = static_cast<Slot&>(*batch[i++]);
+      s.result = rc < 0 ? rc : -EAGAIN;
+      complete(s);
+    }
+  }
+}
+
+void Worker::reap(int min_wait) {
+  int n = ops_.reap(ctx_, done_.data(), static_cast<int>(depth_), min_wait);
+  if (n < 0) {
+    // The engine itself failed (not one request): fail everything queued here; in-flight pieces are
+    // still collected as they finish.
+    for (auto& t : active_) t->req->fail(-n, t->cursor, std::string("collecting completions failed"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  inflight_ -= n;
+  for (int i = 0; i < n; i++) complete(static_cast<Slot&>(*done_[i]));
+}
+
+void Worker::complete(Slot& s) {
+  Task& t = *s.task;
+  Request& r = *t.req;
+  const int64_t res = s.result;
+  if (res == -EINTR || res == -EAGAIN) {
+    retry_.push_back(&s);
+    return;
+  }
+  if (res < 0) {
+    std::string what = "failed";
+    if (res == -EINVAL && s.direct)
+      what = "failed (O_DIRECT needs buffer, offset and length aligned to " +
+             std::to_string(r.file().alignment().offset) + " bytes; does the file system support it?)";
+    r.fail(static_cast<int>(-res), s.offset, describe(s, what.c_str()));
+    release(s);
+    return;
+  }
+  s.moved += static_cast<size_t>(res);
+  if (s.moved < s.total) {
+    bool misaligned = s.direct && (s.moved % r.file().alignment().offset) != 0;
+    if (res == 0 || misaligned) {
+      // A read that stops short ran into the end of the file; a write that stops short hit a full disk.
+      if (s.op == Op::read)
+        r.fail(ENODATA, s.offset, describe(s, "ran past the end of the file"));
+      else
+        r.fail(ENOSPC, s.offset, describe(s, "stopped short"));
+      release(s);
+      return;
+    }
+    s.buf = static_cast<char*>(s.buf) + res;
+    s.offset += res;
+    s.len -= static_cast<size_t>(res);
+    retry_.push_back(&s);
+    return;
+  }
+  if (s.bounced && s.op == Op::read) std::memcpy(s.user, s.bounce, s.total);
+  r.add_bytes(static_cast<int64_t>(s.total));
+  if (r.layout().record_latency) t.latencies.push_back(static_cast<uint64_t>(now_ns() - s.start_ns));
+  release(s);
+}
+
+void Worker::release(Slot& s) {
+  s.task->inflight--;
+  s.task = nullptr;
+  free_.push_back(&s);
+}
+
+void Worker::retire_finished_tasks() {
+  for (auto it = active_.begin(); it != active_.end();) {
+    Task& t = **it;
+    if (t.req->failed()) t.cursor = t.end;
+    if (t.cursor >= t.end && t.inflight == 0) {
+      t.req->task_finished(std::move(t.latencies));
+      it = active_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace swapio::io

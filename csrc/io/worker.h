@@ -1,0 +1,75 @@
+#pragma once
+// A worker thread owns one engine context and keeps up to queue_depth pieces in flight, refilling as
+// completions arrive, across every task queued to it (like a DeepSpeed aio thread, but never submit-and-wait-all).
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "io/engine.h"
+#include "io/request.h"
+
+namespace swapio::io {
+
+// A contiguous stripe of one request: file positions [begin, end) (piece indices for random requests).
+struct Task {
+  std::shared_ptr<Request> req;
+  int64_t begin = 0, end = 0, cursor = 0;
+  int inflight = 0;
+  std::vector<uint64_t> latencies;
+};
+
+class Worker {
+ public:
+  Worker(const EngineOps& ops, void* ctx, unsigned depth);  // takes ownership of ctx
+  ~Worker();                                               // finishes queued work, then joins
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  void enqueue(std::unique_ptr<Task> task);
+
+ private:
+  // A piece plus what the worker needs to finish it.
+  struct Slot : Piece {
+    Task* task = nullptr;
+    char* user = nullptr;      // caller memory for this piece
+    size_t total = 0;          // bytes this piece must move
+    size_t moved = 0;          // bytes moved so far (short transfers are resubmitted)
+    bool bounced = false;      // through `bounce` because caller memory is misaligned
+    bool direct = false;
+    char* bounce = nullptr;    // aligned scratch, allocated on first need
+    size_t bounce_size = 0;
+    int64_t start_ns = 0;
+  };
+
+  void run();
+  bool fill(std::vector<Piece*>& batch);
+  void prepare(Slot& s, Task& t);
+  void submit(std::vector<Piece*>& batch);
+  void reap(int min_wait);
+  void complete(Slot& s);
+  void release(Slot& s);
+  void retire_finished_tasks();
+  bool has_work();
+
+  const EngineOps& ops_;
+  void* ctx_;
+  unsigned depth_;
+  std::vector<Slot> slots_;
+  std::vector<Slot*> free_;
+  std::vector<Slot*> retry_;  // short or interrupted transfers to resubmit
+  std::vector<Piece*> done_;
+  std::list<std::unique_ptr<Task>> active_;
+  int inflight_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Task>> incoming_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace swapio::io

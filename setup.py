@@ -1,0 +1,62 @@
+"""Builds swapio._C from csrc/ with pybind11 only (no torch headers).
+
+Per-ISA kernels (files named *_avx2.cpp / *_avx512.cpp) get their own -m flags, like ATen's
+per-capability builds: the rest of the module is built for baseline x86-64, and the kernel to run is
+chosen at run time from CPUID, so one wheel runs on any x86-64.
+"""
+import glob
+import os
+import platform
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+IS_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+ISA_FLAGS = {
+    "_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                    "-mavx512bf16"],
+}
+
+
+def isa_flags(source):
+    for suffix, flags in ISA_FLAGS.items():
+        if source.endswith(suffix):
+            return flags
+    return []
+
+
+def native_sources():
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    if not IS_X86:  # per-ISA x86 kernels do not build elsewhere; the scalar path serves
+        sources = [s for s in sources if not isa_flags(s)]
+    return sources
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def compile_with_isa_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            compile_one(obj, src, ext, cc_args, list(extra_postargs) + isa_flags(src), pp_opts)
+
+        self.compiler._compile = compile_with_isa_flags
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+        super().build_extensions()
+
+
+extra = os.environ.get("SWAPIO_EXTRA_CFLAGS", "").split()
+ext = Pybind11Extension(
+    "swapio._C",
+    native_sources(),
+    include_dirs=["csrc"],
+    depends=sorted(glob.glob("csrc/**/*.h", recursive=True)),
+    cxx_std=17,
+    extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                        "-DSWAPIO_HAVE_X86_KERNELS=%d" % IS_X86] + extra,
+    extra_link_args=["-pthread"] + extra,
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,22 @@
+"""swapio: move PyTorch tensors between memory and fast storage.
+
+Async O_DIRECT reads and writes (io_uring, Linux AIO, or a pread/pwrite pool) into page-locked buffers,
+tensor swap handles, a SIMD CPU Adam kernel and offloaded optimizers.
+"""
+__version__ = "0.1.0"
+
+from . import _C  # noqa: E402  (the native core; built by `pip install .`)
+from ._errors import SwapioWarning  # noqa: E402
+from .futures import Future  # noqa: E402
+from .handle import AioHandle  # noqa: E402
+from .info import info  # noqa: E402
+from .pinned import empty_pinned, is_pinned  # noqa: E402
+from .swap import SwappedTensor, SwapStore  # noqa: E402
+
+try:  # the Adam kernel and the optimizers land separately
+    from . import ops  # noqa: E402,F401
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
+           "is_pinned", "ops", "__version__"]

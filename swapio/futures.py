@@ -1,0 +1,72 @@
+"""swapio.Future: one request, one future (concurrent.futures spelling: result(), done())."""
+import threading
+
+
+class Future:
+    """The result of an async operation.
+
+    ``wait()``/``result()`` return bytes moved for pread/pwrite and the tensor for swap_in, and raise
+    ``OSError`` (errno, path, ``.offset``) when the I/O failed. Waiting releases the GIL.
+    Dropping a future without waiting is safe: its handle keeps the memory alive until the I/O is done.
+    """
+
+    __slots__ = ("_request", "_then", "_keepalive", "_lock", "_outcome", "observed")
+
+    def __init__(self, request=None, then=None, keepalive=None):
+        self._request = request      # native request, or None for an already-finished future
+        self._then = then            # runs once on success: bytes moved -> the future's value
+        self._keepalive = keepalive  # memory the native I/O is touching
+        self._lock = threading.Lock()
+        self._outcome = None         # (True, value) or (False, exception)
+        self.observed = False        # the caller has seen this future's outcome
+
+    @classmethod
+    def finished(cls, value):
+        f = cls()
+        f._outcome = (True, value)
+        return f
+
+    def _chain(self, then):
+        """A future of the same request whose value is then(bytes moved)."""
+        return Future(self._request, then=then, keepalive=self._keepalive)
+
+    def done(self):
+        return self._outcome is not None or self._request is None or self._request.done()
+
+    def wait(self, timeout=None):
+        """Blocks until done (or ``timeout`` seconds: TimeoutError) and returns the value or raises."""
+        outcome = self._settle(timeout)
+        self.observed = True
+        if outcome[0]:
+            return outcome[1]
+        raise outcome[1]
+
+    result = wait
+
+    def exception(self, timeout=None):
+        outcome = self._settle(timeout)
+        self.observed = True
+        return None if outcome[0] else outcome[1]
+
+    def _settle(self, timeout=None):
+        if self._outcome is None:
+            if timeout is not None and timeout < 0:
+                raise ValueError("timeout must be >= 0")
+            if not self._request.wait(timeout):
+                raise TimeoutError(f"the operation did not finish within {timeout} s")
+            with self._lock:
+                if self._outcome is None:
+                    try:
+                        value = self._request.result()
+                        if self._then is not None:
+                            value = self._then(value)
+                        self._outcome = (True, value)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
+                        self._outcome = (False, exc)
+                    self._keepalive = None
+                    self._then = None
+        return self._outcome
+
+    def __repr__(self):
+        state = "done" if self.done() else "pending"
+        return f"<swapio.Future {state}>"

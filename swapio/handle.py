@@ -1,0 +1,134 @@
+"""AioHandle: async pread/pwrite of CPU tensors to files, one swapio.Future per call."""
+import json
+import os
+import threading
+
+from . import _C
+from ._errors import check_int, check_path, warn_once
+from .futures import Future
+from .tensors import cpu_memory
+
+_CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct")
+
+
+class AioHandle:
+    """Async O_DIRECT I/O between CPU tensors and files.
+
+    block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
+    taking a contiguous stripe of a large request; engine: "auto" | "uring" | "aio" | "psync" | "null";
+    direct: None (O_DIRECT where the file system takes it, else buffered with a warning), True (O_DIRECT
+    or an error), False (buffered).
+    """
+
+    def __init__(self, block_size=1 << 20, queue_depth=32, threads=1, engine="auto", direct=None):
+        block_size = check_int("block_size", block_size, 1)
+        queue_depth = check_int("queue_depth", queue_depth, 1)
+        threads = check_int("threads", threads, 1)
+        if not isinstance(engine, str):
+            raise TypeError(f"engine must be a str, got {type(engine).__name__}")
+        if direct is not None and not isinstance(direct, bool):
+            raise TypeError(f"direct must be None, True or False, got {type(direct).__name__}")
+        self._native = _C.Handle(block_size, queue_depth, threads, engine, direct)
+        self.block_size, self.queue_depth, self.threads, self.direct = block_size, queue_depth, threads, direct
+        self._lock = threading.Lock()
+        self._pending = []    # futures not yet accounted for by wait()
+        self._settled = 0     # bytes of finished futures pruned from _pending since the last wait()
+
+    @classmethod
+    def from_config(cls, config):
+        """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
+        if not isinstance(config, dict):
+            with open(check_path("config", config)) as f:
+                config = json.load(f)
+        settings = config.get("handle", config)
+        unknown = set(settings) - set(_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
+        return cls(**settings)
+
+    @property
+    def engine(self):
+        """The engine in use (what "auto" resolved to)."""
+        return self._native.engine
+
+    def config(self):
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth, "threads": self.threads,
+                "engine": self.engine, "direct": self.direct}
+
+    def pwrite(self, tensor, path, offset=0):
+        """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written."""
+        return self._submit("write", tensor, path, offset)
+
+    def pread(self, tensor, path, offset=0):
+        """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read."""
+        return self._submit("read", tensor, path, offset)
+
+    def _submit(self, op, tensor, path, offset, record_latency=False):
+        ptr, nbytes = cpu_memory(tensor)
+        path = check_path("path", path)
+        offset = check_int("offset", offset, 0)
+        request = self._native.submit(op, ptr, nbytes, path, offset, record_latency)
+        if request.fell_back:
+            warn_once(("fallback", os.path.dirname(os.path.abspath(path))),
+                      f"{path}: the file system refuses O_DIRECT; swapio falls back to buffered I/O "
+                      "(pass direct=False to silence this, direct=True to make it an error)")
+        return self._track(Future(request, keepalive=tensor))
+
+    def _track(self, future):
+        with self._lock:
+            keep = []
+            for f in self._pending:
+                if f.done() and f._settle()[0]:
+                    self._settled += f._settle()[1]
+                else:
+                    keep.append(f)
+            keep.append(future)
+            self._pending = keep
+        return future
+
+    def wait(self):
+        """Waits for every outstanding request; returns the bytes they moved, raises the first error not
+        already raised by its own future."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            total, self._settled = self._settled, 0
+        first_error = None
+        for f in pending:
+            ok, value = f._settle()
+            if ok:
+                total += value
+            elif first_error is None and not f.observed:
+                first_error = value
+                f.observed = True
+        if first_error is not None:
+            raise first_error
+        return total
+
+    def close(self):
+        """Finishes every queued request, then stops the workers. Idempotent."""
+        native = getattr(self, "_native", None)
+        if native is not None and not native.closed:
+            native.close()
+            with self._lock:
+                for f in self._pending:
+                    f._settle()  # every request is finished now: drop the memory they hold
+
+    @property
+    def closed(self):
+        return self._native.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def __repr__(self):
+        return (f"AioHandle(block_size={self.block_size}, queue_depth={self.queue_depth}, "
+                f"threads={self.threads}, engine={self.engine!r}, direct={self.direct})")

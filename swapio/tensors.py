@@ -1,0 +1,21 @@
+"""Checks that turn a tensor into (pointer, byte count) for the native core."""
+import torch
+
+
+def cpu_memory(tensor, name="tensor"):
+    """(data_ptr, nbytes) of a contiguous CPU tensor; TypeError/ValueError naming the problem otherwise."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} is on {tensor.device}; this call needs a CPU tensor "
+                         "(SwapStore moves GPU tensors through pinned memory)")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def spans_whole_storage(tensor):
+    storage = tensor.untyped_storage()
+    return tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes()
