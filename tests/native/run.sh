@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the native core (no Python) with each test program and runs them, each under a time limit.
+# Usage: tests/native/run.sh [--sanitize]    (--sanitize: AddressSanitizer + UBSan + LeakSanitizer)
+set -euo pipefail
+shopt -s nullglob
+cd "$(dirname "$0")/../.."
+flags=(-std=c++17 -O1 -g -Wall -Wextra -Wno-unused-parameter -pthread -Icsrc -Itests/native)
+out=build/native
+if [[ "${1:-}" == "--sanitize" ]]; then
+  flags+=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
+  out=build/native-sanitize
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+fi
+mkdir -p "$out"
+core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp)
+objs=()
+for src in "${core[@]}"; do
+  obj="$out/$(echo "$src" | tr / _).o"
+  g++ "${flags[@]}" -c "$src" -o "$obj" &
+  objs+=("$obj")
+  while (( $(jobs -r | wc -l) >= $(nproc) )); do wait -n; done
+done
+wait
+pass=0 fail=0 skip=0
+for test in tests/native/*.cpp; do
+  name=$(basename "$test" .cpp)
+  g++ "${flags[@]}" "$test" "${objs[@]}" -o "$out/$name"
+  set +e
+  timeout 120 "$out/$name"
+  rc=$?
+  set -e
+  case $rc in
+    0) pass=$((pass + 1)); echo "PASS $name" ;;
+    77) skip=$((skip + 1)); echo "SKIP $name" ;;
+    *) fail=$((fail + 1)); echo "FAIL $name (exit $rc)" ;;
+  esac
+done
+echo "native: $pass passed, $fail failed, $skip skipped"
+[[ $fail == 0 ]]
