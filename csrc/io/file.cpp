@@ -5,6 +5,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -16,12 +17,15 @@ Alignment query_alignment(int fd) {
   Alignment a;
   struct statx stx;
   std::memset(&stx, 0, sizeof(stx));
-  if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
-      stx.stx_dio_mem_align > 0 && stx.stx_dio_offset_align > 0) {
+  if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_DIOALIGN | STATX_BASIC_STATS, &stx) != 0) return a;
+  if ((stx.stx_mask & STATX_DIOALIGN) && stx.stx_dio_mem_align > 0 && stx.stx_dio_offset_align > 0) {
     a.mem = stx.stx_dio_mem_align;
     a.offset = stx.stx_dio_offset_align;
     a.from_statx = true;
   }
+  const uint32_t page = static_cast<uint32_t>(sysconf(_SC_PAGESIZE));
+  a.edge = std::max({a.offset, page, stx.stx_blksize});
+  if (a.edge % a.offset != 0) a.edge = a.offset * ((a.edge + a.offset - 1) / a.offset);
   return a;
 }
 

@@ -14,6 +14,10 @@ enum class DirectMode { automatic, on, off };  // automatic: O_DIRECT where the 
 struct Alignment {
   uint32_t mem = 4096;     // buffer address alignment for O_DIRECT
   uint32_t offset = 4096;  // file offset and length alignment for O_DIRECT
+  // Unaligned edges of a request go through the page cache; they are widened to whole file-system blocks
+  // (and pages) so no block is ever touched by buffered and direct I/O at once (a dirty cached block
+  // written back over direct-written bytes would corrupt them).
+  uint32_t edge = 4096;
   bool from_statx = false;
 };
 

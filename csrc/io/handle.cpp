@@ -101,9 +101,10 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
   int64_t block = opt_.block_size;
   if (file->direct()) {
     const int64_t align = file->alignment().offset;
+    const int64_t edge = file->alignment().edge;
     block = std::max(align, round_down(block, align));
-    L.head_end = std::min(end, round_up(offset, align));
-    L.tail_start = std::max(L.head_end, round_down(end, align));
+    L.head_end = std::min(end, round_up(offset, edge));
+    L.tail_start = std::max(L.head_end, round_down(end, edge));
     if (L.head_end > offset || L.tail_start < end) file->ensure_buffered_fd();
     L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
   } else {
