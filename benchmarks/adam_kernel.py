@@ -1,0 +1,166 @@
+"""CPU Adam step throughput: swapio's kernel against torch, DeepSpeed and the memory-bandwidth bound.
+
+For each size and thread count, every method steps the same flat fp32 buffers (param, grad, exp_avg,
+exp_avg_sq), and the methods take turns (A B C A B C ...) so that drift on a noisy machine hits all alike;
+the table shows medians in parameters per second and ratios.
+
+fp32 step (28 bytes per parameter: reads p, g, m, v; writes p, m, v):
+  swapio        swapio.ops.adam_step_
+  torch-fused   torch.optim.AdamW(fused=True)
+  torch-loop    torch.optim.AdamW(foreach=False) (the default for-loop on CPU)
+  deepspeed     deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode=True), when importable
+  bound         a STREAM-style triad a = b + s*c timed with torch in the same run: its bandwidth
+                (counted as STREAM does, 12 bytes per element, without the write-allocate read of `a`)
+                divided by 28 bytes per parameter. An in-place update has no write-allocate traffic, so a
+                kernel at the memory limit can show up to ~133% of this bound.
+mixed step (bf16 grads in, fp32 master and moments, bf16 params out; also 28 bytes per parameter):
+  swapio        adam_step_(p32, g_bf16, m, v, param_out=p_bf16), one pass
+  torch-best    g32.copy_(g_bf16); AdamW(fused=True).step(); p_bf16.copy_(p32)
+
+Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--repeats 5]
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+try:
+    import swapio.ops as sops
+except ImportError as e:  # pragma: no cover
+    sys.exit(f"swapio is not built ({e}); run: python setup.py build_ext --inplace")
+
+BYTES_PER_PARAM = 28
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+
+
+def parse_size(s):
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s.rstrip("KMG")) * mult)
+
+
+def human(n):
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def make_opt(cls, p, g, m, v, **kw):
+    """A torch-style optimizer over one Parameter viewing p, whose state tensors are m and v (shared)."""
+    param = torch.nn.Parameter(p, requires_grad=True)  # shares p's storage
+    param.grad = g
+    opt = cls([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+              weight_decay=HYPER["weight_decay"], **kw)
+    opt.step()  # creates the state; then point it at the shared buffers
+    st = opt.state[param]
+    st["exp_avg"] = m
+    st["exp_avg_sq"] = v
+    return opt
+
+
+def run_bench(n, threads, repeats, with_deepspeed):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen).mul_(1e-2)
+    m = torch.zeros(n)
+    v = torch.zeros(n)
+    g16 = g.to(torch.bfloat16)
+    p16 = torch.empty(n, dtype=torch.bfloat16)
+    ta, tb, tc = torch.empty(n), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    step = [0]
+
+    def swapio_fp32():
+        step[0] += 1
+        sops.adam_step_(p, g, m, v, step=step[0], threads=threads, **HYPER)
+
+    def swapio_mixed():
+        step[0] += 1
+        sops.adam_step_(p, g16, m, v, step=step[0], param_out=p16, threads=threads, **HYPER)
+
+    fused = make_opt(torch.optim.AdamW, p, g, m, v, fused=True)
+    loop = make_opt(torch.optim.AdamW, p, g, m, v, foreach=False, fused=False)
+
+    def torch_mixed():
+        g.copy_(g16)
+        fused.step()
+        p16.copy_(p)
+
+    def triad():
+        torch.add(tb, tc, alpha=3.0, out=ta)
+
+    fp32 = {"swapio": swapio_fp32, "torch-fused": fused.step, "torch-loop": loop.step, "triad": triad}
+    if with_deepspeed:
+        ds = make_deepspeed(p, g, m, v)
+        if ds is not None:
+            fp32["deepspeed"] = ds.step
+    mixed = {"swapio": swapio_mixed, "torch-best": torch_mixed}
+
+    def timeit(fns):
+        for fn in fns.values():  # warm-up: page faults, thread pools, lazy state
+            fn()
+        times = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        return {k: statistics.median(ts) for k, ts in times.items()}
+
+    t32 = timeit(fp32)
+    tmx = timeit(mixed)
+    del fused, loop
+    return t32, tmx
+
+
+def make_deepspeed(p, g, m, v):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001 - not installed, or its JIT build failed
+        return None
+    param = torch.nn.Parameter(p, requires_grad=True)
+    param.grad = g
+    opt = DeepSpeedCPUAdam([param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                           weight_decay=HYPER["weight_decay"], adamw_mode=True)
+    opt.step()
+    opt.state[param]["exp_avg"] = m
+    opt.state[param]["exp_avg_sq"] = v
+    return opt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="32M,128M", help="parameter counts, comma-separated (K/M/G = 2^10/20/30)")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per method (interleaved)")
+    ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), swapio kernel: "
+          f"{sops.cpu_capability()}; medians of {args.repeats} interleaved rounds; Gp/s = 1e9 params/s")
+    hdr = (f"{'size':>5} {'thr':>3} | {'swapio':>7} {'fused':>7} {'loop':>7} {'dspeed':>7} {'bound':>7} | "
+           f"{'x fused':>7} {'x loop':>7} {'%bound':>6} || {'mix sw':>7} {'mix tch':>7} {'x mix':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in sizes:
+        for t in threads:
+            t32, tmx = run_bench(n, t, args.repeats, not args.no_deepspeed)
+            rate = {k: n / s / 1e9 for k, s in t32.items()}
+            bound = (12 * n / t32["triad"]) / BYTES_PER_PARAM / 1e9
+            ds = f"{rate['deepspeed']:7.2f}" if "deepspeed" in rate else f"{'-':>7}"
+            mix_sw, mix_t = n / tmx["swapio"] / 1e9, n / tmx["torch-best"] / 1e9
+            print(f"{human(n):>5} {t:>3} | {rate['swapio']:7.2f} {rate['torch-fused']:7.2f} {rate['torch-loop']:7.2f} "
+                  f"{ds} {bound:7.2f} | {rate['swapio'] / rate['torch-fused']:7.2f} "
+                  f"{rate['swapio'] / rate['torch-loop']:7.2f} {100 * rate['swapio'] / bound:5.0f}% || "
+                  f"{mix_sw:7.2f} {mix_t:7.2f} {mix_sw / mix_t:6.2f}", flush=True)
+    print("columns: Gparam/s of the fp32 step; x = swapio's ratio; bound = triad bandwidth / 28 B per param; "
+          "mix = bf16 grads in, bf16 params out")
+
+
+if __name__ == "__main__":
+    main()

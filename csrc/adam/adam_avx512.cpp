@@ -1,0 +1,206 @@
+// AVX-512 Adam kernel (built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c; chosen only when
+// CPUID and XGETBV say the CPU and the OS support all of them). 16 floats per vector, two vectors per loop
+// iteration, the tail with masked loads and stores (no scalar code, so the tail is bit-identical too).
+// bf16 conversions are integer bit operations (no AVX512_BF16 instructions are used).
+//
+// Everything here sits in an anonymous namespace and uses only intrinsics: no inline function or template
+// with external linkage is emitted from this file, so none can replace a baseline copy at link time.
+#if SWAPIO_HAVE_X86_KERNELS
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 warns about the deliberately undefined pass-through operand inside _mm512_sqrt_ps and friends
+// (GCC bug 105593, fixed in GCC 13): a false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "adam/adam_kernel.h"
+
+namespace swapio {
+namespace adam {
+namespace {
+
+// Keeps the compiler from contracting the multiply that produced `x` with a later add (GCC contracts
+// intrinsics too, since they are plain vector arithmetic to it): torch rounds there.
+#define SWAPIO_ROUNDED(x) __asm__("" : "+v"(x))
+
+struct Vc {
+  __m512 decay, wd, w, w_minus_1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+  __m512i grad_sign;
+  __mmask16 w_small;  // all lanes or none
+};
+
+inline Vc make_vc(const AdamConsts& c) {
+  Vc v;
+  v.decay = _mm512_set1_ps(c.decay);
+  v.wd = _mm512_set1_ps(c.wd);
+  v.w = _mm512_set1_ps(c.w_small ? c.w : c.w_minus_1);
+  v.w_minus_1 = _mm512_set1_ps(c.w_minus_1);
+  v.beta2 = _mm512_set1_ps(c.beta2);
+  v.one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
+  v.bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
+  v.eps = _mm512_set1_ps(c.eps);
+  v.neg_step_size = _mm512_set1_ps(c.neg_step_size);
+  v.grad_sign = _mm512_set1_epi32(static_cast<int>(c.grad_sign));
+  v.w_small = c.w_small ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0);
+  return v;
+}
+
+template <bool M>
+inline __m512 load_f32(const float* p, __mmask16 k) {
+  if constexpr (M) return _mm512_maskz_loadu_ps(k, p);
+  else return _mm512_loadu_ps(p);
+}
+
+template <bool M>
+inline void store_f32(float* p, __m512 x, __mmask16 k) {
+  if constexpr (M) _mm512_mask_storeu_ps(p, k, x);
+  else _mm512_storeu_ps(p, x);
+}
+
+template <bool M>
+inline __m256i load_u16(const uint16_t* p, __mmask16 k) {
+  if constexpr (M) return _mm256_maskz_loadu_epi16(k, p);
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <bool M>
+inline void store_u16(uint16_t* p, __m256i x, __mmask16 k) {
+  if constexpr (M) _mm256_mask_storeu_epi16(p, k, x);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+}
+
+template <DType G, bool M>
+inline __m512 load_grad(const void* grad, int64_t i, __mmask16 k) {
+  if constexpr (G == DType::kF32) {
+    return load_f32<M>(static_cast<const float*>(grad) + i, k);
+  } else {
+    __m256i h = load_u16<M>(static_cast<const uint16_t*>(grad) + i, k);
+    if constexpr (G == DType::kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// Round to nearest even; NaN -> 0xFFFF (as ATen's x86 conversion does).
+inline __m256i f32_to_bf16(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <DType O, bool M>
+inline void store_out(void* out, int64_t i, __m512 p, __mmask16 k) {
+  if constexpr (O == DType::kF32) {
+    store_f32<M>(static_cast<float*>(out) + i, p, k);
+  } else if constexpr (O == DType::kBF16) {
+    store_u16<M>(static_cast<uint16_t*>(out) + i, f32_to_bf16(p), k);
+  } else if constexpr (O == DType::kF16) {
+    store_u16<M>(static_cast<uint16_t*>(out) + i,
+                 _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k);
+  }
+}
+
+// torch.maximum: max, with all bits set where either operand is NaN (ATen's vector maximum).
+inline __m512 maximum(__m512 a, __m512 b) {
+  __m512 mx = _mm512_max_ps(a, b);
+  __mmask16 unord = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(unord, _mm512_castps_si512(mx), _mm512_set1_epi32(-1)));
+}
+
+// One vector of 16 elements starting at i (M: only the lanes in k). The order of operations is torch's
+// _single_tensor_adam on CPU; see adam.h.
+template <DType G, DType O, bool L2, bool AMS, bool M>
+inline void step16(const AdamArgs& a, const Vc& c, int64_t i, __mmask16 k = 0xFFFF) {
+  __m512 p = load_f32<M>(a.param + i, k);
+  __m512 g = load_grad<G, M>(a.grad, i, k);
+  g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c.grad_sign));  // maximize: -grad
+  if constexpr (L2) {
+    g = _mm512_fmadd_ps(p, c.wd, g);  // grad.add(param, alpha=wd)
+  } else {
+    p = _mm512_mul_ps(p, c.decay);  // param.mul_(1 - lr*wd)
+    SWAPIO_ROUNDED(p);
+  }
+  __m512 m = load_f32<M>(a.exp_avg + i, k);
+  __m512 d = _mm512_sub_ps(g, m);  // exp_avg.lerp_(grad, 1 - beta1)
+  m = _mm512_fmadd_ps(c.w, d, _mm512_mask_blend_ps(c.w_small, g, m));
+  __m512 v = load_f32<M>(a.exp_avg_sq + i, k);
+  __m512 vb = _mm512_mul_ps(v, c.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2)
+  SWAPIO_ROUNDED(vb);
+  __m512 gs = _mm512_mul_ps(c.one_minus_beta2, g);
+  SWAPIO_ROUNDED(gs);
+  v = _mm512_fmadd_ps(gs, g, vb);
+  __m512 vv = v;
+  if constexpr (AMS) {
+    vv = maximum(load_f32<M>(a.max_exp_avg_sq + i, k), v);
+    store_f32<M>(a.max_exp_avg_sq + i, vv, k);
+  }
+  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), c.bc2_sqrt), c.eps);
+  __m512 num = _mm512_mul_ps(c.neg_step_size, m);
+  SWAPIO_ROUNDED(num);
+  p = _mm512_add_ps(p, _mm512_div_ps(num, denom));  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  store_f32<M>(a.param + i, p, k);
+  store_f32<M>(a.exp_avg + i, m, k);
+  store_f32<M>(a.exp_avg_sq + i, v, k);
+  store_out<O, M>(a.param_out, i, p, k);
+}
+
+template <DType G, DType O, bool L2, bool AMS>
+void run(const AdamArgs& a, int64_t begin, int64_t end) {
+  const Vc c = make_vc(a.c);
+  int64_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    step16<G, O, L2, AMS, false>(a, c, i);
+    step16<G, O, L2, AMS, false>(a, c, i + 16);
+  }
+  for (; i + 16 <= end; i += 16) step16<G, O, L2, AMS, false>(a, c, i);
+  if (i < end) {
+    __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
+    step16<G, O, L2, AMS, true>(a, c, i, k);
+  }
+}
+
+template <DType G, DType O>
+void run_o(const AdamArgs& a, int64_t begin, int64_t end) {
+  if (a.c.l2) {
+    if (a.c.amsgrad) run<G, O, true, true>(a, begin, end);
+    else run<G, O, true, false>(a, begin, end);
+  } else {
+    if (a.c.amsgrad) run<G, O, false, true>(a, begin, end);
+    else run<G, O, false, false>(a, begin, end);
+  }
+}
+
+template <DType G>
+void run_g(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.out_dtype) {
+    case DType::kF32: return run_o<G, DType::kF32>(a, begin, end);
+    case DType::kBF16: return run_o<G, DType::kBF16>(a, begin, end);
+    case DType::kF16: return run_o<G, DType::kF16>(a, begin, end);
+    default: return run_o<G, DType::kNone>(a, begin, end);
+  }
+}
+
+#undef SWAPIO_ROUNDED
+
+}  // namespace
+
+void adam_kernel_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.grad_dtype) {
+    case DType::kBF16: return run_g<DType::kBF16>(a, begin, end);
+    case DType::kF16: return run_g<DType::kF16>(a, begin, end);
+    default: return run_g<DType::kF32>(a, begin, end);
+  }
+}
+
+}  // namespace adam
+}  // namespace swapio
+
+#endif  // SWAPIO_HAVE_X86_KERNELS

@@ -1,0 +1,111 @@
+// Portable scalar Adam kernel: builds anywhere, serves CPUs without AVX2 and SWAPIO_CPU_CAPABILITY=scalar.
+// The operations and their order are those of the SIMD kernels (see adam_avx512.cpp), so the results are
+// bit-identical: true fused multiply-adds (std::fma) where ATen fuses, correctly rounded sqrt and division.
+#include <cmath>
+#include <cstdint>
+
+#include "adam/adam_kernel.h"
+#include "adam/adam_scalar_ops.h"
+
+namespace swapio {
+namespace adam {
+namespace {
+
+using namespace scalar_ops;
+
+template <DType G>
+inline float load_grad(const void* grad, int64_t i) {
+  if constexpr (G == DType::kF32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (G == DType::kBF16) {
+    return bf16_to_f32(static_cast<const uint16_t*>(grad)[i]);
+  } else {
+    return f16_to_f32(static_cast<const uint16_t*>(grad)[i]);
+  }
+}
+
+template <DType O>
+inline void store_out(void* out, int64_t i, float p) {
+  if constexpr (O == DType::kF32) {
+    static_cast<float*>(out)[i] = p;
+  } else if constexpr (O == DType::kBF16) {
+    static_cast<uint16_t*>(out)[i] = f32_to_bf16(p);
+  } else if constexpr (O == DType::kF16) {
+    static_cast<uint16_t*>(out)[i] = f32_to_f16(p);
+  }
+}
+
+// torch.maximum on CPU: the larger value (the second operand when equal or unordered), and NaN (all bits
+// set, as ATen's vector code makes it) when either operand is NaN.
+inline float maximum(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return f32_from_bits(0xFFFFFFFFu);
+  return a > b ? a : b;
+}
+
+template <DType G, DType O, bool L2, bool AMS>
+void run(const AdamArgs& a, int64_t begin, int64_t end) {
+  const AdamConsts c = a.c;
+  float* __restrict param = a.param;
+  float* __restrict exp_avg = a.exp_avg;
+  float* __restrict exp_avg_sq = a.exp_avg_sq;
+  float* __restrict vmax = a.max_exp_avg_sq;
+  for (int64_t i = begin; i < end; ++i) {
+    float p = param[i];
+    float g = f32_from_bits(f32_bits(load_grad<G>(a.grad, i)) ^ c.grad_sign);
+    if constexpr (L2) {
+      g = std::fma(p, c.wd, g);  // grad.add(param, alpha=wd)
+    } else {
+      p = rounded(p * c.decay);  // param.mul_(1 - lr*wd)
+    }
+    float m = exp_avg[i];
+    float d = g - m;  // exp_avg.lerp_(grad, 1 - beta1)
+    m = c.w_small ? std::fma(c.w, d, m) : std::fma(c.w_minus_1, d, g);
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    float v = std::fma(rounded(c.one_minus_beta2 * g), g, rounded(exp_avg_sq[i] * c.beta2));
+    float vv = v;
+    if constexpr (AMS) {
+      vv = maximum(vmax[i], v);
+      vmax[i] = vv;
+    }
+    float denom = std::sqrt(vv) / c.bc2_sqrt + c.eps;
+    p = p + rounded(c.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    store_out<O>(a.param_out, i, p);
+  }
+}
+
+template <DType G, DType O>
+void run_o(const AdamArgs& a, int64_t begin, int64_t end) {
+  if (a.c.l2) {
+    if (a.c.amsgrad) run<G, O, true, true>(a, begin, end);
+    else run<G, O, true, false>(a, begin, end);
+  } else {
+    if (a.c.amsgrad) run<G, O, false, true>(a, begin, end);
+    else run<G, O, false, false>(a, begin, end);
+  }
+}
+
+template <DType G>
+void run_g(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.out_dtype) {
+    case DType::kF32: return run_o<G, DType::kF32>(a, begin, end);
+    case DType::kBF16: return run_o<G, DType::kBF16>(a, begin, end);
+    case DType::kF16: return run_o<G, DType::kF16>(a, begin, end);
+    default: return run_o<G, DType::kNone>(a, begin, end);
+  }
+}
+
+}  // namespace
+
+void adam_kernel_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.grad_dtype) {
+    case DType::kBF16: return run_g<DType::kBF16>(a, begin, end);
+    case DType::kF16: return run_g<DType::kF16>(a, begin, end);
+    default: return run_g<DType::kF32>(a, begin, end);
+  }
+}
+
+}  // namespace adam
+}  // namespace swapio
