@@ -12,11 +12,19 @@ if [[ "${1:-}" == "--sanitize" ]]; then
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 fi
 mkdir -p "$out"
-core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp)
+core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp $(ls csrc/adam/*.cpp | grep -v bind_))
+x86=$([[ "$(uname -m)" == x86_64 ]] && echo 1 || echo 0)
+isa_flags() {  # the same per-ISA flags as setup.py
+  [[ $x86 == 1 ]] || return 0
+  case "$1" in
+    *_avx2.cpp) echo "-mavx2 -mfma -mf16c" ;;
+    *_avx512.cpp) echo "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16" ;;
+  esac
+}
 objs=()
 for src in "${core[@]}"; do
   obj="$out/$(echo "$src" | tr / _).o"
-  g++ "${flags[@]}" -c "$src" -o "$obj" &
+  g++ "${flags[@]}" -DSWAPIO_HAVE_X86_KERNELS=$x86 $(isa_flags "$src") -c "$src" -o "$obj" &
   objs+=("$obj")
   while (( $(jobs -r | wc -l) >= $(nproc) )); do wait -n; done
 done
