@@ -13,10 +13,7 @@ from .info import info  # noqa: E402
 from .pinned import empty_pinned, is_pinned  # noqa: E402
 from .swap import SwappedTensor, SwapStore  # noqa: E402
 
-try:  # the Adam kernel and the optimizers land separately
-    from . import ops  # noqa: E402,F401
-except ImportError:  # pragma: no cover
-    pass
+from . import ops, optim  # noqa: E402,F401
 
 __all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
-           "is_pinned", "ops", "__version__"]
+           "is_pinned", "ops", "optim", "__version__"]

@@ -1,0 +1,323 @@
+"""offload="nvme": the fp32 master and the moments live in one swap file, walked in chunks.
+
+Layout. Parameters are packed, in param-group order, into chunks of at most `capacity` elements; chunks hold
+parameters of one kind (which fp32 arrays they keep, and whether they sit on a GPU), a large parameter spans
+several chunks and small ones share one. A chunk of n elements is one record in the swap file:
+field 0 [n fp32, padded to 4 KiB] field 1 [...] ..., in the order master?, exp_avg, exp_avg_sq,
+max_exp_avg_sq?; records start at 4 KiB boundaries, so each is one aligned read and one aligned write straight
+from a pinned buffer (zero copy under O_DIRECT). Parameters are placed when the optimizer first sees them
+(first step, state_dict, load); the file is grown with ftruncate, so unplaced holes read as zeros.
+
+Pipeline. `buffer_count` pinned slots of buffer_bytes // buffer_count bytes rotate: while chunk i is computed,
+reads of chunks i+1 .. i+buffer_count-2 are in flight and the write of chunk i-1 drains, on separate read and
+write handles. A slot is reused only after its write (and any CUDA copy out of it) has finished, so host memory
+for the state is bounded by buffer_bytes whatever the model size.
+"""
+import os
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from ..handle import AioHandle
+from ..pinned import empty_pinned
+from ._common import FP32, init_segment, internal_fields, run_segment
+
+ALIGN = 4096
+FILE_NAME = "state.swap"
+
+
+def _round_up(x, a=ALIGN):
+    return (x + a - 1) // a * a
+
+
+class _Segment:
+    __slots__ = ("p", "a", "b", "off")
+
+    def __init__(self, p, a, b, off):
+        self.p, self.a, self.b, self.off = p, a, b, off  # elements [a, b) of p at element `off` of the chunk
+
+
+class _Chunk:
+    __slots__ = ("fields", "cuda", "n", "offset", "segments")
+
+    def __init__(self, fields, cuda):
+        self.fields, self.cuda, self.n, self.offset, self.segments = fields, cuda, 0, -1, []  # -1: not yet in the file
+
+    @property
+    def region(self):
+        return _round_up(self.n * 4)
+
+    @property
+    def record_bytes(self):
+        return len(self.fields) * self.region
+
+
+def _cleanup(handles, directory):
+    for h in handles:
+        try:
+            h.close()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class NvmeState:
+    def __init__(self, opt, swap_dir, buffer_bytes, buffer_count, io_settings):
+        if swap_dir is None:
+            raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
+        swap_dir = os.fspath(swap_dir)
+        if not os.path.isdir(swap_dir):
+            raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
+        self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
+        self.buffer_count = buffer_count
+        self.slot_bytes = buffer_bytes // buffer_count // ALIGN * ALIGN
+        self.directory = tempfile.mkdtemp(prefix="swapio-optim-", dir=swap_dir)  # mode 0700
+        handles = []
+        self._finalizer = weakref.finalize(self, _cleanup, handles, self.directory)
+        handles.append(AioHandle.from_config(dict(io_settings)))
+        handles.append(AioHandle.from_config(dict(io_settings)))
+        self.rh, self.wh = handles
+        self.path = os.path.join(self.directory, FILE_NAME)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        self.chunks = []
+        self.placed = {}   # p -> (fields, cuda, [(chunk, segment)])
+        self.file_bytes = 0
+        self._slots = None
+        self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
+        self._events = [[] for _ in range(buffer_count)]   # per slot: CUDA events of copies out of it
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    def capacity(self, fields, cuda):
+        per_elem = 4 * len(fields) + (8 if cuda else 0)  # + pinned staging of grad in / param out for a GPU
+        return self.slot_bytes // (per_elem * 1024) * 1024
+
+    def place(self, params_amsgrad):
+        """Places parameters not placed yet (or whose kind changed while they have no state)."""
+        new = []
+        for p, amsgrad in params_amsgrad:
+            fields, cuda = internal_fields(p, amsgrad), p.device.type == "cuda"
+            where = self.placed.get(p)
+            if where is not None:
+                if where[0] == fields and where[1] == cuda:
+                    continue
+                if self.opt.state.get(p):
+                    raise RuntimeError(
+                        "a parameter changed dtype, device, contiguity or amsgrad after the optimizer placed its "
+                        f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {p.device})")
+                self.forget(p)
+            new.append((p, fields, cuda))
+        if not new:
+            return
+        kinds = {}
+        for p, fields, cuda in new:
+            kinds.setdefault((fields, cuda), []).append(p)
+        for (fields, cuda), params in kinds.items():
+            cap = self.capacity(fields, cuda)
+            chunk = None
+            for p in params:
+                segs = []
+                a, numel = 0, p.numel()
+                while a < numel:
+                    if chunk is None or chunk.n == cap:
+                        chunk = _Chunk(fields, cuda)
+                        self.chunks.append(chunk)
+                    b = min(numel, a + cap - chunk.n)
+                    seg = _Segment(p, a, b, chunk.n)
+                    chunk.segments.append(seg)
+                    chunk.n += b - a
+                    segs.append((chunk, seg))
+                    a = b
+                self.placed[p] = (fields, cuda, segs)
+        self._assign_offsets()
+
+    def _assign_offsets(self):
+        end = self.file_bytes
+        for chunk in self.chunks:
+            if chunk.offset < 0:
+                chunk.offset = end
+                end += chunk.record_bytes
+        if end != self.file_bytes:
+            os.truncate(self.path, end)
+            self.file_bytes = end
+
+    def forget(self, p):
+        where = self.placed.pop(p, None)
+        if where is not None:
+            for chunk, seg in where[2]:
+                chunk.segments.remove(seg)
+
+    def reset(self):
+        """Drops the whole layout (load replaces every state): the file is emptied."""
+        self.wait_all()
+        self.chunks, self.placed, self.file_bytes = [], {}, 0
+        os.truncate(self.path, 0)
+
+    # ---- the pipeline -------------------------------------------------------------------------------------
+    def _slot(self, s):
+        if self._slots is None:
+            self._slots = [empty_pinned(self.slot_bytes, torch.uint8) for _ in range(self.buffer_count)]
+        return self._slots[s]
+
+    def _views(self, s, chunk):
+        buf, n, region = self._slot(s), chunk.n, chunk.region
+        views = {name: buf[k * region:k * region + n * 4].view(FP32) for k, name in enumerate(chunk.fields)}
+        stage = len(chunk.fields) * region
+        if chunk.cuda:
+            views["_stage_g"] = buf[stage:stage + region]
+            views["_stage_o"] = buf[stage + region:stage + 2 * region]
+        return buf[:chunk.record_bytes], views
+
+    def _drain(self, s):
+        pending, self._pending[s] = self._pending[s], []
+        events, self._events[s] = self._events[s], []
+        for ev in events:
+            ev.synchronize()
+        error = None
+        for f in pending:
+            try:
+                f.wait()
+            except BaseException as exc:  # noqa: BLE001 - first error re-raised after all are waited
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def wait_all(self):
+        error = None
+        for s in range(self.buffer_count):
+            try:
+                self._drain(s)
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def run(self, chunks, read, work, write):
+        """For each chunk: read its record (if read(chunk)) into a slot, call work(chunk, views, slot) in this
+        thread (it may return futures that must finish before the slot is reused), then write the record back
+        (if write). Reads run up to buffer_count-2 chunks ahead; writes drain behind."""
+        n = len(chunks)
+        count = self.buffer_count
+        ahead = max(1, count - 2)
+        reads = {}
+
+        def prepare(j):
+            s = j % count
+            self._drain(s)
+            if read(chunks[j]):
+                record, _ = self._views(s, chunks[j])
+                reads[j] = self.rh.pread(record, self.path, chunks[j].offset)
+
+        ok = False
+        try:
+            for j in range(min(ahead, n)):
+                prepare(j)
+            for i in range(n):
+                if i + ahead < n:
+                    prepare(i + ahead)
+                f = reads.pop(i, None)
+                if f is not None:
+                    f.wait()
+                s = i % count
+                record, views = self._views(s, chunks[i])
+                futures = list(work(chunks[i], views, s) or ())
+                if write:
+                    futures.append(self.wh.pwrite(record, self.path, chunks[i].offset))
+                self._pending[s] = futures
+            ok = True
+        finally:
+            for f in reads.values():
+                try:
+                    f.wait()
+                except BaseException:  # noqa: BLE001 - a read nobody needs any more
+                    pass
+            if ok:
+                self.wait_all()
+            else:
+                try:
+                    self.wait_all()
+                except BaseException:  # noqa: BLE001 - the first error is already propagating
+                    pass
+
+    # ---- operations ---------------------------------------------------------------------------------------
+    def step(self, works, ops, threads):
+        state = self.opt.state
+        by_param = {w.p: w for w in works}
+        stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
+        chunks = [c for c in self.chunks if any(seg.p in by_param for seg in c.segments)]
+
+        def work(chunk, views, s):
+            for seg in chunk.segments:
+                w = by_param.get(seg.p)
+                if w is None:
+                    continue
+                fields = {name: views[name][seg.off:seg.off + seg.b - seg.a] for name in chunk.fields}
+                if w.new:
+                    init_segment(w, seg.a, seg.b, fields)
+                run_segment(ops, threads, w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"))
+                if w.cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(w.p.device))
+                    self._events[s].append(ev)
+
+        self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True)
+
+    def io_pass(self, chunks=None):
+        """Reads and writes back the records (no compute): the I/O of a step alone, for benchmarks."""
+        self.run(self.chunks if chunks is None else chunks, lambda c: True, lambda c, v, s: None, True)
+
+    def dump(self, params, fields_of, sink):
+        """sink(p, field, first_element, fp32 view) for each exported field of each parameter in params, chunk by
+        chunk; futures it returns are waited before the slot is reused."""
+        wanted = set(params)
+        chunks = [c for c in self.chunks if any(seg.p in wanted for seg in c.segments)]
+
+        def work(chunk, views, s):
+            futures = []
+            for seg in chunk.segments:
+                if seg.p not in wanted:
+                    continue
+                for name in fields_of(seg.p):
+                    f = sink(seg.p, name, seg.a, views[name][seg.off:seg.off + seg.b - seg.a])
+                    if f is not None:
+                        futures.append(f)
+            return futures
+
+        self.run(chunks, lambda c: True, work, False)
+
+    def fill(self, entries, source):
+        """Replaces all state: entries {p: (amsgrad, fields the source has)}; source(p, field, first, view) fills
+        the view or returns a future that will; a missing master is taken from the parameter."""
+        self.reset()
+        self.place([(p, g) for p, g in self.opt.iter_params_amsgrad()])
+        chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]
+        flat = {}
+
+        def work(chunk, views, s):
+            futures = []
+            for seg in chunk.segments:
+                entry = entries.get(seg.p)
+                if entry is None:
+                    continue
+                for name in chunk.fields:
+                    view = views[name][seg.off:seg.off + seg.b - seg.a]
+                    if name in entry[1]:
+                        f = source(seg.p, name, seg.a, view)
+                        if f is not None:
+                            futures.append(f)
+                    else:
+                        if seg.p not in flat:
+                            flat[seg.p] = seg.p.detach().reshape(-1)
+                        view.copy_(flat[seg.p][seg.a:seg.b])
+                if seg.b == seg.p.numel():
+                    flat.pop(seg.p, None)
+            for f in futures:  # the record is written after this returns
+                f.wait()
+
+        self.run(chunks, lambda c: False, work, True)
+
+    def close(self):
+        self._finalizer()
+

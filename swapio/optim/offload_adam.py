@@ -1,0 +1,403 @@
+"""OffloadAdam / OffloadAdamW: torch.optim.Adam / AdamW with the fp32 master weights and the moments in CPU RAM
+(offload="cpu") or in swap files on NVMe (offload="nvme"), stepping on the CPU with swapio.ops.adam_step_."""
+import inspect
+import json
+import os
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+
+import torch
+from torch.optim import Optimizer
+
+from .._errors import check_int
+from ..handle import AioHandle
+from . import checkpoint
+from ._common import (FP32, PARAM_DTYPES, Work, exported_fields, group_hyper, internal_fields, kernel_supports_amsgrad,
+                      load_ops)
+from .cpu_state import CpuState
+from .nvme_state import NvmeState
+
+_IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def _check_hyper(lr, betas, eps, weight_decay):
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+    beta1 = beta1.item() if isinstance(beta1, torch.Tensor) else beta1
+    beta2 = beta2.item() if isinstance(beta2, torch.Tensor) else beta2
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    return float(beta1), float(beta2)
+
+
+def _io_settings(io_config, io_kwargs):
+    unknown = sorted(set(io_kwargs) - set(_IO_KEYS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}: OffloadAdam takes Adam's hyperparameters, "
+                        f"offload options and AioHandle settings {list(_IO_KEYS)} (it always steps with swapio's "
+                        "fused CPU kernel, so foreach/fused/capturable/differentiable do not apply)")
+    settings = {}
+    if io_config is not None:
+        config = io_config
+        if not isinstance(config, dict):
+            with open(os.fspath(config)) as f:
+                config = json.load(f)
+        settings.update(config.get("handle", config))
+        AioHandle.from_config(dict(settings)).close()  # validates the keys and values now
+    settings.update(io_kwargs)
+    return settings
+
+
+class OffloadAdam(Optimizer):
+    """Adam (L2 weight decay, like torch.optim.Adam) with optimizer state off the GPU.
+
+    Hyperparameters (per param group, validated like torch): lr, betas, eps, weight_decay, amsgrad, maximize,
+    decoupled_weight_decay (True gives AdamW). Parameters may be on the CPU or a CUDA device, fp32, bf16 or
+    fp16. The optimizer keeps an fp32 master copy of every parameter that is not itself a contiguous fp32 CPU
+    tensor, steps it on the CPU, and writes the result back into the parameter (for a GPU through pinned
+    memory with non_blocking copies, synchronised before step() returns). The master is the reference value:
+    if you change a parameter outside the optimizer, load the optimizer state again (or build a new one).
+
+    offload: "cpu" keeps master and moments in RAM; "nvme" keeps them in a swap file in a private directory
+        (mkdtemp, mode 0700) under swap_dir, removed by close() or when the optimizer is garbage collected.
+    buffer_bytes, buffer_count: pinned host memory for the nvme pipeline: buffer_count (>= 3) slots of
+        buffer_bytes / buffer_count bytes in rotation (read of chunk i+1 || compute of chunk i || write of
+        chunk i-1). Host memory used for the state stays within buffer_bytes whatever the model size. In cpu
+        mode the same budget sizes the staging buffers for GPU parameters.
+    cpu_threads: threads of the Adam kernel (None: torch.get_num_threads()).
+    io_config: a JSON file (or dict) written by `swapio tune`; **io_kwargs: AioHandle settings (block_size,
+        queue_depth, threads, engine, direct) overriding it. Used for the swap file and for save()/load().
+    """
+
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
+                 buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, **io_kwargs):
+        betas = _check_hyper(lr, betas, eps, weight_decay)
+        if offload not in ("cpu", "nvme"):
+            raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
+        buffer_count = check_int("buffer_count", buffer_count, 3)
+        buffer_bytes = check_int("buffer_bytes", buffer_bytes, 1)
+        if buffer_bytes // buffer_count < 64 << 10:
+            raise ValueError(f"buffer_bytes / buffer_count must be at least 64 KiB, got {buffer_bytes} / "
+                             f"{buffer_count}")
+        if cpu_threads is not None:
+            cpu_threads = check_int("cpu_threads", cpu_threads, 1)
+        self._ops = load_ops()
+        self._amsgrad_ok = kernel_supports_amsgrad(self._ops)
+        if amsgrad and not self._amsgrad_ok:
+            raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
+        self._io = _io_settings(io_config, io_kwargs)
+        self.offload, self.buffer_bytes, self.buffer_count = offload, buffer_bytes, buffer_count
+        self.cpu_threads = cpu_threads
+        self._backend = None
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+                    "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
+        super().__init__(params, defaults)
+        if offload == "nvme":
+            self._backend = NvmeState(self, swap_dir, buffer_bytes, buffer_count, self._io)
+        else:
+            self._backend = CpuState(self, buffer_bytes // buffer_count)
+
+    # ---- torch.optim.Optimizer protocol ------------------------------------------------------------------------
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            self._fill_group(group)
+
+    def _fill_group(self, group):
+        for key in _GROUP_KEYS:
+            group.setdefault(key, self.defaults[key])
+        if self._decoupled:
+            group["decoupled_weight_decay"] = True
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            problem = None
+            if p.dtype not in PARAM_DTYPES:
+                problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
+            elif p.device.type not in ("cpu", "cuda"):
+                problem = f"device {p.device} (supported: cpu, cuda)"
+            elif p.layout != torch.strided:
+                problem = f"layout {p.layout} (only dense parameters)"
+            if problem is not None:
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
+        if group["amsgrad"] and not getattr(self, "_amsgrad_ok", True):
+            self.param_groups.pop()
+            raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
+        self._fill_group(group)
+
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        """torch casts floating state to the parameter's dtype and device (for a bf16 parameter that would
+        round the fp32 moments); here every state tensor becomes an fp32 CPU copy and `step` an fp32 scalar."""
+        if key == "step":
+            return (value.detach().to(device="cpu", dtype=FP32, copy=True) if isinstance(value, torch.Tensor)
+                    else torch.tensor(float(value), dtype=FP32))
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.detach().to(device="cpu", dtype=FP32, copy=True).contiguous()
+        return value
+
+    def iter_params_amsgrad(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield p, bool(group["amsgrad"])
+
+    def _check_open(self):
+        if self._backend is None:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Adam step for every parameter with a gradient; returns closure's loss when given."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        works = []
+        for group in self.param_groups:
+            hyper = group_hyper(group)
+            amsgrad = bool(group["amsgrad"])
+            if amsgrad and not self._amsgrad_ok:
+                raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse or g.layout != torch.strided:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
+                                       "consider torch.optim.SparseAdam instead")
+                if g.dtype not in PARAM_DTYPES:
+                    raise RuntimeError(f"gradient dtype {g.dtype} is not supported (float32, bfloat16, float16)")
+                if g.shape != p.shape or g.device != p.device:
+                    raise RuntimeError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match its "
+                                       f"parameter of shape {tuple(p.shape)} on {p.device}")
+                st = self.state.get(p)
+                new = not st
+                step = 1 if new else int(st["step"].item()) + 1
+                works.append(Work(p, step, hyper, amsgrad, new))
+        if not works:
+            return loss
+        if isinstance(self._backend, NvmeState):
+            self._backend.place(self.iter_params_amsgrad())
+        self._backend.step(works, self._ops, self.cpu_threads)
+        for w in works:
+            st = self.state[w.p]
+            if "step" in st:
+                st["step"].fill_(float(w.step))
+            else:
+                st["step"] = torch.tensor(float(w.step), dtype=FP32)
+        return loss
+
+    def state_dict(self):
+        """torch's format: {"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}},
+        "param_groups": [...]}; tensors fp32 on the CPU, shaped like the parameter. "master" (the fp32 master
+        weights) appears only for bf16/fp16 parameters. In cpu mode the tensors are the live state (as with torch);
+        in nvme mode they are read from the swap file into new tensors, so the whole state is materialised in
+        RAM: for states larger than RAM use save()/load()."""
+        self._check_open()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        param_groups, index = self._pack_groups()
+        packed = {}
+        for p, st in self.state.items():
+            if isinstance(p, torch.Tensor) and st:
+                packed[index[id(p)]] = {"step": st["step"]}
+        if isinstance(self._backend, CpuState):
+            for p, st in self.state.items():
+                if isinstance(p, torch.Tensor) and st:
+                    amsgrad = "max_exp_avg_sq" in st
+                    for name in exported_fields(p, amsgrad):
+                        packed[index[id(p)]][name] = st[name]
+        else:
+            outs = {}
+            stateful = [p for p in self._backend.placed if self.state.get(p)]
+            fields_of = self._fields_of()
+
+            def sink(p, name, a, view):
+                out = outs.setdefault(p, {})
+                if name not in out:
+                    out[name] = torch.empty(p.shape, dtype=FP32)
+                out[name].view(-1)[a:a + view.numel()].copy_(view)
+
+            self._backend.dump(stateful, fields_of, sink)
+            for p in stateful:
+                entry = packed[index[id(p)]]
+                for name in fields_of(p):
+                    entry[name] = outs.get(p, {}).get(name, torch.empty(p.shape, dtype=FP32))
+        for k, v in self.state.items():  # non-parameter keys, kept as torch does
+            if not isinstance(k, torch.Tensor):
+                packed[k] = v
+        state_dict = {"state": packed, "param_groups": param_groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _pack_groups(self):
+        index, packed_groups, start = {}, [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            for i, p in enumerate(group["params"], start):
+                index.setdefault(id(p), i)
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            start += len(packed["params"])
+            packed_groups.append(packed)
+        return packed_groups, index
+
+    def _amsgrad_of(self):
+        return {p: bool(g["amsgrad"]) for g in self.param_groups for p in g["params"]}
+
+    def _fields_of(self):
+        """A function p -> the fields state_dict()/save() carry for p."""
+        amsgrad = self._amsgrad_of()
+        return lambda p: exported_fields(p, amsgrad.get(p, False))
+
+    def _remap_groups(self, saved_groups):
+        """torch's checks: same number of groups and of parameters per group. Returns (id -> parameter,
+        new param_groups)."""
+        groups = self.param_groups
+        saved_groups = deepcopy(saved_groups)
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        new_groups = []
+        for g, s in zip(groups, saved_groups):
+            s["params"] = g["params"]
+            if "param_names" in g and "param_names" not in s:
+                s["param_names"] = g["param_names"]
+            new_groups.append(s)
+        return id_map, new_groups
+
+    def _install(self, new_groups, steps, fields, source, extra_state=None):
+        """Replaces groups and state. steps: {p: fp32 step tensor}; fields: {p: set of fields the source has};
+        source(p, field, first, view) as in the backends' fill()."""
+        amsgrad = {p: bool(g.get("amsgrad", self.defaults["amsgrad"])) for g in new_groups for p in g["params"]}
+        for p, have in fields.items():
+            missing = [f for f in internal_fields(p, amsgrad[p]) if f != "master" and f not in have]
+            if missing:
+                raise ValueError(f"the loaded state of a parameter of shape {tuple(p.shape)} lacks {missing}")
+        if any(amsgrad.values()) and not self._amsgrad_ok:
+            raise ValueError("the loaded param groups use amsgrad, which this build of swapio.ops.adam_step_ "
+                             "does not support")
+        state = defaultdict(dict)
+        for p, step in steps.items():
+            state[p]["step"] = step
+        for k, v in (extra_state or {}).items():
+            state[k] = v
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        self._backend.fill({p: (amsgrad[p], fields[p]) for p in steps}, source)
+
+    def load_state_dict(self, state_dict):
+        """Loads torch's format (from OffloadAdam[W] or torch.optim.Adam[W]), keeping the moments in fp32 even
+        for bf16/fp16 parameters. Without "master", the master weights are taken from the parameters."""
+        self._check_open()
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        id_map, new_groups = self._remap_groups(state_dict["param_groups"])
+        steps, values, extra = {}, {}, {}
+        for k, v in state_dict["state"].items():
+            p = id_map.get(k)
+            if p is None:
+                extra[k] = v
+                continue
+            if not v:
+                continue
+            if "step" not in v:
+                raise ValueError(f"the loaded state of parameter {k} has no 'step'")
+            cast = {key: self._process_value_according_to_param_policy(p, val, k, state_dict["param_groups"], key)
+                    for key, val in v.items()}
+            for key in _STATE_KEYS:
+                if key in cast and cast[key].numel() != p.numel():
+                    raise ValueError(f"state '{key}' of parameter {k} has {cast[key].numel()} elements; the "
+                                     f"parameter has {p.numel()}")
+            steps[p] = cast["step"].reshape(())
+            values[p] = {key: cast[key].reshape(-1) for key in _STATE_KEYS if key in cast}
+
+        def source(p, name, a, view):
+            view.copy_(values[p][name][a:a + view.numel()])
+
+        self._install(new_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ---- streaming checkpoints ---------------------------------------------------------------------------------
+    def save(self, path):
+        """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
+        time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
+        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
+        self._check_open()
+        checkpoint.save(self, path)
+
+    def load(self, path):
+        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time."""
+        self._check_open()
+        checkpoint.load(self, path)
+
+    def _io_handle(self):
+        """(read handle, write handle, owned): the swap handles in nvme mode, new ones in cpu mode."""
+        if isinstance(self._backend, NvmeState):
+            return self._backend.rh, self._backend.wh, False
+        h = AioHandle.from_config(dict(self._io))
+        return h, h, True
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    @property
+    def swap_path(self):
+        """The private directory holding the swap file (nvme mode), else None."""
+        return getattr(self._backend, "directory", None)
+
+    def close(self):
+        """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
+        backend, self._backend = getattr(self, "_backend", None), None
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class OffloadAdamW(OffloadAdam):
+    """AdamW (decoupled weight decay, like torch.optim.AdamW) with optimizer state off the GPU. See OffloadAdam."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
+                 cpu_threads=None, io_config=None, **io_kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
+                         buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config, **io_kwargs)

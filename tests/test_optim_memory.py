@@ -1,0 +1,81 @@
+"""offload="nvme" keeps host memory bounded by its buffers: a child process with 1.5 GiB of optimizer state
+(128 Mi bf16 parameters: fp32 master + two fp32 moments) must not grow its peak RSS by more than
+buffer_bytes + 256 MiB over the baseline taken after its parameters and gradients exist."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+NUMEL = 128 * MiB          # parameters, bf16: 256 MiB of params + 256 MiB of grads in RAM
+BUFFER_BYTES = 64 * MiB    # the optimizer's pinned buffer budget
+SLACK = 256 * MiB
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    import swapio.optim as so
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    numel, buffer_bytes, swap_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    params = [torch.empty(numel // 4, dtype=torch.bfloat16).normal_().requires_grad_(True) for _ in range(4)]
+    for p in params:
+        p.grad = torch.empty_like(p).normal_()
+    # one-time costs that are not optimizer state (torch.optim imports torch._dynamo on first use: ~70 MiB)
+    tiny = torch.zeros(8, requires_grad=True)
+    tiny.grad = torch.ones(8)
+    with so.OffloadAdamW([tiny], offload="nvme", swap_dir=swap_dir, buffer_bytes=1 << 20) as warm:
+        warm.step()
+        warm.state_dict()
+    del warm
+    baseline = status("VmRSS")
+    try:  # reset the peak to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    t0 = time.perf_counter()
+    opt = so.OffloadAdamW(params, lr=1e-3, offload="nvme", swap_dir=swap_dir, buffer_bytes=buffer_bytes,
+                          buffer_count=4)
+    for _ in range(2):
+        opt.step()
+    state_bytes = os.path.getsize(os.path.join(opt.swap_path, "state.swap"))
+    elapsed = time.perf_counter() - t0
+    peak = status("VmHWM")
+    steps = [s["step"].item() for s in opt.state.values()]
+    opt.close()
+    print(json.dumps({"baseline": baseline, "peak": peak, "reset": reset, "state_bytes": state_bytes,
+                      "elapsed": elapsed, "steps": steps}))
+""")
+
+
+def test_nvme_state_of_1_5_gib_keeps_rss_within_buffer_budget(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    if free < 3 * 1024 * MiB:
+        pytest.skip(f"needs 3 GiB free on {tmp_path}, has {free / 2**30:.1f} GiB")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", CHILD, str(NUMEL), str(BUFFER_BYTES), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["state_bytes"] >= 1.5 * 1024 * MiB
+    assert out["steps"] == [2.0] * 4
+    growth = out["peak"] - out["baseline"]
+    print(f"peak RSS growth {growth / MiB:.0f} MiB (budget {BUFFER_BYTES / MiB:.0f} + {SLACK / MiB:.0f} MiB), "
+          f"2 steps in {out['elapsed']:.1f} s, baseline {out['baseline'] / MiB:.0f} MiB")
+    if not out["reset"]:
+        pytest.skip("cannot reset the peak RSS (/proc/self/clear_refs) on this kernel")
+    assert growth < BUFFER_BYTES + SLACK
