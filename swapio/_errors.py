@@ -17,12 +17,14 @@ def warn_once(key, message):
         warnings.warn(message, SwapioWarning, stacklevel=3)
 
 
-def check_int(name, value, minimum=None):
+def check_int(name, value, minimum=None, maximum=2**63 - 1):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 

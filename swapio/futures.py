@@ -50,8 +50,8 @@ class Future:
 
     def _settle(self, timeout=None):
         if self._outcome is None:
-            if timeout is not None and timeout < 0:
-                raise ValueError("timeout must be >= 0")
+            if timeout is not None and not timeout >= 0:
+                raise ValueError(f"timeout must be None or >= 0, got {timeout}")
             if not self._request.wait(timeout):
                 raise TimeoutError(f"the operation did not finish within {timeout} s")
             with self._lock:

@@ -31,7 +31,8 @@ class SwappedTensor:
         self.store, self.name, self.path = store, name, path
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
-        self._source = tensor if release else None  # kept to free its storage, and to refill it on swap-in
+        self._source = tensor if release else None  # the caller's object: freed, then refilled by swap_in
+        self._release_pending = release  # free the source's storage once the write is waited on
         self._released = False
         self._write = None
         self._lock = threading.Lock()
@@ -48,7 +49,8 @@ class SwappedTensor:
         if write is not None:
             write.wait(timeout)
             with self._lock:
-                if self._source is not None and not self._released:
+                if self._release_pending:
+                    self._release_pending = False
                     self._source.untyped_storage().resize_(0)
                     self._released = True
         return self
@@ -72,16 +74,18 @@ class SwappedTensor:
             target.untyped_storage().resize_(self.nbytes)
         else:
             target = torch.empty(self.shape, dtype=self.dtype, device=device)
-        with self._lock:
-            self._released = False if target is self._source else self._released
+        if target is self._source:
+            with self._lock:
+                self._released = False
         if target.device.type == "cpu" and target.is_contiguous():
-            return self.store.handle.pread(target.view(-1), self.path, 0)._chain(lambda n: target)
+            return self.store.handle.pread(target.detach().view(-1), self.path, 0)._chain(lambda n: target)
         # GPU or strided targets: read into pinned memory, then copy (asynchronously for a GPU).
         staging = empty_pinned(self.shape, self.dtype)
         read = self.store.handle.pread(staging.view(-1), self.path, 0)
 
         def copy_out(_):
-            target.copy_(staging, non_blocking=target.device.type == "cuda")
+            with torch.no_grad():
+                target.copy_(staging, non_blocking=target.device.type == "cuda")
             if target.device.type == "cuda":
                 torch.cuda.current_stream(target.device).synchronize()
             return target
@@ -127,10 +131,12 @@ class SwapStore:
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
             raise ValueError("only dense (strided) tensors can be swapped")
-        tensor = tensor.detach()
         if release and not spans_whole_storage(tensor):
             raise ValueError("release=True frees the tensor's whole storage, but this tensor is a view of a "
                              "larger one; pass release=False")
+        if release and not tensor.untyped_storage().resizable():
+            raise ValueError("release=True needs a resizable storage, but this tensor's memory is borrowed "
+                             "(e.g. from numpy); pass release=False")
         with self._lock:
             if name is None:
                 while f"tensor{self._counter}" in self._tensors:
@@ -146,11 +152,11 @@ class SwapStore:
             self._tensors[name] = swapped
         try:
             _private_file(path)
-            if tensor.device.type == "cpu" and tensor.is_contiguous():
-                source = tensor
-            else:
-                source = empty_pinned(tensor.shape, tensor.dtype)
-                source.copy_(tensor)  # synchronous for a GPU tensor: the bytes are on the host after this
+            source = tensor.detach()
+            if source.device.type != "cpu" or not source.is_contiguous():
+                staging = empty_pinned(source.shape, source.dtype)
+                staging.copy_(source)  # synchronous for a GPU tensor: the bytes are on the host after this
+                source = staging
             swapped._write = self.handle.pwrite(source.view(-1), path, 0)
         except BaseException:
             with self._lock:
@@ -190,7 +196,7 @@ class SwapStore:
         for swapped in list(self._tensors.values()):
             try:
                 self.remove(swapped)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - clean up the rest, then report the first
                 first_error = first_error or exc
         if self._owns_handle:
             self.handle.close()

@@ -1,6 +1,7 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <linux/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -32,6 +33,11 @@ Alignment query_alignment(int fd) {
 OpenFile::OpenFile(const std::string& path, Op op, DirectMode mode) : path_(path), op_(op) {
   if (path.empty()) throw ArgError("path must not be empty");
   if (path.find('\0') != std::string::npos) throw ArgError("path must not contain NUL bytes");
+  // O_DIRECT opens of a directory fail with EINVAL on some file systems (ext4), which would read as
+  // "no O_DIRECT support": name the real problem first.
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    throw IoError(EISDIR, std::string("cannot open: ") + std::strerror(EISDIR), path, 0);
   if (mode == DirectMode::off) {
     buffered_fd_ = open_fd(false);
     if (buffered_fd_ < 0) throw IoError(errno, std::string("cannot open: ") + std::strerror(errno), path, 0);

@@ -11,7 +11,8 @@ bool Request::wait_for(double timeout_s) {
   if (done()) return true;
   std::unique_lock<std::mutex> lk(mu_);
   auto is_done = [&] { return done(); };
-  if (timeout_s < 0) {
+  // Negative, NaN or beyond any real wait (a huge duration would overflow the clock): no limit.
+  if (!(timeout_s >= 0) || timeout_s > 1e9) {
     cv_.wait(lk, is_done);
     return true;
   }

@@ -1,0 +1,192 @@
+"""Shared helpers for the swapio I/O-core tests.
+
+Every wait carries a timeout so a hang fails the test instead of blocking CI (style item 11).
+"""
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without `pip install`
+    sys.path.insert(0, REPO)
+
+import swapio  # noqa: E402
+
+TIMEOUT = 60  # seconds any single wait may take before the test fails
+MiB = 1 << 20
+ENGINES = ("uring", "aio", "psync")
+
+
+def engine_param(name):
+    """pytest.param for an engine, skipped with the reason when this kernel cannot set it up."""
+    status = swapio.info()["engines"].get(name, "unknown engine")
+    marks = [] if status == "ok" else [pytest.mark.skip(reason=f"engine {name} unavailable here: {status}")]
+    return pytest.param(name, id=name, marks=marks)
+
+
+ENGINE_PARAMS = [engine_param(e) for e in ENGINES]
+
+
+def random_bytes(nbytes, seed=0):
+    """A uint8 tensor of reproducible random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def as_bytes(tensor):
+    """The bytes of a tensor's elements in memory order (any dtype, any layout)."""
+    t = tensor.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return b""
+    # Through a copy: .numpy() on the tensor itself would pin its storage (torch then refuses to resize it).
+    return t.view(torch.uint8).clone().numpy().tobytes()
+
+
+def read_file(path):
+    """The file's whole contents, read with plain Python (no swapio)."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def unaligned_uint8(nbytes, seed=0):
+    """A uint8 tensor of nbytes whose data pointer is one byte past an allocation start (misaligned)."""
+    base = torch.empty(nbytes + 1, dtype=torch.uint8)
+    t = base[1:]
+    t.copy_(random_bytes(nbytes, seed))
+    assert t.data_ptr() % 2 == 1 or nbytes == 0
+    return t
+
+
+def wait_handle(handle, timeout=TIMEOUT):
+    """handle.wait() has no timeout parameter: run it on a helper thread and fail if it hangs."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        pytest.fail(f"AioHandle.wait() did not return within {timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def close_handle(handle, timeout=TIMEOUT):
+    """handle.close() with a hang guard (it finishes outstanding requests first)."""
+    t = threading.Thread(target=handle.close, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        pytest.fail(f"AioHandle.close() did not return within {timeout} s")
+
+
+def queued_behind_big_read(handle_factory, tmp_path, nbytes=10):
+    """(big, queued, out): a small read certainly still pending right after submission, because a single-slot
+    psync worker runs requests in order and it sits behind 64 MiB of 4 KiB reads. Wait on `big` when done."""
+    h = handle_factory(engine="psync", block_size=4096, queue_depth=1, threads=1, direct=False)
+    big_path, small_path = tmp_path / "queued-big.bin", tmp_path / "queued-small.bin"
+    with open(big_path, "wb") as f:
+        f.truncate(64 * MiB)
+    small_path.write_bytes(b"s" * nbytes)
+    big = h.pread(torch.empty(64 * MiB, dtype=torch.uint8), big_path)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    return big, h.pread(out, small_path), out
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def handle_factory():
+    """Makes AioHandles and closes every one of them at teardown."""
+    made = []
+
+    def make(**kwargs):
+        h = swapio.AioHandle(**kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        close_handle(h)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """swapio warns once per directory per process; start this test with no warning given yet."""
+    monkeypatch.setattr(swapio._errors, "_warned", set())
+
+
+def _run(cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _unmount(directory):
+    if _run(["umount", str(directory)]).returncode != 0:
+        _run(["umount", "-l", str(directory)])
+
+
+@contextlib.contextmanager
+def mounted(directory, mount_cmd, what):
+    """Runs mount_cmd (mounting onto directory); skips the test with the reason if the machine refuses."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip(f"cannot mount {what}: no mount command")
+    r = _run(mount_cmd)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount {what} here: {(r.stderr or r.stdout).strip()}")
+    try:
+        yield directory
+    finally:
+        _unmount(directory)
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path):
+    """A fresh ramfs mount (a file system that refuses O_DIRECT)."""
+    d = tmp_path / "ramfs"
+    with mounted(d, ["mount", "-t", "ramfs", "ramfs", str(d)], "ramfs"):
+        yield d
+
+
+@pytest.fixture
+def small_ext4_dir(tmp_path):
+    """A 48 MiB ext4 file system on a loop device (supports O_DIRECT; small enough to fill)."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 is not installed")
+    img = tmp_path / "small.img"
+    with open(img, "wb") as f:
+        f.truncate(48 * MiB)
+    r = _run(["mkfs.ext4", "-q", "-F", str(img)])
+    if r.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {r.stderr.strip()}")
+    d = tmp_path / "small"
+    with mounted(d, ["mount", "-o", "loop", str(img), str(d)], "a loop ext4 image"):
+        yield d
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A read-only bind mount of a directory holding one file, `ro/existing.bin` (4096 bytes)."""
+    src = tmp_path / "rw"
+    src.mkdir()
+    (src / "existing.bin").write_bytes(bytes(range(256)) * 16)
+    d = tmp_path / "ro"
+    with mounted(d, ["mount", "--bind", str(src), str(d)], "a bind mount"):
+        r = _run(["mount", "-o", "remount,ro,bind", str(d)])
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount the bind mount read-only: {r.stderr.strip()}")
+        yield d
