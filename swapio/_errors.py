@@ -33,3 +33,4 @@ def check_path(name, value):
         return os.fspath(value)
     except TypeError:
         raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}") from None
+

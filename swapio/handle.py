@@ -4,6 +4,7 @@ import os
 import threading
 
 from . import _C
+from ._closeable import Closeable
 from ._errors import check_int, check_path, warn_once
 from .futures import Future
 from .tensors import cpu_memory
@@ -11,7 +12,7 @@ from .tensors import cpu_memory
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct")
 
 
-class AioHandle:
+class AioHandle(Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
     block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
@@ -116,18 +117,6 @@ class AioHandle:
     @property
     def closed(self):
         return self._native.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     def __repr__(self):
         return (f"AioHandle(block_size={self.block_size}, queue_depth={self.queue_depth}, "

@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from ._closeable import Closeable
 from ._errors import check_path
 from .futures import Future
 from .handle import AioHandle
@@ -96,7 +97,7 @@ class SwappedTensor:
         return f"<SwappedTensor {self.name!r} {tuple(self.shape)} {self.dtype} {where}>"
 
 
-class SwapStore:
+class SwapStore(Closeable):
     """Swap files for tensors under one directory, written and read through one AioHandle.
 
     Files are named ``<name>.swap`` (stable across runs), created 0600 without following symlinks, and hold
@@ -208,14 +209,3 @@ class SwapStore:
         if first_error is not None:
             raise first_error
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "adam/adam_kernel.h"
+#include "adam/adam_variants.h"
 
 namespace swapio {
 namespace adam {
@@ -166,37 +167,17 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-template <DType G, DType O>
-void run_o(const AdamArgs& a, int64_t begin, int64_t end) {
-  if (a.c.l2) {
-    if (a.c.amsgrad) run<G, O, true, true>(a, begin, end);
-    else run<G, O, true, false>(a, begin, end);
-  } else {
-    if (a.c.amsgrad) run<G, O, false, true>(a, begin, end);
-    else run<G, O, false, false>(a, begin, end);
-  }
-}
-
-template <DType G>
-void run_g(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.out_dtype) {
-    case DType::kF32: return run_o<G, DType::kF32>(a, begin, end);
-    case DType::kBF16: return run_o<G, DType::kBF16>(a, begin, end);
-    case DType::kF16: return run_o<G, DType::kF16>(a, begin, end);
-    default: return run_o<G, DType::kNone>(a, begin, end);
-  }
-}
+struct Kernel {
+  template <DType G, DType O, bool L2, bool AMS>
+  static void run(const AdamArgs& a, int64_t begin, int64_t end) { adam::run<G, O, L2, AMS>(a, begin, end); }
+};
 
 #undef SWAPIO_ROUNDED
 
 }  // namespace
 
 void adam_kernel_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.grad_dtype) {
-    case DType::kBF16: return run_g<DType::kBF16>(a, begin, end);
-    case DType::kF16: return run_g<DType::kF16>(a, begin, end);
-    default: return run_g<DType::kF32>(a, begin, end);
-  }
+  run_variant<Kernel>(a, begin, end);
 }
 
 }  // namespace adam
