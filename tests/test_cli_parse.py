@@ -1,0 +1,61 @@
+"""swapio command line: size/duration parsing and flag handling (no I/O)."""
+import pytest
+
+from swapio import cli
+from swapio.report import fmt_size, parse_duration, parse_size
+
+
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), ("4k", 4 << 10), ("4K", 4 << 10), ("128KiB", 128 << 10), ("128KB", 128 << 10),
+    ("1M", 1 << 20), ("1m", 1 << 20), ("2G", 2 << 30), ("1.5G", 3 << 29), ("1T", 1 << 40), (" 8M ", 8 << 20)])
+def test_parse_size_takes_fio_style_suffixes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["12X", "", "-1", "1.3K", "M", "1 M B", "0x10"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text, seconds", [("10", 10.0), ("10s", 10.0), ("500ms", 0.5), ("2m", 120.0),
+                                           ("0.25", 0.25)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_fmt_size_round_trips():
+    for n in (512, 4096, 128 << 10, 1 << 20, 3 << 30, 1000):
+        assert parse_size(fmt_size(n)) == n
+
+
+def _bench_args(*argv):
+    args, extra = cli.build_parser().parse_known_args(["bench", *argv])
+    assert not extra
+    return args
+
+
+def test_bench_defaults_are_a_sequential_write_then_read_of_1g_at_1m_qd32():
+    a = _bench_args()
+    assert (a.rw, a.bs, a.iodepth, a.threads, a.size, a.engine, a.direct, a.loops, a.runtime) == \
+        ("rw", 1 << 20, 32, 1, 1 << 30, "auto", None, 1, None)
+    assert a.file is None and a.directory is None and not a.verify and not a.json
+
+
+def test_bench_flags_in_fio_vocabulary():
+    a = _bench_args("--rw", "randread", "--bs", "4k", "--iodepth", "64", "--numjobs", "2", "--size", "2G",
+                    "--engine", "aio", "--direct", "--dir", "/tmp", "--runtime", "10s", "--warmup", "1",
+                    "--verify", "--json", "--output", "x.json", "--quiet", "--compare-fio")
+    assert (a.rw, a.bs, a.iodepth, a.threads, a.size, a.engine, a.direct) == \
+        ("randread", 4096, 64, 2, 2 << 30, "aio", True)
+    assert (a.directory, a.runtime, a.warmup, a.verify, a.json, a.output, a.quiet, a.compare_fio) == \
+        ("/tmp", 10.0, 1.0, True, True, "x.json", True, True)
+    assert _bench_args("--buffered").direct is False
+    assert _bench_args("--threads", "3").threads == 3
+
+
+def test_tune_lists():
+    a, _ = cli.build_parser().parse_known_args(["tune", "--bs", "64K,1M", "--iodepth", "1,8", "--engines",
+                                                "uring,psync", "--threads", "1,2", "--rw", "read"])
+    assert a.block_sizes == [64 << 10, 1 << 20] and a.depths == [1, 8] and a.threads == [1, 2]
+    assert a.engines == ["uring", "psync"] and a.rw == ["read"]
