@@ -114,17 +114,18 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<io::Handle>(m, "Handle")
       .def(py::init([](int64_t block_size, int64_t queue_depth, int64_t threads, std::string engine,
-                       py::object direct) {
+                       py::object direct, int64_t submit_batch) {
              io::HandleOptions o;
              o.block_size = block_size;
              o.queue_depth = queue_depth;
              o.threads = threads;
              o.engine = std::move(engine);
              o.direct = parse_direct(direct);
+             o.submit_batch = submit_batch;
              return std::make_unique<io::Handle>(std::move(o));
            }),
            py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("engine"),
-           py::arg("direct"))
+           py::arg("direct"), py::arg("submit_batch") = 1)
       .def("submit", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t length,
                         const std::string& path, int64_t offset, bool record_latency) {
              io::Op o = parse_op(op);

@@ -39,6 +39,8 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
     throw ArgError("queue_depth must be between 1 and 4096, got " + std::to_string(opt_.queue_depth));
   if (opt_.threads <= 0 || opt_.threads > kMaxThreads)
     throw ArgError("threads must be between 1 and 256, got " + std::to_string(opt_.threads));
+  if (opt_.submit_batch < 0)
+    throw ArgError("submit_batch must be >= 0 (0: all ready pieces), got " + std::to_string(opt_.submit_batch));
 
   std::string wanted = opt_.engine;
   if (wanted == "auto") {
@@ -60,7 +62,9 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
     last_rc = create_contexts(*ops, depth, static_cast<size_t>(opt_.threads), contexts);
     if (last_rc < 0) continue;
     engine_ = ops->name;
-    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth));
+    const unsigned batch = opt_.submit_batch > 0 ? static_cast<unsigned>(std::min<int64_t>(opt_.submit_batch, depth))
+                                                 : depth;
+    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth, batch));
     return;
   }
   throw IoError(-last_rc, "cannot set up I/O engine '" + wanted + "': " + std::strerror(-last_rc), "", 0);

@@ -65,7 +65,7 @@ int null_submit(void* ctx, Piece** pieces, int n) {
 
 }  // namespace
 
-const EngineOps psync_engine = {"psync", sync_init, sync_submit, drain, sync_cleanup};
-const EngineOps null_engine = {"null", sync_init, null_submit, drain, sync_cleanup};
+const EngineOps psync_engine = {"psync", true, sync_init, sync_submit, drain, sync_cleanup};
+const EngineOps null_engine = {"null", true, sync_init, null_submit, drain, sync_cleanup};
 
 }  // namespace swapio::io

@@ -32,8 +32,8 @@ std::string describe(const Piece& p, const char* what) {
 
 }  // namespace
 
-Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth)
-    : ops_(ops), ctx_(ctx), depth_(depth), slots_(depth), done_(depth) {
+Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch)
+    : ops_(ops), ctx_(ctx), depth_(depth), batch_(ops.sync ? 1 : batch), slots_(depth), done_(depth) {
   for (auto& s : slots_) free_.push_back(&s);
   thread_ = std::thread([this] { run(); });
 }
@@ -53,24 +53,31 @@ void Worker::enqueue(std::unique_ptr<Task> task) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     incoming_.push_back(std::move(task));
+    has_incoming_.store(true, std::memory_order_release);
   }
   cv_.notify_one();
+}
+
+void Worker::take_incoming() {
+  while (!incoming_.empty()) {
+    active_.push_back(std::move(incoming_.front()));
+    incoming_.pop_front();
+  }
+  has_incoming_.store(false, std::memory_order_relaxed);
 }
 
 void Worker::run() {
   std::vector<Piece*> batch;
   batch.reserve(depth_);
   for (;;) {
-    {
+    if (active_.empty() && inflight_ == 0 && retry_.empty()) {
       std::unique_lock<std::mutex> lk(mu_);
-      if (active_.empty() && inflight_ == 0 && retry_.empty()) {
-        cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
-        if (incoming_.empty()) return;  // stopped, and every queued task is finished
-      }
-      while (!incoming_.empty()) {
-        active_.push_back(std::move(incoming_.front()));
-        incoming_.pop_front();
-      }
+      cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
+      if (incoming_.empty()) return;  // stopped, and every queued task is finished
+      take_incoming();
+    } else if (has_incoming_.load(std::memory_order_acquire)) {  // busy: lock only when there is news
+      std::lock_guard<std::mutex> lk(mu_);
+      take_incoming();
     }
     batch.clear();
     if (fill(batch)) submit(batch);
@@ -88,12 +95,12 @@ bool Worker::has_work() {
 }
 
 bool Worker::fill(std::vector<Piece*>& batch) {
-  while (!retry_.empty()) {
+  while (!retry_.empty() && batch.size() < batch_) {
     batch.push_back(retry_.back());
     retry_.pop_back();
   }
   auto it = active_.begin();
-  while (!free_.empty() && it != active_.end()) {
+  while (!free_.empty() && it != active_.end() && batch.size() < batch_) {
     Task& t = **it;
     if (t.req->failed()) t.cursor = t.end;  // stop issuing pieces of a failed request
     if (t.cursor >= t.end) {

@@ -1,6 +1,7 @@
 #pragma once
 // A worker thread owns one engine context and keeps up to queue_depth pieces in flight, refilling as
 // completions arrive, across every task queued to it (like a DeepSpeed aio thread, but never submit-and-wait-all).
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -25,7 +26,8 @@ struct Task {
 
 class Worker {
  public:
-  Worker(const EngineOps& ops, void* ctx, unsigned depth);  // takes ownership of ctx
+  // Takes ownership of ctx; hands the engine at most `batch` pieces per submit call.
+  Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch);
   ~Worker();                                               // finishes queued work, then joins
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -46,6 +48,7 @@ class Worker {
   };
 
   void run();
+  void take_incoming();  // with mu_ held
   bool fill(std::vector<Piece*>& batch);
   void prepare(Slot& s, Task& t);
   void submit(std::vector<Piece*>& batch);
@@ -58,6 +61,7 @@ class Worker {
   const EngineOps& ops_;
   void* ctx_;
   unsigned depth_;
+  unsigned batch_;
   std::vector<Slot> slots_;
   std::vector<Slot*> free_;
   std::vector<Slot*> retry_;  // short or interrupted transfers to resubmit
@@ -68,6 +72,7 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Task>> incoming_;
+  std::atomic<bool> has_incoming_{false};
   bool stop_ = false;
   std::thread thread_;
 };
