@@ -627,9 +627,6 @@ def run_bench(cfg, *, after_phase=None, log=None):
             handle = AioHandle(cfg.bs, cfg.iodepth, cfg.threads, cfg.engine, direct)
         except OSError as e:
             raise BenchError(f"engine {cfg.engine}: {e.strerror or e}") from None
-        if handle.engine == "psync" and cfg.iodepth > 1 and log:
-            log("psync moves one piece at a time per thread: --iodepth > 1 only batches pieces, and their latency "
-                "then includes the wait (use --threads for parallelism, --iodepth 1 for latency)")
         pattern = _Pattern(max(_seq_chunk(cfg, cfg.size), min(_SEQ_REQUEST, cfg.size))) if cfg.verify else None
         if target.created and writes and not needs_layout:
             with contextlib.suppress(OSError):  # like fio's fallocate=native: the writes then overwrite
