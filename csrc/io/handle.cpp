@@ -64,7 +64,8 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
     engine_ = ops->name;
     const unsigned batch = opt_.submit_batch > 0 ? static_cast<unsigned>(std::min<int64_t>(opt_.submit_batch, depth))
                                                  : depth;
-    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth, batch));
+    const size_t slot = static_cast<size_t>(std::max<int64_t>(opt_.block_size, 4096));
+    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth, batch, slot));
     return;
   }
   throw IoError(-last_rc, "cannot set up I/O engine '" + wanted + "': " + std::strerror(-last_rc), "", 0);

@@ -26,8 +26,9 @@ struct Task {
 
 class Worker {
  public:
-  // Takes ownership of ctx; hands the engine at most `batch` pieces per submit call.
-  Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch);
+  // Takes ownership of ctx; hands the engine at most `batch` pieces per submit call; bounce buffers for
+  // misaligned memory are slot_bytes each.
+  Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, size_t slot_bytes);
   ~Worker();                                               // finishes queued work, then joins
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -42,8 +43,9 @@ class Worker {
     size_t moved = 0;          // bytes moved so far (short transfers are resubmitted)
     bool bounced = false;      // through `bounce` because caller memory is misaligned
     bool direct = false;
-    char* bounce = nullptr;    // aligned scratch, allocated on first need
+    char* bounce = nullptr;    // aligned scratch: a slot of the arena, or owned when larger than a slot
     size_t bounce_size = 0;
+    bool bounce_owned = false;
     int64_t start_ns = 0;
   };
 
@@ -57,11 +59,17 @@ class Worker {
   void release(Slot& s);
   void retire_finished_tasks();
   bool has_work();
+  char* arena();  // bounce memory for every slot, mapped on first need; nullptr if it cannot be
 
   const EngineOps& ops_;
   void* ctx_;
   unsigned depth_;
   unsigned batch_;
+  size_t slot_bytes_;
+  char* arena_ = nullptr;
+  void* arena_map_ = nullptr;
+  size_t arena_map_bytes_ = 0;
+  bool arena_failed_ = false;
   std::vector<Slot> slots_;
   std::vector<Slot*> free_;
   std::vector<Slot*> retry_;  // short or interrupted transfers to resubmit
