@@ -1,5 +1,7 @@
 #include "io/worker.h"
 
+#include "io/copy.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -36,7 +38,7 @@ std::string describe(const Piece& p, const char* what) {
 
 Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, size_t slot_bytes)
     : ops_(ops), ctx_(ctx), depth_(depth), batch_(ops.sync ? 1 : batch),
-      slot_bytes_((slot_bytes + 4095) & ~size_t(4095)), slots_(depth), done_(depth) {
+      slot_bytes_((slot_bytes + 4095) & ~size_t(4095)), slots_(2 * size_t(depth)), done_(depth) {
   for (auto& s : slots_) free_.push_back(&s);
   thread_ = std::thread([this] { run(); });
 }
@@ -94,7 +96,7 @@ void Worker::run() {
   std::vector<Piece*> batch;
   batch.reserve(depth_);
   for (;;) {
-    if (active_.empty() && inflight_ == 0 && retry_.empty()) {
+    if (active_.empty() && inflight_ == 0 && retry_.empty() && drain_.empty()) {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !incoming_.empty(); });
       if (incoming_.empty()) return;  // stopped, and every queued task is finished
@@ -105,35 +107,77 @@ void Worker::run() {
     }
     batch.clear();
     if (fill(batch)) submit(batch);
-    // Block for a completion only when nothing more can be queued; otherwise just collect what is done.
-    if (inflight_ > 0) reap(free_.empty() || !has_work() ? 1 : 0);
+    // Collect what is done; then copy while the device works; block only when there is nothing to do.
+    if (!(inflight_ > 0 && reap(0) > 0) && !copy_aside() && !can_fill() && inflight_ > 0) reap(1);
     retire_finished_tasks();
   }
 }
 
-bool Worker::has_work() {
-  if (!retry_.empty()) return true;
-  for (auto& t : active_)
-    if (t->cursor < t->end && !t->req->failed()) return true;
-  return false;
+bool Worker::can_fill() {
+  if (inflight_ >= static_cast<int>(depth_)) return false;
+  return !retry_.empty() || !staged_.empty() || (!free_.empty() && next_task() != nullptr);
+}
+
+Task* Worker::next_task() {
+  for (auto& t : active_) {
+    if (t->req->failed()) t->cursor = t->end;  // stop issuing pieces of a failed request
+    if (t->cursor < t->end) return t.get();
+  }
+  return nullptr;
+}
+
+// Bounce copies kept off the submission path: with the queue full, the next write pieces are copied into
+// spare slots (staged), and finished reads are copied out of theirs (drained), while the device works.
+// Done inline before a submit or after a reap, the copies left the device idle: bounced writes ran at
+// about 0.55x of zero-copy ones.
+bool Worker::copy_aside() {
+  if (!drain_.empty()) {
+    Slot& s = *drain_.back();
+    drain_.pop_back();
+    std::memcpy(s.user, s.bounce, s.total);
+    s.task->req->add_bytes(static_cast<int64_t>(s.total));
+    release(s);
+    return true;
+  }
+  if (inflight_ < static_cast<int>(depth_) || free_.empty() || staged_.size() >= depth_) return false;
+  Task* t = next_task();
+  if (!t || !will_bounce_write(*t)) return false;
+  Slot* s = free_.back();
+  free_.pop_back();
+  prepare(*s, *t);
+  if (s->task) staged_.push_back(s);
+  return true;
+}
+
+bool Worker::will_bounce_write(const Task& t) {
+  const RequestLayout& L = t.req->layout();
+  return L.op == Op::write && !L.random && L.bounce_middle && t.req->file().direct() && t.cursor >= L.head_end &&
+         t.cursor < L.tail_start;
 }
 
 bool Worker::fill(std::vector<Piece*>& batch) {
-  while (!retry_.empty() && batch.size() < batch_) {
+  const size_t room = inflight_ < static_cast<int>(depth_) ? depth_ - static_cast<size_t>(inflight_) : 0;
+  const size_t cap = std::min<size_t>(batch_, room);
+  while (!retry_.empty() && batch.size() < cap) {
     batch.push_back(retry_.back());
     retry_.pop_back();
   }
-  auto it = active_.begin();
-  while (!free_.empty() && it != active_.end() && batch.size() < batch_) {
-    Task& t = **it;
-    if (t.req->failed()) t.cursor = t.end;  // stop issuing pieces of a failed request
-    if (t.cursor >= t.end) {
-      ++it;
-      continue;
+  while (!staged_.empty() && batch.size() < cap) {
+    Slot* s = staged_.front();
+    staged_.pop_front();
+    if (s->task->req->failed()) {
+      release(*s);
+    } else {
+      if (s->task->req->layout().record_latency) s->start_ns = now_ns();  // latency counts from submission
+      batch.push_back(s);
     }
+  }
+  while (batch.size() < cap && !free_.empty()) {
+    Task* t = next_task();
+    if (!t) break;
     Slot* s = free_.back();
     free_.pop_back();
-    prepare(*s, t);
+    prepare(*s, *t);
     if (s->task) batch.push_back(s);
   }
   return !batch.empty();
@@ -198,7 +242,7 @@ void Worker::prepare(Slot& s, Task& t) {
       }
       s.bounce_size = size;
     }
-    if (s.op == Op::write) std::memcpy(s.bounce, s.user, s.total);
+    if (s.op == Op::write) copy_to_device_buffer(s.bounce, s.user, s.total);
     s.buf = s.bounce;
   }
   if (L.record_latency) s.start_ns = now_ns();
@@ -226,17 +270,18 @@ void Worker::submit(std::vector<Piece*>& batch) {
   }
 }
 
-void Worker::reap(int min_wait) {
+int Worker::reap(int min_wait) {
   int n = ops_.reap(ctx_, done_.data(), static_cast<int>(depth_), min_wait);
   if (n < 0) {
     // The engine itself failed (not one request): fail everything queued here; in-flight pieces are
     // still collected as they finish.
     for (auto& t : active_) t->req->fail(-n, t->cursor, std::string("collecting completions failed"));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return;
+    return 0;
   }
   inflight_ -= n;
   for (int i = 0; i < n; i++) complete(static_cast<Slot&>(*done_[i]));
+  return n;
 }
 
 void Worker::complete(Slot& s) {
@@ -274,9 +319,12 @@ void Worker::complete(Slot& s) {
     retry_.push_back(&s);
     return;
   }
-  if (s.bounced && s.op == Op::read) std::memcpy(s.user, s.bounce, s.total);
-  r.add_bytes(static_cast<int64_t>(s.total));
   if (r.layout().record_latency) t.latencies.push_back(static_cast<uint64_t>(now_ns() - s.start_ns));
+  if (s.bounced && s.op == Op::read) {
+    drain_.push_back(&s);  // copied out by copy_aside(), keeping its slot until then
+    return;
+  }
+  r.add_bytes(static_cast<int64_t>(s.total));
   release(s);
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // A worker thread owns one engine context and keeps up to queue_depth pieces in flight, refilling as
 // completions arrive, across every task queued to it (like a DeepSpeed aio thread, but never submit-and-wait-all).
+// It has 2 x queue_depth slots: the spare ones let bounce copies run while the queue is full.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -54,11 +55,14 @@ class Worker {
   bool fill(std::vector<Piece*>& batch);
   void prepare(Slot& s, Task& t);
   void submit(std::vector<Piece*>& batch);
-  void reap(int min_wait);
+  int reap(int min_wait);  // pieces collected
+  bool can_fill();
+  Task* next_task();       // the first task with pieces left to issue
+  bool copy_aside();       // one bounce copy off the submission path; false if there was none to do
+  bool will_bounce_write(const Task& t);
   void complete(Slot& s);
   void release(Slot& s);
   void retire_finished_tasks();
-  bool has_work();
   char* arena();  // bounce memory for every slot, mapped on first need; nullptr if it cannot be
 
   const EngineOps& ops_;
@@ -73,6 +77,8 @@ class Worker {
   std::vector<Slot> slots_;
   std::vector<Slot*> free_;
   std::vector<Slot*> retry_;  // short or interrupted transfers to resubmit
+  std::deque<Slot*> staged_;  // write pieces already copied into their bounce buffers, to submit next
+  std::vector<Slot*> drain_;  // finished bounced reads whose data still has to be copied out
   std::vector<Piece*> done_;
   std::list<std::unique_ptr<Task>> active_;
   int inflight_ = 0;
