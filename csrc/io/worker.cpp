@@ -264,7 +264,7 @@ void Worker::submit(std::vector<Piece*>& batch) {
     } else {
       // The engine refused this piece outright (e.g. EINVAL from io_submit): it fails alone.
       auto& s = static_cast<Slot&>(*batch[i++]);
-      s.result = rc < 0 ? rc : -EAGAIN;
+      s.result = rc < 0 && rc != -EAGAIN ? rc : -EBUSY;  // not -EAGAIN: that would be retried forever
       complete(s);
     }
   }
