@@ -91,7 +91,8 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
                                         int64_t offset, bool record_latency) {
   if (offset < 0) throw ArgError("offset must be >= 0, got " + std::to_string(offset));
   if (length < 0) throw ArgError("length must be >= 0, got " + std::to_string(length));
-  if (offset > INT64_MAX - length) throw ArgError("offset + length overflows");
+  // Headroom for rounding to blocks and alignment, so no position computed from the request can overflow.
+  if (offset > INT64_MAX - length - kMaxBlock) throw ArgError("offset + length overflows");
   if (buf == 0 && length > 0) throw ArgError("buffer pointer is null");
   if (closed()) throw ArgError("the handle is closed");
 

@@ -126,7 +126,9 @@ int uring_submit(void* ctx, Piece** pieces, int n) {
   store_release(r->sq_tail, tail);
   r->unsubmitted += take;
   int rc = flush(r, 0, 0);
-  return rc < 0 ? rc : static_cast<int>(take);
+  // Placed SQEs stay in the ring whatever enter() said: report them as taken (reap() flushes them again
+  // and reports a lasting error), never as refused, or the worker would reuse slots the kernel still owns.
+  return take > 0 ? static_cast<int>(take) : rc;
 }
 
 int uring_reap(void* ctx, Piece** done, int max, int min_wait) {

@@ -198,7 +198,7 @@ void Worker::prepare(Slot& s, Task& t) {
   } else {
     pos = t.cursor;
     if (!f.direct()) {
-      end = std::min<int64_t>(pos + L.block, t.end);
+      end = pos + std::min<int64_t>(L.block, t.end - pos);
       direct = false;
     } else if (pos < L.head_end) {
       end = std::min(L.head_end, t.end);
@@ -207,7 +207,7 @@ void Worker::prepare(Slot& s, Task& t) {
       end = t.end;
       direct = false;
     } else {
-      end = std::min<int64_t>({pos + static_cast<int64_t>(L.block), L.tail_start, t.end});
+      end = pos + std::min<int64_t>({static_cast<int64_t>(L.block), L.tail_start - pos, t.end - pos});
       direct = true;
     }
     s.user = L.buf + (pos - L.offset);
@@ -266,6 +266,7 @@ void Worker::submit(std::vector<Piece*>& batch) {
       auto& s = static_cast<Slot&>(*batch[i++]);
       s.result = rc < 0 && rc != -EAGAIN ? rc : -EBUSY;  // not -EAGAIN: that would be retried forever
       complete(s);
+      idle_tries = 0;
     }
   }
 }
@@ -288,7 +289,7 @@ void Worker::complete(Slot& s) {
   Task& t = *s.task;
   Request& r = *t.req;
   const int64_t res = s.result;
-  if (res == -EINTR || res == -EAGAIN) {
+  if ((res == -EINTR || res == -EAGAIN) && !r.failed()) {
     retry_.push_back(&s);
     return;
   }
