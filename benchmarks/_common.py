@@ -1,16 +1,6 @@
-"""Shared helpers for the benchmarks: size parsing, medians, cache dropping, tables."""
+"""Shared helpers for the benchmarks: medians, cache dropping, tables (sizes: swapio.report.parse_size)."""
 import os
-import re
 import statistics
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text):
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse size {text!r} (e.g. 512M, 2G)")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def median(values):

@@ -28,24 +28,12 @@ import torch
 
 try:
     import swapio.ops as sops
+    from swapio.report import fmt_size, parse_size
 except ImportError as e:  # pragma: no cover
     sys.exit(f"swapio is not built ({e}); run: python setup.py build_ext --inplace")
 
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
-
-
-def parse_size(s):
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s.rstrip("KMG")) * mult)
-
-
-def human(n):
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
 
 
 def make_opt(cls, p, g, m, v, **kw):
@@ -154,7 +142,7 @@ def main(argv=None):
             bound = (12 * n / t32["triad"]) / BYTES_PER_PARAM / 1e9
             ds = f"{rate['deepspeed']:7.2f}" if "deepspeed" in rate else f"{'-':>7}"
             mix_sw, mix_t = n / tmx["swapio"] / 1e9, n / tmx["torch-best"] / 1e9
-            print(f"{human(n):>5} {t:>3} | {rate['swapio']:7.2f} {rate['torch-fused']:7.2f} {rate['torch-loop']:7.2f} "
+            print(f"{fmt_size(n):>5} {t:>3} | {rate['swapio']:7.2f} {rate['torch-fused']:7.2f} {rate['torch-loop']:7.2f} "
                   f"{ds} {bound:7.2f} | {rate['swapio'] / rate['torch-fused']:7.2f} "
                   f"{rate['swapio'] / rate['torch-loop']:7.2f} {100 * rate['swapio'] / bound:5.0f}% || "
                   f"{mix_sw:7.2f} {mix_t:7.2f} {mix_sw / mix_t:6.2f}", flush=True)

@@ -18,9 +18,10 @@ import time
 import torch
 
 import swapio
+from swapio.report import parse_size
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches, median, parse_size, print_table  # noqa: E402
+from _common import drop_caches, median, print_table  # noqa: E402
 
 CONFIGS = [(1 << 20, 32), (128 << 10, 32)]
 

@@ -196,15 +196,8 @@ def _check_output_path(path, what="--output"):
 
 def _emit(text, output):
     if output:
-        tmp = f"{output}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, output)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from .report import write_text_atomic
+        write_text_atomic(output, text + "\n")
     else:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()

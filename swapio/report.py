@@ -4,6 +4,7 @@ Sizes are binary, as in fio (kb_base=1024): 4K = 4096 bytes, 1M = 2^20. Bandwidt
 says which: MiB/s (2^20 B/s) and GB/s (10^9 B/s).
 """
 import math
+import os
 import re
 
 import numpy as np
@@ -31,6 +32,18 @@ def parse_size(text):
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
     return int(value)
+
+
+def write_text_atomic(path, text):
+    """Writes text to path through a temporary name and a rename: readers see the old file or the new one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def parse_duration(text):

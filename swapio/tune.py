@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -155,15 +154,7 @@ def write_config(result, path):
     for op, setting in result.best.items():
         doc[op] = result.handle_config(setting)
     doc["measured"] = result.json()
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    report.write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
 def _spread(values, n):
