@@ -1,8 +1,8 @@
 """Builds swapio._C from csrc/ with pybind11 only (no torch headers).
 
-Per-ISA kernels (files named *_avx2.cpp / *_avx512.cpp) get their own -m flags, like ATen's
-per-capability builds: the rest of the module is built for baseline x86-64, and the kernel to run is
-chosen at run time from CPUID, so one wheel runs on any x86-64.
+Per-ISA kernels (files named *_avx2.cpp / *_avx512.cpp) get their own -m flags, listed once in
+csrc/isa_flags.txt, like ATen's per-capability builds: the rest of the module is built for baseline x86-64,
+and the kernel to run is chosen at run time from CPUID, so one wheel runs on any x86-64.
 """
 import glob
 import os
@@ -13,11 +13,20 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 IS_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
-ISA_FLAGS = {
-    "_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                    "-mavx512bf16"],
-}
+ISA_TABLE = "csrc/isa_flags.txt"  # suffix -> flags, shared with tests/native/run.sh
+
+
+def read_isa_flags(path=ISA_TABLE):
+    table = {}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                table[words[0]] = words[1:]
+    return table
+
+
+ISA_FLAGS = read_isa_flags()
 
 
 def isa_flags(source):
@@ -52,7 +61,7 @@ ext = Pybind11Extension(
     "swapio._C",
     native_sources(),
     include_dirs=["csrc"],
-    depends=sorted(glob.glob("csrc/**/*.h", recursive=True)),
+    depends=sorted(glob.glob("csrc/**/*.h", recursive=True)) + [ISA_TABLE],
     cxx_std=17,
     extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-DSWAPIO_HAVE_X86_KERNELS=%d" % IS_X86] + extra,

@@ -12,14 +12,15 @@ if [[ "${1:-}" == "--sanitize" ]]; then
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 fi
 mkdir -p "$out"
-core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp $(ls csrc/adam/*.cpp | grep -v bind_))
+core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp csrc/adam/*.cpp)  # all but csrc/python (pybind11)
 x86=$([[ "$(uname -m)" == x86_64 ]] && echo 1 || echo 0)
-isa_flags() {  # the same per-ISA flags as setup.py
+isa_flags() {  # the per-ISA flags of csrc/isa_flags.txt, as setup.py reads them
   [[ $x86 == 1 ]] || return 0
-  case "$1" in
-    *_avx2.cpp) echo "-mavx2 -mfma -mf16c" ;;
-    *_avx512.cpp) echo "-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -mavx512bf16" ;;
-  esac
+  local suffix flags
+  while read -r suffix flags; do
+    [[ -z "$suffix" || "$suffix" == \#* ]] && continue
+    if [[ "$1" == *"$suffix" ]]; then echo "${flags%%#*}"; return 0; fi
+  done < csrc/isa_flags.txt
 }
 objs=()
 for src in "${core[@]}"; do

@@ -6,7 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "adam/bind_adam.h"
+#include "python/bind_adam.h"
 #include "common/errors.h"
 #include "io/engine.h"
 #include "io/file.h"

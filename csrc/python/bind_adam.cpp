@@ -1,6 +1,6 @@
 // swapio._C entry points of the CPU Adam kernel: raw pointers (tensor.data_ptr()) and sizes in, ValueError
 // out for bad arguments; the step runs with the GIL released. swapio/ops.py is the tensor-level wrapper.
-#include "adam/bind_adam.h"
+#include "python/bind_adam.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
