@@ -1,0 +1,148 @@
+"""torch.distributed (gloo, 2 processes on the loopback): DDP with OffloadAdamW, and ZeroRedundancyOptimizer with
+optimizer_class=OffloadAdamW in nvme mode (each rank its own swap directory), each against a single-process run
+on the same data; the consolidated ZeRO state dict loads into torch.optim.AdamW and into an OffloadAdamW with
+another swap_dir. The two processes are spawned once for the module; each test checks what they wrote."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import swapio.optim as so
+from framework_helpers import assert_params_equal, mlp, mlp_batches, params_of
+
+WORLD, STEPS = 2, 4
+LR, WD = 1e-2, 0.1
+NVME = {"buffer_bytes": 3 << 16, "buffer_count": 3}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_steps(model, opt, rank):
+    """STEPS steps; each rank sees its half of every batch (DDP averages the gradients)."""
+    for x, y in mlp_batches(STEPS):
+        half = x.shape[0] // WORLD
+        rows = slice(rank * half, (rank + 1) * half)
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        results = {}
+        ddp = torch.nn.parallel.DistributedDataParallel(mlp())
+        opt = so.OffloadAdamW(ddp.parameters(), lr=LR, weight_decay=WD)
+        _local_steps(ddp, opt, rank)
+        results["ddp"] = params_of(ddp.module)
+
+        swap_dir = os.path.join(out_dir, f"swap-rank{rank}")
+        os.makedirs(swap_dir)
+        ddp = torch.nn.parallel.DistributedDataParallel(mlp())
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=so.OffloadAdamW, lr=LR, weight_decay=WD,
+                                       offload="nvme", swap_dir=swap_dir, **NVME)
+        results["zero_swap_path"] = zero.optim.swap_path
+        results["zero_local_params"] = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
+        _local_steps(ddp, zero, rank)
+        results["zero"] = params_of(ddp.module)
+        zero.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save(zero.state_dict(), os.path.join(out_dir, "zero-consolidated.pt"))
+        zero.optim.close()
+        results["zero_swap_left"] = os.listdir(swap_dir)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("distributed")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return out_dir, ranks
+
+
+def _single_process(mode, tmp_path):
+    model = mlp()
+    extra = {"swap_dir": tmp_path, **NVME} if mode == "nvme" else {}
+    with so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD, offload=mode, **extra) as opt:
+        for x, y in mlp_batches(STEPS):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return params_of(model)
+
+
+def _assert_close(a, b):
+    for k in b:  # gradients averaged over ranks vs over the whole batch: float32 summation order differs
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_matches_single_process(runs, tmp_path):
+    _, ranks = runs
+    assert_params_equal(ranks[0]["ddp"], ranks[1]["ddp"])
+    _assert_close(ranks[0]["ddp"], _single_process("cpu", tmp_path))
+
+
+def test_zero_with_nvme_offload_matches_single_process(runs, tmp_path):
+    out_dir, ranks = runs
+    assert_params_equal(ranks[0]["zero"], ranks[1]["zero"])
+    _assert_close(ranks[0]["zero"], _single_process("nvme", tmp_path))
+    total = sum(p.numel() for p in mlp().parameters())
+    assert sum(r["zero_local_params"] for r in ranks) == total  # each rank stepped its own shard
+    for rank, r in enumerate(ranks):
+        assert os.path.dirname(r["zero_swap_path"]) == str(out_dir / f"swap-rank{rank}")
+        assert r["zero_swap_left"] == []
+
+
+def _continue(opt, model, batches):
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return params_of(model)
+
+
+def test_consolidated_zero_state_dict_loads_into_torch_and_offload_adamw(runs, tmp_path):
+    out_dir, ranks = runs
+    def load():  # a fresh copy each time: torch's AdamW increments the loaded "step" tensors in place
+        return torch.load(out_dir / "zero-consolidated.pt", weights_only=True)
+
+    sd = load()
+    assert {"offload", "swap_dir", "buffer_bytes"} <= set(sd["param_groups"][0])
+    more = mlp_batches(2, seed=7)
+
+    torch_model = mlp()
+    torch_model.load_state_dict(ranks[0]["zero"])
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    torch_opt.load_state_dict(load())
+    assert [torch_opt.state[p]["step"].item() for p in torch_model.parameters()] == [STEPS] * 4
+    expected = _continue(torch_opt, torch_model, more)
+
+    model = mlp()
+    model.load_state_dict(ranks[0]["zero"])
+    other_dir = tmp_path / "elsewhere"
+    other_dir.mkdir()
+    with so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD, offload="nvme", swap_dir=other_dir,
+                         **NVME) as opt:
+        opt.load_state_dict(sd)
+        assert os.path.dirname(opt.swap_path) == str(other_dir)  # the saved swap_dir key does not move it
+        loaded = opt.state_dict()["state"]
+        for i, p in enumerate(model.parameters()):
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded[i][name], sd["state"][i][name])
+        got = _continue(opt, model, more)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+    for rank in range(WORLD):
+        assert os.listdir(out_dir / f"swap-rank{rank}") == []
