@@ -1,6 +1,15 @@
-"""Shared helpers for the benchmarks: medians, cache dropping, tables (sizes: swapio.report.parse_size)."""
+"""Shared helpers for the benchmarks: medians, cache dropping, tables (sizes: swapio.tools.report.parse_size).
+
+Import this first: it puts the checkout ahead of any installed swapio on sys.path, so the benchmarks run from
+an in-place build (`python setup.py build_ext --inplace`) as they are.
+"""
 import os
 import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 
 def median(values):

@@ -21,16 +21,13 @@ Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--re
 """
 import argparse
 import statistics
-import sys
 import time
 
 import torch
 
-try:
-    import swapio.ops as sops
-    from swapio.report import fmt_size, parse_size
-except ImportError as e:  # pragma: no cover
-    sys.exit(f"swapio is not built ({e}); run: python setup.py build_ext --inplace")
+import _common  # noqa: F401  (first: the checkout's swapio)
+import swapio.ops as sops
+from swapio.tools.report import fmt_size, parse_size
 
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)

@@ -5,16 +5,13 @@ file with AioHandle, interleaved, as ratios.
 """
 import argparse
 import os
-import sys
 import time
 
 import torch
 
+from _common import drop_caches, median, print_table  # first: the checkout's swapio
 import swapio
-from swapio.report import parse_size
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches, median, print_table  # noqa: E402
+from swapio.tools.report import parse_size
 
 
 def main():

@@ -5,34 +5,30 @@ against the aligned pinned path.
 
 Sequential write and read at 1 MiB and 128 KiB blocks, queue depth 32, O_DIRECT. Each repeat runs every
 contender once, in a rotating order (these machines are noisy: compare medians of interleaved runs).
-fio: `fio --rw=read|write --bs=BS --iodepth=32 --size=SIZE --direct=1 --ioengine=libaio|io_uring`.
+fio: the command `swapio bench --compare-fio` runs (swapio.tools.fiocompare), with --ioengine=libaio|io_uring.
 """
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 
 import torch
 
+from _common import drop_caches, median, print_table  # first: the checkout's swapio
 import swapio
-from swapio.report import parse_size
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import drop_caches, median, print_table  # noqa: E402
+from swapio.tools import fiocompare
+from swapio.tools.report import parse_size
 
 CONFIGS = [(1 << 20, 32), (128 << 10, 32)]
+FIO_CONTENDERS = {"fio-libaio": "aio", "fio-io_uring": "uring"}  # fio's engine as swapio names it
 
 
 def fio_gbps(path, rw, bs, qd, size, engine):
-    cmd = ["fio", "--name=swapio-compare", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
-           f"--iodepth={qd}", f"--size={size}", "--direct=1", f"--ioengine={engine}", "--numjobs=1",
-           "--output-format=json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job[rw]["bw_bytes"] / 1e9
+    """One whole-file fio pass: the command `swapio bench --compare-fio` runs, with one job and 1 loop."""
+    cmd = fiocompare.fio_command(fiocompare.find_fio(), path=path, rw=rw, bs=bs, iodepth=qd, threads=1,
+                                 size=size, engine=engine, direct=True)
+    return fiocompare.run_fio(cmd)[rw]["bw_bytes"] / 1e9
 
 
 def swapio_gbps(path, rw, bs, qd, buf):
@@ -60,7 +56,7 @@ def disk_vs_fio(args):
                         if who == "swapio":
                             gbps = swapio_gbps(path, rw, bs, qd, buf)
                         else:
-                            gbps = fio_gbps(path, rw, bs, qd, args.size, who.split("-")[1])
+                            gbps = fio_gbps(path, rw, bs, qd, args.size, FIO_CONTENDERS[who])
                         results.setdefault((rw, bs, who), []).append(gbps)
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     finally:
@@ -123,8 +119,10 @@ def main():
     args = p.parse_args()
     summary = {"engine": swapio.AioHandle().engine}
     if not args.skip_fio:
-        if shutil.which("fio") is None:
-            sys.exit("fio is not installed (apt-get install fio); use --skip-fio for the tensor path only")
+        try:
+            fiocompare.find_fio()
+        except fiocompare.FioError as e:
+            sys.exit(f"{e}; use --skip-fio for the tensor path only")
         summary["disk"] = disk_vs_fio(args)
     summary["tensor"] = tensor_paths(args)
     if args.json:

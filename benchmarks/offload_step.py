@@ -22,10 +22,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import swapio  # noqa: E402
-import swapio.optim as so  # noqa: E402
-from swapio import ops  # noqa: E402
+import _common  # noqa: F401  (first: the checkout's swapio)
+import swapio
+import swapio.optim as so
+from swapio import ops
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -1,6 +1,6 @@
 """python -m swapio: the `swapio` command (bench, tune, info)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ import tempfile
 
 import torch
 
-from . import _C, __version__
+from . import _C, __version__, ops
 
 
 def _probe_path(path):
@@ -22,26 +22,15 @@ def _probe_path(path):
         os.unlink(probe)
 
 
-def _adam_capability():
-    try:
-        from . import ops
-        return ops.cpu_capability()
-    except (ImportError, AttributeError):
-        return None
-
-
 def info(path=None):
     """A dict: engines usable here (or why not), the engine "auto" picks, O_DIRECT support and alignment for
     `path` (a file or directory), the Adam kernel's SIMD level, threads, CUDA pinning, versions."""
-    engines = _C.engine_status()
-    forced = os.environ.get("SWAPIO_ENGINE") or None
-    auto = forced or next((e for e in ("uring", "aio", "psync") if engines[e] == "ok"), None)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     result = {
         "version": __version__,
-        "engines": engines,
-        "auto_engine": auto,
-        "adam_simd": _adam_capability(),
+        "engines": _C.engine_status(),
+        "auto_engine": _C.auto_engine(),
+        "adam_simd": ops.cpu_capability(),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cuda_pinning": torch.cuda.is_available(),

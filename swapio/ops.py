@@ -19,12 +19,7 @@ import warnings
 import torch
 
 from . import _C
-
-try:
-    from ._errors import SwapioWarning
-except ImportError:  # pragma: no cover - the package's warning class lives beside this module
-    class SwapioWarning(UserWarning):
-        pass
+from ._errors import SwapioWarning
 
 __all__ = ["adam_step_", "adam_step_reference_", "cpu_capability", "cpu_capabilities"]
 

@@ -1,7 +1,7 @@
 """Shared helpers for the tests/test_cli_*.py files."""
 import os
 
-from swapio import cli
+from swapio.tools import cli
 
 
 def run_cli(capsys, *argv):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import swapio
-from swapio import bench
-from swapio.report import FIO_PERCENTILES, pct_key
+from swapio.tools import bench, pattern
+from swapio.tools.report import FIO_PERCENTILES, pct_key
 
 from _cli_helpers import assert_one_line_error, leftovers, run_cli
 
@@ -171,7 +171,7 @@ def test_random_offsets_match_the_native_core(tmp_path):
         assert req.wait(30)
         req.result()
     got = buf.view(count, bs // 8)[:, 0].numpy()
-    want = bench.random_offsets(seed, count, blocks * bs, bs) // np.uint64(bs)
+    want = pattern.random_offsets(seed, count, blocks * bs, bs) // np.uint64(bs)
     assert (got == want.astype(np.int64)).all()
 
 

@@ -1,8 +1,8 @@
 """swapio command line: size/duration parsing and flag handling (no I/O)."""
 import pytest
 
-from swapio import cli
-from swapio.report import fmt_size, parse_duration, parse_size
+from swapio.tools import cli
+from swapio.tools.report import fmt_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("text, value", [

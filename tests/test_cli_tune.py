@@ -5,6 +5,7 @@ import struct
 import pytest
 
 import swapio
+from swapio.tools import cli
 
 from _cli_helpers import leftovers, run_cli
 
@@ -24,7 +25,7 @@ def sweep(tmp_path_factory):
             "--point-time", "0.05", "--warmup", "0", "-o", str(cfg), "-q"]
     if HAVE_MPL:
         argv += ["--plot", str(png)]
-    rc = swapio.cli.main(argv)
+    rc = cli.main(argv)
     return rc, d, cfg, png
 
 

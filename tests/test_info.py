@@ -72,3 +72,15 @@ def test_public_names_exist():
 def test_info_of_missing_path_raises_os_error(tmp_path, missing):
     with pytest.raises(OSError):
         swapio.info(tmp_path / missing)
+
+
+def test_native_registry_is_what_the_handle_and_info_use():
+    from swapio import _C
+    assert tuple(swapio.info()["engines"]) == _C.ENGINES
+    assert set(_C.AUTO_ENGINE_ORDER) < set(_C.ENGINES) and "null" not in _C.AUTO_ENGINE_ORDER
+    assert swapio.info()["auto_engine"] == swapio.AioHandle(queue_depth=1).engine
+    for name, limit in (("block_size", _C.MAX_BLOCK_SIZE), ("queue_depth", _C.MAX_QUEUE_DEPTH),
+                        ("threads", _C.MAX_THREADS)):
+        with pytest.raises(ValueError, match=f"{name} must be between 1 and"):
+            swapio.AioHandle(engine="null", **{name: limit + 1})
+    swapio.AioHandle(block_size=_C.MAX_BLOCK_SIZE, queue_depth=_C.MAX_QUEUE_DEPTH, engine="null").close()

@@ -41,10 +41,14 @@ extern const EngineOps uring_engine;
 extern const EngineOps psync_engine;
 extern const EngineOps null_engine;
 
-// Engine by name ("aio", "uring", "psync", "null"); nullptr if unknown.
+// Every engine, in the order swapio.info() lists them (the registry Python reads: swapio._C.ENGINES).
+const std::vector<const EngineOps*>& all_engines();
+// Engine by name ("uring", "aio", "psync", "null"); nullptr if unknown.
 const EngineOps* find_engine(const std::string& name);
 // Order that engine="auto" tries: fastest first (measured: see README).
 const std::vector<const EngineOps*>& auto_engine_order();
+// The engine a handle asked for `requested` uses: SWAPIO_ENGINE, when set, replaces "auto".
+std::string resolve_engine_request(const std::string& requested);
 // 0 if the engine can be set up on this kernel, else -errno (io_uring disabled, aio-max-nr reached, ...).
 int probe_engine(const EngineOps& ops);
 

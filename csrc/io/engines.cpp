@@ -1,9 +1,16 @@
 #include "io/engine.h"
 
+#include <cstdlib>
+
 namespace swapio::io {
 
+const std::vector<const EngineOps*>& all_engines() {
+  static const std::vector<const EngineOps*> all = {&uring_engine, &aio_engine, &psync_engine, &null_engine};
+  return all;
+}
+
 const EngineOps* find_engine(const std::string& name) {
-  for (const EngineOps* ops : {&aio_engine, &uring_engine, &psync_engine, &null_engine})
+  for (const EngineOps* ops : all_engines())
     if (name == ops->name) return ops;
   return nullptr;
 }
@@ -11,6 +18,12 @@ const EngineOps* find_engine(const std::string& name) {
 const std::vector<const EngineOps*>& auto_engine_order() {
   static const std::vector<const EngineOps*> order = {&uring_engine, &aio_engine, &psync_engine};
   return order;
+}
+
+std::string resolve_engine_request(const std::string& requested) {
+  if (requested != "auto") return requested;
+  const char* forced = std::getenv("SWAPIO_ENGINE");
+  return forced && *forced ? std::string(forced) : requested;
 }
 
 int probe_engine(const EngineOps& ops) {

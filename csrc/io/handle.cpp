@@ -1,6 +1,5 @@
 #include "io/handle.h"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "common/errors.h"
@@ -10,10 +9,6 @@ namespace {
 
 int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 int64_t round_down(int64_t x, int64_t a) { return x / a * a; }
-
-constexpr int64_t kMaxDepth = 4096;
-constexpr int64_t kMaxThreads = 256;
-constexpr int64_t kMaxBlock = int64_t(1) << 30;
 
 // Sets up one engine context per worker; all or nothing.
 int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<void*>& out) {
@@ -33,27 +28,27 @@ int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<
 }  // namespace
 
 Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
-  if (opt_.block_size <= 0 || opt_.block_size > kMaxBlock)
+  if (opt_.block_size <= 0 || opt_.block_size > kMaxBlockSize)
     throw ArgError("block_size must be between 1 and 1 GiB, got " + std::to_string(opt_.block_size));
-  if (opt_.queue_depth <= 0 || opt_.queue_depth > kMaxDepth)
-    throw ArgError("queue_depth must be between 1 and 4096, got " + std::to_string(opt_.queue_depth));
+  if (opt_.queue_depth <= 0 || opt_.queue_depth > kMaxQueueDepth)
+    throw ArgError("queue_depth must be between 1 and " + std::to_string(kMaxQueueDepth) + ", got " +
+                   std::to_string(opt_.queue_depth));
   if (opt_.threads <= 0 || opt_.threads > kMaxThreads)
-    throw ArgError("threads must be between 1 and 256, got " + std::to_string(opt_.threads));
+    throw ArgError("threads must be between 1 and " + std::to_string(kMaxThreads) + ", got " +
+                   std::to_string(opt_.threads));
   if (opt_.submit_batch < 0)
     throw ArgError("submit_batch must be >= 0 (0: all ready pieces), got " + std::to_string(opt_.submit_batch));
 
-  std::string wanted = opt_.engine;
-  if (wanted == "auto") {
-    const char* forced = std::getenv("SWAPIO_ENGINE");
-    if (forced && *forced) wanted = forced;
-  }
+  const std::string wanted = resolve_engine_request(opt_.engine);
   std::vector<const EngineOps*> candidates;
   if (wanted == "auto") {
     candidates = auto_engine_order();
   } else if (const EngineOps* ops = find_engine(wanted)) {
     candidates = {ops};
   } else {
-    throw ArgError("unknown engine '" + wanted + "' (choose auto, uring, aio, psync or null)");
+    std::string names = "auto";
+    for (const EngineOps* e : all_engines()) names += std::string(", ") + e->name;
+    throw ArgError("unknown engine '" + wanted + "' (choose " + names + ")");
   }
   const unsigned depth = static_cast<unsigned>(opt_.queue_depth);
   int last_rc = 0;
@@ -92,7 +87,7 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
   if (offset < 0) throw ArgError("offset must be >= 0, got " + std::to_string(offset));
   if (length < 0) throw ArgError("length must be >= 0, got " + std::to_string(length));
   // Headroom for rounding to blocks and alignment, so no position computed from the request can overflow.
-  if (offset > INT64_MAX - length - kMaxBlock) throw ArgError("offset + length overflows");
+  if (offset > INT64_MAX - length - kMaxBlockSize) throw ArgError("offset + length overflows");
   if (buf == 0 && length > 0) throw ArgError("buffer pointer is null");
   if (closed()) throw ArgError("the handle is closed");
 

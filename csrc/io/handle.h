@@ -15,6 +15,11 @@
 
 namespace swapio::io {
 
+// Limits on HandleOptions (exposed to Python as swapio._C.MAX_*; the CLI reads them there).
+constexpr int64_t kMaxBlockSize = int64_t(1) << 30;
+constexpr int64_t kMaxQueueDepth = 4096;
+constexpr int64_t kMaxThreads = 256;
+
 struct HandleOptions {
   int64_t block_size = 1 << 20;
   int64_t queue_depth = 32;

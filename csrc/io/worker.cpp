@@ -20,13 +20,6 @@ int64_t now_ns() {
       .count();
 }
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 const char* op_name(Op op) { return op == Op::read ? "read" : "write"; }
 
 std::string describe(const Piece& p, const char* what) {
@@ -35,6 +28,14 @@ std::string describe(const Piece& p, const char* what) {
 }
 
 }  // namespace
+
+int64_t random_piece_offset(uint64_t seed, int64_t i, int64_t span, int64_t block) {
+  uint64_t x = seed + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ULL;  // splitmix64(seed + i)
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return static_cast<int64_t>(x % static_cast<uint64_t>(span / block)) * block;
+}
 
 Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, size_t slot_bytes)
     : ops_(ops), ctx_(ctx), depth_(depth), batch_(ops.sync ? 1 : batch),
@@ -190,8 +191,7 @@ void Worker::prepare(Slot& s, Task& t) {
   bool direct;
   if (L.random) {
     int64_t i = t.cursor++;
-    pos = static_cast<int64_t>(splitmix64(L.seed + static_cast<uint64_t>(i)) %
-                               static_cast<uint64_t>(L.span / L.block)) * L.block;
+    pos = random_piece_offset(L.seed, i, L.span, L.block);
     end = pos + L.block;
     s.user = L.buf + (i % L.slots) * L.block;
     direct = f.direct();

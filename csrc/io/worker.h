@@ -17,6 +17,10 @@
 
 namespace swapio::io {
 
+// Piece i of a random request (Handle::submit_random): splitmix64(seed + i) picks one of the span / block
+// block-aligned offsets. Exposed as swapio._C.random_offsets, so a benchmark can check what it read.
+int64_t random_piece_offset(uint64_t seed, int64_t i, int64_t span, int64_t block);
+
 // A contiguous stripe of one request: file positions [begin, end) (piece indices for random requests).
 struct Task {
   std::shared_ptr<Request> req;

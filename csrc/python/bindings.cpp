@@ -72,11 +72,33 @@ py::dict probe_file(const std::string& path) {
 
 py::dict engine_status() {
   py::dict out;
-  for (const char* name : {"uring", "aio", "psync", "null"}) {
-    int rc = io::probe_engine(*io::find_engine(name));
-    out[name] = rc == 0 ? std::string("ok") : std::string(std::strerror(-rc));
+  for (const io::EngineOps* ops : io::all_engines()) {
+    int rc = io::probe_engine(*ops);
+    out[ops->name] = rc == 0 ? std::string("ok") : std::string(std::strerror(-rc));
   }
   return out;
+}
+
+py::tuple engine_names(const std::vector<const io::EngineOps*>& engines) {
+  py::tuple out(engines.size());
+  for (size_t i = 0; i < engines.size(); i++) out[i] = py::str(engines[i]->name);
+  return out;
+}
+
+// What engine="auto" opens here: the SWAPIO_ENGINE override, else the first usable engine in auto order.
+py::object auto_engine() {
+  const std::string wanted = io::resolve_engine_request("auto");
+  if (wanted != "auto") return py::str(wanted);
+  for (const io::EngineOps* ops : io::auto_engine_order())
+    if (io::probe_engine(*ops) == 0) return py::str(ops->name);
+  return py::none();
+}
+
+py::bytes random_offsets(uint64_t seed, int64_t count, int64_t span, int64_t block) {
+  if (count < 0 || block <= 0 || span < block) throw ArgError("random_offsets needs count >= 0, 0 < block <= span");
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; i++) out[static_cast<size_t>(i)] = io::random_piece_offset(seed, i, span, block);
+  return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
 }
 
 }  // namespace
@@ -164,6 +186,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("probe_file", &probe_file, py::arg("path"),
         "O_DIRECT support and alignment for an existing file.");
   m.def("engine_status", &engine_status, "'ok' or the reason, for each engine on this kernel.");
+  m.def("auto_engine", &auto_engine, "The engine engine=\"auto\" opens here (None if none is usable).");
+  m.def("random_offsets", &random_offsets, py::arg("seed"), py::arg("count"), py::arg("span"), py::arg("block"),
+        "File offsets (int64, native byte order) of the pieces Handle.submit_random(seed, count) visits.");
+  // The registry the Python layer reads instead of restating it.
+  m.attr("ENGINES") = engine_names(io::all_engines());
+  m.attr("AUTO_ENGINE_ORDER") = engine_names(io::auto_engine_order());
+  m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;
+  m.attr("MAX_QUEUE_DEPTH") = io::kMaxQueueDepth;
+  m.attr("MAX_THREADS") = io::kMaxThreads;
 
   swapio::bind_adam(m);
 }

@@ -9,7 +9,7 @@ over a thousand points):
   4. threads: more workers at the best point while each doubling gains > 5 %;
   5. final round: the top settings of each direction are measured again for both directions, interleaved,
      and judged on medians (single figures swing by tens of % on shared machines).
-Each point is a short time-based run (bench's pump: a few large requests outstanding, latency per piece).
+Each point is a short time-based run (swapio.tools.loadgen's pump: a few large requests outstanding, latency per piece).
 """
 import dataclasses
 import datetime
@@ -21,9 +21,13 @@ import time
 
 import numpy as np
 
-from . import __version__, _C
-from . import bench, report
-from .handle import AioHandle
+from tqdm import tqdm
+
+from .. import __version__, _C
+from ..handle import AioHandle
+from . import loadgen, report
+from .errors import ToolError
+from .testfile import TestFile, no_interrupts
 
 DEFAULT_SIZE = 512 << 20
 DEFAULT_POINT_TIME = 0.4
@@ -33,7 +37,6 @@ BLOCK_SIZES = tuple(k << 10 for k in (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 THREADS = (1, 2, 4)
 MAX_INFLIGHT = 128 << 20   # skip points with more than this many bytes in flight (bs * iodepth * threads)
-ENGINE_ORDER = ("uring", "aio", "psync")
 _TUNE_REQUEST = 16 << 20
 REFINE_GAIN = 1.03
 THREAD_GAIN = 1.05
@@ -42,7 +45,7 @@ FINAL_TOP = 3
 FINAL_ROUNDS = 2
 
 
-class TuneError(Exception):
+class TuneError(ToolError):
     """Bad tune input or environment: printed as one line by the CLI."""
 
 
@@ -69,7 +72,7 @@ class TuneConfig:
             raise TuneError("--rw is empty")
         status = _C.engine_status()
         if self.engines is None:
-            self.engines = tuple(e for e in ENGINE_ORDER if status.get(e) == "ok")
+            self.engines = tuple(e for e in _C.AUTO_ENGINE_ORDER if status.get(e) == "ok")
             if not self.engines:
                 raise TuneError("no usable I/O engine here (see swapio info)")
         for e in self.engines:
@@ -84,8 +87,8 @@ class TuneConfig:
         self.block_sizes = tuple(sorted(set(self.block_sizes)))
         self.depths = tuple(sorted(set(self.depths)))
         self.threads = tuple(sorted(set(self.threads)))
-        if max(self.depths) > 4096 or max(self.threads) > 256:
-            raise TuneError("--iodepth must be <= 4096 and --threads <= 256")
+        if max(self.depths) > _C.MAX_QUEUE_DEPTH or max(self.threads) > _C.MAX_THREADS:
+            raise TuneError(f"--iodepth must be <= {_C.MAX_QUEUE_DEPTH} and --threads <= {_C.MAX_THREADS}")
         if self.size < min(self.block_sizes) * min(self.threads):
             raise TuneError(f"--size {self.size} is smaller than the smallest block size x threads")
         if not self.point_time > 0 or not self.budget >= 0:
@@ -174,7 +177,7 @@ class _Sweeper:
         self.stage = "coarse"
         self.deadline = time.perf_counter() + cfg.budget
         chunk = min(max(_TUNE_REQUEST, MAX_INFLIGHT), cfg.size)
-        self.buffer = bench._pinned(chunk, True)
+        self.buffer = loadgen.pinned_buffer(chunk, True)
 
     def valid(self, engine, bs, qd, th):
         inflight = bs * (1 if engine == "psync" else qd) * th
@@ -199,9 +202,9 @@ class _Sweeper:
             return None
         point = self.points.setdefault(key, Point(engine, op, bs, qd, th))
         with h:
-            bench._drop_cache(self.path)
-            submit = bench._sequential_submitter(h, op, self.path, size, chunk, [self.buffer], None)
-            nbytes, _, secs, lat, _, _ = bench._pump(submit, runtime=self.cfg.point_time, warmup=self.cfg.warmup)
+            loadgen.drop_cache(self.path)
+            submit = loadgen.sequential_submitter(h, op, self.path, size, chunk, [self.buffer], None)
+            nbytes, _, secs, lat, _, _ = loadgen.pump(submit, runtime=self.cfg.point_time, warmup=self.cfg.warmup)
         point.gbps.append(nbytes / secs / 1e9)
         point.p99_ns.append(int(np.percentile(lat, 99)) if lat.size else 0)
         self.stage_counts[self.stage] = self.stage_counts.get(self.stage, 0) + 1
@@ -287,11 +290,7 @@ class _Sweeper:
 def run_tune(cfg, log=None):
     cfg.validate()
     start = time.perf_counter()
-    bcfg = bench.BenchConfig(directory=cfg.directory, size=cfg.size)
-    try:
-        target = bench._Target(bcfg)
-    except bench.BenchError as e:
-        raise TuneError(str(e)) from None
+    target = TestFile(directory=cfg.directory)
     bar = None
     try:
         probe = _C.probe_file(target.path)
@@ -305,15 +304,11 @@ def run_tune(cfg, log=None):
                 raise TuneError(f"no block size is a multiple of the direct-I/O alignment ({align} bytes)")
         elif cfg.direct is None and log:
             log(f"the file system of {target.directory} refuses O_DIRECT: tuning buffered I/O")
-        bench._free_space_check(target, bcfg, True)
+        target.check_free_space(cfg.size)
         with AioHandle(1 << 20, 32, 1, "auto", direct) as h:
-            bench._sequential_pass(h, "write", target.path, cfg.size, None, False, "laying out")
+            loadgen.sequential_pass(h, "write", target.path, cfg.size, None, False, "laying out")
         if cfg.progress and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-                bar = tqdm(desc="tune", unit=" points", leave=False, dynamic_ncols=True)
-            except ImportError:
-                pass
+            bar = tqdm(desc="tune", unit=" points", leave=False, dynamic_ncols=True)
         sw = _Sweeper(cfg, target.path, direct, log, bar)
         for op in cfg.ops:
             sw.stage = "coarse"
@@ -348,7 +343,7 @@ def run_tune(cfg, log=None):
     finally:
         if bar is not None:
             bar.close()
-        with bench._no_interrupts():
+        with no_interrupts():
             target.finish(True)  # the sweep's file always goes
 
 

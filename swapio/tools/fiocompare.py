@@ -4,6 +4,8 @@ import shlex
 import shutil
 import subprocess
 
+from .errors import ToolError
+
 # swapio engine -> fio ioengine
 FIO_ENGINES = {"uring": "io_uring", "aio": "libaio", "psync": "psync", "null": "null"}
 
@@ -11,7 +13,7 @@ INSTALL_HINT = ("fio is not installed (or not on PATH): install it with `apt-get
                 "`dnf install fio` or `brew install fio`, or drop --compare-fio")
 
 
-class FioError(Exception):
+class FioError(ToolError):
     """fio is missing, failed, or printed something that is not its JSON."""
 
 

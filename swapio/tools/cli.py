@@ -11,6 +11,8 @@ import sys
 import threading
 import warnings
 
+from .. import _C
+
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 
@@ -91,8 +93,8 @@ def _bench_parser(sub):
     p.add_argument("--threads", "--numjobs", dest="threads", type=_int, default=1,
                    help="worker threads, each with its own queue and a stripe of the file (default 1)")
     p.add_argument("--size", type=_size, default="1G", help="file size (default 1G)")
-    p.add_argument("--engine", default="auto", choices=["auto", "uring", "aio", "psync", "null"],
-                   help="I/O engine (default auto: io_uring, else Linux AIO, else psync)")
+    p.add_argument("--engine", default="auto", choices=["auto", *_C.ENGINES],
+                   help=f"I/O engine (default auto: the first usable of {', '.join(_C.AUTO_ENGINE_ORDER)})")
     _add_direct(p)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--file", help="run on this file (created if missing; kept afterwards)")
@@ -163,7 +165,7 @@ def _info_parser(sub):
 def build_parser():
     p = _Parser(prog="swapio", description="swapio: fast tensor swapping between memory and NVMe.",
                 allow_abbrev=False)
-    from . import __version__
+    from .. import __version__
     p.add_argument("--version", action="version", version=f"swapio {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{bench,tune,info}")
     _bench_parser(sub)
@@ -243,7 +245,7 @@ def _run_tune(args):
 
 
 def _run_info(args):
-    from . import info
+    from .. import info
     from .info_text import info_text
     if args.path is not None and not os.path.exists(args.path):
         raise UsageError(f"--path {args.path} does not exist")
@@ -322,10 +324,8 @@ def main(argv=None):
 
 
 def _known_errors():
-    from .bench import BenchError
-    from .fiocompare import FioError
-    from .tune import TuneError
-    return (BenchError, FioError, TuneError, OSError, ValueError, TypeError)
+    from .errors import ToolError
+    return (ToolError, OSError, ValueError, TypeError)
 
 
 if __name__ == "__main__":

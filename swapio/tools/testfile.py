@@ -1,0 +1,81 @@
+"""The file a bench or tune run works on, and its cleanup."""
+import contextlib
+import os
+import signal
+import tempfile
+import threading
+
+from .errors import ToolError
+from .report import fmt_bytes
+
+TEMP_PREFIX = "swapio-bench-"
+
+
+class TestFile:
+    """A temporary file in `directory` (default: the working directory; always removed), or the named `file`
+    (removed only if this run created it and then failed)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, file=None, directory=None):
+        self.temporary = file is None
+        self.created = False
+        if self.temporary:
+            where = os.path.abspath(directory or os.getcwd())
+            check_directory(where, "--dir" if directory else "working directory")
+            fd, self.path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp", dir=where)
+            os.close(fd)
+            self.created = True
+        else:
+            self.path = os.path.abspath(file)
+            check_directory(os.path.dirname(self.path), "--file's directory")
+            if os.path.exists(self.path):
+                if not os.path.isfile(self.path):
+                    raise ToolError(f"--file {file} exists and is not a regular file")
+            else:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.close(fd)
+                self.created = True
+        self.directory = os.path.dirname(self.path)
+
+    def current_size(self):
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
+
+    def check_free_space(self, size):
+        """ToolError unless the disk can take the file at `size` bytes."""
+        need = size if self.created else max(0, size - self.current_size())
+        st = os.statvfs(self.directory)
+        avail = st.f_bavail * st.f_frsize
+        if need > avail:
+            raise ToolError(f"not enough free space in {self.directory}: the run needs {fmt_bytes(need)}, "
+                            f"{fmt_bytes(avail)} available (use a smaller --size)")
+
+    def finish(self, failed):
+        if self.path and (self.temporary or (failed and self.created)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def check_directory(directory, what):
+    if not os.path.exists(directory):
+        raise ToolError(f"{what} {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise ToolError(f"{what} {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ToolError(f"{what} {directory} is not writable")
+
+
+@contextlib.contextmanager
+def no_interrupts():
+    """Cleanup must finish: hold off SIGINT while the I/O drains and the file goes (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
