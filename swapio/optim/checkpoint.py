@@ -2,14 +2,20 @@
 
 A checkpoint is a directory holding two files:
   swapio-optim.pt               metadata (torch.save, loaded with weights_only=True): format, version, the
-                                optimizer class, param_groups as in state_dict(), and per parameter index its
-                                step, shape, dtype and the byte offset of each fp32 array in the data file
+                                optimizer class, param_groups as in state_dict(), per parameter index its
+                                step, shape, dtype and the byte offset of each fp32 array in the data file, and
+                                an xxh3-64 checksum of each array (version 2)
   swapio-optim-<token>.bin      the arrays: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), master (bf16/fp16
                                 parameters only), each parameter's fields one after the other, each 4 KiB aligned
 The data go to "<name>.bin.tmp", are fsynced and renamed; then the metadata go to a temporary name, are fsynced
-and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash at any moment leaves
-either the previous checkpoint or the new one under swapio-optim.pt; data files no metadata names are removed
-by the next save. One writer per directory at a time.
+and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash or a signal at any
+moment leaves either the previous checkpoint or the new one under swapio-optim.pt: once the rename is done,
+nothing the new metadata names is ever deleted, whatever fails after it. Data files no metadata names are
+removed by the next save. One writer per directory at a time.
+
+load() is all or nothing: it validates the metadata, reads every array into new storage (new tensors in cpu
+mode, a new swap file in nvme mode: the disk briefly holds both), verifies the checksums, and only then swaps
+the new state in; a failure at any point leaves the optimizer exactly as it was.
 
 The arrays stream chunk by chunk through the optimizer's pinned buffers (nvme mode) or straight from/to the
 state tensors (cpu mode), so saving or loading never holds more than a chunk beyond the live state. A checkpoint
@@ -20,11 +26,13 @@ import secrets
 
 import torch
 
+from .. import _checksum
+
 META = "swapio-optim.pt"
 DATA_PREFIX = "swapio-optim-"
 DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums
 _ALIGN = 4096
 
 
@@ -34,6 +42,20 @@ def _fsync_path(path, directory=False):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _file_id(fd):
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _committed(meta_path, meta_id):
+    """True when meta_path is the metadata file we wrote (the rename happened)."""
+    try:
+        st = os.stat(meta_path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == meta_id
 
 
 def _round_up(x):
@@ -71,10 +93,13 @@ def save(opt, path):
     finally:
         os.close(fd)
     tmp_meta = os.path.join(path, f".{META}.{secrets.token_hex(4)}.tmp")
+    meta_path = os.path.join(path, META)
+    sums, meta_id = {}, None
     try:
         rh, wh, owned = opt._io_handle()
         try:
             def sink(p, name, a, view):
+                sums.setdefault(p, {}).setdefault(name, _checksum.Stream()).update(a, view)
                 return wh.pwrite(view, tmp_data, offsets[p][name] + 4 * a)
 
             opt._backend.dump(stateful, fields_of, sink)
@@ -87,16 +112,23 @@ def save(opt, path):
         _fsync_path(tmp_data)
         os.rename(tmp_data, data_path)
         _fsync_path(path, directory=True)
+        for p, offs in offsets.items():
+            entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
+                                                  else _checksum.Stream().intdigest() for name in offs}
         meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "param_groups": groups,
-                "state": entries, "data": data_name, "data_bytes": end}
+                "state": entries, "data": data_name, "data_bytes": end, "checksum": _checksum.ALGORITHM}
         with open(tmp_meta, "wb") as f:
             torch.save(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp_meta, os.path.join(path, META))
+            meta_id = _file_id(f.fileno())
+        os.replace(tmp_meta, meta_path)  # the commit point
         _fsync_path(path, directory=True)
     except BaseException:
-        for leftover in (tmp_data, tmp_meta, data_path):
+        # After the commit the new data file is the checkpoint's: keep it, whatever interrupted us (a signal can
+        # land between the rename and any flag set after it, so ask the file system what is committed).
+        committed = meta_id is not None and _committed(meta_path, meta_id)
+        for leftover in (tmp_data, tmp_meta) if committed else (tmp_data, tmp_meta, data_path):
             try:
                 os.unlink(leftover)
             except FileNotFoundError:
@@ -132,22 +164,38 @@ def load(opt, path):
         raise ValueError(f"{data_path}: {'missing' if size < 0 else f'{size} bytes'}; the checkpoint needs "
                          f"{meta['data_bytes']} bytes")
     id_map, new_groups = opt._remap_groups(meta["param_groups"])
-    steps, fields, offsets = {}, {}, {}
+    steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map.get(k)
         if p is None:
             continue
         if entry["numel"] != p.numel():
             raise ValueError(f"parameter {k} has {p.numel()} elements; its checkpointed state has {entry['numel']}")
+        for name, off in entry["fields"].items():
+            if off < 0 or off + 4 * p.numel() > meta["data_bytes"]:
+                raise ValueError(f"{data_path}: field {name!r} of parameter {k} lies outside the data file")
         steps[p] = entry["step"].to(torch.float32).reshape(()).clone()
         fields[p] = set(entry["fields"])
         offsets[p] = entry["fields"]
+        expected[p] = (k, entry.get("checksums"))
+    sums = {}
     rh, wh, owned = opt._io_handle()
     try:
         def source(p, name, a, view):
-            return rh.pread(view, data_path, offsets[p][name] + 4 * a)
+            stream = sums.setdefault(p, {}).setdefault(name, _checksum.Stream())
+            read = rh.pread(view, data_path, offsets[p][name] + 4 * a)
+            return read._chain(lambda n: stream.update(a, view))
 
-        opt._install(new_groups, steps, fields, source)
+        def check():
+            for p, (k, checksums) in expected.items():
+                for name, want in (checksums or {}).items():
+                    got = sums.get(p, {}).get(name, _checksum.Stream()).intdigest()
+                    if got != want:
+                        raise ValueError(f"{data_path}: checksum mismatch in {name!r} of parameter {k} "
+                                         f"({_checksum.ALGORITHM} {got:016x}, saved {want:016x}): the file is "
+                                         "corrupted; the optimizer state was left as it was")
+
+        opt._install(new_groups, steps, fields, source, check=check)
     finally:
         if owned:
             rh.close()

@@ -88,24 +88,35 @@ class CpuState:
         for f in futures:
             f.wait()
 
-    def fill(self, entries, source):
-        """Replaces all state. entries: {p: (amsgrad, set of fields the source has)}. source(p, field, first,
-        view) fills the view (or returns a future that does); a missing master is taken from the parameter."""
-        state = self.opt.state
+    def fill(self, entries, source, placement, state, check, commit):
+        """Loads a whole new state, all or nothing: reads into new tensors put in `state` (not the live one),
+        then check(), then commit() makes `state` live. entries: {p: (amsgrad, set of fields the source has)}.
+        source(p, field, first, view) fills the view (or returns a future that does); a missing master is taken
+        from the parameter."""
         futures = []
-        for p, (amsgrad, available) in entries.items():
-            st = state[p]
-            for name in internal_fields(p, amsgrad):
-                t = torch.empty(p.shape, dtype=FP32)
-                st[name] = t
-                if name in available:
-                    f = source(p, name, 0, t.view(-1))
-                    if f is not None:
-                        futures.append(f)
-                else:  # "master" only (the caller checked the rest)
-                    t.copy_(p.detach())
-        for f in futures:
-            f.wait()
+        try:
+            for p, (amsgrad, available) in entries.items():
+                st = state[p]
+                for name in internal_fields(p, amsgrad):
+                    t = torch.empty(p.shape, dtype=FP32)
+                    st[name] = t
+                    if name in available:
+                        f = source(p, name, 0, t.view(-1))
+                        if f is not None:
+                            futures.append(f)
+                    else:  # "master" only (the caller checked the rest)
+                        t.copy_(p.detach())
+        finally:
+            error = None
+            for f in futures:  # no read may still write into memory we drop
+                try:
+                    f.wait()
+                except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+                    error = error or exc
+            if error is not None:
+                raise error
+        check()
+        commit()
 
     def forget(self, p):
         pass

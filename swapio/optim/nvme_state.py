@@ -149,12 +149,6 @@ class NvmeState:
             for chunk, seg in where[2]:
                 chunk.segments.remove(seg)
 
-    def reset(self):
-        """Drops the whole layout (load replaces every state): the file is emptied."""
-        self.wait_all()
-        self.chunks, self.placed, self.file_bytes = [], {}, 0
-        os.truncate(self.path, 0)
-
     # ---- the pipeline -------------------------------------------------------------------------------------
     def _slot(self, s):
         if self._slots is None:
@@ -287,34 +281,69 @@ class NvmeState:
 
         self.run(chunks, lambda c: True, work, False)
 
-    def fill(self, entries, source):
-        """Replaces all state: entries {p: (amsgrad, fields the source has)}; source(p, field, first, view) fills
-        the view or returns a future that will; a missing master is taken from the parameter."""
-        self.reset()
-        self.place([(p, g) for p, g in self.opt.iter_params_amsgrad()])
+    def fill(self, entries, source, placement, state, check, commit):
+        """Loads a whole new state, all or nothing: a new layout for `placement` [(p, amsgrad)] is written to a
+        new swap file beside the live one; then check(), the new file is renamed over the live one, and commit()
+        makes `state` live. entries: {p: (amsgrad, fields the source has)}; source(p, field, first, view) fills the
+        view or returns a future that will; a missing master is taken from the parameter. On failure the live
+        file and layout are untouched and the new file is removed."""
+        self.wait_all()
+        live = (self.chunks, self.placed, self.file_bytes, self.path)
+        new_path = self.path + ".load"
+        try:
+            os.unlink(new_path)
+        except FileNotFoundError:
+            pass
+        os.close(os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        try:
+            self.chunks, self.placed, self.file_bytes, self.path = [], {}, 0, new_path
+            self.place(placement)
+            self._fill_records(entries, source)
+            check()
+            os.replace(new_path, live[3])
+        except BaseException:
+            self.chunks, self.placed, self.file_bytes = live[:3]
+            try:
+                os.unlink(new_path)
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            self.path = live[3]
+        commit()
+
+    def _fill_records(self, entries, source):
         chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]
         flat = {}
 
         def work(chunk, views, s):
             futures = []
-            for seg in chunk.segments:
-                entry = entries.get(seg.p)
-                if entry is None:
-                    continue
-                for name in chunk.fields:
-                    view = views[name][seg.off:seg.off + seg.b - seg.a]
-                    if name in entry[1]:
-                        f = source(seg.p, name, seg.a, view)
-                        if f is not None:
-                            futures.append(f)
-                    else:
-                        if seg.p not in flat:
-                            flat[seg.p] = seg.p.detach().reshape(-1)
-                        view.copy_(flat[seg.p][seg.a:seg.b])
-                if seg.b == seg.p.numel():
-                    flat.pop(seg.p, None)
-            for f in futures:  # the record is written after this returns
-                f.wait()
+            try:
+                for seg in chunk.segments:
+                    entry = entries.get(seg.p)
+                    if entry is None:
+                        continue
+                    for name in chunk.fields:
+                        view = views[name][seg.off:seg.off + seg.b - seg.a]
+                        if name in entry[1]:
+                            f = source(seg.p, name, seg.a, view)
+                            if f is not None:
+                                futures.append(f)
+                        else:
+                            if seg.p not in flat:
+                                flat[seg.p] = seg.p.detach().reshape(-1)
+                            view.copy_(flat[seg.p][seg.a:seg.b])
+                    if seg.b == seg.p.numel():
+                        flat.pop(seg.p, None)
+            finally:
+                error = None
+                for f in futures:  # the record is written after this returns; no read may outlive its slot
+                    try:
+                        f.wait()
+                    except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+                        error = error or exc
+                if error is not None:
+                    raise error
 
         self.run(chunks, lambda c: False, work, True)
 

@@ -296,9 +296,10 @@ class OffloadAdam(Optimizer):
             new_groups.append(s)
         return id_map, new_groups
 
-    def _install(self, new_groups, steps, fields, source, extra_state=None):
-        """Replaces groups and state. steps: {p: fp32 step tensor}; fields: {p: set of fields the source has};
-        source(p, field, first, view) as in the backends' fill()."""
+    def _install(self, new_groups, steps, fields, source, extra_state=None, check=None):
+        """Replaces groups and state, all or nothing. steps: {p: fp32 step tensor}; fields: {p: set of fields the
+        source has}; source(p, field, first, view) as in the backends' fill(); check(): raises if what was read
+        must not be used (checksums). On any failure the optimizer keeps its groups and state as they were."""
         amsgrad = {p: bool(g.get("amsgrad", self.defaults["amsgrad"])) for g in new_groups for p in g["params"]}
         for p, have in fields.items():
             missing = [f for f in internal_fields(p, amsgrad[p]) if f != "master" and f not in have]
@@ -312,8 +313,13 @@ class OffloadAdam(Optimizer):
             state[p]["step"] = step
         for k, v in (extra_state or {}).items():
             state[k] = v
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        self._backend.fill({p: (amsgrad[p], fields[p]) for p in steps}, source)
+        placement = [(p, amsgrad[p]) for g in new_groups for p in g["params"]]
+
+        def commit():
+            self.__setstate__({"state": state, "param_groups": new_groups})
+
+        self._backend.fill({p: (amsgrad[p], fields[p]) for p in steps}, source, placement, state,
+                           check or (lambda: None), commit)
 
     def load_state_dict(self, state_dict):
         """Loads torch's format (from OffloadAdam[W] or torch.optim.Adam[W]), keeping the moments in fp32 even
