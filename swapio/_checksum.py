@@ -1,13 +1,16 @@
 """Fast checksums of tensor bytes (xxh3, 64 bits) for SwapStore(verify=True) and optimizer checkpoints."""
-import torch
+import ctypes
+
 import xxhash
 
 ALGORITHM = "xxh3_64"
 
 
 def _bytes(tensor):
-    """The bytes of a contiguous CPU tensor, without a copy (the view is dropped before the caller returns)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    """The bytes of a contiguous CPU tensor, without a copy. Not through .numpy(): that would mark the storage
+    as borrowed, and torch would then refuse to free it (release=True)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return (ctypes.c_char * nbytes).from_address(tensor.data_ptr()) if nbytes else b""
 
 
 def digest(tensor):

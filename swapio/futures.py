@@ -10,15 +10,17 @@ class Future:
     Dropping a future without waiting is safe: its handle keeps the memory alive until the I/O is done.
     """
 
-    __slots__ = ("_request", "_then", "_keepalive", "_lock", "_outcome", "observed")
+    __slots__ = ("_request", "_then", "_undo", "_keepalive", "_lock", "_outcome", "observed", "_on_observed")
 
-    def __init__(self, request=None, then=None, keepalive=None):
+    def __init__(self, request=None, then=None, keepalive=None, undo=None, on_observed=None):
         self._request = request      # native request, or None for an already-finished future
         self._then = then            # runs once on success: bytes moved -> the future's value
+        self._undo = undo            # runs once when the future fails (also when `then` raised)
         self._keepalive = keepalive  # memory the native I/O is touching
         self._lock = threading.Lock()
         self._outcome = None         # (True, value) or (False, exception)
         self.observed = False        # the caller has seen this future's outcome
+        self._on_observed = on_observed  # called once with this future when its outcome is first seen
 
     @classmethod
     def finished(cls, value):
@@ -26,9 +28,10 @@ class Future:
         f._outcome = (True, value)
         return f
 
-    def _chain(self, then):
-        """A future of the same request whose value is then(bytes moved)."""
-        return Future(self._request, then=then, keepalive=self._keepalive)
+    def _chain(self, then, undo=None):
+        """A future of the same request whose value is then(bytes moved); undo(exception) runs if it fails.
+        Seeing its outcome counts as seeing this future's."""
+        return Future(self._request, then=then, keepalive=self._keepalive, undo=undo, on_observed=self._observe)
 
     def done(self):
         return self._outcome is not None or self._request is None or self._request.done()
@@ -36,7 +39,7 @@ class Future:
     def wait(self, timeout=None):
         """Blocks until done (or ``timeout`` seconds: TimeoutError) and returns the value or raises."""
         outcome = self._settle(timeout)
-        self.observed = True
+        self._observe()
         if outcome[0]:
             return outcome[1]
         raise outcome[1]
@@ -45,8 +48,15 @@ class Future:
 
     def exception(self, timeout=None):
         outcome = self._settle(timeout)
-        self.observed = True
+        self._observe()
         return None if outcome[0] else outcome[1]
+
+    def _observe(self, _=None):
+        """Marks the outcome as seen and tells whoever tracks this future (once), so it can be let go."""
+        self.observed = True
+        notify, self._on_observed = self._on_observed, None
+        if notify is not None:
+            notify(self)
 
     def _settle(self, timeout=None):
         if self._outcome is None:
@@ -63,8 +73,10 @@ class Future:
                         self._outcome = (True, value)
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
                         self._outcome = (False, exc)
+                        if self._undo is not None:
+                            self._undo(exc)
                     self._keepalive = None
-                    self._then = None
+                    self._then = self._undo = None
         return self._outcome
 
     def __repr__(self):

@@ -9,7 +9,16 @@ from ._errors import check_int, check_path, warn_once
 from .futures import Future
 from .tensors import cpu_memory
 
+_PRUNE_MIN = 64
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct", "submit_batch")
+
+
+def _remove_if_empty(path):
+    try:
+        if os.lstat(path).st_size == 0:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class AioHandle(Closeable):
@@ -36,8 +45,9 @@ class AioHandle(Closeable):
         self.block_size, self.queue_depth, self.threads, self.direct = block_size, queue_depth, threads, direct
         self.submit_batch = submit_batch
         self._lock = threading.Lock()
-        self._pending = []    # futures not yet accounted for by wait()
-        self._settled = 0     # bytes of finished futures pruned from _pending since the last wait()
+        self._pending = {}    # futures not yet accounted for by wait() (a dict as an ordered set)
+        self._settled = 0     # bytes of finished futures let go of since the last wait()
+        self._prune_at = _PRUNE_MIN  # prune finished futures when this many are tracked (doubling: O(1) amortised)
 
     @classmethod
     def from_config(cls, config):
@@ -72,31 +82,47 @@ class AioHandle(Closeable):
         ptr, nbytes = cpu_memory(tensor)
         path = check_path("path", path)
         offset = check_int("offset", offset, 0)
-        request = self._native.submit(op, ptr, nbytes, path, offset, record_latency)
+        existed = op != "write" or os.path.lexists(path)
+        try:
+            request = self._native.submit(op, ptr, nbytes, path, offset, record_latency)
+        except BaseException:
+            if not existed:
+                _remove_if_empty(path)  # the open created it, then failed (O_DIRECT refused, ...)
+            raise
         if request.fell_back:
             warn_once(("fallback", os.path.dirname(os.path.abspath(path))),
                       f"{path}: the file system refuses O_DIRECT; swapio falls back to buffered I/O "
                       "(pass direct=False to silence this, direct=True to make it an error)")
-        return self._track(Future(request, keepalive=tensor))
+        return self._track(Future(request, keepalive=tensor, on_observed=self._let_go))
 
     def _track(self, future):
         with self._lock:
-            keep = []
-            for f in self._pending:
-                if f.done() and f._settle()[0]:
-                    self._settled += f._settle()[1]
-                else:
-                    keep.append(f)
-            keep.append(future)
-            self._pending = keep
+            self._pending[future] = None
+            if len(self._pending) >= self._prune_at:
+                for f in list(self._pending):
+                    if f.done():
+                        ok, value = f._settle()  # drops the memory it held
+                        if ok:  # failures stay until wait() or their own wait() reports them
+                            self._settled += value
+                            del self._pending[f]
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._pending))
         return future
+
+    def _let_go(self, future):
+        """A future whose outcome its caller has seen: counted (if it succeeded) and forgotten."""
+        with self._lock:
+            if self._pending.pop(future, False) is None:
+                ok, value = future._settle()
+                if ok:
+                    self._settled += value
 
     def wait(self):
         """Waits for every outstanding request; returns the bytes they moved, raises the first error not
         already raised by its own future."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending = list(self._pending), {}
             total, self._settled = self._settled, 0
+            self._prune_at = _PRUNE_MIN
         first_error = None
         for f in pending:
             ok, value = f._settle()
@@ -105,6 +131,7 @@ class AioHandle(Closeable):
             elif first_error is None and not f.observed:
                 first_error = value
                 f.observed = True
+            f._on_observed = None
         if first_error is not None:
             raise first_error
         return total

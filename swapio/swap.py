@@ -1,28 +1,49 @@
 """SwapStore / SwappedTensor: async swap-out of tensors to files and swap-in back, any dtype, size or device."""
+import errno
 import os
 import re
 import threading
 
 import torch
 
+from . import _checksum, _swapdir
 from ._closeable import Closeable
 from ._errors import check_path
-from .futures import Future
 from .handle import AioHandle
 from .pinned import empty_pinned
-from .tensors import spans_whole_storage
+from .tensors import check_dense, spans_whole_storage
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
 
 
 def _private_file(path):
-    """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name."""
+    """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name; returns
+    its identity (device, inode)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
     finally:
         os.close(fd)
+
+
+def _check_same_file(path, identity):
+    """OSError unless path is still the regular file swap_out wrote (opened with O_NOFOLLOW: never a symlink)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "the swap file was replaced by a symlink after swap_out; swapio does not "
+                          "follow it", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (st.st_dev, st.st_ino) != identity:
+        raise OSError(errno.ESTALE, "the swap file was replaced by another file after swap_out", path)
 
 
 class SwappedTensor:
@@ -36,6 +57,9 @@ class SwappedTensor:
         self._release_pending = release  # free the source's storage once the write is waited on
         self._released = False
         self._write = None
+        self._file = None    # (device, inode) of the swap file
+        self._digest = None  # checksum of the bytes written (verify=True)
+        self._refill = None  # the swap_in refilling the released source, while it runs
         self._lock = threading.Lock()
 
     @property
@@ -61,7 +85,10 @@ class SwappedTensor:
 
         With out=None and a released source tensor on that device, the source tensor itself is refilled
         (its storage regrown), so references to it are valid again. Waits for a pending swap-out first.
+        If the read fails (or, with verify=True, the bytes do not match their checksum), the source stays
+        released (not resident), the swap file stays as it is, and swap_in can be called again.
         """
+        self.store._check_open()
         self.wait()
         device = torch.device(device) if device is not None else self.device
         if out is not None:
@@ -69,28 +96,59 @@ class SwappedTensor:
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
             if out.shape != self.shape or out.dtype != self.dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(self.shape)} {self.dtype}")
-            target = out
-        elif self._released and device == self.device:
-            target = self._source
-            target.untyped_storage().resize_(self.nbytes)
-        else:
-            target = torch.empty(self.shape, dtype=self.dtype, device=device)
-        if target is self._source:
-            with self._lock:
-                self._released = False
-        if target.device.type == "cpu" and target.is_contiguous():
-            return self.store.handle.pread(target.detach().view(-1), self.path, 0)._chain(lambda n: target)
-        # GPU or strided targets: read into pinned memory, then copy (asynchronously for a GPU).
-        staging = empty_pinned(self.shape, self.dtype)
-        read = self.store.handle.pread(staging.view(-1), self.path, 0)
+            device = out.device
+        if device.type == "meta":
+            raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
+        _check_same_file(self.path, self._file)
+        with self._lock:
+            refill = out is None and self._released and device == self.device
+            if refill and self._refill is not None:
+                return self._refill  # already being refilled: one read into the source, not two
+            if refill:
+                target = self._source
+                target.untyped_storage().resize_(self.nbytes)
+            else:
+                target = out if out is not None else torch.empty(self.shape, dtype=self.dtype, device=device)
+            try:
+                future = self._read_into(target, refill)
+            except BaseException:
+                if refill:
+                    target.untyped_storage().resize_(0)
+                raise
+            if refill:
+                self._refill = future
+        return future
 
-        def copy_out(_):
-            with torch.no_grad():
-                target.copy_(staging, non_blocking=target.device.type == "cuda")
-            if target.device.type == "cuda":
-                torch.cuda.current_stream(target.device).synchronize()
+    def _read_into(self, target, refill):
+        verify = self._digest is not None
+
+        def done(_):
+            if verify and _checksum.digest(staging if staging is not None else target) != self._digest:
+                raise OSError(errno.EIO, "checksum mismatch: the swap file's bytes are not the ones swapped out "
+                              "(the file was modified or the disk returned corrupted data)", self.path)
+            if staging is not None:
+                with torch.no_grad():
+                    target.copy_(staging, non_blocking=target.device.type == "cuda")
+                if target.device.type == "cuda":
+                    torch.cuda.current_stream(target.device).synchronize()
+            if refill:
+                with self._lock:
+                    self._released, self._refill = False, None
             return target
-        return read._chain(copy_out)
+
+        def failed(_):
+            if refill:
+                with self._lock:
+                    self._source.untyped_storage().resize_(0)  # no garbage left in the caller's tensor
+                    self._refill = None
+
+        staging = None
+        if target.device.type == "cpu" and target.is_contiguous():
+            read = self.store.handle.pread(target.detach().view(-1), self.path, 0)
+        else:  # GPU or strided targets: read into pinned memory, then copy (asynchronously for a GPU)
+            staging = empty_pinned(self.shape, self.dtype)
+            read = self.store.handle.pread(staging.view(-1), self.path, 0)
+        return read._chain(done, failed)
 
     def __repr__(self):
         where = "resident" if self.is_resident else "on disk"
@@ -102,23 +160,48 @@ class SwapStore(Closeable):
 
     Files are named ``<name>.swap`` (stable across runs), created 0600 without following symlinks, and hold
     exactly the tensor's bytes. ``close()`` removes them (and the directory, if the store created it).
+    One live store per directory: a second one raises OSError(EBUSY) (a flock on ``.swapio-owner``), and swap
+    files left by a store whose process died are removed by the next store on the directory, with a warning.
+    verify=True keeps an xxh3 checksum of each tensor swapped out; swap_in raises OSError(EIO) if the bytes read
+    back differ.
     """
 
-    def __init__(self, directory, handle=None, **handle_kwargs):
+    def __init__(self, directory, handle=None, verify=False, **handle_kwargs):
         directory = os.path.abspath(check_path("directory", directory))
         if handle is not None and handle_kwargs:
             raise ValueError("pass either handle or AioHandle keyword arguments, not both")
         if handle is not None and not isinstance(handle, AioHandle):
             raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
-        self._created_dir = not os.path.isdir(directory)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
+        self._closed = True  # until set up: close() from the finalizer has nothing to do
+        own_handle = AioHandle(**handle_kwargs) if handle is None else None  # bad settings fail before mkdir
+        created = not os.path.isdir(directory)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            _swapdir.warn_if_ram_backed(directory, "SwapStore directory")
+            self._owner = _swapdir.claim(directory, created)
+        except BaseException:
+            if own_handle is not None:
+                own_handle.close()
+            if created:
+                try:
+                    os.rmdir(directory)
+                except OSError:
+                    pass
+            raise
         self.directory = directory
-        self.handle = handle if handle is not None else AioHandle(**handle_kwargs)
+        self.handle = handle if handle is not None else own_handle
         self._owns_handle = handle is None
+        self.verify = verify
         self._tensors = {}
         self._counter = 0
         self._lock = threading.Lock()
         self._closed = False
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("the SwapStore is closed (its swap files were removed)")
 
     def swap_out(self, tensor, name=None, release=True):
         """Starts writing `tensor` to ``<directory>/<name>.swap``; returns a SwappedTensor (``.wait()``).
@@ -126,12 +209,15 @@ class SwapStore(Closeable):
         release=True frees the tensor's storage once the write is waited on; it needs a tensor that spans
         its whole storage (not a view of a larger one).
         """
-        if self._closed:
-            raise ValueError("the SwapStore is closed")
+        self._check_open()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided:
-            raise ValueError("only dense (strided) tensors can be swapped")
+        check_dense(tensor)
+        if tensor.device.type == "meta":
+            raise ValueError("tensor is on the meta device: it has no bytes to swap out")
+        if tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0:
+            raise ValueError("tensor has no memory: it was released by an earlier swap_out(release=True) (or its "
+                             "storage was resized to 0); swap_in() it first")
         if release and not spans_whole_storage(tensor):
             raise ValueError("release=True frees the tensor's whole storage, but this tensor is a view of a "
                              "larger one; pass release=False")
@@ -152,32 +238,41 @@ class SwapStore(Closeable):
             swapped = SwappedTensor(self, name, path, tensor, release)
             self._tensors[name] = swapped
         try:
-            _private_file(path)
+            self._owner.files.add(path)
+            swapped._file = _private_file(path)
             source = tensor.detach()
             if source.device.type != "cpu" or not source.is_contiguous():
                 staging = empty_pinned(source.shape, source.dtype)
                 staging.copy_(source)  # synchronous for a GPU tensor: the bytes are on the host after this
                 source = staging
+            if self.verify:
+                swapped._digest = _checksum.digest(source)
             swapped._write = self.handle.pwrite(source.view(-1), path, 0)
         except BaseException:
             with self._lock:
                 self._tensors.pop(name, None)
+            if swapped._file is not None:  # never leave the empty file behind
+                _unlink(path)
+            self._owner.files.discard(path)
             raise
         return swapped
 
     def remove(self, swapped):
-        """Forgets a swapped tensor and deletes its file (after any pending write)."""
+        """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised
+        here only if nobody has seen it yet."""
         with self._lock:
             if self._tensors.get(swapped.name) is not swapped:
                 raise ValueError(f"{swapped!r} does not belong to this store")
             del self._tensors[swapped.name]
+        seen = swapped._write is not None and swapped._write.observed
         try:
             swapped.wait()
+        except BaseException:
+            if not seen:
+                raise
         finally:
-            try:
-                os.unlink(swapped.path)
-            except FileNotFoundError:
-                pass
+            _unlink(swapped.path)
+            self._owner.files.discard(swapped.path)
 
     def __contains__(self, name):
         return name in self._tensors
@@ -189,7 +284,8 @@ class SwapStore(Closeable):
         return self._tensors[name]
 
     def close(self):
-        """Waits for pending writes, removes every swap file (and the directory if the store made it)."""
+        """Waits for pending writes, removes every swap file (and the directory if the store made it). Raises
+        the first write error nobody has seen yet."""
         if self._closed:
             return
         self._closed = True
@@ -201,7 +297,8 @@ class SwapStore(Closeable):
                 first_error = first_error or exc
         if self._owns_handle:
             self.handle.close()
-        if self._created_dir:
+        self._owner.release()
+        if self._owner.created:
             try:
                 os.rmdir(self.directory)
             except OSError:
@@ -209,3 +306,9 @@ class SwapStore(Closeable):
         if first_error is not None:
             raise first_error
 
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -2,17 +2,23 @@
 import torch
 
 
+def check_dense(tensor, name="tensor"):
+    """ValueError for sparse (COO, CSR, ...) tensors, whose values are not one block of memory."""
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} is a sparse tensor ({tensor.layout}); swapio moves dense (strided) tensors "
+                         "only: call .to_dense() first")
+
+
 def cpu_memory(tensor, name="tensor"):
     """(data_ptr, nbytes) of a contiguous CPU tensor; TypeError/ValueError naming the problem otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_dense(tensor, name)
     if tensor.device.type != "cpu":
         raise ValueError(f"{name} is on {tensor.device}; this call needs a CPU tensor "
                          "(SwapStore moves GPU tensors through pinned memory)")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    if tensor.is_sparse or tensor.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor")
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 

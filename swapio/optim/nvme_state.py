@@ -13,13 +13,13 @@ reads of chunks i+1 .. i+buffer_count-2 are in flight and the write of chunk i-1
 write handles. A slot is reused only after its write (and any CUDA copy out of it) has finished, so host memory
 for the state is bounded by buffer_bytes whatever the model size.
 """
+import errno
 import os
-import shutil
-import tempfile
 import weakref
 
 import torch
 
+from .. import _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
 from ._common import FP32, init_segment, internal_fields, run_segment
@@ -54,13 +54,24 @@ class _Chunk:
         return len(self.fields) * self.region
 
 
-def _cleanup(handles, directory):
+def _cleanup(handles, owner):
     for h in handles:
         try:
             h.close()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
-    shutil.rmtree(directory, ignore_errors=True)
+    owner.remove_everything()  # not in a forked child: the directory is the parent's
+
+
+def _check_direct(path):
+    """OSError(EINVAL) now, not at the first step, when direct=True but the file system refuses O_DIRECT."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        raise OSError(errno.EINVAL, "direct=True, but the file system of swap_dir refuses O_DIRECT (ramfs, some "
+                      "FUSE and network file systems): pass direct=None or False, or use a disk", path) from None
 
 
 class NvmeState:
@@ -73,15 +84,23 @@ class NvmeState:
         self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
         self.buffer_count = buffer_count
         self.slot_bytes = buffer_bytes // buffer_count // ALIGN * ALIGN
-        self.directory = tempfile.mkdtemp(prefix="swapio-optim-", dir=swap_dir)  # mode 0700
+        _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
+        owner = _swapdir.private_directory(swap_dir)  # mode 0700; removes those of processes that died
+        self.directory = owner.directory
         handles = []
-        self._finalizer = weakref.finalize(self, _cleanup, handles, self.directory)
-        handles.append(AioHandle.from_config(dict(io_settings)))
-        handles.append(AioHandle.from_config(dict(io_settings)))
-        self.rh, self.wh = handles
-        self.path = os.path.join(self.directory, FILE_NAME)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        self._finalizer = weakref.finalize(self, _cleanup, handles, owner)
+        try:
+            handles.append(AioHandle.from_config(dict(io_settings)))
+            handles.append(AioHandle.from_config(dict(io_settings)))
+            self.rh, self.wh = handles
+            self.path = os.path.join(self.directory, FILE_NAME)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            if io_settings.get("direct") is True:
+                _check_direct(self.path)
+        except BaseException:
+            self._finalizer()
+            raise
         self.chunks = []
         self.placed = {}   # p -> (fields, cuda, [(chunk, segment)])
         self.file_bytes = 0

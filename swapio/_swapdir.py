@@ -1,0 +1,253 @@
+"""Swap directories and their owners, for SwapStore and the optimizers' nvme state.
+
+A directory in use holds a lock file, `.swapio-owner`, with its owner's pid, locked with flock(LOCK_EX) for as
+long as the owner lives; the kernel drops the lock when the process dies, however it dies (SIGKILL, the OOM
+killer, a preempted job). So:
+- a second live owner of the same directory is refused (the lock is held);
+- a lock file that can be locked but still names a pid was left by an owner that died: the next store or
+  optimizer on that swap_dir removes what it left (private `swapio-optim-*` directories whole, a store
+  directory's `*.swap` files) and warns, so nothing piles up run after run;
+- SIGTERM (what Slurm and Kubernetes send before SIGKILL) removes the live swap files of this process, as
+  Ctrl-C does through KeyboardInterrupt, then ends the process as SIGTERM would. The handler is installed only
+  where SIGTERM has its default disposition: a handler of the application's own is never replaced.
+A clean release removes the lock file while still holding the lock; whoever locks a file also checks that it is
+still the one at the path, so a lock on a file being removed is never mistaken for ownership.
+"""
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import shutil
+import signal
+import tempfile
+import threading
+
+from ._errors import warn_once
+
+LOCK_NAME = ".swapio-owner"
+PRIVATE_PREFIX = "swapio-optim-"  # private directories (mkdtemp) that a dead owner's successor may remove whole
+_RAM_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+_live = {}  # id(owner) -> owner, for the SIGTERM handler
+_live_lock = threading.Lock()
+_sigterm_installed = False
+
+
+def _lock_file(path):
+    """(fd, previous content) with an exclusive flock on the lock file at path, or (None, content) if another
+    process holds it. Creates the file if it is missing."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            content = os.pread(fd, 64, 0)
+            os.close(fd)
+            return None, content
+        except BaseException:
+            os.close(fd)
+            raise
+        st = os.fstat(fd)
+        try:
+            now = os.lstat(path)
+            same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd, os.pread(fd, 64, 0)
+        os.close(fd)  # the previous owner removed it between our open and our lock: try again
+
+
+def _pid_of(content):
+    try:
+        return int(content.decode().split()[0])
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+class Owner:
+    """This process's claim on a swap directory. files: paths inside it removed on SIGTERM."""
+
+    def __init__(self, directory, fd, private, created):
+        self.directory, self._fd, self.private, self.created = directory, fd, private, created
+        self.pid = os.getpid()
+        self.files = set()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{self.pid}\n".encode(), 0)
+        with _live_lock:
+            _live[id(self)] = self
+        _install_sigterm_handler()
+
+    def release(self):
+        """Removes the lock file and gives up the lock (the caller removed the rest). Idempotent. In a forked
+        child the parent's claim is left alone."""
+        with _live_lock:
+            _live.pop(id(self), None)
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if os.getpid() == self.pid:
+                try:
+                    os.unlink(os.path.join(self.directory, LOCK_NAME))
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def remove_everything(self):
+        """What SIGTERM does: every file of this owner, then the lock, the directory if the owner made it."""
+        if os.getpid() != self.pid:
+            return
+        if self.private:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        else:
+            for path in list(self.files):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        self.release()
+        if self.created and not self.private:
+            try:
+                os.rmdir(self.directory)
+            except OSError:
+                pass
+
+
+def claim(directory, created):
+    """Claims a store's directory: OSError(EBUSY) if a live owner holds it; removes the `*.swap` files a dead
+    owner left (and dead owners' private directories inside it), saying so."""
+    reclaim(directory)
+    fd, content = _lock_file(os.path.join(directory, LOCK_NAME))
+    if fd is None:
+        pid = _pid_of(content)
+        raise OSError(errno.EBUSY, f"another live SwapStore{f' (pid {pid})' if pid else ''} uses this directory; "
+                      "two stores on one directory would overwrite and delete each other's files: give each "
+                      "its own directory", directory)
+    try:
+        dead = _pid_of(content)
+        if dead is not None:
+            left = [n for n in os.listdir(directory) if n.endswith(".swap")
+                    and os.path.isfile(os.path.join(directory, n)) and not os.path.islink(os.path.join(directory, n))]
+            freed = 0
+            for name in left:
+                path = os.path.join(directory, name)
+                try:
+                    freed += os.lstat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            if left:
+                _say(f"{directory}: removed {len(left)} swap file(s) ({freed} bytes) left by process {dead}, "
+                     "which died without closing its SwapStore")
+        return Owner(directory, fd, private=False, created=created)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def private_directory(parent):
+    """A new private directory (mode 0700) under parent, claimed by this process; first removes the private
+    directories of owners that died."""
+    reclaim(parent)
+    directory = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=parent)
+    try:
+        fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
+        return Owner(directory, fd, private=True, created=True)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def reclaim(parent):
+    """Removes the private directories under parent whose owner died (lock file free but naming a pid)."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PRIVATE_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(parent, name)
+        lock = os.path.join(directory, LOCK_NAME)
+        if os.path.islink(directory) or not os.path.isdir(directory) or not os.path.isfile(lock):
+            continue  # not ours, or being set up right now
+        try:
+            fd, content = _lock_file(lock)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # alive
+        try:
+            dead = _pid_of(content)
+            if dead is None:
+                continue  # its owner is between creating and writing the lock file
+            size = _tree_bytes(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            _say(f"{directory}: removed the swap directory ({size} bytes) of process {dead}, which died "
+                 "without cleaning up")
+        finally:
+            os.close(fd)
+
+
+def _tree_bytes(directory):
+    total = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _say(message):
+    warn_once(("reclaim", message), message)
+
+
+# ---- RAM-backed directories ----------------------------------------------------------------------------------------
+def ram_file_system(path):
+    """"tmpfs" or "ramfs" when path lives in RAM (statfs), else None (also when it cannot be told)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    f_type = ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+    return _RAM_FILE_SYSTEMS.get(f_type)
+
+
+def warn_if_ram_backed(path, what):
+    kind = ram_file_system(path)
+    if kind is not None:
+        warn_once(("ram", path), f"{what} {path} is on {kind}, which lives in RAM: swapping there frees no "
+                  "memory (use a directory on a disk)")
+    return kind
+
+
+# ---- SIGTERM --------------------------------------------------------------------------------------------------------
+def _on_sigterm(signum, frame):
+    with _live_lock:
+        owners = list(_live.values())
+    for owner in owners:
+        try:
+            owner.remove_everything()
+        except Exception:  # noqa: BLE001 - the process ends anyway; remove what can be removed
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler():
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _sigterm_installed = True
+    except (ValueError, OSError):  # not the main interpreter
+        pass
+
