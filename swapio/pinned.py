@@ -12,6 +12,8 @@ from ._errors import check_int, warn_once
 _lock = threading.Lock()
 _starts = []   # sorted start addresses of live pinned blocks
 _ends = {}     # start -> end
+_cuda_registered = set()  # starts of blocks registered with CUDA
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
 
 
 def _register(start, end):
@@ -26,25 +28,67 @@ def _unregister(start):
         if i < len(_starts) and _starts[i] == start:
             del _starts[i]
             del _ends[start]
+        registered = start in _cuda_registered
+        _cuda_registered.discard(start)
+    return registered
 
 
-def _cuda_pinning_available():
-    return torch.cuda.is_available()
+def _cuda_in_use():
+    """True once this process has initialised CUDA. Checking never creates a context (is_available() would
+    not either, but cudaHostRegister would, on the current device: GPU 0 for a rank that has not called
+    set_device)."""
+    return torch.cuda.is_initialized()
 
 
-def _release_hook(start, cuda_registered):
+def _block_of(ptr):
+    with _lock:
+        i = bisect.bisect_right(_starts, ptr) - 1
+        if i >= 0 and ptr < _ends[_starts[i]]:
+            return _starts[i], _ends[_starts[i]]
+    return None
+
+
+def _cuda_register_block(start, end, device=None):
+    """Registers a block with CUDA once; False (with a warning once) when CUDA refuses."""
+    with _lock:
+        if start in _cuda_registered:
+            return True
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        rc = int(torch.cuda.cudart().cudaHostRegister(start, end - start, _CUDA_HOST_REGISTER_PORTABLE))
+    if rc != 0:
+        from .cuda_copy import clear_last_error
+        clear_last_error()  # the failure is handled here; a later launch check must not report it
+        warn_once("cudaHostRegister", f"cudaHostRegister failed ({rc}); host-to-device copies from "
+                                      "swapio buffers will not be asynchronous")
+        return False
+    with _lock:
+        _cuda_registered.add(start)
+    return True
+
+
+def cuda_register(tensor, device=None):
+    """Registers the swapio pinned block holding `tensor` with CUDA (no-op if it is not in one, or already is),
+    so that non_blocking copies from it are asynchronous. Called right before the first copy to a GPU."""
+    block = _block_of(tensor.data_ptr())
+    if block is None:
+        return False
+    return _cuda_register_block(block[0], block[1], device)
+
+
+def _release_hook(start):
     def release(ptr):
-        _unregister(start)
-        if cuda_registered:
+        if _unregister(start):
             torch.cuda.cudart().cudaHostUnregister(ptr)
     return release
 
 
 def empty_pinned(shape, dtype=torch.float32):
-    """An uninitialised tensor in page-aligned, page-locked memory, registered with CUDA when present.
+    """An uninitialised tensor in page-aligned, page-locked memory, registered with CUDA if CUDA is in use.
 
-    The memory is returned to the OS when the last tensor or view using it dies. If the kernel refuses to
-    lock it (RLIMIT_MEMLOCK), a warning is given once and the memory is used unlocked.
+    While this process has not initialised CUDA, nothing CUDA is done (no context is created); the block is then
+    registered by swapio right before its first copy to a GPU. The memory is returned to the OS when the last
+    tensor or view using it dies. If the kernel refuses to lock it (RLIMIT_MEMLOCK), a warning is given once and
+    the memory is used unlocked.
     """
     if isinstance(shape, int):
         shape = (shape,)
@@ -58,15 +102,10 @@ def empty_pinned(shape, dtype=torch.float32):
     if not buf.locked:
         warn_once("memlock", f"swapio could not lock pinned memory ({os.strerror(buf.lock_errno)}); raise "
                              "`ulimit -l` (RLIMIT_MEMLOCK) for page-locked buffers. Going on unlocked.")
-    cuda_registered = False
-    if _cuda_pinning_available():
-        rc = torch.cuda.cudart().cudaHostRegister(buf.ptr, nbytes, 0)
-        cuda_registered = int(rc) == 0
-        if not cuda_registered:
-            warn_once("cudaHostRegister", f"cudaHostRegister failed ({rc}); host-to-device copies from "
-                                          "swapio buffers will not be asynchronous")
-    buf.on_free = _release_hook(buf.ptr, cuda_registered)
+    buf.on_free = _release_hook(buf.ptr)
     _register(buf.ptr, buf.ptr + nbytes)
+    if _cuda_in_use():
+        _cuda_register_block(buf.ptr, buf.ptr + nbytes)
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as the storage lives
     return flat.view(dtype).view(shape)
 
@@ -75,9 +114,6 @@ def is_pinned(tensor):
     """True if the tensor's memory lies in a swapio pinned block (views included) or torch says it is pinned."""
     if tensor.device.type != "cpu":
         return False
-    ptr = tensor.data_ptr()
-    with _lock:
-        i = bisect.bisect_right(_starts, ptr) - 1
-        if i >= 0 and ptr < _ends[_starts[i]]:
-            return True
-    return torch.cuda.is_available() and tensor.is_pinned()
+    if _block_of(tensor.data_ptr()) is not None:
+        return True
+    return _cuda_in_use() and tensor.is_pinned()  # memory torch pinned implies CUDA was initialised

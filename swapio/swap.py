@@ -6,10 +6,11 @@ import threading
 
 import torch
 
-from . import _checksum, _swapdir
+from . import _checksum, _swapdir, cuda_copy
 from ._closeable import Closeable
 from ._errors import check_path
 from .handle import AioHandle
+from .cuda_copy import normalize_device
 from .pinned import empty_pinned
 from .tensors import check_dense, spans_whole_storage
 
@@ -90,7 +91,7 @@ class SwappedTensor:
         """
         self.store._check_open()
         self.wait()
-        device = torch.device(device) if device is not None else self.device
+        device = normalize_device(device) if device is not None else self.device
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -106,11 +107,15 @@ class SwappedTensor:
                 return self._refill  # already being refilled: one read into the source, not two
             if refill:
                 target = self._source
-                target.untyped_storage().resize_(self.nbytes)
+                with cuda_copy.allocating_on_side_stream(device):  # the copy writes it there, nothing waits
+                    target.untyped_storage().resize_(self.nbytes)
+            elif out is not None:
+                target = out
             else:
-                target = out if out is not None else torch.empty(self.shape, dtype=self.dtype, device=device)
+                with cuda_copy.allocating_on_side_stream(device):
+                    target = torch.empty(self.shape, dtype=self.dtype, device=device)
             try:
-                future = self._read_into(target, refill)
+                future = self._read_into(target, refill, caller_owned=out is not None)
             except BaseException:
                 if refill:
                     target.untyped_storage().resize_(0)
@@ -119,18 +124,17 @@ class SwappedTensor:
                 self._refill = future
         return future
 
-    def _read_into(self, target, refill):
+    def _read_into(self, target, refill, caller_owned):
         verify = self._digest is not None
+        cuda = target.device.type == "cuda"
 
         def done(_):
             if verify and _checksum.digest(staging if staging is not None else target) != self._digest:
                 raise OSError(errno.EIO, "checksum mismatch: the swap file's bytes are not the ones swapped out "
                               "(the file was modified or the disk returned corrupted data)", self.path)
-            if staging is not None:
+            if staging is not None and not cuda:
                 with torch.no_grad():
-                    target.copy_(staging, non_blocking=target.device.type == "cuda")
-                if target.device.type == "cuda":
-                    torch.cuda.current_stream(target.device).synchronize()
+                    target.copy_(staging)
             if refill:
                 with self._lock:
                     self._released, self._refill = False, None
@@ -145,10 +149,18 @@ class SwappedTensor:
         staging = None
         if target.device.type == "cpu" and target.is_contiguous():
             read = self.store.handle.pread(target.detach().view(-1), self.path, 0)
-        else:  # GPU or strided targets: read into pinned memory, then copy (asynchronously for a GPU)
+        else:  # GPU or strided targets: read into pinned memory, then copy
             staging = empty_pinned(self.shape, self.dtype)
             read = self.store.handle.pread(staging.view(-1), self.path, 0)
-        return read._chain(done, failed)
+        checked = read._chain(done, failed)
+        if not cuda:
+            return checked
+        # Work queued on the caller's stream before this call may still use `out`: the copy waits for that (an
+        # event recorded now), never for work queued later, and nothing synchronises a whole stream.
+        before = torch.cuda.current_stream(target.device).record_event() if caller_owned else None
+        stream = cuda_copy.copy_stream(target.device)
+        return cuda_copy.DeviceCopyFuture(
+            checked, lambda: cuda_copy.copy_async(target, staging, stream, wait_for=before), target)
 
     def __repr__(self):
         where = "resident" if self.is_resident else "on disk"

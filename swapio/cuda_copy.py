@@ -1,0 +1,201 @@
+"""Host-to-GPU copies from pinned memory: one side stream per device, events instead of stream-wide syncs, and
+the source kept alive until the copy that reads it has finished.
+
+Nothing here touches CUDA unless a CUDA device is asked for, so CPU-only work never creates a CUDA context.
+"""
+import contextlib
+import threading
+import time
+
+import torch
+
+from .futures import Future
+
+_lock = threading.Lock()
+_streams = {}    # device index -> torch.cuda.Stream used for staging copies
+_in_flight = []  # (event, objects the copy reads or writes), pruned as the events complete
+
+
+def normalize_device(device):
+    """A torch.device with an explicit index for CUDA ("cuda" -> "cuda:<current device>"); ints mean CUDA."""
+    if isinstance(device, bool):
+        raise TypeError("device must be a str, int or torch.device, got bool")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    elif isinstance(device, str):
+        device = torch.device(device)
+    elif not isinstance(device, torch.device):
+        raise TypeError(f"device must be a str, int or torch.device, got {type(device).__name__}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def copy_stream(device):
+    """The side stream swapio copies on for a CUDA device (created once per device)."""
+    index = normalize_device(device).index
+    with _lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def allocating_on_side_stream(device):
+    """A context in which CUDA allocations for `device` belong to its copy stream (so the copy writing them
+    needs to wait for nothing); a no-op context for other devices."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(copy_stream(device))
+
+
+def keep_until(event, *objects):
+    """Holds `objects` (pinned sources, device targets) until `event` has completed on the GPU."""
+    with _lock:
+        _prune_locked()
+        _in_flight.append((event, objects))
+
+
+def release_finished():
+    """Drops the references of copies that have completed."""
+    with _lock:
+        _prune_locked()
+
+
+def _prune_locked():
+    _in_flight[:] = [(ev, objs) for ev, objs in _in_flight if not ev.query()]
+
+
+def copy_async(dst, src, stream, wait_for=None):
+    """Queues dst.copy_(src) on `stream` (after `wait_for`, an event, if given) and returns the completion event.
+
+    A swapio pinned source is registered with CUDA first (lazily: empty_pinned registers nothing while CUDA is
+    unused), and `src` and `dst` stay referenced until the event completes, so neither can be freed or reused
+    while the copy reads or writes them.
+    """
+    from .pinned import cuda_register  # local: pinned imports nothing from here, but keep the graph acyclic
+    for t in (src, dst):
+        if t.device.type == "cpu":
+            cuda_register(t, stream.device)
+    if wait_for is not None:
+        stream.wait_event(wait_for)
+    with torch.cuda.stream(stream), torch.no_grad():
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    keep_until(event, src, dst)
+    return event
+
+
+def wait_event(event, timeout=None):
+    """Blocks until `event` completed (TimeoutError after `timeout` seconds); waits for nothing else."""
+    if timeout is None:
+        event.synchronize()
+        return
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the copy to the GPU did not finish within {timeout} s")
+        time.sleep(0.0002)
+
+
+class DeviceCopyFuture(Future):
+    """A read into pinned staging memory followed by a copy to a GPU tensor on the side stream.
+
+    done() is True only once the copy itself has completed; it issues the copy as soon as it sees the read
+    finished. wait() waits for the read and that copy only (never for other work queued on the GPU), then makes
+    the caller's current stream wait on the copy before the tensor is used there.
+    """
+
+    __slots__ = ("_read", "_issue", "_event", "_target", "_issue_lock")
+
+    def __init__(self, read, issue, target):
+        super().__init__()
+        self._read, self._issue, self._target = read, issue, target  # issue() -> event, called once
+        self._event = None
+        self._issue_lock = threading.Lock()
+
+    def _ensure_issued(self, timeout=None):
+        self._read.wait(timeout)  # raises the read's OSError
+        with self._issue_lock:
+            if self._event is None:
+                self._event = self._issue()
+        return self._event
+
+    def done(self):
+        if not self._read.done():
+            return False
+        if self._read.exception() is not None:
+            return True
+        return self._ensure_issued().query()
+
+    def wait(self, timeout=None):
+        start = time.monotonic()
+        self.observed = True
+        event = self._ensure_issued(timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        wait_event(event, left)
+        current = torch.cuda.current_stream(self._target.device)
+        current.wait_event(event)
+        self._target.record_stream(current)
+        release_finished()
+        return self._target
+
+    result = wait
+
+    def exception(self, timeout=None):
+        try:
+            self.wait(timeout)
+        except OSError as exc:
+            return exc
+        return None
+
+    def __repr__(self):
+        return f"<swapio.Future {'done' if self.done() else 'pending'} (read + copy to {self._target.device})>"
+
+
+def clear_last_error():
+    """Resets CUDA's per-thread last error (after a failed runtime call whose error was handled), so that an
+    unrelated later launch check does not report it. Uses the libcudart torch itself loaded."""
+    lib = _cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+_cudart_lib = []
+
+
+def _cudart():
+    if not _cudart_lib:
+        _cudart_lib.append(_load_cudart(_mapped_libraries()))
+    return _cudart_lib[0]
+
+
+def _mapped_libraries(maps_path="/proc/self/maps"):
+    try:
+        with open(maps_path) as f:
+            return [line.split()[-1] for line in f if "/" in line]
+    except OSError:
+        return []
+
+
+def find_cudart(paths):
+    """The path of the libcudart shared object among mapped file paths, or None (static or no CUDA runtime)."""
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith("libcudart.so") or name.startswith("libcudart-") and ".so" in name:
+            return path
+    return None
+
+
+def _load_cudart(paths):
+    import ctypes
+    path = find_cudart(paths)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # already loaded by torch: this returns the same instance
+        lib.cudaGetLastError.restype = ctypes.c_int
+        return lib
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,11 @@
+"""swapio.offload: run models whose weights do not fit, streaming them from pinned RAM or NVMe with prefetch.
+
+accelerate's names and arguments (cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload), so that
+switching is one import; see docs/offload.md.
+"""
+from .api import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload, stats
+from .chain import CpuOffloadHook
+from .load import load_file
+
+__all__ = ["CpuOffloadHook", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "load_file",
+           "remove_offload", "stats"]

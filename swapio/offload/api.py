@@ -1,0 +1,239 @@
+"""cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload: accelerate's names and arguments."""
+import itertools
+import os
+import weakref
+
+import torch
+
+from .._errors import check_int
+from ..cuda_copy import normalize_device
+from ..handle import AioHandle
+from ..pinned import empty_pinned
+from . import offload_dir as odir
+from .chain import CpuOffloadHook
+from .engine import OffloadEngine
+from .fetch import Fetcher
+from .layout import group_records, pack, place_on_disk
+from .safetensors_format import check_against, open_checkpoint
+from .units import collect
+
+_offloaded = weakref.WeakKeyDictionary()  # every module of an offloaded model -> its engine or hook
+
+
+def _check_model(model):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for m in model.modules():
+        if m in _offloaded:
+            raise ValueError("this model (or a submodule of it) is already offloaded by swapio; call "
+                             "remove_offload(model) first")
+        if hasattr(m, "_hf_hook"):
+            raise ValueError("this model has accelerate hooks (_hf_hook); remove them "
+                             "(accelerate.hooks.remove_hook_from_submodules) before offloading with swapio")
+
+
+def _register(model, owner):
+    for m in model.modules():
+        _offloaded[m] = owner
+
+
+def _unregister(model, owner):
+    for m in model.modules():
+        if _offloaded.get(m) is owner:
+            del _offloaded[m]
+
+
+def _execution_device(model, execution_device):
+    if execution_device is not None:
+        return normalize_device(execution_device)
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type != "meta":
+            return normalize_device(t.device)
+    return torch.device("cpu")
+
+
+def _check_keep(keep_resident):
+    if isinstance(keep_resident, str):
+        return [keep_resident]
+    keep = list(keep_resident)
+    for k in keep:
+        if not isinstance(k, str):
+            raise TypeError(f"keep_resident must hold module names (str), got {type(k).__name__}")
+    return keep
+
+
+def _current(units):
+    """slot -> the model's tensor for it now (before placeholders are installed)."""
+    out = {}
+    for unit in units:
+        for attr, kind, slot in unit.entries:
+            out.setdefault(slot, getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr])
+    return out
+
+
+def _read_tensor(handle, loc, device):
+    t = torch.empty(loc.shape, dtype=loc.dtype)
+    if loc.nbytes:
+        handle.pread(t.view(-1).view(torch.uint8), loc.path, loc.offset).wait()
+    return t.to(device)
+
+
+def _place_resident(resident, device, locations=None, handle=None, origin=None):
+    """Resident tensors go to the execution device; those on meta are read from `locations` (by name)."""
+    done = {}
+    for module, attr, kind, name in resident:
+        table = module._parameters if kind == "param" else module._buffers
+        t = table[attr]
+        if id(t) in done:
+            table[attr] = done[id(t)]
+            continue
+        if t.device.type == "meta":
+            loc = locations.get(name) if locations is not None else None
+            if loc is None:
+                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'nothing'} "
+                                 "holds its values")
+            check_against(locations, name, t.shape, t.dtype, origin)
+            value = _read_tensor(handle, loc, device)
+            new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
+            table[attr] = new
+        elif t.device != device:
+            t.data = t.data.to(device)  # keeps the object: optimizers and references stay valid
+            new = t
+        else:
+            new = t
+        done[id(t)] = new
+
+
+def _check_common(prefetch, offload_buffers):
+    prefetch = check_int("prefetch", prefetch, 0)
+    if not isinstance(offload_buffers, bool):
+        raise TypeError(f"offload_buffers must be a bool, got {type(offload_buffers).__name__}")
+    return prefetch
+
+
+def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch=1, keep_resident=()):
+    """Keeps the weights in host memory (pinned when the execution device is a GPU); each submodule's weights
+    reach `execution_device` right before its forward and are dropped after it, with the next `prefetch`
+    submodules' copies already in flight. Returns the model."""
+    _check_model(model)
+    prefetch = _check_common(prefetch, offload_buffers)
+    device = _execution_device(model, execution_device)
+    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    current = _current(units)
+    for slot in slots:
+        if current[slot].device.type == "meta":
+            raise ValueError(f"cpu_offload needs the model's weights, but {slot.name} is on the meta device (use "
+                             "disk_offload(model, checkpoint=...) for a model built on meta)")
+    records = group_records(units)
+    pack(records)
+    hosts = {}
+    for record in records:  # one record at a time: at most one record exists twice
+        host = empty_pinned(record.nbytes, torch.uint8) if device.type == "cuda" else \
+            torch.empty(record.nbytes, dtype=torch.uint8)
+        for slot in record.slots:
+            off = record.offsets[slot]
+            src = current.pop(slot).detach().contiguous().reshape(-1).view(torch.uint8)
+            host[off:off + slot.nbytes].copy_(src)
+            for unit in record.units:
+                for attr, kind, s in unit.entries:
+                    if s is slot:
+                        getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr] = \
+                            slot.placeholder
+        hosts[record] = host
+    _place_resident(resident, device)
+    engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device, prefetch)
+    engine.attach()
+    _register(model, engine)
+    return model
+
+
+def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
+    """Keeps the whole model in host memory until it runs; it then stays on `execution_device` until
+    hook.offload() (called by the next model of a chain, through its prev_module_hook). Returns (model, hook)."""
+    _check_model(model)
+    device = _execution_device(model, execution_device)
+    hook = CpuOffloadHook(model, device, prev_module_hook)
+    _register(model, hook)
+    return model, hook
+
+
+def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, *, checkpoint=None,
+                 prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
+    """Keeps the weights in files and streams each submodule's weights in just before its forward, `prefetch`
+    submodules ahead, with O_DIRECT reads into a ring of `buffer_bytes` of pinned memory. Exactly one of:
+    offload_dir (the model's current weights are written there once, streamed), or checkpoint (a safetensors
+    file, a directory with model.safetensors or a sharded index, read in place; the model may be on meta).
+    Returns the model."""
+    if (offload_dir is None) == (checkpoint is None):
+        raise ValueError("disk_offload needs exactly one of offload_dir (write the model's weights there) or "
+                         "checkpoint (read them from a safetensors checkpoint)")
+    _check_model(model)
+    prefetch = _check_common(prefetch, offload_buffers)
+    buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
+    if handle is not None and not isinstance(handle, AioHandle):
+        raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+    device = _execution_device(model, execution_device)
+    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    records = group_records(units)
+    own = handle is None
+    handle = AioHandle() if own else handle
+    try:
+        current = _current(units)
+        origin, by_name = None, None
+        if checkpoint is not None:
+            origin, by_name = os.fspath(checkpoint), open_checkpoint(checkpoint)
+        elif any(t.device.type == "meta" for t in current.values()):
+            if not odir.has_index(offload_dir):
+                meta = next(s.name for s, t in current.items() if t.device.type == "meta")
+                raise ValueError(f"{meta} is on the meta device and {os.fspath(offload_dir)} holds no swapio "
+                                 "offload: pass checkpoint=..., or a model with its weights")
+            origin, by_name = os.fspath(offload_dir), odir.read_index(offload_dir)
+        if by_name is not None:
+            locations = {s: check_against(by_name, s.names, s.shape, s.dtype, origin).as_tuple() for s in slots}
+        else:
+            pack(records)
+            locations = odir.write(offload_dir, records, current.__getitem__, handle)
+        del current
+        sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
+        place_on_disk(records, locations, sizes)
+        _place_resident(resident, device, by_name, handle, origin)
+        engine = OffloadEngine(model, units, slots, records,
+                               Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes), device, prefetch)
+    except BaseException:
+        if own:
+            handle.close()
+        raise
+    if own:
+        engine.extra_close.append(handle.close)
+    engine.attach()
+    _register(model, engine)
+    return model
+
+
+def remove_offload(model):
+    """Puts an offloaded model back to normal, resident weights on its execution device (ties kept), and frees
+    swapio's buffers and handles. Files in offload_dir and checkpoints are left in place."""
+    owner = _offloaded.get(model) if isinstance(model, torch.nn.Module) else None
+    if owner is None:
+        raise ValueError("this model is not offloaded by swapio")
+    if owner.model is not model:
+        raise ValueError("remove_offload needs the model that was offloaded, not one of its submodules")
+    if isinstance(owner, CpuOffloadHook):
+        owner.remove()
+        return model
+    owner.detach()
+    try:
+        owner.materialize()
+    finally:
+        _unregister(model, owner)
+        owner.close()
+    return model
+
+
+def stats(model):
+    """Counters of an offloaded model's fetcher (reads, bytes_read, temp buffers, device copies, refetches)."""
+    owner = _offloaded.get(model)
+    if not isinstance(owner, OffloadEngine):
+        raise ValueError("this model is not offloaded by swapio's cpu_offload or disk_offload")
+    return dict(owner.fetcher.stats, refetches=owner.saved.refetches)
+

@@ -1,0 +1,86 @@
+"""cpu_offload_with_hook: a whole model moves to the execution device when it runs and stays there until the next
+model of a chain runs (accelerate's semantics, for pipelines that run a few models one after the other).
+
+The model's tensors are kept in pinned host memory (for a GPU), moved with `.data` so every Parameter object stays
+the same. Moving in copies on the side stream and makes the compute stream wait on an event; offload() copies
+the device values back (the model may have been trained meanwhile) and points the tensors at host memory again.
+"""
+import torch
+
+from .. import cuda_copy
+from ..pinned import empty_pinned
+
+
+class CpuOffloadHook:
+    """Returned by cpu_offload_with_hook: offload() sends the model back to host memory, remove() detaches the
+    hook (the model stays where it is)."""
+
+    def __init__(self, model, execution_device, prev_module_hook):
+        if prev_module_hook is not None and not hasattr(prev_module_hook, "offload"):
+            raise TypeError("prev_module_hook must be a hook returned by cpu_offload_with_hook (with .offload())")
+        self.model, self.execution_device, self.prev_module_hook = model, execution_device, prev_module_hook
+        self.on_device = execution_device.type == "cpu"
+        self._host = {}  # tensor -> pinned host copy, for a GPU execution device
+        if execution_device.type != "cpu":
+            for t in self._tensors():
+                host = empty_pinned(tuple(t.shape), t.dtype) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+                with torch.no_grad():
+                    host.copy_(t.detach())
+                t.data = host
+                self._host[t] = host
+        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+
+    def _tensors(self):
+        seen = set()
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                if t.device.type == "meta":
+                    raise ValueError("cpu_offload_with_hook needs the model's weights, but some are on the meta device")
+                yield t
+
+    def _pre_forward(self, module, args, kwargs):
+        if self.prev_module_hook is not None:
+            self.prev_module_hook.offload()
+        if not self.on_device:
+            self.load()
+        if self.execution_device.type == "cpu":
+            return None
+        move = lambda x: x.to(self.execution_device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def load(self):
+        """Copies the model to the execution device (side stream; the current stream waits on its event)."""
+        device = self.execution_device
+        stream = cuda_copy.copy_stream(device)
+        events = []
+        for t, host in self._host.items():
+            with cuda_copy.allocating_on_side_stream(device):
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+            events.append(cuda_copy.copy_async(dev, host, stream) if host.numel() else None)
+            t.data = dev
+        current = torch.cuda.current_stream(device)
+        if events and events[-1] is not None:
+            current.wait_event(events[-1])  # copies on one stream complete in order
+        for t in self._host:
+            t.data.record_stream(current)
+        self.on_device = True
+
+    def offload(self):
+        """Moves the model back to host memory, keeping any change made to it on the device."""
+        if not self.on_device or self.execution_device.type == "cpu":
+            return
+        for t, host in self._host.items():
+            if host.numel():
+                with torch.no_grad():
+                    host.copy_(t.data)  # synchronous: the values are in host memory when this returns
+            t.data = host
+        self.on_device = False
+
+    def remove(self):
+        """Detaches the hook; the model stays where it is now."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        from .api import _unregister
+        _unregister(self.model, self)

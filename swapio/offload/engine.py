@@ -1,0 +1,173 @@
+"""OffloadEngine: the hooks that put a unit's weights in place just before its forward and take them away after.
+
+Pre-forward: fetch the unit's records (already on their way if predicted), start the next `prefetch` units'
+fetches, and point the module's attributes at the fetched tensors. Post-forward (also after an exception): point
+them back at the meta placeholders and release the records, so their memory is reused for the next fetches.
+Weights are only reachable while their module's forward runs; outputs that are views of them are copied out
+first, and autograd saves them as tokens that fetch them again in backward (see saved_tensors.py).
+"""
+import torch
+
+from . import saved_tensors
+from .fetch import view
+from .schedule import Schedule
+from .units import install_placeholders, set_entry
+
+
+def _gradient_error(name):
+    def hook(grad):
+        raise ValueError(f"a gradient reached the offloaded weight {name!r}, which requires grad: swapio.offload "
+                         "streams frozen weights only. Freeze it (requires_grad_(False)) before offloading, or "
+                         "keep it resident with keep_resident=[its module's name]")
+    return hook
+
+
+class OffloadEngine:
+    def __init__(self, model, units, slots, records, fetcher, device, prefetch):
+        self.model, self.units, self.slots, self.records = model, units, slots, records
+        self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
+        self.schedule = Schedule(units)
+        self.handles = []
+        self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
+        self.saved = saved_tensors.SavedWeights(self)
+        self.extra_close = []  # callables run by close() (handles to close, directories to remove)
+
+    # ---- hooks ----------------------------------------------------------------------------------------------
+    def attach(self):
+        for unit in self.units:
+            self.handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
+            self.handles.append(unit.module.register_forward_hook(self._post_hook(unit), always_call=True))
+        if self.device.type != "cpu":
+            self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
+        install_placeholders(self.units)
+
+    def _move_inputs(self, module, args, kwargs):
+        move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    def _pre_hook(self, unit):
+        def pre(module, args):
+            self.enter(unit)
+        return pre
+
+    def _post_hook(self, unit):
+        def post(module, args, output):
+            return self.leave(unit, output)
+        return post
+
+    def enter(self, unit):
+        unit.depth += 1
+        if unit.depth > 1:
+            return
+        try:
+            self.schedule.observe(unit)
+            fetcher = self.fetcher
+            for record in unit.records:
+                fetcher.start(record, required=True)
+            for ahead in self.schedule.ahead(unit, self.prefetch):
+                for record in ahead.records:
+                    if fetcher.start(record) is None:
+                        break
+            fetcher.pump()
+            for record in unit.records:
+                unit.fetches.append(fetcher.acquire(record))
+            by_record = {f.record: f for f in unit.fetches}
+            grad = torch.is_grad_enabled()
+            for attr, kind, slot in unit.entries:
+                fetch = by_record[slot.record]
+                t = view(fetch, slot)
+                if fetch.transient:
+                    start = t.data_ptr()
+                    self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
+                        (start, start + slot.nbytes, slot, unit))
+                if kind == "param":
+                    t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
+                    if slot.requires_grad and grad:
+                        t.register_hook(_gradient_error(slot.name))
+                set_entry(unit.module, attr, kind, t)
+            if grad:
+                unit.hooks_entered.append(self.saved.enter())
+        except BaseException:
+            self.leave(unit, None)
+            raise
+
+    def leave(self, unit, output):
+        if unit.depth == 0:
+            return output
+        unit.depth -= 1
+        if unit.depth > 0:
+            return output
+        while unit.hooks_entered:
+            unit.hooks_entered.pop().__exit__(None, None, None)
+        fetches, unit.fetches = unit.fetches, []
+        if output is not None and any(f.transient and f.device is None for f in fetches):
+            output = self._copy_escaping(output, fetches)
+        for attr, kind, slot in unit.entries:
+            set_entry(unit.module, attr, kind, slot.placeholder)
+        for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
+            kept = [e for e in self.live[key] if e[3] is not unit]
+            if kept:
+                self.live[key] = kept
+            else:
+                del self.live[key]
+        for fetch in fetches:
+            self.fetcher.release(fetch)
+        self.fetcher.pump()
+        return output
+
+    @staticmethod
+    def _copy_escaping(output, fetches):
+        """Outputs that are views of the unit's host regions (a module returning a slice of its weight) are
+        copied: the region is reused once the unit is released."""
+        storages = {f.host.untyped_storage().data_ptr() for f in fetches if f.host is not None}
+
+        def fix(x):
+            if isinstance(x, torch.Tensor):
+                return x.clone() if x.device.type == "cpu" and x.untyped_storage().data_ptr() in storages else x
+            if isinstance(x, tuple) and not hasattr(x, "_fields"):
+                return tuple(fix(v) for v in x)
+            if isinstance(x, list):
+                return [fix(v) for v in x]
+            if isinstance(x, dict):
+                for k in list(x.keys()):
+                    v = x[k]
+                    nv = fix(v)
+                    if nv is not v:
+                        x[k] = nv
+                return x
+            return x
+        return fix(output)
+
+    # ---- teardown -------------------------------------------------------------------------------------------
+    def detach(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def materialize(self):
+        """Resident copies of every offloaded tensor on the execution device, ties kept; installs them."""
+        resident = {}
+        for record in self.records:
+            fetch = self.fetcher.acquire(record)
+            try:
+                for slot in record.slots:
+                    t = view(fetch, slot)
+                    t = t.clone() if fetch.transient else t
+                    resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
+            finally:
+                self.fetcher.release(fetch)
+        for unit in self.units:
+            for attr, kind, slot in unit.entries:
+                set_entry(unit.module, attr, kind, resident[slot])
+
+    def close(self):
+        self.fetcher.drain()
+        errors = []
+        for fn in self.extra_close:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
+                errors.append(exc)
+        self.extra_close = []
+        if errors:
+            raise errors[0]

@@ -1,0 +1,206 @@
+"""Fetcher: brings records into memory ahead of use, through a ring of pinned buffers.
+
+A Fetch is one record on its way in: disk records are read with one aligned O_DIRECT request per span into a
+region of the PinnedRing (or, for a record larger than the ring or while the ring is held by running modules,
+into one spare buffer sized for the largest record); host records (cpu_offload) need no read. For a CUDA
+execution device the region is then copied to a fresh device tensor on the side copy stream, as soon as the read
+is seen finished; the compute stream waits on that copy's event, never on a whole-stream synchronize, and the
+region goes back to the ring only after that event completed. Host memory for weights is therefore bounded by
+buffer_bytes + the largest record (temporary buffers beyond that only when nested modules hold both, counted in
+stats["temp"]).
+"""
+import threading
+
+import torch
+
+from .. import cuda_copy
+from ..pinned import empty_pinned
+from .layout import round_up
+from .ring import PinnedRing
+
+
+class Fetch:
+    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users")
+
+    def __init__(self, record, host, alloc):
+        self.record, self.host, self.alloc = record, host, alloc  # alloc: ("ring", start) | spare | temp | host
+        self.reads, self.device, self.event, self.users = [], None, None, 0
+
+    @property
+    def data(self):
+        """The record's bytes where the module computes: device copy for CUDA, else the host region."""
+        return self.device if self.device is not None else self.host
+
+    @property
+    def transient(self):
+        """True when this memory is reused after release (ring, spare, temp buffers and device copies)."""
+        return self.device is not None or self.alloc[0] != "host"
+
+
+class Fetcher:
+    """Fetches records for one offloaded model. `hosts`: record -> host tensor (cpu_offload), else disk reads
+    through `handle` into a ring of `buffer_bytes`."""
+
+    def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.handle, self.hosts = handle, hosts
+        self.ring = PinnedRing(buffer_bytes) if hosts is None else None
+        self.spare_bytes = max((r.nbytes for r in records), default=0)
+        self._spare, self._spare_user = None, None
+        self.fetches = {}     # record -> Fetch, in the order they were started
+        self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
+        self.lock = threading.RLock()
+        self.stats = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0}
+
+    # ---- memory ---------------------------------------------------------------------------------------------
+    def _spare_region(self, nbytes):
+        if self._spare is None:
+            self._spare = empty_pinned(round_up(self.spare_bytes), torch.uint8)
+        return self._spare[:round_up(nbytes)]
+
+    def _allocate(self, record, required):
+        n = record.nbytes
+        fits_ring = n <= self.ring.capacity
+        for attempt in range(3):
+            self._reclaim(block=attempt == 2)
+            if fits_ring:
+                got = self.ring.alloc(n)
+                if got is not None:
+                    return ("ring", got[0]), got[1]
+            if self._spare_user is None and (required or not fits_ring):
+                self._spare_user = record
+                return ("spare",), self._spare_region(n)
+            if not required:
+                return None
+            if attempt == 0:  # make room: drop prefetched records nobody uses yet, furthest ahead first
+                for f in reversed(list(self.fetches.values())):
+                    if f.users == 0:
+                        self._drop(f)
+        self.stats["temp"] += 1
+        return ("temp",), empty_pinned(round_up(n), torch.uint8)
+
+    def _free(self, fetch):
+        kind = fetch.alloc[0]
+        if kind == "ring":
+            self.ring.free(fetch.alloc[1], fetch.record.nbytes)
+        elif kind == "spare":
+            self._spare_user = None
+        fetch.host = None
+
+    def _reclaim(self, block):
+        keep = []
+        for event, fetch in self._deferred:
+            if event.query():
+                self._free(fetch)
+            else:
+                keep.append((event, fetch))
+        if block and keep:
+            keep[0][0].synchronize()  # waits for that one copy only
+            self._free(keep.pop(0)[1])
+        self._deferred = keep
+
+    # ---- fetching -------------------------------------------------------------------------------------------
+    def start(self, record, required=False):
+        """Starts bringing `record` in (no-op if it is on its way); None when `required` is False and there is
+        no room now."""
+        with self.lock:
+            fetch = self.fetches.get(record)
+            if fetch is not None:
+                return fetch
+            if self.hosts is not None:
+                fetch = Fetch(record, self.hosts[record], ("host",))
+            else:
+                got = self._allocate(record, required)
+                if got is None:
+                    return None
+                fetch = Fetch(record, got[1], got[0])
+                for path, offset, length, region_offset in record.spans:
+                    fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length], path,
+                                                         offset))
+                    self.stats["reads"] += 1
+                    self.stats["bytes_read"] += length
+            self.fetches[record] = fetch
+            if self.cuda and not fetch.reads:
+                self._copy_to_device(fetch)
+            return fetch
+
+    def _copy_to_device(self, fetch):
+        stream = cuda_copy.copy_stream(self.device)
+        with torch.cuda.stream(stream):  # allocated on the copy stream: the copy waits for nothing
+            fetch.device = torch.empty(fetch.record.nbytes, dtype=torch.uint8, device=self.device)
+        fetch.event = cuda_copy.copy_async(fetch.device, fetch.host[:fetch.record.nbytes], stream)
+        self.stats["copies"] += 1
+
+    def pump(self):
+        """CUDA: issues the device copy of every record whose read has finished (called at each module)."""
+        if not self.cuda:
+            return
+        with self.lock:
+            for fetch in list(self.fetches.values()):
+                if fetch.event is None and all(f.done() for f in fetch.reads):
+                    if all(f.exception() is None for f in fetch.reads):
+                        fetch.reads = []
+                        self._copy_to_device(fetch)
+
+    def acquire(self, record):
+        """The record, in memory where the module computes, ready for the current stream; release() it after."""
+        with self.lock:
+            fetch = self.start(record, required=True)
+            fetch.users += 1
+            try:
+                for f in fetch.reads:
+                    f.wait()
+            except BaseException:
+                fetch.users -= 1
+                self._drop(fetch)
+                raise
+            fetch.reads = []
+            if self.cuda:
+                if fetch.event is None:
+                    self._copy_to_device(fetch)
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(fetch.event)
+                fetch.device.record_stream(stream)
+            return fetch
+
+    def release(self, fetch):
+        with self.lock:
+            fetch.users -= 1
+            if fetch.users == 0 and self.fetches.get(fetch.record) is fetch:
+                self._drop(fetch)
+
+    def _drop(self, fetch):
+        if self.fetches.get(fetch.record) is fetch:
+            del self.fetches[fetch.record]
+        for f in fetch.reads:  # a read cannot be cancelled: its buffer is reused only after it finished
+            f.exception()
+        fetch.reads = []
+        fetch.device = None
+        if fetch.event is not None and not fetch.event.query():
+            self._deferred.append((fetch.event, fetch))
+        else:
+            self._free(fetch)
+
+    def drain(self):
+        """Waits for everything in flight and gives all memory back (remove_offload, errors)."""
+        with self.lock:
+            for fetch in list(self.fetches.values()):
+                self._drop(fetch)
+            for event, fetch in self._deferred:
+                event.synchronize()
+                self._free(fetch)
+            self._deferred = []
+            if self.ring is not None:
+                self.ring.release_arena()
+            self._spare = None
+
+
+def view(fetch, slot):
+    """The slot's tensor inside a fetched record (a copy only if the file put it at a misaligned offset)."""
+    offset = fetch.record.offsets[slot]
+    raw = fetch.data[offset:offset + slot.nbytes]
+    if offset % slot.dtype.itemsize:
+        aligned = torch.empty(slot.shape, dtype=slot.dtype, device=raw.device)
+        aligned.view(-1).view(torch.uint8).copy_(raw)
+        return aligned
+    return raw.view(slot.dtype).view(slot.shape)

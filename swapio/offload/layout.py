@@ -1,0 +1,88 @@
+"""Records: the tensors fetched together, and where their bytes lie in memory and on disk.
+
+Tensors used by exactly the same units form one record (for most modules: the module's own weight and bias; a
+tied weight gets a record of its own, shared by the units that use it). A record is fetched as one region of
+memory: on disk, its tensors' byte ranges are merged into spans read with single aligned requests (start rounded
+down, end rounded up to 4 KiB, so each is one O_DIRECT request straight into a 4 KiB-aligned pinned region).
+"""
+ALIGN = 4096
+TENSOR_ALIGN = 64      # tensors packed by swapio start at 64-byte boundaries, like torch's own allocations
+MERGE_GAP = 256 << 10  # byte ranges closer than this in one file are read as one span, gap included
+
+
+def round_up(x, a=ALIGN):
+    return (x + a - 1) // a * a
+
+
+class Record:
+    """Slots fetched together. `offsets`: slot -> byte offset in the record's region; `nbytes`: region size
+    (a multiple of 4 KiB); `spans`: (path, file offset, length, region offset) to read, for disk records."""
+
+    __slots__ = ("index", "slots", "units", "offsets", "nbytes", "spans")
+
+    def __init__(self, index, slots, units):
+        self.index, self.slots, self.units = index, slots, units
+        self.offsets, self.nbytes, self.spans = {}, 0, []
+
+    def __repr__(self):
+        return f"<Record {self.index}: {[s.name for s in self.slots]}, {self.nbytes} bytes>"
+
+
+def group_records(units):
+    """Records in the order units first use them; fills unit.records and slot.record."""
+    users = {}
+    for unit in units:
+        for _, _, slot in unit.entries:
+            users.setdefault(slot, []).append(unit)
+    records, by_users = [], {}
+    for unit in units:
+        for _, _, slot in unit.entries:
+            if slot.record is not None:
+                continue
+            key = tuple(u.index for u in users[slot])
+            record = by_users.get(key)
+            if record is None:
+                record = by_users[key] = Record(len(records), [], users[slot])
+                records.append(record)
+            record.slots.append(slot)
+            slot.record = record
+    for unit in units:
+        for _, _, slot in unit.entries:
+            if slot.record not in unit.records:
+                unit.records.append(slot.record)
+    return records
+
+
+def pack(records):
+    """Packed layout (swapio's own files and host copies): each tensor at a 64-byte boundary."""
+    for record in records:
+        end = 0
+        for slot in record.slots:
+            end = round_up(end, TENSOR_ALIGN)
+            record.offsets[slot] = end
+            end += slot.nbytes
+        record.nbytes = round_up(max(end, 1))
+
+
+def place_on_disk(records, locations, file_sizes):
+    """Read layout from where each slot's bytes are: locations[slot] = (path, offset, nbytes)."""
+    for record in records:
+        ranges = sorted((locations[s][0], locations[s][1], locations[s][1] + locations[s][2], s)
+                        for s in record.slots)
+        spans, record.offsets, region = [], {}, 0
+        i = 0
+        while i < len(ranges):
+            path, start, end, _ = ranges[i]
+            j = i + 1
+            while j < len(ranges) and ranges[j][0] == path and ranges[j][1] - end <= MERGE_GAP:
+                end = max(end, ranges[j][2])
+                j += 1
+            first = start // ALIGN * ALIGN
+            last = min(round_up(end), file_sizes[path])
+            for _, offset, _, slot in ranges[i:j]:
+                record.offsets[slot] = region + offset - first
+            spans.append((path, first, last - first, region))
+            region += round_up(last - first)
+            i = j
+        record.spans = spans
+        record.nbytes = max(region, ALIGN)

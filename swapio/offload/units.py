@@ -1,0 +1,112 @@
+"""Which tensors of a model are offloaded, and the units that bring them in.
+
+A unit is a module that directly owns offloaded tensors (its own parameters, and its buffers with
+offload_buffers): its weights arrive just before its forward and leave after it, like accelerate's hooks on
+every module with direct parameters. A tensor shared by several modules (tied weights, e.g. GPT-2's lm_head and
+wte) is one Slot used by several units: stored once, fetched by each unit that runs it.
+Tensors reached from a module named in keep_resident stay resident, and a tied tensor that any resident module
+uses stays resident for all of them.
+"""
+import torch
+
+
+class Slot:
+    """One offloaded tensor: its names in the model, metadata, and the meta placeholder standing in for it."""
+
+    __slots__ = ("names", "shape", "dtype", "is_param", "requires_grad", "placeholder", "record", "index",
+                 "nbytes")
+
+    def __init__(self, index, name, tensor, is_param):
+        self.index, self.names = index, [name]
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.is_param, self.requires_grad = is_param, bool(tensor.requires_grad)
+        meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        self.placeholder = torch.nn.Parameter(meta, requires_grad=self.requires_grad) if is_param else meta
+        self.record = None
+
+    @property
+    def name(self):
+        return self.names[0]
+
+    def __repr__(self):
+        return f"<Slot {self.name} {self.shape} {self.dtype}>"
+
+
+class Unit:
+    """A module and the offloaded tensors it owns directly: [(attribute, "param" | "buffer", Slot)]."""
+
+    __slots__ = ("index", "name", "module", "entries", "records", "depth", "fetches", "hooks_entered")
+
+    def __init__(self, index, name, module):
+        self.index, self.name, self.module = index, name, module
+        self.entries, self.records = [], []
+        self.depth = 0             # nesting of this module's forward calls in progress
+        self.fetches = []          # the records' fetches while the forward runs
+        self.hooks_entered = []    # saved-tensor hook contexts entered by the pre-hook
+
+    def __repr__(self):
+        return f"<Unit {self.name or '<root>'} ({len(self.entries)} tensors)>"
+
+
+def _under(name, prefixes):
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def direct_tensors(module, offload_buffers):
+    """(attribute, kind, tensor) for what `module` itself owns and swapio may offload."""
+    for attr, p in module._parameters.items():
+        if p is not None:
+            yield attr, "param", p
+    if offload_buffers:
+        for attr, b in module._buffers.items():
+            if b is not None:
+                yield attr, "buffer", b
+
+
+def collect(model, offload_buffers, keep_resident=()):
+    """(units in module order, slots, resident) where resident lists (module, attribute, kind, qualified name)
+    of every tensor that stays resident (buffers without offload_buffers, keep_resident modules, ties to them)."""
+    keep = list(keep_resident)
+    names = dict(model.named_modules(remove_duplicate=False))
+    for k in keep:
+        if k not in names:
+            raise ValueError(f"keep_resident names {k!r}, which is not a submodule of the model")
+    modules = list(model.named_modules(remove_duplicate=False))
+    resident_ids = set()
+    for name, module in modules:
+        if _under(name, keep) or (name == "" and "" in keep):
+            for _, _, t in direct_tensors(module, True):
+                resident_ids.add(id(t))
+    units, slots, by_id, resident, unit_of = [], [], {}, [], {}
+    for name, module in modules:
+        for attr, kind, t in list(direct_tensors(module, True)):
+            qualified = f"{name}.{attr}" if name else attr
+            offloaded = (kind == "param" or offload_buffers) and id(t) not in resident_ids
+            if not offloaded:
+                resident.append((module, attr, kind, qualified))
+                continue
+            slot = by_id.get(id(t))
+            if slot is None:
+                slot = by_id[id(t)] = Slot(len(slots), qualified, t, kind == "param")
+                slots.append(slot)
+            elif qualified not in slot.names:
+                slot.names.append(qualified)
+            unit = unit_of.get(id(module))
+            if unit is None:
+                unit = unit_of[id(module)] = Unit(len(units), name, module)
+                units.append(unit)
+            if not any(a == attr for a, _, _ in unit.entries):
+                unit.entries.append((attr, kind, slot))
+    return units, slots, resident
+
+
+def install_placeholders(units):
+    """Points every offloaded attribute at its meta placeholder (frees the model's own copy when unshared)."""
+    for unit in units:
+        for attr, kind, slot in unit.entries:
+            getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr] = slot.placeholder
+
+
+def set_entry(module, attr, kind, value):
+    getattr(module, "_parameters" if kind == "param" else "_buffers")[attr] = value
