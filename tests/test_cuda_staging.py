@@ -1,0 +1,120 @@
+"""The CUDA staging path, checked without a GPU where fakes can stand in for the CUDA runtime: device names are
+normalised, empty_pinned creates no CUDA context for CPU-only work, blocks are registered lazily before their
+first GPU copy, and a refused registration does not leave CUDA's last error set."""
+import contextlib
+import gc
+import warnings
+
+import pytest
+import torch
+
+import swapio
+from swapio import cuda_copy, pinned
+
+
+def test_cuda_without_index_means_the_current_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert cuda_copy.normalize_device("cuda") == torch.device("cuda", 3)
+    assert cuda_copy.normalize_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert cuda_copy.normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert cuda_copy.normalize_device(2) == torch.device("cuda", 2)
+    assert cuda_copy.normalize_device("cpu") == torch.device("cpu")
+    with pytest.raises(TypeError):
+        cuda_copy.normalize_device(True)
+
+
+def test_find_cudart_among_mapped_libraries():
+    paths = ["/usr/lib/libc.so.6", "/venv/nvidia/cuda_runtime/lib/libcudart.so.12", "/x/libcudnn.so.9"]
+    assert cuda_copy.find_cudart(paths) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert cuda_copy.find_cudart(["/torch/lib/libcudart-9335f6a2.so.12"]) == "/torch/lib/libcudart-9335f6a2.so.12"
+    assert cuda_copy.find_cudart(["/usr/lib/libc.so.6"]) is None
+
+
+class FakeCudart:
+    def __init__(self, register_rc=0):
+        self.calls, self.register_rc = [], register_rc
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size, flags))
+        return self.register_rc
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class FakeLib:
+    def __init__(self):
+        self.cleared = 0
+
+    def cudaGetLastError(self):
+        self.cleared += 1
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, fresh_warnings):
+    """CUDA 'available' with a fake runtime; `state.initialized` says whether this process has used CUDA."""
+    rt, lib = FakeCudart(), FakeLib()
+
+    class State:
+        initialized = False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: State.initialized)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_copy, "_cudart", lambda: lib)
+    State.rt, State.lib = rt, lib
+    return State
+
+
+def test_empty_pinned_does_nothing_cuda_while_cuda_is_unused(fake_cuda):
+    buf = swapio.empty_pinned(1 << 20, torch.uint8)
+    assert fake_cuda.rt.calls == []  # no cudaHostRegister: it would create a context on the current GPU
+    assert swapio.is_pinned(buf)
+    del buf
+    gc.collect()
+    assert fake_cuda.rt.calls == []
+
+
+def test_blocks_are_registered_once_before_their_first_gpu_copy(fake_cuda):
+    buf = swapio.empty_pinned(1 << 20, torch.uint8)
+    fake_cuda.initialized = True
+    assert pinned.cuda_register(buf[4096:], device=0)
+    assert pinned.cuda_register(buf, device=0)
+    assert fake_cuda.rt.calls == [("register", buf.data_ptr(), 1 << 20, 1)]  # portable, whole block, once
+    assert not pinned.cuda_register(torch.empty(10))  # not swapio memory: left alone
+    ptr = buf.data_ptr()
+    del buf
+    gc.collect()
+    assert fake_cuda.rt.calls[-1] == ("unregister", ptr)
+
+
+def test_empty_pinned_registers_at_once_when_cuda_is_in_use(fake_cuda):
+    fake_cuda.initialized = True
+    buf = swapio.empty_pinned(4096, torch.uint8)
+    assert fake_cuda.rt.calls == [("register", buf.data_ptr(), 4096, 1)]
+
+
+def test_refused_registration_clears_cudas_last_error(fake_cuda):
+    fake_cuda.initialized = True
+    fake_cuda.rt.register_rc = 712  # cudaErrorHostMemoryAlreadyRegistered
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf = swapio.empty_pinned(4096, torch.uint8)
+    assert fake_cuda.lib.cleared == 1
+    assert any("cudaHostRegister failed (712)" in str(w.message) for w in caught)
+    del buf
+    gc.collect()
+    assert [c[0] for c in fake_cuda.rt.calls] == ["register"]  # a refused block is never unregistered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_empty_pinned_creates_no_context_in_a_fresh_process():
+    import subprocess
+    import sys
+    code = "import torch, swapio; swapio.empty_pinned(1 << 20); print(torch.cuda.is_initialized())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -1,0 +1,93 @@
+"""The CUDA execution path (side copy stream, events, pinned regions reused only after the copy out of them) and
+the SwapStore staging fixes. Skipped without CUDA."""
+import pytest
+import torch
+
+import swapio
+from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, load_file, remove_offload, stats
+from offload_helpers import NEW_TOKENS, reference, resident_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu_reference():
+    model = resident_model().cuda()
+    ids = reference()[0].cuda()
+    with torch.no_grad():
+        return ids, model(ids).logits, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def check(model):
+    ids, logits, tokens = gpu_reference()
+    with torch.no_grad():
+        got = model(ids).logits
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got, logits)
+        assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0), tokens)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk", "disk-tiny-ring", "checkpoint"])
+def test_offloaded_model_on_cuda_matches_resident(tmp_path, kind):
+    model = resident_model()
+    if kind == "cpu":
+        cpu_offload(model, execution_device="cuda", prefetch=2)
+    elif kind == "checkpoint":
+        model.save_pretrained(tmp_path / "ck")
+        disk_offload(model, execution_device="cuda", checkpoint=tmp_path / "ck")
+    else:
+        disk_offload(model, tmp_path / "od", execution_device="cuda",
+                     buffer_bytes=(256 << 20) if kind == "disk" else 64 << 10)
+    check(model)
+    assert stats(model)["copies"] > 0
+    remove_offload(model)
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    check(model)
+
+
+def test_cpu_offload_with_hook_chain_moves_models_in_and_out():
+    a, b = resident_model(), resident_model()
+    a, hook_a = cpu_offload_with_hook(a, execution_device="cuda")
+    b, hook_b = cpu_offload_with_hook(b, execution_device="cuda", prev_module_hook=hook_a)
+    assert a.lm_head.weight.device.type == "cpu"
+    ids = reference()[0]
+    with torch.no_grad():
+        a(ids)
+        assert a.lm_head.weight.device.type == "cuda"
+        b(ids)
+        assert a.lm_head.weight.device.type == "cpu" and b.lm_head.weight.device.type == "cuda"
+    hook_b.offload()
+    assert b.lm_head.weight.device.type == "cpu" and b.lm_head.weight is b.transformer.wte.weight
+    hook_a.remove()
+    hook_b.remove()
+
+
+def test_swap_in_to_cuda_refills_a_released_gpu_tensor(tmp_path):
+    with swapio.SwapStore(tmp_path) as store:
+        t = torch.randn(1 << 20, device="cuda")
+        want = t.clone()
+        s = store.swap_out(t)
+        s.wait()
+        assert t.untyped_storage().nbytes() == 0
+        f = s.swap_in(device="cuda")  # "cuda" means the current device: the released tensor itself is refilled
+        assert f.wait(timeout=60) is t and f.done()
+        assert torch.equal(t, want)
+
+
+def test_swap_in_out_tensor_waits_for_earlier_work_only(tmp_path):
+    with swapio.SwapStore(tmp_path) as store:
+        src = torch.randn(1 << 20)
+        s = store.swap_out(src, release=False)
+        s.wait()
+        out = torch.zeros(1 << 20, device="cuda")
+        out.add_(1)  # queued before swap_in: the copy must come after it
+        got = s.swap_in(device="cuda", out=out).wait(timeout=60)
+        assert got is out and torch.equal(out.cpu(), src)
+
+
+def test_load_file_to_cuda(tmp_path):
+    resident_model().save_pretrained(tmp_path / "ck", max_shard_size="100KB")
+    cpu = load_file(tmp_path / "ck")
+    gpu = load_file(tmp_path / "ck", device="cuda", staging_bytes=64 << 10)
+    assert cpu.keys() == gpu.keys()
+    for k in cpu:
+        assert gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), cpu[k])
