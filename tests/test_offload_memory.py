@@ -10,6 +10,8 @@ import sys
 import textwrap
 
 import pytest
+
+from rss_child import PRELUDE
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,17 +21,10 @@ LAYER_BYTES = WIDTH * WIDTH * 4
 BUFFER_BYTES = 128 * MiB
 SLACK = 256 * MiB
 
-CHILD = textwrap.dedent("""
+CHILD = PRELUDE + textwrap.dedent("""
     import json, sys, time
     import torch
     from swapio.offload import disk_offload, stats
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
 
     path, width, layers, buffer_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
@@ -40,12 +35,7 @@ CHILD = textwrap.dedent("""
     with torch.no_grad():  # one-time costs that are not weights: the matmul kernel's first call
         torch.nn.functional.linear(x, torch.zeros(8, width))
     baseline = status("VmRSS")
-    try:  # reset the peak to the current RSS (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
+    reset = reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
         y = model(x)

@@ -10,23 +10,18 @@ import textwrap
 
 import pytest
 
+from rss_child import PRELUDE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 NUMEL = 128 * MiB          # parameters, bf16: 256 MiB of params + 256 MiB of grads in RAM
 BUFFER_BYTES = 64 * MiB    # the optimizer's pinned buffer budget
 SLACK = 256 * MiB
 
-CHILD = textwrap.dedent("""
+CHILD = PRELUDE + textwrap.dedent("""
     import json, os, sys, time
     import torch
     import swapio.optim as so
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
 
     numel, buffer_bytes, swap_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
@@ -41,12 +36,7 @@ CHILD = textwrap.dedent("""
         warm.state_dict()
     del warm
     baseline = status("VmRSS")
-    try:  # reset the peak to the current RSS (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
+    reset = reset_peak()
     t0 = time.perf_counter()
     opt = so.OffloadAdamW(params, lr=1e-3, offload="nvme", swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                           buffer_count=4)

@@ -147,7 +147,10 @@ class OffloadEngine:
     def materialize(self):
         """Resident copies of every offloaded tensor on the execution device, ties kept; installs them."""
         resident = {}
-        for record in self.records:
+        for i, record in enumerate(self.records):
+            for later in self.records[i + 1:i + 1 + self.prefetch]:
+                if self.fetcher.start(later) is None:
+                    break
             fetch = self.fetcher.acquire(record)
             try:
                 for slot in record.slots:

@@ -44,7 +44,8 @@ class Fetcher:
     def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0):
         self.device, self.cuda = device, device.type == "cuda"
         self.handle, self.hosts = handle, hosts
-        self.ring = PinnedRing(buffer_bytes) if hosts is None else None
+        total = sum(r.nbytes for r in records)  # a ring larger than all the weights would only waste memory
+        self.ring = PinnedRing(min(buffer_bytes, total)) if hosts is None else None
         self.spare_bytes = max((r.nbytes for r in records), default=0)
         self._spare, self._spare_user = None, None
         self.fetches = {}     # record -> Fetch, in the order they were started

@@ -15,6 +15,7 @@ import secrets
 
 import torch
 
+from ..optim.checkpoint import _fsync_path as _fsync
 from ..pinned import empty_pinned
 from .layout import ALIGN, round_up
 from .safetensors_format import Location
@@ -27,14 +28,6 @@ CHUNK = 64 << 20
 
 def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
-
-
-def _fsync(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _reserve(path, nbytes):
