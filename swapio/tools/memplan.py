@@ -1,0 +1,119 @@
+"""The memory arithmetic behind `swapio plan`, as pure functions (no torch, no I/O): bytes per parameter for
+weights, gradients and optimizer state, and where they sit with and without swapio's optimizer offload.
+
+Per parameter, with weights and gradients in `dtype`:
+  weights, gradients   4 (fp32) or 2 (bf16/fp16) bytes each
+  master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); 0 for fp32, which
+                       is its own master
+  moments              adam/adamw: 2 (exp_avg, exp_avg_sq); lion: 1 (exp_avg); each 4 bytes (fp32), 2 (bf16)
+                       or 1 byte + one fp32 scale per 256 elements (int8)
+So Adam on fp16 weights with fp32 master and moments is 2 + 2 + 4 + 8 = 16 bytes a parameter, 12 of them state.
+Activations, the CUDA context and allocator slack are not counted: they depend on the batch, not the model.
+"""
+import dataclasses
+import re
+
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1}
+INT8_BLOCK = 256  # elements per fp32 scale of int8 moments (the kernel's quantisation block)
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
+DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
+
+_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_COUNT_RE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?|\.\d+)\s*([kKmMbBgGtT]?)\s*")
+
+
+def parse_count(text):
+    """'7B', '70b', '1.5B', '125M', '7e9', '350000' -> a parameter count (decimal units); ValueError otherwise."""
+    m = _COUNT_RE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"cannot parse {text!r} as a parameter count (a number with an optional K, M, B or T "
+                         "suffix, e.g. 7B)")
+    value = round(float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"the parameter count must be positive, got {text!r}")
+    return value
+
+
+def _choice(name, value, table):
+    if value not in table:
+        raise ValueError(f"{name} must be one of {', '.join(table)}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PerParam:
+    """Bytes per parameter of each kind of memory."""
+    weights: float
+    grads: float
+    master: float
+    moments: float
+
+    @property
+    def state(self):
+        return self.master + self.moments
+
+    @property
+    def total(self):
+        return self.weights + self.grads + self.state
+
+
+def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32"):
+    w = WEIGHT_BYTES[_choice("dtype", dtype, WEIGHT_BYTES)]
+    moments = MOMENT_COUNT[_choice("optimizer", optimizer, MOMENT_COUNT)]
+    state = STATE_BYTES[_choice("state_dtype", state_dtype, STATE_BYTES)]
+    return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else 4, moments=moments * state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the bytes sit for one way of training: GPU, host RAM and disk (bytes; fits: None if not given)."""
+    name: str
+    gpu: int
+    ram: int
+    disk: int
+    fits: dict
+
+
+def _fits(need, have):
+    return None if have is None else need <= have
+
+
+def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DEFAULT_BUFFER_BYTES):
+    """The three ways: torch's optimizer with its state on the GPU, OffloadAdamW(offload="cpu") with the state in
+    RAM, OffloadAdamW(offload="nvme") with the state on disk and `buffer_bytes` of pinned RAM."""
+    on_gpu = round(params * (per.weights + per.grads))
+    state = round(params * per.state)
+    ways = [("no offload (state on the GPU)", on_gpu + state, 0, 0),
+            ('offload="cpu" (state in RAM)', on_gpu, state, 0),
+            ('offload="nvme" (state on disk)', on_gpu, min(buffer_bytes, state), state)]
+    return [Layout(name, g, r, d, {"gpu": _fits(g, gpu_mem), "ram": _fits(r, ram),
+                                   "disk": _fits(d, disk_free) if d else None})
+            for name, g, r, d in ways]
+
+
+def nvme_step_seconds(state_bytes, read_bytes_per_s, write_bytes_per_s):
+    """A step reads the whole state and writes it back; both share one disk, so the times add up. The Adam
+    compute runs under the I/O (measured: step / max(I/O, compute) = 1.03 on the reference machine)."""
+    return state_bytes / read_bytes_per_s + state_bytes / write_bytes_per_s
+
+
+def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=None, ram=None, disk_free=None,
+         buffer_bytes=DEFAULT_BUFFER_BYTES, read_bytes_per_s=None, write_bytes_per_s=None):
+    """Everything `swapio plan` prints, as a JSON-ready dict."""
+    per = per_param(dtype, optimizer, state_dtype)
+    totals = {"weights": round(params * per.weights), "grads": round(params * per.grads),
+              "master": round(params * per.master), "moments": round(params * per.moments),
+              "optimizer_state": round(params * per.state), "total": round(params * per.total)}
+    out = {"params": params, "dtype": dtype, "optimizer": optimizer, "state_dtype": state_dtype,
+           "bytes_per_param": {"weights": per.weights, "grads": per.grads, "master": per.master,
+                               "moments": per.moments, "optimizer_state": per.state, "total": per.total},
+           "totals": totals,
+           "capacity": {"gpu": gpu_mem, "ram": ram, "disk_free": disk_free},
+           "buffer_bytes": buffer_bytes,
+           "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes)],
+           "nvme_step_seconds": None}
+    if read_bytes_per_s and write_bytes_per_s:
+        out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state"], read_bytes_per_s,
+                                                     write_bytes_per_s)
+    return out

@@ -1,0 +1,72 @@
+"""swapio plan's arithmetic against hand-computed cases."""
+import pytest
+
+from swapio.tools import memplan
+
+GB, GiB = 10**9, 1 << 30
+
+
+@pytest.mark.parametrize("text, count", [("7B", 7 * 10**9), ("70b", 70 * 10**9), ("1.5B", 1_500_000_000),
+                                         ("125M", 125_000_000), ("7e9", 7 * 10**9), ("350000", 350_000),
+                                         ("2T", 2 * 10**12), ("0.5k", 500)])
+def test_parse_count(text, count):
+    assert memplan.parse_count(text) == count
+
+
+@pytest.mark.parametrize("text", ["", "7X", "B7", "-1B", "0", "seven"])
+def test_parse_count_rejects_bad_text(text):
+    with pytest.raises(ValueError):
+        memplan.parse_count(text)
+
+
+def test_70b_fp16_adam_with_fp32_master_and_moments():
+    p = memplan.plan(70 * 10**9, dtype="fp16", optimizer="adam", state_dtype="fp32")
+    assert p["totals"]["weights"] == 140 * GB          # 70e9 x 2 bytes
+    assert p["totals"]["grads"] == 140 * GB
+    assert p["bytes_per_param"]["optimizer_state"] == 12  # fp32 master 4 + exp_avg 4 + exp_avg_sq 4
+    assert p["totals"]["optimizer_state"] == 840 * GB
+    assert p["bytes_per_param"]["total"] == 16
+    assert p["totals"]["total"] == 1120 * GB
+
+
+@pytest.mark.parametrize("dtype, optimizer, state_dtype, master, moments", [
+    ("fp32", "adamw", "fp32", 0, 8),                # fp32 weights are their own master
+    ("bf16", "adamw", "bf16", 4, 4),                # two bf16 moments
+    ("bf16", "adamw", "int8", 4, 2 * (1 + 4 / 256)),  # one byte each + an fp32 scale per 256 elements
+    ("bf16", "lion", "fp32", 4, 4),                 # Lion keeps one moment
+    ("fp16", "lion", "int8", 4, 1 + 1 / 64),
+])
+def test_bytes_per_param_by_optimizer_and_state_dtype(dtype, optimizer, state_dtype, master, moments):
+    per = memplan.per_param(dtype, optimizer, state_dtype)
+    assert (per.master, per.moments) == (master, pytest.approx(moments))
+    assert per.weights == per.grads == (4 if dtype == "fp32" else 2)
+
+
+def test_7b_bf16_where_it_fits():
+    # 7e9 x (2 + 2) = 28 GB of weights and grads; 7e9 x 12 = 84 GB of state
+    p = memplan.plan(7 * 10**9, dtype="bf16", gpu_mem=80 * GiB, ram=64 * GiB, disk_free=1000 * GB)
+    none, cpu, nvme = p["layouts"]
+    assert (none["gpu"], none["ram"], none["disk"]) == (112 * GB, 0, 0)
+    assert (cpu["gpu"], cpu["ram"], cpu["disk"]) == (28 * GB, 84 * GB, 0)
+    assert (nvme["gpu"], nvme["ram"], nvme["disk"]) == (28 * GB, 256 << 20, 84 * GB)
+    assert none["fits"]["gpu"] is False          # 112 GB > 80 GiB (85.9 GB)
+    assert cpu["fits"] == {"gpu": True, "ram": False, "disk": None}  # 84 GB > 64 GiB (68.7 GB)
+    assert nvme["fits"] == {"gpu": True, "ram": True, "disk": True}
+
+
+def test_nvme_ram_is_the_smaller_of_buffers_and_state():
+    p = memplan.plan(1_000_000, dtype="bf16")   # 12 MB of state < 256 MiB of buffers
+    assert p["layouts"][2]["ram"] == 12 * 10**6
+
+
+def test_nvme_step_time_reads_and_writes_the_state_once():
+    # 1e9 bf16 params: 12 GB of state; read at 3 GB/s (4 s) + write at 2 GB/s (6 s)
+    p = memplan.plan(10**9, read_bytes_per_s=3 * GB, write_bytes_per_s=2 * GB)
+    assert p["nvme_step_seconds"] == pytest.approx(10.0)
+    assert memplan.plan(10**9)["nvme_step_seconds"] is None
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "fp8"}, {"optimizer": "sgd"}, {"state_dtype": "fp16"}])
+def test_unknown_choices_raise_value_error(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        memplan.plan(10**9, **kwargs)
