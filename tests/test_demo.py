@@ -1,0 +1,50 @@
+"""swapio demo: a tiny run trains three identical models, the offloaded ones like torch's AdamW, reports every
+logged step, and leaves no swap file behind."""
+import os
+
+import pytest
+import torch
+
+from swapio.tools import demo, demo_model
+
+TINY = dict(steps=4, layers=1, width=32, heads=2, context=16, batch=4, log_every=2, progress=False,
+            buffer_bytes=4 << 16)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("demo")
+    r = demo.run_demo(demo.DemoConfig(directory=str(directory), **TINY))
+    assert os.listdir(directory) == []  # the temporary swap directory is gone
+    return r
+
+
+def test_offloaded_runs_follow_torch_adamw(result):
+    ref = result.losses["torch AdamW"]
+    assert len(ref) == 4 and ref[-1] < ref[0]
+    assert result.losses['offload="cpu"'] == result.losses['offload="nvme"']  # same kernel, state in RAM or on disk
+    for loss, expected in zip(result.losses['offload="cpu"'], ref):
+        assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_report_has_every_logged_step_and_the_measurements(result):
+    text = demo.report(result)
+    step_rows = [line.split()[0] for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert step_rows == ["1", "2", "4"]
+    for label in ("optimizer step (median)", "host RAM held by state", "state on disk", "max |diff| vs torch"):
+        assert label in text
+    assert set(result.state_ram) == set(demo.RUNS)
+    assert result.state_disk >= 8 * result.params  # two fp32 moments per parameter, on disk
+
+
+def test_plot_writes_a_png(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "loss.png"
+    demo.plot(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_corpus_is_text_from_the_standard_library():
+    data = demo_model.corpus_bytes()
+    assert data.numel() > 100_000 and data.dtype == torch.long
+    assert b"ArgumentParser" in bytes(data[:200_000].to(torch.uint8).tolist())
