@@ -5,7 +5,11 @@ tensor swap handles, a SIMD CPU Adam kernel and offloaded optimizers.
 """
 __version__ = "0.1.0"
 
-from . import _C  # noqa: E402  (the native core; built by `pip install .`)
+try:
+    from . import _C  # noqa: E402  (the native core; built by `pip install .`)
+except ImportError as _exc:  # without this, Python blames a "circular import"
+    from ._native_missing import explain as _explain
+    raise ImportError(_explain(__path__[0], _exc), name="swapio._C") from None
 from ._errors import SwapioWarning  # noqa: E402
 from .futures import Future  # noqa: E402
 from .handle import AioHandle  # noqa: E402

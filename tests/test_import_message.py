@@ -1,0 +1,37 @@
+"""`import swapio` from a source tree without a built native module says what is wrong and what to do, instead
+of Python's "partially initialized module ... (most likely due to a circular import)"."""
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _import_in(tree):
+    return subprocess.run([sys.executable, "-c", "import swapio"], cwd=tree, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ""})
+
+
+def test_unbuilt_source_tree_explains_the_fix(tmp_path):
+    tree = tmp_path / "checkout"
+    shutil.copytree(os.path.join(REPO, "swapio"), tree / "swapio",
+                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    shutil.copy(os.path.join(REPO, "setup.py"), tree / "setup.py")
+    r = _import_in(tree)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "circular import" not in r.stderr
+    assert last.startswith("ImportError: swapio's native module _C is not built in")
+    assert "source tree" in last and "build_ext --inplace" in last and "another directory" in last
+
+
+def test_broken_build_names_the_file(tmp_path):
+    tree = tmp_path / "checkout"
+    shutil.copytree(os.path.join(REPO, "swapio"), tree / "swapio",
+                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    (tree / "swapio" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"not an ELF file")
+    r = _import_in(tree)
+    assert r.returncode != 0 and "circular import" not in r.stderr
+    if sys.implementation.cache_tag == "cpython-311" and sys.platform == "linux":
+        assert "failed to load" in r.stderr and "Rebuild it" in r.stderr
