@@ -1,4 +1,4 @@
-"""python -m swapio: the `swapio` command (bench, tune, info)."""
+"""python -m swapio: the `swapio` command (demo, plan, bench, tune, info)."""
 import sys
 
 from .tools.cli import main

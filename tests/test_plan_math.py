@@ -49,9 +49,15 @@ def test_7b_bf16_where_it_fits():
     assert (none["gpu"], none["ram"], none["disk"]) == (112 * GB, 0, 0)
     assert (cpu["gpu"], cpu["ram"], cpu["disk"]) == (28 * GB, 84 * GB, 0)
     assert (nvme["gpu"], nvme["ram"], nvme["disk"]) == (28 * GB, 256 << 20, 84 * GB)
-    assert none["fits"]["gpu"] is False          # 112 GB > 80 GiB (85.9 GB)
-    assert cpu["fits"] == {"gpu": True, "ram": False, "disk": None}  # 84 GB > 64 GiB (68.7 GB)
+    assert none["fits"] == {"gpu": False}        # 112 GB > 80 GiB (85.9 GB)
+    assert cpu["fits"] == {"gpu": True, "ram": False}  # 84 GB > 64 GiB (68.7 GB)
     assert nvme["fits"] == {"gpu": True, "ram": True, "disk": True}
+
+
+def test_unknown_capacity_is_none():
+    none, cpu, nvme = memplan.plan(7 * 10**9, ram=64 * GiB)["layouts"]
+    assert none["fits"] == {"gpu": None} and cpu["fits"] == {"gpu": None, "ram": False}
+    assert nvme["fits"] == {"gpu": None, "ram": True, "disk": None}
 
 
 def test_nvme_ram_is_the_smaller_of_buffers_and_state():

@@ -1,7 +1,7 @@
-"""The `swapio` command (also `python -m swapio`): bench, tune, info.
+"""The `swapio` command (also `python -m swapio`): demo, plan, bench, tune, info.
 
-Errors are one line on stderr and a non-zero exit status (2: bad usage, 1: failure, 130: interrupted);
-set SWAPIO_DEBUG=1 to get Python tracebacks instead.
+Errors are one line on stderr and a non-zero exit status (2: bad usage, a missing or unusable path included;
+1: failure; 130: interrupted); set SWAPIO_DEBUG=1 to get Python tracebacks instead.
 """
 import argparse
 import json
@@ -12,6 +12,7 @@ import threading
 import warnings
 
 from .. import _C
+from .errors import PathError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
@@ -39,6 +40,14 @@ def _duration(text):
     from .report import parse_duration
     try:
         return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count(text):
+    from .memplan import parse_count
+    try:
+        return parse_count(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -117,6 +126,60 @@ def _bench_parser(sub):
     return p
 
 
+def _demo_parser(sub):
+    from .demo import DemoConfig
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="train a small GPT with torch AdamW and OffloadAdamW (cpu, nvme) side by side",
+                       description="Trains three copies of a small byte-level GPT on text from Python's standard "
+                                   "library, on the same batches: torch.optim.AdamW, OffloadAdamW(offload=\"cpu\") "
+                                   "and OffloadAdamW(offload=\"nvme\") (swap file in a temporary directory under "
+                                   "--dir, removed afterwards). Prints the losses, the optimizer step times and the "
+                                   "host memory each optimizer holds for its state (measured).",
+                       allow_abbrev=False)
+    p.add_argument("--steps", type=_int, default=d.steps, help=f"training steps (default {d.steps})")
+    p.add_argument("--layers", type=_int, default=d.layers, help=f"transformer blocks (default {d.layers})")
+    p.add_argument("--width", type=_int, default=d.width, help=f"embedding width (default {d.width})")
+    p.add_argument("--heads", type=_int, default=d.heads, help=f"attention heads (default {d.heads})")
+    p.add_argument("--context", type=_int, default=d.context, help=f"bytes per sequence (default {d.context})")
+    p.add_argument("--batch", type=_int, default=d.batch, help=f"sequences per step (default {d.batch})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr:g})")
+    p.add_argument("--log-every", type=_int, default=d.log_every, help="steps between table rows (default 10)")
+    p.add_argument("--buffer", dest="buffer_bytes", type=_size, default=fmt(d.buffer_bytes),
+                   help="pinned RAM of the nvme pipeline, OffloadAdamW's buffer_bytes (default 1M)")
+    p.add_argument("--dir", dest="directory", default=".", help="where the temporary swap directory goes "
+                   "(default: .)")
+    p.add_argument("--seed", type=_int, default=d.seed, help="model and data seed (default 0)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the three loss curves (needs matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_demo)
+    return p
+
+
+def _plan_parser(sub):
+    from . import memplan
+    p = sub.add_parser("plan", help="memory arithmetic: where weights, gradients and optimizer state fit",
+                       description="Bytes per parameter for weights, gradients and optimizer state; where they "
+                                   "sit with and without swapio's optimizer offload (GPU, RAM, disk), whether "
+                                   "that fits, and the expected nvme-mode step time on --disk. Memory sizes "
+                                   "are binary (24G = 24GiB); parameter counts decimal (7B = 7e9).",
+                       allow_abbrev=False)
+    p.add_argument("--params", required=True, type=_count, help="parameter count, e.g. 7B, 125M, 7e9")
+    p.add_argument("--dtype", default="bf16", choices=list(memplan.WEIGHT_BYTES),
+                   help="weights and gradients (default bf16)")
+    p.add_argument("--optimizer", default="adamw", choices=list(memplan.MOMENT_COUNT), help="(default adamw)")
+    p.add_argument("--state-dtype", default="fp32", choices=list(memplan.STATE_BYTES),
+                   help="storage of the moments (default fp32); the master weights stay fp32")
+    p.add_argument("--gpu-mem", type=_size, help="GPU memory (default: the first CUDA device's, if any)")
+    p.add_argument("--ram", type=_size, help="host RAM (default: this machine's)")
+    p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
+                   "space, and its bandwidth from a `swapio tune` config there or a short measurement")
+    p.add_argument("--buffer-bytes", type=_size, default=fmt(memplan.DEFAULT_BUFFER_BYTES),
+                   help="OffloadAdamW's buffer_bytes in nvme mode (default 256M)")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    p.set_defaults(run=_run_plan)
+    return p
+
+
 def _tune_parser(sub):
     from . import tune
     p = sub.add_parser("tune", help="sweep block size x queue depth x threads x engine; write the best config",
@@ -139,8 +202,7 @@ def _tune_parser(sub):
     p.add_argument("--budget", type=_duration, default=tune.DEFAULT_BUDGET,
                    help="stop refining after this long (default 100 s; the final round still runs)")
     _add_direct(p)
-    p.add_argument("-o", "--output", default="swapio-io.json",
-                   help="config file to write (default swapio-io.json)")
+    p.add_argument("-o", "--output", help="config file to write (default: swapio-io.json in --dir)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the sweep as heat maps (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
@@ -167,7 +229,9 @@ def build_parser():
                 allow_abbrev=False)
     from .. import __version__
     p.add_argument("--version", action="version", version=f"swapio {__version__}")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{bench,tune,info}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{demo,plan,bench,tune,info}")
+    _demo_parser(sub)
+    _plan_parser(sub)
     _bench_parser(sub)
     _tune_parser(sub)
     _info_parser(sub)
@@ -184,6 +248,11 @@ def _note(args):
         if not args.quiet:
             print(f"swapio: {message}", file=sys.stderr, flush=True)
     return log
+
+
+def _check_directory(path, what):
+    from .testfile import check_directory
+    check_directory(os.path.abspath(path), what)
 
 
 def _check_output_path(path, what="--output"):
@@ -222,6 +291,10 @@ def _run_bench(args):
 
 def _run_tune(args):
     from . import tune
+    if args.output is None:  # next to the disk it describes, where `swapio plan --disk DIR` looks for it
+        args.output = os.path.join(args.directory or ".", tune.CONFIG_NAME)
+    if args.directory is not None:
+        _check_directory(args.directory, "--dir")
     _check_output_path(args.output)
     if args.plot:
         _check_output_path(args.plot, "--plot")
@@ -239,8 +312,47 @@ def _run_tune(args):
         tune.plot(result, args.plot)
     if args.json:
         print(json.dumps(result.json(), indent=2))
+        _note(args)(f"wrote {os.path.abspath(args.output)}")
     else:
-        print(tune.summary(result, args.output, args.plot))
+        print(tune.summary(result, os.path.abspath(args.output), args.plot))
+    return 0
+
+
+def _run_demo(args):
+    from . import demo
+    _check_directory(args.directory, "--dir")
+    if args.plot:
+        _check_output_path(args.plot, "--plot")
+        from .tune import require_matplotlib
+        require_matplotlib()
+    cfg = demo.DemoConfig(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads,
+                          context=args.context, batch=args.batch, lr=args.lr, log_every=args.log_every,
+                          buffer_bytes=args.buffer_bytes, directory=args.directory, seed=args.seed,
+                          progress=not args.quiet)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result = demo.run_demo(cfg)
+    print(demo.report(result))
+    if args.plot:
+        demo.plot(result, args.plot)
+        print(f"\nwrote {os.path.abspath(args.plot)}")
+    return 0
+
+
+def _run_plan(args):
+    from . import plan
+    if args.disk is not None:
+        _check_directory(args.disk, "--disk")
+    gpu_mem, ram = args.gpu_mem, args.ram
+    if gpu_mem is None:
+        gpu_mem = plan.gpu_memory()
+    if ram is None:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
+                           args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)))
+    print(json.dumps(result, indent=2) if args.json else plan.plan_text(result))
     return 0
 
 
@@ -248,7 +360,7 @@ def _run_info(args):
     from .. import info
     from .info_text import info_text
     if args.path is not None and not os.path.exists(args.path):
-        raise UsageError(f"--path {args.path} does not exist")
+        raise PathError(f"--path {args.path} does not exist")
     data = info(args.path)
     print(json.dumps(data, indent=2) if args.json else info_text(data))
     return 0
@@ -294,8 +406,8 @@ def main(argv=None):
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see {prog} --help)")
         return args.run(args)
-    except UsageError as e:
-        print(f"{e.prog or prog}: error: {_one_line(e)}", file=sys.stderr)
+    except (UsageError, PathError) as e:
+        print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -27,19 +27,30 @@ RUNS = ("torch AdamW", 'offload="cpu"', 'offload="nvme"')
 
 @dataclasses.dataclass
 class DemoConfig:
-    steps: int = 100
-    layers: int = 4
-    width: int = 128
+    steps: int = 80
+    layers: int = 3
+    width: int = 96
     heads: int = 4
     context: int = 64
     batch: int = 8
     lr: float = 3e-3
     weight_decay: float = 0.1
     log_every: int = 10
-    buffer_bytes: int = 2 << 20   # pinned RAM of the nvme pipeline: smaller than the state, to show the bound
+    buffer_bytes: int = 1 << 20   # pinned RAM of the nvme pipeline: smaller than the state, to show the bound
     directory: str = "."
     seed: int = 0
     progress: bool = True
+
+    def validate(self):
+        for name in ("steps", "layers", "width", "heads", "context", "batch", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise ValueError(f"--width {self.width} must be a multiple of --heads {self.heads}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.buffer_bytes < 4 * (64 << 10):
+            raise ValueError(f"--buffer must be at least 256K (4 pinned slots of 64 KiB), got {self.buffer_bytes}")
 
 
 @dataclasses.dataclass

@@ -67,7 +67,8 @@ def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32"):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the bytes sit for one way of training: GPU, host RAM and disk (bytes; fits: None if not given)."""
+    """Where the bytes sit for one way of training: GPU, host RAM and disk, in bytes. fits: for each place this
+    way uses, whether the need fits the capacity given (None: capacity not given)."""
     name: str
     gpu: int
     ram: int
@@ -87,8 +88,9 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     ways = [("no offload (state on the GPU)", on_gpu + state, 0, 0),
             ('offload="cpu" (state in RAM)', on_gpu, state, 0),
             ('offload="nvme" (state on disk)', on_gpu, min(buffer_bytes, state), state)]
-    return [Layout(name, g, r, d, {"gpu": _fits(g, gpu_mem), "ram": _fits(r, ram),
-                                   "disk": _fits(d, disk_free) if d else None})
+    have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
+    return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
+                                   if need})
             for name, g, r, d in ways]
 
 

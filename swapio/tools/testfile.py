@@ -5,7 +5,7 @@ import signal
 import tempfile
 import threading
 
-from .errors import ToolError
+from .errors import PathError, ToolError
 from .report import fmt_bytes
 
 TEMP_PREFIX = "swapio-bench-"
@@ -61,11 +61,11 @@ class TestFile:
 
 def check_directory(directory, what):
     if not os.path.exists(directory):
-        raise ToolError(f"{what} {directory} does not exist")
+        raise PathError(f"{what} {directory} does not exist")
     if not os.path.isdir(directory):
-        raise ToolError(f"{what} {directory} is not a directory")
+        raise PathError(f"{what} {directory} is not a directory")
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ToolError(f"{what} {directory} is not writable")
+        raise PathError(f"{what} {directory} is not writable")
 
 
 @contextlib.contextmanager

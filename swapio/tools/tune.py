@@ -29,6 +29,7 @@ from . import loadgen, report
 from .errors import ToolError
 from .testfile import TestFile, no_interrupts
 
+CONFIG_NAME = "swapio-io.json"  # written into the tuned directory unless -o says otherwise
 DEFAULT_SIZE = 512 << 20
 DEFAULT_POINT_TIME = 0.4
 DEFAULT_WARMUP = 0.1

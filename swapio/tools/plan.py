@@ -1,0 +1,112 @@
+"""`swapio plan`: the memory arithmetic (swapio.tools.memplan) for a model, laid out against the machine's GPU,
+RAM and disk, with the expected nvme-mode step time from the disk's measured bandwidth: the `swapio tune`
+config in the directory if there is one, else a short `swapio bench` run there."""
+import json
+import os
+import shutil
+
+from . import memplan
+from .tune import CONFIG_NAME as TUNE_CONFIG
+
+MEASURE_SIZE = 256 << 20
+
+
+def gpu_memory():
+    """Total memory of the first CUDA device, or None without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def tune_config_bandwidth(directory):
+    """(read B/s, write B/s, path) from a `swapio tune` config for `directory`, or None: DIR/swapio-io.json, or
+    ./swapio-io.json when it was measured on DIR."""
+    for path in (os.path.join(directory, TUNE_CONFIG), TUNE_CONFIG):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            measured = doc["measured"]
+            both = measured["both"]
+            read, write = float(both["read_gb_s"]) * 1e9, float(both["write_gb_s"]) * 1e9
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if path == TUNE_CONFIG and os.path.realpath(str(measured.get("directory"))) != os.path.realpath(directory):
+            continue
+        if read > 0 and write > 0:
+            return read, write, os.path.abspath(path)
+    return None
+
+
+def measured_bandwidth(directory, size=None, log=None):
+    """(read B/s, write B/s, description): a sequential write then read of a temporary file in `directory`
+    with swapio's defaults (1 MiB blocks, QD 32), removed afterwards."""
+    from .bench import BenchConfig, run_bench
+    size = size or MEASURE_SIZE
+    result = run_bench(BenchConfig(rw="rw", size=size, directory=directory, progress=False), log=log)
+    rate = {p.label: p.bytes / p.elapsed for p in result.phases}
+    return rate["read"], rate["write"], f"measured now: {size >> 20} MiB written then read in {directory}"
+
+
+def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_bytes, log=None):
+    disk_free = read = write = source = None
+    if disk is not None:
+        disk_free = shutil.disk_usage(disk).free
+        found = tune_config_bandwidth(disk) or measured_bandwidth(disk, log=log)
+        read, write, source = found
+    out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write)
+    out["disk"] = None if disk is None else {"directory": os.path.abspath(disk), "read_bytes_per_s": read,
+                                             "write_bytes_per_s": write, "bandwidth_from": source}
+    return out
+
+
+def _gb(n):
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _count(n):
+    return f"{n / 1e9:g} B" if n >= 10**9 else f"{n / 1e6:g} M"
+
+
+def _b(x):
+    return f"{x:g}"
+
+
+def plan_text(p):
+    per, tot, cap = p["bytes_per_param"], p["totals"], p["capacity"]
+    n_mom = memplan.MOMENT_COUNT[p["optimizer"]]
+    lines = [f"swapio plan: {_count(p['params'])} parameters, {p['dtype']} weights and gradients, "
+             f"{p['optimizer']} with {p['state_dtype']} moments", "",
+             "bytes per parameter: "
+             f"weights {_b(per['weights'])} + gradients {_b(per['grads'])} + optimizer state "
+             f"{_b(per['optimizer_state'])} (fp32 master {_b(per['master'])}, {n_mom} moment"
+             f"{'s' if n_mom > 1 else ''} {_b(per['moments'])}) = {_b(per['total'])}",
+             f"totals: weights {_gb(tot['weights'])}, gradients {_gb(tot['grads'])}, optimizer state "
+             f"{_gb(tot['optimizer_state'])}, all {_gb(tot['total'])}", ""]
+    have = [f"{k} {_gb(v)}" for k, v in (("GPU", cap["gpu"]), ("RAM", cap["ram"]), ("disk free", cap["disk_free"]))
+            if v is not None]
+    lines.append(f"{'where it sits':34}{'GPU':>10}{'RAM':>10}{'disk':>10}   fits"
+                 + (f" ({', '.join(have)})" if have else " (give --gpu-mem, --ram, --disk to check)"))
+    for lay in p["layouts"]:
+        short = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is False]
+        unknown = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is None]
+        verdict = (f"no: {', '.join(short)} too small" if short else
+                   f"? ({', '.join(unknown)} not given)" if unknown else "yes")
+        lines.append(f"{lay['name']:34}{_gb(lay['gpu']):>10}{_gb(lay['ram']) if lay['ram'] else '-':>10}"
+                     f"{_gb(lay['disk']) if lay['disk'] else '-':>10}   {verdict}")
+    lines.append("")
+    disk = p.get("disk")
+    if p["nvme_step_seconds"] is not None:
+        s = tot["optimizer_state"]
+        lines.append(f"nvme step: the state is read and written once per step: {_gb(s)} at "
+                     f"{disk['read_bytes_per_s'] / 1e9:.2f} GB/s read + at {disk['write_bytes_per_s'] / 1e9:.2f} "
+                     f"GB/s write = {p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam "
+                     "compute runs under the I/O.")
+    else:
+        lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
+    lines += [f"nvme mode holds min(buffer_bytes, state) = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
+              f"(buffer_bytes {_gb(p['buffer_bytes'])}); a streaming checkpoint (opt.save) needs about the "
+              "state's size again on its disk.",
+              "Not counted: activations, the CUDA context, allocator slack. If weights + gradients alone exceed "
+              "the GPU, optimizer offload is not enough: offload the weights too (swapio.offload) or shard them."]
+    return "\n".join(lines)
