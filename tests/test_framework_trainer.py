@@ -14,7 +14,7 @@ from framework_helpers import TokenData, assert_params_equal, max_rel_diff, para
 STEPS, SAVE_AT = 6, 3
 
 
-def _train(out_dir, make_opt, resume=None):
+def _train(out_dir, make_opt, resume=None, callbacks=None):
     """Trains the tiny GPT-2 for STEPS steps (checkpoint every SAVE_AT); returns (params, per-step losses)."""
     model = tiny_gpt2()
     opt = make_opt(model.parameters())
@@ -22,7 +22,8 @@ def _train(out_dir, make_opt, resume=None):
     args = TrainingArguments(output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=SAVE_AT, logging_steps=1, report_to="none",
                              use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched),
+                      callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     if hasattr(opt, "close"):
@@ -56,3 +57,23 @@ def test_trainer_matches_torch_and_resumes_bit_identically(mode, tmp_path):
     for step in range(SAVE_AT + 1, STEPS + 1):
         assert resumed_losses[step] == losses[step], step
     assert os.listdir(swap_dir) == []  # every optimizer removed its swap files
+
+
+def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
+    from swapio.integrations.transformers import StreamingCheckpointCallback
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    full, losses = _train(tmp_path / "full", _offload("nvme", swap_dir), callbacks=[StreamingCheckpointCallback()])
+    checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_AT}"
+    ref = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert ref == {"state": {}, "param_groups": [], "swapio_checkpoint": str(checkpoint / "swapio-optim")}
+    assert (checkpoint / "swapio-optim" / "swapio-optim.pt").is_file()
+    with pytest.raises(ValueError):  # another optimizer refuses the reference instead of loading nothing
+        torch.optim.AdamW(tiny_gpt2().parameters()).load_state_dict(ref)
+
+    resumed, resumed_losses = _train(tmp_path / "resumed", _offload("nvme", swap_dir), resume=str(checkpoint),
+                                     callbacks=[StreamingCheckpointCallback()])
+    assert_params_equal(resumed, full)
+    assert all(resumed_losses[s] == losses[s] for s in range(SAVE_AT + 1, STEPS + 1))
+    plain, _ = _train(tmp_path / "plain", _offload("nvme", swap_dir))  # the callback changes nothing else
+    assert_params_equal(plain, full)

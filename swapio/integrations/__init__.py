@@ -1,0 +1,1 @@
+"""Glue between swapio and training frameworks. Each module imports its framework; swapio itself imports none."""
