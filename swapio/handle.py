@@ -124,8 +124,15 @@ class AioHandle(Closeable):
             total, self._settled = self._settled, 0
             self._prune_at = _PRUNE_MIN
         first_error = None
-        for f in pending:
-            ok, value = f._settle()
+        for i, f in enumerate(pending):
+            try:
+                ok, value = f._settle()
+            except BaseException:
+                # Interrupted (Ctrl-C): the rest stay tracked, so their memory lives until the kernel is done.
+                with self._lock:
+                    self._pending.update(dict.fromkeys(pending[i:]))
+                    self._settled += total
+                raise
             if ok:
                 total += value
             elif first_error is None and not f.observed:

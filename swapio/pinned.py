@@ -2,6 +2,7 @@
 import bisect
 import math
 import os
+import sys
 import threading
 
 import torch
@@ -96,6 +97,9 @@ def empty_pinned(shape, dtype=torch.float32):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > sys.maxsize:
+        raise ValueError(f"empty_pinned({shape}) with {dtype} would need {nbytes} bytes, more than this machine "
+                         "can address")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     buf = _C.PinnedBuffer(nbytes)

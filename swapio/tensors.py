@@ -19,7 +19,14 @@ def cpu_memory(tensor, name="tensor"):
                          "(SwapStore moves GPU tensors through pinned memory)")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    nbytes = tensor.numel() * tensor.element_size()
+    # A storage shrunk under the tensor (storage.resize_) leaves data_ptr() pointing past its memory.
+    needed = tensor.storage_offset() * tensor.element_size() + nbytes
+    held = tensor.untyped_storage().nbytes()
+    if nbytes and needed > held:
+        raise ValueError(f"{name} spans {needed} bytes of its storage but the storage holds only {held} "
+                         "(was the storage resized or released?)")
+    return tensor.data_ptr(), nbytes
 
 
 def spans_whole_storage(tensor):

@@ -13,6 +13,20 @@
 #include "common/errors.h"
 
 namespace swapio::io {
+namespace {
+
+// Only regular files and block devices take positioned I/O. A FIFO would block the open (and then fail
+// every pread), a character device or socket does something else entirely: refuse them by name.
+void check_file_type(mode_t mode, const std::string& path) {
+  if (S_ISREG(mode) || S_ISBLK(mode)) return;
+  if (S_ISDIR(mode)) throw IoError(EISDIR, std::string("cannot open: ") + std::strerror(EISDIR), path, 0);
+  const char* kind = S_ISFIFO(mode) ? "a FIFO" : S_ISSOCK(mode) ? "a socket" : S_ISCHR(mode) ? "a character device"
+                                                                                              : "not a file";
+  throw IoError(EINVAL, std::string("cannot open: it is ") + kind + ", not a regular file or block device", path,
+                0);
+}
+
+}  // namespace
 
 Alignment query_alignment(int fd) {
   Alignment a;
@@ -33,11 +47,11 @@ Alignment query_alignment(int fd) {
 OpenFile::OpenFile(const std::string& path, Op op, DirectMode mode) : path_(path), op_(op) {
   if (path.empty()) throw ArgError("path must not be empty");
   if (path.find('\0') != std::string::npos) throw ArgError("path must not contain NUL bytes");
-  // O_DIRECT opens of a directory fail with EINVAL on some file systems (ext4), which would read as
-  // "no O_DIRECT support": name the real problem first.
+  // Checked before opening: O_DIRECT opens of a directory fail with EINVAL on some file systems (ext4),
+  // which would read as "no O_DIRECT support", and a write must not create anything next to a FIFO.
+  // open_fd() checks again on the descriptor, for a path swapped in between.
   struct stat st;
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
-    throw IoError(EISDIR, std::string("cannot open: ") + std::strerror(EISDIR), path, 0);
+  if (::stat(path.c_str(), &st) == 0) check_file_type(st.st_mode, path);
   if (mode == DirectMode::off) {
     buffered_fd_ = open_fd(false);
     if (buffered_fd_ < 0) throw IoError(errno, std::string("cannot open: ") + std::strerror(errno), path, 0);
@@ -67,12 +81,26 @@ OpenFile::~OpenFile() {
 }
 
 int OpenFile::open_fd(bool direct) {
-  int flags = O_CLOEXEC | (op_ == Op::read ? O_RDONLY : (O_WRONLY | O_CREAT));
+  // O_NONBLOCK: opening a FIFO must not wait for its other end; it is cleared once fstat says it is a file.
+  int flags = O_CLOEXEC | O_NONBLOCK | (op_ == Op::read ? O_RDONLY : (O_WRONLY | O_CREAT));
   if (direct) flags |= O_DIRECT;
   int fd;
   do {
     fd = ::open(path_.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return fd;
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  if (!(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
+    ::close(fd);
+    check_file_type(st.st_mode, path_);  // throws
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;
 }
 

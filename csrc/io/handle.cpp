@@ -1,8 +1,13 @@
 #include "io/handle.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
 
 #include "common/errors.h"
+#include "io/fault.h"
+#include "mem/access.h"
 
 namespace swapio::io {
 namespace {
@@ -25,9 +30,31 @@ int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<
   return 0;
 }
 
+// Opens the request's file; an error names the request's offset.
+std::shared_ptr<OpenFile> open_for(const std::string& path, Op op, DirectMode mode, int64_t offset) {
+  try {
+    return std::make_shared<OpenFile>(path, op, mode);
+  } catch (const IoError& e) {
+    throw IoError(e.err(), e.what(), e.path(), offset);
+  }
+}
+
+// A bounce copy into (or out of) memory the process may not write (or read) would crash it: refuse first.
+void check_memory(Op op, uintptr_t buf, int64_t length, const std::string& path, int64_t offset) {
+  const bool read = op == Op::read;
+  if (mem::check_access(reinterpret_cast<const void*>(buf), static_cast<size_t>(length),
+                        read ? mem::Access::write : mem::Access::read) == 0)
+    return;
+  throw IoError(EFAULT,
+                read ? "cannot read into this memory: it is not writable (a read-only mapping, such as a "
+                       "read-only np.memmap?)"
+                     : "cannot write from this memory: it is not readable",
+                path, offset);
+}
+
 }  // namespace
 
-Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
+Handle::Handle(HandleOptions options) : opt_(std::move(options)), pid_(getpid()) {
   if (opt_.block_size <= 0 || opt_.block_size > kMaxBlockSize)
     throw ArgError("block_size must be between 1 and 1 GiB, got " + std::to_string(opt_.block_size));
   if (opt_.queue_depth <= 0 || opt_.queue_depth > kMaxQueueDepth)
@@ -50,6 +77,11 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
     for (const EngineOps* e : all_engines()) names += std::string(", ") + e->name;
     throw ArgError("unknown engine '" + wanted + "' (choose " + names + ")");
   }
+  if (opt_.fault.empty()) {
+    const char* env = std::getenv("SWAPIO_FAULT");
+    if (env) opt_.fault = env;
+  }
+  const FaultSpec fault = parse_fault_spec(opt_.fault);
   const unsigned depth = static_cast<unsigned>(opt_.queue_depth);
   int last_rc = 0;
   for (const EngineOps* ops : candidates) {
@@ -57,6 +89,11 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
     last_rc = create_contexts(*ops, depth, static_cast<size_t>(opt_.threads), contexts);
     if (last_rc < 0) continue;
     engine_ = ops->name;
+    if (fault.kind != FaultSpec::Kind::none) {
+      auto plan = std::make_shared<FaultPlan>(fault);
+      for (void*& ctx : contexts) wrap_with_faults(*ops, ctx, plan, &ctx);  // cannot fail but for memory
+      ops = &faulty_ops(*ops);
+    }
     const unsigned batch = opt_.submit_batch > 0 ? static_cast<unsigned>(std::min<int64_t>(opt_.submit_batch, depth))
                                                  : depth;
     const size_t slot = static_cast<size_t>(std::max<int64_t>(opt_.block_size, 4096));
@@ -69,6 +106,13 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)) {
 Handle::~Handle() { close(); }
 
 void Handle::close() {
+  if (getpid() != pid_) {
+    // A forked child: the workers' threads are not here and their locks may be held. Touching them would
+    // hang or crash, so their memory is left alone (it is the parent's, copied).
+    for (auto& w : workers_) static_cast<void>(w.release());
+    workers_.clear();
+    return;
+  }
   std::vector<std::unique_ptr<Worker>> workers;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -78,6 +122,7 @@ void Handle::close() {
 }
 
 bool Handle::closed() {
+  if (getpid() != pid_) return true;
   std::lock_guard<std::mutex> lk(mu_);
   return workers_.empty();
 }
@@ -89,9 +134,9 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
   // Headroom for rounding to blocks and alignment, so no position computed from the request can overflow.
   if (offset > INT64_MAX - length - kMaxBlockSize) throw ArgError("offset + length overflows");
   if (buf == 0 && length > 0) throw ArgError("buffer pointer is null");
-  if (closed()) throw ArgError("the handle is closed");
+  check_usable();
 
-  auto file = std::make_shared<OpenFile>(path, op, opt_.direct);
+  auto file = open_for(path, op, opt_.direct, offset);
   RequestLayout L;
   L.op = op;
   L.buf = reinterpret_cast<char*>(buf);
@@ -108,6 +153,7 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
     L.tail_start = std::max(L.head_end, round_down(end, edge));
     if (L.head_end > offset || L.tail_start < end) file->ensure_buffered_fd();
     L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
+    if (L.bounce_middle) check_memory(op, buf, length, path, offset);
   } else {
     L.head_end = offset;
     L.tail_start = end;
@@ -142,8 +188,8 @@ std::shared_ptr<Request> Handle::submit_random(Op op, uintptr_t buf, int64_t buf
   if (buf == 0 || buf_len < opt_.block_size)
     throw ArgError("the buffer must hold at least one block (" + std::to_string(opt_.block_size) + " bytes)");
   if (span < opt_.block_size) throw ArgError("span must hold at least one block");
-  if (closed()) throw ArgError("the handle is closed");
-  auto file = std::make_shared<OpenFile>(path, op, opt_.direct);
+  check_usable();
+  auto file = open_for(path, op, opt_.direct, 0);
   if (file->direct()) {
     const Alignment& a = file->alignment();
     if (opt_.block_size % a.offset != 0 || buf % a.mem != 0)
@@ -167,6 +213,13 @@ std::shared_ptr<Request> Handle::submit_random(Op op, uintptr_t buf, int64_t buf
   auto req = std::make_shared<Request>(L, std::move(file), static_cast<int>(stripes));
   dispatch(req, bounds);
   return req;
+}
+
+void Handle::check_usable() {
+  if (getpid() != pid_)
+    throw ArgError("this handle was made in process " + std::to_string(pid_) +
+                   " and does not work in a child after fork(): make a new handle in the child");
+  if (closed()) throw ArgError("the handle is closed");
 }
 
 void Handle::dispatch(const std::shared_ptr<Request>& req, const std::vector<int64_t>& bounds) {

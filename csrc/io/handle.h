@@ -1,6 +1,8 @@
 #pragma once
 // AioHandle's native side: validates a request, opens the file, cuts the request into per-worker stripes
 // and hands them to the workers. Thread-safe; close() (or the destructor) finishes queued work first.
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -29,6 +31,8 @@ struct HandleOptions {
   // Most pieces handed to the engine per call (fio's iodepth_batch_submit, default 1 like fio: lower
   // latency for small random I/O, no loss for large pieces, measured); 0: all that are ready.
   int64_t submit_batch = 1;
+  // Fault injection for tests (see io/fault.h); empty: the SWAPIO_FAULT environment variable, if set.
+  std::string fault;
 };
 
 class Handle {
@@ -46,13 +50,15 @@ class Handle {
   std::shared_ptr<Request> submit_random(Op op, uintptr_t buf, int64_t buf_len, const std::string& path,
                                          int64_t span, int64_t count, uint64_t seed, bool record_latency);
   void close();
-  bool closed();
+  bool closed();  // also true in a child process after fork(): the workers live only in the parent
   const std::string& engine() const { return engine_; }
   const HandleOptions& options() const { return opt_; }
 
  private:
   void dispatch(const std::shared_ptr<Request>& req, const std::vector<int64_t>& bounds);
+  void check_usable();  // throws ArgError if closed or inherited through fork()
   HandleOptions opt_;
+  pid_t pid_;  // the process whose threads run this handle
   std::string engine_;
   std::mutex mu_;  // guards workers_ against a concurrent close()
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -1,5 +1,7 @@
 #include "io/request.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 
@@ -7,8 +9,15 @@
 
 namespace swapio::io {
 
+Request::Request(RequestLayout layout, std::shared_ptr<OpenFile> file, int tasks)
+    : layout_(layout), file_(std::move(file)), path_(file_->path()), fell_back_(file_->fell_back()),
+      pid_(getpid()), tasks_left_(tasks) {}
+
 bool Request::wait_for(double timeout_s) {
   if (done()) return true;
+  if (getpid() != pid_)  // its workers are in the parent; its lock may have been held at fork()
+    throw ArgError("this request was made in process " + std::to_string(pid_) +
+                   " and was not finished at fork(): it cannot be waited for in the child");
   std::unique_lock<std::mutex> lk(mu_);
   auto is_done = [&] { return done(); };
   // Negative, NaN or beyond any real wait (a huge duration would overflow the clock): no limit.

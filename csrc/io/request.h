@@ -1,6 +1,8 @@
 #pragma once
 // One pread/pwrite call = one Request = one future. Workers run its pieces; the last stripe to finish
 // completes it. Callers hold it by shared_ptr, so it may outlive the handle that made it.
+#include <sys/types.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -36,11 +38,11 @@ struct RequestLayout {
 
 class Request {
  public:
-  Request(RequestLayout layout, std::shared_ptr<OpenFile> file, int tasks)
-      : layout_(layout), file_(std::move(file)), path_(file_->path()), fell_back_(file_->fell_back()), tasks_left_(tasks) {}
+  Request(RequestLayout layout, std::shared_ptr<OpenFile> file, int tasks);
 
   // --- caller side
-  bool wait_for(double timeout_s);  // negative: no limit; true once done
+  // Negative: no limit; true once done. Throws ArgError in a child after fork() if not done before it.
+  bool wait_for(double timeout_s);
   bool done() const { return done_.load(std::memory_order_acquire); }
   int64_t result();                 // waits; bytes moved, or throws IoError
   std::vector<uint64_t> latencies_ns();
@@ -62,6 +64,7 @@ class Request {
   std::shared_ptr<OpenFile> file_;
   std::string path_;
   bool fell_back_ = false;
+  pid_t pid_;  // the process whose workers complete it
   std::atomic<int> tasks_left_;
   std::atomic<int64_t> bytes_{0};
   std::atomic<bool> failed_{false};

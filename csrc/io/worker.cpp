@@ -22,6 +22,11 @@ int64_t now_ns() {
 
 const char* op_name(Op op) { return op == Op::read ? "read" : "write"; }
 
+// EINTR/EAGAIN completions are resubmitted this many times in a row, then the piece fails with them.
+constexpr int kMaxRetries = 16;
+// reap() failing this many times in a row (about 0.5 s with the back-off) means the engine is broken.
+constexpr int kMaxReapFailures = 50;
+
 std::string describe(const Piece& p, const char* what) {
   return std::string(op_name(p.op)) + " of " + std::to_string(p.len) + " bytes at offset " +
          std::to_string(p.offset) + " " + what;
@@ -51,7 +56,7 @@ Worker::~Worker() {
   }
   cv_.notify_one();
   thread_.join();
-  ops_.cleanup(ctx_);
+  if (ctx_) ops_.cleanup(ctx_);
   for (auto& s : slots_)
     if (s.bounce_owned) std::free(s.bounce);
   if (arena_map_) munmap(arena_map_, arena_map_bytes_);
@@ -218,6 +223,7 @@ void Worker::prepare(Slot& s, Task& t) {
   s.offset = pos;
   s.total = s.len = static_cast<size_t>(end - pos);
   s.moved = 0;
+  s.retries = 0;
   s.direct = direct;
   s.bounced = direct && !L.random && L.bounce_middle;
   s.task = &t;
@@ -252,8 +258,19 @@ void Worker::submit(std::vector<Piece*>& batch) {
   size_t i = 0;
   int idle_tries = 0;
   while (i < batch.size()) {
+    if (broken_) {  // given up, maybe by the reap below
+      for (; i < batch.size(); i++) {
+        auto& s = static_cast<Slot&>(*batch[i]);
+        s.task->req->fail(broken_, s.offset,
+                          describe(s, "not started: this handle's I/O engine stopped working (collecting "
+                                      "completions kept failing); make a new handle"));
+        release(s);
+      }
+      return;
+    }
     int rc = ops_.submit(ctx_, &batch[i], static_cast<int>(batch.size() - i));
     if (rc > 0) {
+      for (int k = 0; k < rc; k++) static_cast<Slot*>(batch[i + static_cast<size_t>(k)])->in_engine = true;
       inflight_ += rc;
       i += static_cast<size_t>(rc);
       idle_tries = 0;
@@ -272,29 +289,59 @@ void Worker::submit(std::vector<Piece*>& batch) {
 }
 
 int Worker::reap(int min_wait) {
+  if (broken_) return 0;
   int n = ops_.reap(ctx_, done_.data(), static_cast<int>(depth_), min_wait);
   if (n < 0) {
     // The engine itself failed (not one request): fail everything queued here; in-flight pieces are
-    // still collected as they finish.
+    // still collected if it recovers. If it does not, give it up rather than wait forever (close() would hang).
     for (auto& t : active_) t->req->fail(-n, t->cursor, std::string("collecting completions failed"));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (++reap_failures_ >= kMaxReapFailures) {
+      give_up_engine(-n);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(reap_failures_, 20)));
+    }
     return 0;
   }
+  reap_failures_ = 0;
   inflight_ -= n;
-  for (int i = 0; i < n; i++) complete(static_cast<Slot&>(*done_[i]));
+  for (int i = 0; i < n; i++) {
+    static_cast<Slot*>(done_[i])->in_engine = false;
+    complete(static_cast<Slot&>(*done_[i]));
+  }
   return n;
+}
+
+void Worker::give_up_engine(int err) {
+  broken_ = err;
+  // Cleanup first: it ends or waits out what the kernel still holds (io_destroy waits for AIO; the fault
+  // engine drains its inner one), so the slots are free before their requests complete.
+  ops_.cleanup(ctx_);
+  ctx_ = nullptr;
+  for (auto& s : slots_) {
+    if (!s.in_engine) continue;
+    s.in_engine = false;
+    inflight_--;
+    s.task->req->fail(err, s.offset, describe(s, "abandoned: collecting completions kept failing"));
+    release(s);
+  }
 }
 
 void Worker::complete(Slot& s) {
   Task& t = *s.task;
   Request& r = *t.req;
   const int64_t res = s.result;
-  if ((res == -EINTR || res == -EAGAIN) && !r.failed()) {
+  const bool transient = res == -EINTR || res == -EAGAIN;
+  if (transient && !r.failed() && ++s.retries <= kMaxRetries) {
     retry_.push_back(&s);
     return;
   }
   if (res < 0) {
     std::string what = "failed";
+    if (transient && s.retries > kMaxRetries)
+      what = "failed " + std::to_string(kMaxRetries + 1) + " times in a row";
+    if (res == -EFAULT)
+      what = s.op == Op::read ? "failed: the destination memory is not writable (a read-only mapping?)"
+                              : "failed: the source memory is not readable";
     if (res == -EINVAL && s.direct)
       what = "failed (O_DIRECT needs buffer, offset and length aligned to " +
              std::to_string(r.file().alignment().offset) + " bytes; does the file system support it?)";

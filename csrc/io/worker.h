@@ -47,6 +47,8 @@ class Worker {
     size_t total = 0;          // bytes this piece must move
     size_t moved = 0;          // bytes moved so far (short transfers are resubmitted)
     bool bounced = false;      // through `bounce` because caller memory is misaligned
+    bool in_engine = false;    // the engine holds it (submitted, not yet reaped)
+    int retries = 0;           // EINTR/EAGAIN completions in a row
     bool direct = false;
     char* bounce = nullptr;    // aligned scratch: a slot of the arena, or owned when larger than a slot
     size_t bounce_size = 0;
@@ -60,6 +62,7 @@ class Worker {
   void prepare(Slot& s, Task& t);
   void submit(std::vector<Piece*>& batch);
   int reap(int min_wait);  // pieces collected
+  void give_up_engine(int err);  // reap keeps failing: drop the engine, fail what it held
   bool can_fill();
   Task* next_task();       // the first task with pieces left to issue
   bool copy_aside();       // one bounce copy off the submission path; false if there was none to do
@@ -70,7 +73,9 @@ class Worker {
   char* arena();  // bounce memory for every slot, mapped on first need; nullptr if it cannot be
 
   const EngineOps& ops_;
-  void* ctx_;
+  void* ctx_;       // nullptr once the engine was given up
+  int broken_ = 0;  // errno that made the worker give its engine up; later pieces fail with it
+  int reap_failures_ = 0;  // in a row
   unsigned depth_;
   unsigned batch_;
   size_t slot_bytes_;

@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "python/bind_adam.h"
@@ -58,6 +60,29 @@ struct PinnedBuffer {
     mem::pinned_free(block);
   }
 };
+
+// Waits with the GIL released, in slices, taking it back between them to run signal handlers: Ctrl-C
+// raises KeyboardInterrupt here. The request keeps running (and the Python future keeps its memory), so an
+// interrupted wait can be waited again. Negative timeout: no limit.
+bool wait_interruptibly(io::Request& r, double timeout_s) {
+  constexpr double kSlice = 0.05;
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    double slice = kSlice;
+    if (timeout_s >= 0) {
+      const double left = timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      slice = std::max(0.0, std::min(kSlice, left));
+    }
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = r.wait_for(slice);
+    }
+    if (done) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (timeout_s >= 0 && slice < kSlice) return false;
+  }
+}
 
 py::dict probe_file(const std::string& path) {
   py::dict out;
@@ -117,12 +142,16 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<io::Request, std::shared_ptr<io::Request>>(m, "Request")
       .def("wait", [](io::Request& r, std::optional<double> timeout) {
-            py::gil_scoped_release nogil;
-            return r.wait_for(timeout ? std::max(0.0, *timeout) : -1.0);
+            double t = timeout ? std::max(0.0, *timeout) : -1.0;
+            if (t > 1e9) t = -1.0;  // beyond any real wait: no limit (as Request::wait_for)
+            return wait_interruptibly(r, t);
           }, py::arg("timeout") = py::none(), "Waits until done or timeout (seconds); True when done.")
       .def("done", &io::Request::done)
-      .def("result", &io::Request::result, py::call_guard<py::gil_scoped_release>(),
-           "Waits; returns bytes moved or raises OSError.")
+      .def("result", [](io::Request& r) {
+            wait_interruptibly(r, -1.0);
+            py::gil_scoped_release nogil;
+            return r.result();
+          }, "Waits; returns bytes moved or raises OSError.")
       .def("latencies_ns", [](io::Request& r) {
             std::vector<uint64_t> lat;
             {
