@@ -1,12 +1,14 @@
 // Helpers for the native test programs (liburing style: each program proves one behaviour;
 // exit 0 = pass, 1 = fail, 77 = skip).
 #pragma once
+#include <dirent.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -60,14 +62,68 @@ inline swapio::io::HandleOptions options(const std::string& engine, int64_t bloc
   return o;
 }
 
-// Engines usable on this kernel (io_uring may be disabled by sysctl or seccomp).
-inline std::vector<std::string> usable_engines() {
-  std::vector<std::string> out;
-  for (const char* name : {"uring", "aio", "psync"})
-    if (swapio::io::probe_engine(*swapio::io::find_engine(name)) == 0) out.push_back(name);
-  return out;
+// Programs that take an engine (a `// engines: ...` line tells run.sh which) start here: `prog ENGINE`. An
+// engine this kernel cannot set up (io_uring disabled by sysctl or seccomp, aio-max-nr reached) is a skip
+// with the reason, never a silent pass.
+template <class Body>
+int per_engine_main(int argc, char** argv, Body body) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s ENGINE\n", argv[0]);
+    return kFail;
+  }
+  const std::string engine = argv[1];
+  const swapio::io::EngineOps* ops = swapio::io::find_engine(engine);
+  CHECK(ops != nullptr);
+  const int rc = swapio::io::probe_engine(*ops);
+  if (rc != 0) {
+    std::printf("engine %s unavailable here: %s\n", engine.c_str(), std::strerror(-rc));
+    return kSkip;
+  }
+  return body(engine);
+}
+
+// What a handle may hold of the process: descriptors (files, io_uring rings), threads, and mappings (bounce
+// arenas, io_uring and AIO rings). Equal before a handle is made and after it is gone: nothing leaked.
+struct Resources {
+  int fds = 0, threads = 0, maps = 0;
+  bool operator==(const Resources& o) const { return fds == o.fds && threads == o.threads && maps == o.maps; }
+};
+
+inline int count_entries(const char* dir) {
+  int n = 0;
+  if (DIR* d = opendir(dir)) {
+    while (readdir(d)) n++;
+    closedir(d);
+  }
+  return n;
+}
+
+// Call once a handle of the same shape was made and destroyed: the C library keeps per-thread malloc arenas
+// mapped after their threads exit, and reuses them.
+inline Resources resources() {
+  Resources r;
+  r.fds = count_entries("/proc/self/fd");
+  r.threads = count_entries("/proc/self/task");
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) r.maps++;
+  return r;
 }
 
 inline uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+// Writes n pattern bytes from memory `mem_shift` bytes past a page boundary to `path` at `off`, reads them
+// back into memory with the same shift, and checks every byte.
+inline void round_trip(swapio::io::Handle& h, const std::string& path, size_t n, int64_t off, size_t mem_shift) {
+  using swapio::io::Op;
+  std::vector<uint8_t> src_store(n + 4096 * 2), dst_store(n + 4096 * 2);
+  uint8_t* src = src_store.data() + (4096 - addr(src_store.data()) % 4096) + mem_shift;
+  uint8_t* dst = dst_store.data() + (4096 - addr(dst_store.data()) % 4096) + mem_shift;
+  auto data = pattern(n, static_cast<uint32_t>(n + static_cast<size_t>(off) + mem_shift));
+  std::memcpy(src, data.data(), n);
+  CHECK(h.submit(Op::write, addr(src), static_cast<int64_t>(n), path, off, false)->result() == static_cast<int64_t>(n));
+  CHECK(h.submit(Op::read, addr(dst), static_cast<int64_t>(n), path, off, false)->result() == static_cast<int64_t>(n));
+  CHECK(std::memcmp(dst, data.data(), n) == 0);
+  unlink(path.c_str());
+}
 
 }  // namespace t

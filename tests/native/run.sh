@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds the native core (no Python) with each test program and runs them, each under a time limit.
-# Usage: tests/native/run.sh [--sanitize]    (--sanitize: AddressSanitizer + UBSan + LeakSanitizer)
+# Usage: tests/native/run.sh [--sanitize | --tsan]
+#   --sanitize: AddressSanitizer + UBSan + LeakSanitizer; --tsan: ThreadSanitizer.
+# A program whose first line is `// engines: A B ...` runs once per engine (`prog A`, ...); exit 77 is a skip,
+# and the program's last line of output says why.
 set -euo pipefail
 shopt -s nullglob
 cd "$(dirname "$0")/../.."
@@ -10,6 +13,11 @@ if [[ "${1:-}" == "--sanitize" ]]; then
   flags+=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
   out=build/native-sanitize
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+elif [[ "${1:-}" == "--tsan" ]]; then
+  flags+=(-fsanitize=thread -fno-omit-frame-pointer)
+  out=build/native-tsan
+  # die_after_fork=0: fork.cpp starts threads in the child on purpose (new handles must work there).
+  export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:die_after_fork=0
 fi
 mkdir -p "$out"
 core=(csrc/common/*.cpp csrc/io/*.cpp csrc/mem/*.cpp csrc/adam/*.cpp)  # all but csrc/python (pybind11)
@@ -34,15 +42,19 @@ pass=0 fail=0 skip=0
 for test in tests/native/*.cpp; do
   name=$(basename "$test" .cpp)
   g++ "${flags[@]}" "$test" "${objs[@]}" -o "$out/$name"
-  set +e
-  timeout 120 "$out/$name"
-  rc=$?
-  set -e
-  case $rc in
-    0) pass=$((pass + 1)); echo "PASS $name" ;;
-    77) skip=$((skip + 1)); echo "SKIP $name" ;;
-    *) fail=$((fail + 1)); echo "FAIL $name (exit $rc)" ;;
-  esac
+  engines=$(sed -n '1s|^// engines: ||p' "$test")
+  for engine in ${engines:-""}; do
+    label=$name${engine:+[$engine]}
+    set +e
+    timeout 120 "$out/$name" $engine >"$out/$label.log" 2>&1
+    rc=$?
+    set -e
+    case $rc in
+      0) pass=$((pass + 1)); echo "PASS $label $(tail -n 1 "$out/$label.log")" ;;
+      77) skip=$((skip + 1)); echo "SKIP $label: $(tail -n 1 "$out/$label.log")" ;;
+      *) fail=$((fail + 1)); echo "FAIL $label (exit $rc)"; cat "$out/$label.log" ;;
+    esac
+  done
 done
 echo "native: $pass passed, $fail failed, $skip skipped"
 [[ $fail == 0 ]]
