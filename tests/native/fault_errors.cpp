@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
               static_cast<int64_t>(back.size()));
         if (engine != "null") CHECK(back == good);
       }
-      CHECK(t::resources() == before);
+      CHECK(t::released(before));
     }
     return t::kPass;
   });

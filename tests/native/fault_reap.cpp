@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
       for (auto& r : reqs) CHECK(fails_with(r, EIO));
       CHECK(fails_with(h.submit(Op::write, t::addr(data.data()), n, dir.file("later"), 0, false), EIO));
     }  // the destructor returns
-    CHECK(t::resources() == before);
+    CHECK(t::released(before));
     HandleOptions o = t::options(engine, 64 << 10, 4);
     o.fault = "piece=1,errno=reap,count=3";
     Handle h(o);

@@ -82,11 +82,14 @@ int per_engine_main(int argc, char** argv, Body body) {
   return body(engine);
 }
 
-// What a handle may hold of the process: descriptors (files, io_uring rings), threads, and mappings (bounce
-// arenas, io_uring and AIO rings). Equal before a handle is made and after it is gone: nothing leaked.
+// What a handle may hold of the process: descriptors (files, io_uring rings), threads, kernel I/O rings mapped
+// into it (io_uring, AIO), and all mappings (bounce arenas too; counted only without a sanitizer, whose
+// shadow memory grows on its own). Equal before a handle is made and after it is gone: nothing leaked.
 struct Resources {
-  int fds = 0, threads = 0, maps = 0;
-  bool operator==(const Resources& o) const { return fds == o.fds && threads == o.threads && maps == o.maps; }
+  int fds = 0, threads = 0, rings = 0, maps = 0;
+  bool operator==(const Resources& o) const {
+    return fds == o.fds && threads == o.threads && rings == o.rings && maps == o.maps;
+  }
 };
 
 inline int count_entries(const char* dir) {
@@ -105,8 +108,22 @@ inline Resources resources() {
   r.fds = count_entries("/proc/self/fd");
   r.threads = count_entries("/proc/self/task");
   std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) r.maps++;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("io_uring") != std::string::npos || line.find("[aio]") != std::string::npos) r.rings++;
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    r.maps++;
+#endif
+  }
   return r;
+}
+
+// True if nothing is held beyond `before`; prints both counts otherwise.
+inline bool released(const Resources& before) {
+  const Resources now = resources();
+  if (now == before) return true;
+  std::fprintf(stderr, "fds %d -> %d, threads %d -> %d, rings %d -> %d, mappings %d -> %d\n", before.fds, now.fds,
+               before.threads, now.threads, before.rings, now.rings, before.maps, now.maps);
+  return false;
 }
 
 inline uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }

@@ -1,5 +1,6 @@
 // The null engine (no disk): a request is cut into block-sized pieces spread over the workers, and the
 // future reports the summed bytes; many requests from several threads all complete.
+// (Writes: they only read `buf`, so the threads share it without a data race.)
 #include <thread>
 
 #include "helpers.h"
@@ -22,7 +23,7 @@ int main() {
     for (int th = 0; th < 4; th++)
       threads.emplace_back([&, th] {
         for (int i = 0; i < 200; i++)
-          reqs[th * 200 + i] = h.submit(Op::read, t::addr(buf.data()), 1 + i * 1000, path, i, false);
+          reqs[th * 200 + i] = h.submit(Op::write, t::addr(buf.data()), 1 + i * 1000, path, i, false);
       });
     for (auto& th : threads) th.join();
     for (int i = 0; i < 800; i++) CHECK(reqs[i]->result() == 1 + (i % 200) * 1000);
