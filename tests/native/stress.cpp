@@ -1,7 +1,7 @@
 // engines: uring aio psync
 // Several threads share one handle for random round trips (sizes, file offsets and memory alignments drawn
 // at random, reads and writes in flight together) and every byte read back is checked. Runs for
-// SWAPIO_STRESS_SECONDS (default 4) and prints the bytes verified.
+// SWAPIO_STRESS_SECONDS (default 3) and prints the bytes verified.
 #include <atomic>
 #include <chrono>
 #include <random>
@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
   return t::per_engine_main(argc, argv, [](const std::string& engine) {
     t::ScratchDir dir;
     const char* env = std::getenv("SWAPIO_STRESS_SECONDS");
-    const double seconds = env ? std::atof(env) : 4.0;
+    const double seconds = env ? std::atof(env) : 3.0;
     const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
     constexpr int kThreads = 4;
     constexpr int64_t kRegion = 8 << 20;  // each thread's own part of the shared file
