@@ -16,6 +16,11 @@ fp32 step (28 bytes per parameter: reads p, g, m, v; writes p, m, v):
 mixed step (bf16 grads in, fp32 master and moments, bf16 params out; also 28 bytes per parameter):
   swapio        adam_step_(p32, g_bf16, m, v, param_out=p_bf16), one pass
   torch-best    g32.copy_(g_bf16); AdamW(fused=True).step(); p_bf16.copy_(p32)
+smaller state (fp32 grads; each against the same triad bound divided by its own bytes per parameter):
+  adam-bf16     bf16 moments, stochastic rounding    20 B: p r+w, g, m r+w 2+2, v r+w 2+2
+  adam-int8     int8 block-wise moments              16.06 B: p r+w, g, m 1+1, v 1+1, scales
+  lion-fp32     Lion, fp32 moment                    20 B: p r+w, g, m r+w
+  lion-int8     Lion, int8 block-wise moment         14.03 B: p r+w, g, m 1+1, scale
 
 Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--repeats 5]
 """
@@ -30,6 +35,7 @@ import swapio.ops as sops
 from swapio.tools.report import fmt_size, parse_size
 
 BYTES_PER_PARAM = 28
+STATE_BYTES = {"adam-bf16": 20, "adam-int8": 16 + 16 / 256, "lion-fp32": 20, "lion-int8": 14 + 8 / 256}
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 
 
@@ -98,7 +104,34 @@ def run_bench(n, threads, repeats, with_deepspeed):
     t32 = timeit(fp32)
     tmx = timeit(mixed)
     del fused, loop
-    return t32, tmx
+    tst = timeit(state_steps(p, g, n, threads, triad))
+    return t32, tmx, tst
+
+
+def state_steps(p, g, n, threads, triad):
+    """The smaller-state kernels over the same p and g, plus the triad (timed again, interleaved with them)."""
+    from swapio import quant
+    bf = {k: torch.zeros(n, dtype=torch.bfloat16) for k in ("m", "v")}
+    i8 = {}
+    for name, signed in (("m", True), ("v", False)):
+        i8[name], i8[name + "_scale"] = quant.quantize(torch.zeros(n), signed)
+    lm = torch.zeros(n)
+    lq, lq_scale = quant.quantize(torch.zeros(n), True)
+    step = [0]
+
+    def tick():
+        step[0] += 1
+        return step[0]
+
+    return {
+        "adam-bf16": lambda: sops.adam_step_(p, g, bf["m"], bf["v"], step=tick(), threads=threads, **HYPER),
+        "adam-int8": lambda: sops.adam_step_(p, g, i8["m"], i8["v"], step=tick(), threads=threads,
+                                             exp_avg_scale=i8["m_scale"], exp_avg_sq_scale=i8["v_scale"], **HYPER),
+        "lion-fp32": lambda: sops.lion_step_(p, g, lm, lr=1e-4, weight_decay=0.1, threads=threads),
+        "lion-int8": lambda: sops.lion_step_(p, g, lq, exp_avg_scale=lq_scale, lr=1e-4, weight_decay=0.1,
+                                             threads=threads),
+        "triad": triad,
+    }
 
 
 def make_deepspeed(p, g, m, v):
@@ -132,9 +165,11 @@ def main(argv=None):
            f"{'x fused':>7} {'x loop':>7} {'%bound':>6} || {'mix sw':>7} {'mix tch':>7} {'x mix':>6}")
     print(hdr)
     print("-" * len(hdr))
+    state_rows = []
     for n in sizes:
         for t in threads:
-            t32, tmx = run_bench(n, t, args.repeats, not args.no_deepspeed)
+            t32, tmx, tst = run_bench(n, t, args.repeats, not args.no_deepspeed)
+            state_rows.append((n, t, tst))
             rate = {k: n / s / 1e9 for k, s in t32.items()}
             bound = (12 * n / t32["triad"]) / BYTES_PER_PARAM / 1e9
             ds = f"{rate['deepspeed']:7.2f}" if "deepspeed" in rate else f"{'-':>7}"
@@ -145,6 +180,17 @@ def main(argv=None):
                   f"{mix_sw:7.2f} {mix_t:7.2f} {mix_sw / mix_t:6.2f}", flush=True)
     print("columns: Gparam/s of the fp32 step; x = swapio's ratio; bound = triad bandwidth / 28 B per param; "
           "mix = bf16 grads in, bf16 params out")
+    print()
+    names = list(STATE_BYTES)
+    print("smaller state: Gparam/s, and in brackets the fraction of each kernel's own bound "
+          "(triad bandwidth / its bytes per param)")
+    hdr = f"{'size':>5} {'thr':>3} | " + " ".join(f"{k:>16}" for k in names) + f" | {'triad GB/s':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for n, t, tst in state_rows:
+        bw = 12 * n / tst["triad"]
+        cells = " ".join(f"{n / tst[k] / 1e9:7.2f} ({n / tst[k] * STATE_BYTES[k] / bw:5.2f})" for k in names)
+        print(f"{fmt_size(n):>5} {t:>3} | {cells} | {bw / 1e9:10.1f}")
 
 
 if __name__ == "__main__":

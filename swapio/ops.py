@@ -11,6 +11,11 @@ correctly rounded (it is off by up to 0.75 ulp; the kernel's is exact), so param
 rounding (about 1e-7 relative per step).
 
 amsgrad is supported (pass ``amsgrad=True`` and a ``max_exp_avg_sq`` buffer).
+
+Smaller state: the moments may also be bf16 tensors (stored with stochastic rounding) or uint8 tensors of
+int8 block-wise codes with fp32 scales (``swapio.quant`` describes both and is their plain-torch codec);
+decoding, the step and encoding run in one pass. ``lion_step_`` is Lion (one moment, sign update, decoupled
+weight decay) with the same three state types. ``*_reference_`` are the same steps in plain torch.
 """
 import math
 import numbers
@@ -19,14 +24,17 @@ import warnings
 import torch
 
 from . import _C
+from . import quant
 from ._errors import SwapioWarning
 
-__all__ = ["adam_step_", "adam_step_reference_", "cpu_capability", "cpu_capabilities"]
+__all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "cpu_capability",
+           "cpu_capabilities"]
 
 _CODES = _C.ADAM_DTYPE_CODES
 _GRAD_DTYPES = {torch.float32: _CODES["float32"], torch.bfloat16: _CODES["bfloat16"],
                 torch.float16: _CODES["float16"]}
 _OUT_DTYPES = _GRAD_DTYPES
+_STATES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}  # moment dtype -> state type
 _LEVELS = ("scalar", "avx2", "avx512")
 _warned_capability = False
 
@@ -57,6 +65,94 @@ def _check_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
+
+
+def _check_flat(name, t, n, dtype=None):
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+    if not t.is_cpu:
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.numel() != n:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {n}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_buffers(param, grad, moments, param_out):
+    """Checks param, grad, the moments ((name, tensor, scale), ...) and param_out; returns the state type."""
+    _check_tensor("param", param)
+    _check_tensor("grad", grad)
+    n = param.numel()
+    _check_flat("param", param, n, torch.float32)
+    _check_flat("grad", grad, n)
+    if grad.dtype not in _GRAD_DTYPES:
+        raise ValueError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+    state = None
+    for name, t, scale in moments:
+        _check_tensor(name, t)
+        _check_flat(name, t, n)
+        kind = _STATES.get(t.dtype)
+        if kind is None:
+            raise ValueError(f"{name} must be float32, bfloat16 or uint8 (int8 codes), got {t.dtype}")
+        if state is not None and kind != state:
+            raise ValueError(f"the moments must share one dtype, got {moments[0][1].dtype} and {t.dtype}")
+        state = kind
+        if kind == "int8":
+            if scale is None:
+                raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
+            _check_flat(f"{name}_scale", _check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
+    if param_out is not None:
+        _check_flat("param_out", _check_tensor("param_out", param_out), n)
+        if param_out.dtype not in _OUT_DTYPES:
+            raise ValueError(f"param_out must be bfloat16, float16 or float32, got {param_out.dtype}")
+    return state
+
+
+def _threads(threads):
+    if threads is None or threads == 0:
+        return int(min(torch.get_num_threads(), 1024))
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    return int(min(threads, 1024))
+
+
+def _capability(capability):
+    if capability is None:
+        return ""
+    if not isinstance(capability, str):
+        raise TypeError(f"capability must be a str or None, got {type(capability).__name__}")
+    if capability.lower() not in _LEVELS:
+        raise ValueError(f"capability must be one of {_LEVELS}, got {capability!r}")
+    return capability
+
+
+def _seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def _index_base(index_base):
+    if isinstance(index_base, bool) or not isinstance(index_base, numbers.Integral) or index_base < 0:
+        raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    return int(index_base)
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def _out_code(param_out):
+    return _CODES["none"] if param_out is None else _OUT_DTYPES[param_out.dtype]
+
+
+def _count(nonfinite, found):
+    if nonfinite is not None and found:
+        nonfinite.add_(found)
 
 
 def _scalar(name, value):
@@ -111,7 +207,7 @@ def _hyper(step, lr, beta1, beta2, eps, weight_decay):
 
 def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw=True,
                maximize=False, amsgrad=False, max_exp_avg_sq=None, param_out=None, threads=None,
-               capability=None):
+               capability=None, exp_avg_scale=None, exp_avg_sq_scale=None, seed=0, index_base=0, nonfinite=None):
     """One Adam (``adamw=False``: L2 weight decay) or AdamW step, in place, with the native CPU kernel.
 
     param, exp_avg, exp_avg_sq (and max_exp_avg_sq with ``amsgrad``): contiguous fp32 CPU tensors of one
@@ -122,74 +218,158 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     lr and the other hyperparameters: numbers or one-element tensors.
     threads: threads to use (None or 0: ``torch.get_num_threads()``).
     capability: None (the active level) or ``"scalar"``/``"avx2"``/``"avx512"`` (ValueError if missing).
+    Smaller state: exp_avg and exp_avg_sq may instead both be bf16 (stochastic rounding from ``seed``, ``step``
+    and the element index ``index_base + i``) or both uint8 int8 codes with fp32 ``exp_avg_scale`` and
+    ``exp_avg_sq_scale`` of ``swapio.quant.num_blocks(numel)`` elements each; not with amsgrad. ``nonfinite``:
+    None or a one-element int64 tensor to which the count of non-finite new int8 moments (stored as 0) is added.
     Returns ``param``. Raises TypeError for non-tensors, ValueError for bad devices, layouts, dtypes,
     sizes or hyperparameters.
     """
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check_tensor(name, t)
-    extra = []
+    state = _check_buffers(param, grad, (("exp_avg", exp_avg, exp_avg_scale),
+                                         ("exp_avg_sq", exp_avg_sq, exp_avg_sq_scale)), param_out)
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("amsgrad=True needs max_exp_avg_sq")
-        extra.append(("max_exp_avg_sq", _check_tensor("max_exp_avg_sq", max_exp_avg_sq)))
-    if param_out is not None:
-        extra.append(("param_out", _check_tensor("param_out", param_out)))
-    n = param.numel()
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), *extra):
-        if t.layout is not torch.strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
-        if not t.is_cpu:
-            raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-    fp32 = [("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    if amsgrad:
-        fp32.append(("max_exp_avg_sq", max_exp_avg_sq))
-    for name, t in fp32:
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {t.dtype}")
-    if grad.dtype not in _GRAD_DTYPES:
-        raise ValueError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
-    if param_out is not None and param_out.dtype not in _OUT_DTYPES:
-        raise ValueError(f"param_out must be bfloat16, float16 or float32, got {param_out.dtype}")
+        if state != "fp32":
+            raise ValueError(f"amsgrad needs float32 moments, got {exp_avg.dtype}")
+        _check_flat("max_exp_avg_sq", _check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
     step, lr, beta1, beta2, eps, weight_decay = _hyper(step, lr, beta1, beta2, eps, weight_decay)
-    if threads is None or threads == 0:
-        threads = torch.get_num_threads()
-    elif isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
-        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
-    elif threads < 0:
-        raise ValueError(f"threads must be >= 0, got {threads}")
-    if capability is None:
-        capability = ""
-    elif not isinstance(capability, str):
-        raise TypeError(f"capability must be a str or None, got {type(capability).__name__}")
-    elif capability.lower() not in _LEVELS:
-        raise ValueError(f"capability must be one of {_LEVELS}, got {capability!r}")
+    threads, capability = _threads(threads), _capability(capability)
+    seed, index_base = _seed(seed), _index_base(index_base)
+    n = param.numel()
     if n == 0:
+        return param
+    if state != "fp32":
+        found = _C.adam_step_state(
+            param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale),
+            exp_avg_sq.data_ptr(), _ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
+            index_base=index_base, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=_ptr(param_out),
+            out_dtype=_out_code(param_out), threads=threads, capability=capability)
+        _count(nonfinite, found)
         return param
     _C.adam_step(
         param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
-        maximize=bool(maximize), amsgrad=bool(amsgrad),
-        max_exp_avg_sq=max_exp_avg_sq.data_ptr() if amsgrad else 0,
-        param_out=param_out.data_ptr() if param_out is not None else 0,
-        out_dtype=_OUT_DTYPES[param_out.dtype] if param_out is not None else _CODES["none"],
-        threads=int(min(threads, 1024)), capability=capability)
+        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=_ptr(max_exp_avg_sq) if amsgrad else 0,
+        param_out=_ptr(param_out), out_dtype=_out_code(param_out), threads=threads, capability=capability)
+    return param
+
+
+def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False, step=1,
+               param_out=None, threads=None, capability=None, exp_avg_scale=None, seed=0, index_base=0,
+               nonfinite=None):
+    """One Lion step (Chen et al. 2023), in place, with the native CPU kernel:
+    ``param *= 1 - lr*wd; param -= lr * sign(beta1*exp_avg + (1-beta1)*grad); exp_avg = beta2*exp_avg +
+    (1-beta2)*grad``, in the float32 operation order of ``lion_step_reference_``.
+
+    param: contiguous fp32 CPU tensor; grad: fp32, bf16 or fp16 of its numel; exp_avg: fp32, bf16 (stochastic
+    rounding from ``seed``, ``step``, ``index_base + i``) or uint8 int8 codes with fp32 ``exp_avg_scale``.
+    step only seeds the bf16 rounding. The other arguments are those of ``adam_step_``. Returns ``param``.
+    """
+    state = _check_buffers(param, grad, (("exp_avg", exp_avg, exp_avg_scale),), param_out)
+    step, lr, beta1, beta2, weight_decay = _lion_hyper(step, lr, beta1, beta2, weight_decay)
+    threads, capability = _threads(threads), _capability(capability)
+    seed, index_base = _seed(seed), _index_base(index_base)
+    n = param.numel()
+    if n == 0:
+        return param
+    found = _C.lion_step(
+        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale), n,
+        state=_C.STATE_CODES[state], seed=seed, index_base=index_base, step=step, lr=lr,
+        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
+        out_dtype=_out_code(param_out), threads=threads, capability=capability)
+    _count(nonfinite, found)
+    return param
+
+
+def _lion_hyper(step, lr, beta1, beta2, weight_decay):
+    step = _step(step)
+    lr, beta1, beta2 = _scalar("lr", lr), _scalar("beta1", beta1), _scalar("beta2", beta2)
+    weight_decay = _scalar("weight_decay", weight_decay)
+    if not (0.0 <= lr < math.inf):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    for i, b in enumerate((beta1, beta2)):
+        if not 0.0 <= b <= 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    if not (0.0 <= weight_decay < math.inf):
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    return step, lr, beta1, beta2, weight_decay
+
+
+class _Decoded:
+    """The fp32 values of moments stored as bf16 or int8, written back encoded (the references' codec)."""
+
+    def __init__(self, moments, seed, step, index_base):
+        self.moments, self.seed, self.step, self.index_base = moments, seed, step, index_base
+        self.values = []
+        for t, scale, signed in moments:
+            if t.dtype == torch.uint8:
+                self.values.append(quant.dequantize(t, scale, signed))
+            else:
+                self.values.append(t.reshape(-1).float())
+
+    def store(self):
+        bits = None
+        for j, ((t, scale, signed), x) in enumerate(zip(self.moments, self.values)):
+            if t.dtype == torch.uint8:
+                codes, new_scale = quant.quantize(x, signed)
+                t.reshape(-1).copy_(codes)
+                scale.reshape(-1).copy_(new_scale)
+            elif t.dtype == torch.bfloat16:
+                if bits is None:
+                    bits = quant.sr_bits(self.seed, self.step, self.index_base, x.numel())
+                t.reshape(-1).copy_(quant.round_bf16_stochastic(x, (bits >> (16 * j)) & 0xFFFF))
+            else:
+                t.reshape(-1).copy_(x)
+
+
+@torch.no_grad()
+def lion_step_reference_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
+                         step=1, param_out=None, threads=None, capability=None, exp_avg_scale=None, seed=0,
+                         index_base=0, nonfinite=None):
+    """``lion_step_`` in plain torch ops (the form of the Lion paper's pseudocode), on any device. exp_avg may be
+    fp32, bf16 or uint8 codes (decoded, stepped and encoded with ``swapio.quant``). ``threads``,
+    ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
+    step, lr, beta1, beta2, weight_decay = _lion_hyper(step, lr, beta1, beta2, weight_decay)
+    state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, index_base)
+    m = state.values[0]
+    p = param.reshape(-1)
+    g = grad.reshape(-1).to(p.dtype)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    update = m.mul(beta1).add_(g, alpha=1 - beta1).sign_()
+    p.add_(update, alpha=-lr)
+    m.mul_(beta2).add_(g, alpha=1 - beta2)
+    state.store()
+    if param_out is not None:
+        param_out.copy_(param.reshape(param_out.shape))
     return param
 
 
 @torch.no_grad()
 def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
                          adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None, param_out=None,
-                         threads=None, capability=None):
+                         threads=None, capability=None, exp_avg_scale=None, exp_avg_sq_scale=None, seed=0,
+                         index_base=0, nonfinite=None):
     """``adam_step_`` in plain torch ops (torch's ``_single_tensor_adam``, op for op), on any device.
 
     The state tensors and param share a floating dtype (normally fp32); grad may be of any floating dtype
-    and is converted to param's. ``threads`` and ``capability`` are accepted for signature compatibility
-    and ignored. Returns ``param``.
+    and is converted to param's. Moments stored as bf16 or uint8 codes are decoded to fp32, stepped and
+    encoded with ``swapio.quant``. ``threads``, ``capability`` and ``nonfinite`` are accepted for signature
+    compatibility and ignored. Returns ``param``.
     """
+    if exp_avg.dtype in (torch.bfloat16, torch.uint8):
+        state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed, _step(step),
+                         index_base)
+        adam_step_reference_(param.reshape(-1), grad.reshape(-1), *state.values, step=step, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize)
+        state.store()
+        if param_out is not None:
+            param_out.copy_(param.reshape(param_out.shape))
+        return param
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _check_tensor(name, t)
     if amsgrad and max_exp_avg_sq is None:

@@ -39,9 +39,13 @@ def clone_all(*ts):
 def assert_bitwise_equal(a, b, what=""):
     """Equal bit for bit, except that any NaN matches any NaN."""
     assert a.dtype == b.dtype and a.shape == b.shape
-    ai = a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16)
-    bi = b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16)
-    same = (ai == bi) | (a.isnan() & b.isnan())
+    if a.dtype == torch.uint8:  # int8 state codes
+        ai, bi, nan = a, b, torch.zeros_like(a, dtype=torch.bool)
+    else:
+        ai = a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16)
+        bi = b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16)
+        nan = a.isnan() & b.isnan()
+    same = (ai == bi) | nan
     if not bool(same.all()):
         i = int((~same).nonzero()[0])
         raise AssertionError(f"{what}: {int((~same).sum())} elements differ, first at {i}: {a[i]} vs {b[i]}")

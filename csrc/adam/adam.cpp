@@ -15,8 +15,7 @@
 #include <string>
 #include <thread>
 
-#include "adam/adam_kernel.h"
-#include "adam/adam_pool.h"
+#include "adam/adam_host.h"
 
 #if SWAPIO_HAVE_X86_KERNELS && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <cpuid.h>
@@ -34,6 +33,7 @@ constexpr int64_t kTile = 32 * 1024;
 // Below this many elements the step runs on the calling thread: waking a worker (tens of microseconds)
 // costs more than it saves (measured: 64K elements ran slower on 2 threads than on 1, 128K faster).
 constexpr int64_t kMinParallel = 4 * kTile;
+static_assert(kTile % kQuantBlock == 0, "tiles must start on int8 block boundaries");
 
 #ifdef SWAPIO_X86_CPUID
 __attribute__((target("xsave"))) uint64_t read_xcr0() { return _xgetbv(0); }
@@ -60,19 +60,19 @@ Capability detect_best() {
 Capability detect_best() { return Capability::kScalar; }
 #endif
 
-AdamKernel kernel_for(Capability c) {
+KernelSet kernel_set(Capability c) {
   switch (c) {
 #if SWAPIO_HAVE_X86_KERNELS
-    case Capability::kAVX512: return adam_kernel_avx512;
-    case Capability::kAVX2: return adam_kernel_avx2;
+    case Capability::kAVX512: return {adam_kernel_avx512, lowp_kernel_avx512};
+    case Capability::kAVX2: return {adam_kernel_avx2, lowp_kernel_avx2};
 #endif
-    default: return adam_kernel_scalar;
+    default: return {adam_kernel_scalar, lowp_kernel_scalar};
   }
 }
 
 struct Dispatch {
   CapabilityInfo info;
-  AdamKernel kernel;
+  KernelSet kernels;
 };
 
 const Dispatch& dispatch() {
@@ -91,7 +91,7 @@ const Dispatch& dispatch() {
       if (static_cast<int>(want) <= static_cast<int>(r.info.best)) r.info.active = want;
       else r.info.request_honored = false;
     }
-    r.kernel = kernel_for(r.info.active);
+    r.kernels = kernel_set(r.info.active);
     return r;
   }();
   return d;
@@ -107,7 +107,7 @@ void run_tile(const void* ctx, int64_t begin, int64_t end) {
   t->kernel(*t->args, begin, end);
 }
 
-[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("adam_step: " + msg); }
+[[noreturn]] void bad(const std::string& msg) { bad_argument("adam_step", msg); }
 
 bool valid_in(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
@@ -146,33 +146,31 @@ CapabilityInfo adam_capability_info() { return dispatch().info; }
 
 int adam_pool_workers() { return pool_workers(); }
 
-void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg, float* exp_avg_sq,
-               float* max_exp_avg_sq, int64_t n, const AdamHyper& h, void* param_out, DType out_dtype,
-               int threads, Capability cap) {
-  if (n < 0) bad("n must be >= 0");
-  if (!valid_in(grad_dtype)) bad("grad dtype must be float32, bfloat16 or float16");
-  if (!(out_dtype == DType::kNone || valid_in(out_dtype))) bad("param_out dtype must be float32, bfloat16 or float16");
-  if (h.step < 1) bad("step must be >= 1");
-  if (!(h.lr >= 0.0) || !std::isfinite(h.lr)) bad("lr must be finite and >= 0");
-  if (!(h.eps >= 0.0) || !std::isfinite(h.eps)) bad("eps must be finite and >= 0");
-  if (!(h.beta1 >= 0.0 && h.beta1 < 1.0)) bad("beta1 must be in [0, 1)");
-  if (!(h.beta2 >= 0.0 && h.beta2 < 1.0)) bad("beta2 must be in [0, 1)");
-  if (!(h.weight_decay >= 0.0) || !std::isfinite(h.weight_decay)) bad("weight_decay must be finite and >= 0");
-  if (threads < 0) bad("threads must be >= 0");
-  AdamKernel kernel;
-  if (cap == Capability::kAuto) {
-    kernel = dispatch().kernel;
-  } else {
-    if (static_cast<int>(cap) < 0 || static_cast<int>(cap) > static_cast<int>(Capability::kAVX512)) bad("unknown capability");
-    if (!capability_supported(cap)) bad(std::string("this CPU does not support ") + capability_name(cap));
-    kernel = kernel_for(cap);
-  }
-  if (n == 0) return;
-  if (!param || !grad || !exp_avg || !exp_avg_sq) bad("null buffer");
-  if (h.amsgrad && !max_exp_avg_sq) bad("amsgrad needs max_exp_avg_sq");
-  if (out_dtype != DType::kNone && !param_out) bad("null param_out");
+[[noreturn]] void bad_argument(const char* who, const std::string& msg) {
+  throw std::invalid_argument(std::string(who) + ": " + msg);
+}
 
-  // Host scalars in double, rounded to float once: what torch does with its Python-float hyperparameters.
+KernelSet kernels_for(Capability cap, const char* who) {
+  if (cap == Capability::kAuto) return dispatch().kernels;
+  if (static_cast<int>(cap) < 0 || static_cast<int>(cap) > static_cast<int>(Capability::kAVX512)) {
+    bad_argument(who, "unknown capability");
+  }
+  if (!capability_supported(cap)) bad_argument(who, std::string("this CPU does not support ") + capability_name(cap));
+  return kernel_set(cap);
+}
+
+void check_adam_hyper(const AdamHyper& h, const char* who) {
+  if (h.step < 1) bad_argument(who, "step must be >= 1");
+  if (!(h.lr >= 0.0) || !std::isfinite(h.lr)) bad_argument(who, "lr must be finite and >= 0");
+  if (!(h.eps >= 0.0) || !std::isfinite(h.eps)) bad_argument(who, "eps must be finite and >= 0");
+  if (!(h.beta1 >= 0.0 && h.beta1 < 1.0)) bad_argument(who, "beta1 must be in [0, 1)");
+  if (!(h.beta2 >= 0.0 && h.beta2 < 1.0)) bad_argument(who, "beta2 must be in [0, 1)");
+  if (!(h.weight_decay >= 0.0) || !std::isfinite(h.weight_decay)) {
+    bad_argument(who, "weight_decay must be finite and >= 0");
+  }
+}
+
+AdamConsts adam_consts(const AdamHyper& h) {
   AdamConsts c;
   const double step = static_cast<double>(h.step);
   const double bc1 = 1.0 - std::pow(h.beta1, step);
@@ -192,6 +190,31 @@ void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg,
   c.neg_step_size = static_cast<float>(-step_size);
   c.grad_sign = h.maximize ? 0x80000000u : 0u;
   c.amsgrad = h.amsgrad;
+  return c;
+}
+
+void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx) {
+  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (n < kMinParallel || threads <= 1) {
+    fn(ctx, 0, n);
+    return;
+  }
+  parallel_for(n, kTile, threads, fn, ctx);
+}
+
+void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg, float* exp_avg_sq,
+               float* max_exp_avg_sq, int64_t n, const AdamHyper& h, void* param_out, DType out_dtype,
+               int threads, Capability cap) {
+  if (n < 0) bad("n must be >= 0");
+  if (!valid_in(grad_dtype)) bad("grad dtype must be float32, bfloat16 or float16");
+  if (!(out_dtype == DType::kNone || valid_in(out_dtype))) bad("param_out dtype must be float32, bfloat16 or float16");
+  check_adam_hyper(h, "adam_step");
+  if (threads < 0) bad("threads must be >= 0");
+  const AdamKernel kernel = kernels_for(cap, "adam_step").adam;
+  if (n == 0) return;
+  if (!param || !grad || !exp_avg || !exp_avg_sq) bad("null buffer");
+  if (h.amsgrad && !max_exp_avg_sq) bad("amsgrad needs max_exp_avg_sq");
+  if (out_dtype != DType::kNone && !param_out) bad("null param_out");
 
   AdamArgs a;
   a.param = param;
@@ -202,15 +225,9 @@ void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg,
   a.param_out = out_dtype == DType::kNone ? nullptr : param_out;
   a.grad_dtype = grad_dtype;
   a.out_dtype = out_dtype;
-  a.c = c;
-
-  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (n < kMinParallel || threads <= 1) {
-    kernel(a, 0, n);
-    return;
-  }
+  a.c = adam_consts(h);
   Task t{kernel, &a};
-  parallel_for(n, kTile, threads, run_tile, &t);
+  run_tiled(n, threads, run_tile, &t);
 }
 
 }  // namespace adam

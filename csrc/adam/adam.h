@@ -47,6 +47,51 @@ void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg,
                float* max_exp_avg_sq, int64_t n, const AdamHyper& h, void* param_out, DType out_dtype,
                int threads, Capability cap = Capability::kAuto);
 
+// ---- smaller optimizer state (bf16 or int8 moments) and Lion -------------------------------------------------
+// One fused pass per element: decode the moments, step in fp32 (the same float32 operations as above), encode.
+//   bf16: widened exactly, stored with stochastic rounding (round up with probability equal to the dropped
+//     fraction, so the expected stored value is the fp32 one and updates smaller than half a bf16 ulp, like
+//     exp_avg_sq's (1 - beta2) * (g^2 - v) with beta2 = 0.999, do not vanish). The random bits of element i are
+//     a hash of (seed, step, index_base + i): identical at every SIMD level, thread count and chunking, and
+//     on resume.
+//   int8: block-wise dynamic-tree codes (quant.h); the first moment with the signed map, the second with the
+//     unsigned one. A non-finite new moment is stored as 0 and kept out of its block's scale, so one NaN or
+//     inf gradient cannot wipe the other 255 elements of its block; the step returns how many there were (the
+//     parameter itself takes the NaN/inf update, as with fp32 state).
+// The param update uses the new fp32 moments, before they are rounded or quantised.
+
+// data: float*, uint16_t* (bf16 bits) or uint8_t* codes; scale: int8 only, one float per block of kQuantBlock
+// elements (ceil(n / kQuantBlock) of them), read then rewritten by the step.
+struct MomentBuf {
+  void* data = nullptr;
+  float* scale = nullptr;
+};
+
+struct StateOptions {
+  StateType state = StateType::kF32;
+  uint64_t seed = 0;       // bf16 stochastic rounding
+  int64_t index_base = 0;  // index of element 0 within its tensor, so chunks of one tensor round alike
+};
+
+// Adam/AdamW (no amsgrad) with moments stored as o.state. Returns the count of non-finite moments stored as 0.
+int64_t adam_step_state(float* param, const void* grad, DType grad_dtype, MomentBuf exp_avg, MomentBuf exp_avg_sq,
+                        int64_t n, const AdamHyper& h, void* param_out, DType out_dtype, const StateOptions& o,
+                        int threads, Capability cap = Capability::kAuto);
+
+struct LionHyper {
+  int64_t step = 1;  // only seeds bf16 rounding (Lion has no bias correction)
+  double lr = 1e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.99;
+  double weight_decay = 0.0;  // decoupled: param *= 1 - lr*wd
+  bool maximize = false;
+};
+
+// Lion with its one moment stored as o.state. Returns the count of non-finite moments stored as 0 (int8).
+int64_t lion_step(float* param, const void* grad, DType grad_dtype, MomentBuf exp_avg, int64_t n, const LionHyper& h,
+                  void* param_out, DType out_dtype, const StateOptions& o, int threads,
+                  Capability cap = Capability::kAuto);
+
 // The active level's name: "avx512", "avx2" or "scalar".
 const char* adam_capability();
 

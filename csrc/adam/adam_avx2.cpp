@@ -7,11 +7,13 @@
 // with external linkage is emitted from this file, so none can replace a baseline copy at link time.
 #if SWAPIO_HAVE_X86_KERNELS
 
+#include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
+#include "adam/lowp_loops.h"
 
 namespace swapio {
 namespace adam {
@@ -172,12 +174,114 @@ struct Kernel {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { adam::run<G, O, L2, AMS>(a, begin, end); }
 };
 
+// 8 lanes of lowp_loops.h.
+struct V {
+  using F = __m256;
+  using U = __m256i;
+  static constexpr int W = 8;
+  static SWAPIO_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+  static SWAPIO_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static SWAPIO_INLINE void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  template <DType G>
+  static SWAPIO_INLINE F load_grad(const void* g) { return adam::load_grad<G>(g); }
+  template <DType O>
+  static SWAPIO_INLINE void store_out(void* out, F p) { adam::store_out<O>(out, p); }
+  static SWAPIO_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static SWAPIO_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static SWAPIO_INLINE F mul(F a, F b) {
+    F r = _mm256_mul_ps(a, b);
+    SWAPIO_ROUNDED(r);
+    return r;
+  }
+  static SWAPIO_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static SWAPIO_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static SWAPIO_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static SWAPIO_INLINE F flip(F x, uint32_t sign) {
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), _mm256_set1_epi32(static_cast<int>(sign))));
+  }
+  static SWAPIO_INLINE F sign(F x) {
+    const F one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), one),
+                         _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one));
+  }
+  static SWAPIO_INLINE F load_bf16(const uint16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static SWAPIO_INLINE void store_bf16_sr(uint16_t* p, F x, U r) {
+    __m256i s = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    s = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), s, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+  }
+  static SWAPIO_INLINE U mix(U x) {  // fmix32
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static SWAPIO_INLINE U hash(uint32_t key, uint32_t index) {
+    const U lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    U idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), lanes);
+    return mix(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(key)),
+                                _mm256_mullo_epi32(idx, _mm256_set1_epi32(static_cast<int>(0x9E3779B9u)))));
+  }
+  static SWAPIO_INLINE U lo16(U r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)); }
+  static SWAPIO_INLINE U hi16(U r) { return _mm256_srli_epi32(r, 16); }
+  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+    return mul(_mm256_i32gather_ps(table, idx, 4), scale);
+  }
+  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+    const F finite = _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ);
+    F y = _mm256_mul_ps(_mm256_and_ps(ax, finite), inv);
+    y = _mm256_min_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_castps_si256(y), low = _mm256_set1_epi32(0xFFFF);
+    __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(static_cast<int>(kBucketKeyMin)));
+    idx = _mm256_max_epi32(idx, _mm256_setzero_si256());
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(q.bucket), idx, 4);
+    const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(bits, low), _mm256_and_si256(entry, low));
+    const __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(entry, 16), above);  // true is -1
+    __m256i c = _mm256_add_epi32(_mm256_set1_epi32(q.zero), k);
+    if (q.is_signed) {
+      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+      const __m256i kn = _mm256_min_epi32(k, _mm256_set1_epi32(q.max_neg_k));
+      c = _mm256_blendv_epi8(c, _mm256_sub_epi32(_mm256_set1_epi32(q.zero), kn), neg);
+    }
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+  }
+  static SWAPIO_INLINE F abs_finite(F x) {
+    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+    return _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+  }
+  static SWAPIO_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static SWAPIO_INLINE float hmax(F a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) {
+    const F absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
+    const F fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(m, absmask), big, _CMP_LE_OQ),
+                                _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_LE_OQ));
+    return 8 - __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(fin)));
+  }
+};
+
 #undef SWAPIO_ROUNDED
 
 }  // namespace
 
 void adam_kernel_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
   run_variant<Kernel>(a, begin, end);
+}
+
+int64_t lowp_kernel_avx2(const LowpArgs& a, int64_t begin, int64_t end) {
+  return lowp::run_lowp<V>(a, begin, end);
 }
 
 }  // namespace adam

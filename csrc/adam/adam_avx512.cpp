@@ -8,16 +8,19 @@
 #if SWAPIO_HAVE_X86_KERNELS
 
 #if defined(__GNUC__) && !defined(__clang__)
-// GCC 12 warns about the deliberately undefined pass-through operand inside _mm512_sqrt_ps and friends
+// GCC 12 warns about the deliberately undefined pass-through operand inside _mm512_sqrt_ps, the gathers and friends
 // (GCC bug 105593, fixed in GCC 13): a false positive.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
+#include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
+#include "adam/lowp_loops.h"
 
 namespace swapio {
 namespace adam {
@@ -173,12 +176,107 @@ struct Kernel {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { adam::run<G, O, L2, AMS>(a, begin, end); }
 };
 
+// 16 lanes of lowp_loops.h.
+struct V {
+  using F = __m512;
+  using U = __m512i;
+  static constexpr int W = 16;
+  static SWAPIO_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+  static SWAPIO_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  static SWAPIO_INLINE void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  template <DType G>
+  static SWAPIO_INLINE F load_grad(const void* g) { return adam::load_grad<G, false>(g, 0, 0); }
+  template <DType O>
+  static SWAPIO_INLINE void store_out(void* out, F p) { adam::store_out<O, false>(out, 0, p, 0); }
+  static SWAPIO_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static SWAPIO_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static SWAPIO_INLINE F mul(F a, F b) {
+    F r = _mm512_mul_ps(a, b);
+    SWAPIO_ROUNDED(r);
+    return r;
+  }
+  static SWAPIO_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static SWAPIO_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static SWAPIO_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static SWAPIO_INLINE F flip(F x, uint32_t sign) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(sign))));
+  }
+  static SWAPIO_INLINE F sign(F x) {
+    const F one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), one),
+                         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one));
+  }
+  static SWAPIO_INLINE F load_bf16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static SWAPIO_INLINE void store_bf16_sr(uint16_t* p, F x, U r) {
+    __m512i s = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    s = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), s);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(s));
+  }
+  static SWAPIO_INLINE U mix(U x) {  // fmix32
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static SWAPIO_INLINE U hash(uint32_t key, uint32_t index) {
+    const U lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    U idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)), lanes);
+    return mix(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(key)),
+                                _mm512_mullo_epi32(idx, _mm512_set1_epi32(static_cast<int>(0x9E3779B9u)))));
+  }
+  static SWAPIO_INLINE U lo16(U r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)); }
+  static SWAPIO_INLINE U hi16(U r) { return _mm512_srli_epi32(r, 16); }
+  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+    return mul(_mm512_i32gather_ps(idx, table, 4), scale);
+  }
+  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+    const F ax = _mm512_abs_ps(x);
+    F y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
+    y = _mm512_min_ps(y, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_castps_si512(y), low = _mm512_set1_epi32(0xFFFF);
+    __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(static_cast<int>(kBucketKeyMin)));
+    idx = _mm512_max_epi32(idx, _mm512_setzero_si512());
+    const __m512i entry = _mm512_i32gather_epi32(idx, q.bucket, 4);
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, low), _mm512_and_si512(entry, low));
+    __m512i k = _mm512_srli_epi32(entry, 16);
+    k = _mm512_mask_add_epi32(k, above, k, _mm512_set1_epi32(1));
+    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(q.zero), k);
+    if (q.is_signed) {
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512i kn = _mm512_min_epi32(k, _mm512_set1_epi32(q.max_neg_k));
+      c = _mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(q.zero), kn);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  }
+  static SWAPIO_INLINE F abs_finite(F x) {
+    const F ax = _mm512_abs_ps(x);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax);
+  }
+  static SWAPIO_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
+  static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) {
+    const F big = _mm512_set1_ps(FLT_MAX);
+    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(m), big, _CMP_LE_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_abs_ps(v), big, _CMP_LE_OQ);
+    return __builtin_popcount(static_cast<unsigned>(static_cast<__mmask16>(~fin)));
+  }
+};
+
 #undef SWAPIO_ROUNDED
 
 }  // namespace
 
 void adam_kernel_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
   run_variant<Kernel>(a, begin, end);
+}
+
+int64_t lowp_kernel_avx512(const LowpArgs& a, int64_t begin, int64_t end) {
+  return lowp::run_lowp<V>(a, begin, end);
 }
 
 }  // namespace adam

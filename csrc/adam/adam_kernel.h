@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "adam/adam_types.h"
+#include "adam/quant.h"
 
 namespace swapio {
 namespace adam {
@@ -47,6 +48,54 @@ void adam_kernel_scalar(const AdamArgs& a, int64_t begin, int64_t end);
 #if SWAPIO_HAVE_X86_KERNELS
 void adam_kernel_avx2(const AdamArgs& a, int64_t begin, int64_t end);
 void adam_kernel_avx512(const AdamArgs& a, int64_t begin, int64_t end);
+#endif
+
+// ---- low-precision state (bf16 / int8 moments) and Lion: one fused pass (decode, step, encode) ----
+
+enum class Algo : int { kAdam = 0, kLion = 1 };
+
+// Scalars of one Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+//   p *= 1 - lr*wd;  p += -lr * sign(beta1*m + (1-beta1)*g);  m = beta2*m + (1-beta2)*g
+// in the float32 operation order of the plain-torch reference (swapio.ops.lion_step_reference_).
+struct LionConsts {
+  float decay;            // float(1 - lr*wd), 1 without decay
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float neg_lr;           // float(-lr)
+  uint32_t grad_sign;     // 0x80000000 when maximize
+};
+
+// One moment's buffer: float*, uint16_t* (bf16 bits) or uint8_t* codes plus one fp32 scale per block of
+// kQuantBlock elements, counted from element 0 of the buffers.
+struct MomentPtr {
+  void* data;
+  float* scale;           // kInt8 only
+  const QuantMap* map;    // kInt8 only: signed_map() for first moments, unsigned_map() for second moments
+};
+
+struct LowpArgs {
+  float* param;
+  const void* grad;
+  void* param_out;        // only written when out_dtype != kNone
+  DType grad_dtype;
+  DType out_dtype;
+  Algo algo;
+  StateType state;
+  MomentPtr m;            // exp_avg
+  MomentPtr v;            // exp_avg_sq (Adam only)
+  AdamConsts adam;        // Algo::kAdam (no amsgrad)
+  LionConsts lion;        // Algo::kLion
+  uint32_t sr_key;        // bf16 stochastic rounding: bits of element i come from hash(sr_key, index_base + i)
+  int64_t index_base;
+};
+
+// Each kernel updates elements [begin, end) (begin a multiple of kQuantBlock) and returns how many elements
+// had a non-finite new moment that the int8 state stored as zero (0 for the other states).
+using LowpKernel = int64_t (*)(const LowpArgs& a, int64_t begin, int64_t end);
+
+int64_t lowp_kernel_scalar(const LowpArgs& a, int64_t begin, int64_t end);
+#if SWAPIO_HAVE_X86_KERNELS
+int64_t lowp_kernel_avx2(const LowpArgs& a, int64_t begin, int64_t end);
+int64_t lowp_kernel_avx512(const LowpArgs& a, int64_t begin, int64_t end);
 #endif
 
 }  // namespace adam

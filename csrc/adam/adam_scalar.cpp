@@ -1,12 +1,14 @@
 // Portable scalar Adam kernel: builds anywhere, serves CPUs without AVX2 and SWAPIO_CPU_CAPABILITY=scalar.
 // The operations and their order are those of the SIMD kernels (see adam_avx512.cpp), so the results are
 // bit-identical: true fused multiply-adds (std::fma) where ATen fuses, correctly rounded sqrt and division.
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
 #include "adam/adam_scalar_ops.h"
+#include "adam/lowp_loops.h"
 
 namespace swapio {
 namespace adam {
@@ -82,10 +84,59 @@ struct Kernel {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { adam::run<G, O, L2, AMS>(a, begin, end); }
 };
 
+// One lane of lowp_loops.h: the same operations as the vector levels, one element at a time.
+struct V {
+  using F = float;
+  using U = uint32_t;
+  static constexpr int W = 1;
+  static SWAPIO_INLINE F set1(float x) { return x; }
+  static SWAPIO_INLINE F load(const float* p) { return *p; }
+  static SWAPIO_INLINE void store(float* p, F x) { *p = x; }
+  template <DType G>
+  static SWAPIO_INLINE F load_grad(const void* g) { return adam::load_grad<G>(g, 0); }
+  template <DType O>
+  static SWAPIO_INLINE void store_out(void* out, F p) { adam::store_out<O>(out, 0, p); }
+  static SWAPIO_INLINE F add(F a, F b) { return a + b; }
+  static SWAPIO_INLINE F sub(F a, F b) { return a - b; }
+  static SWAPIO_INLINE F mul(F a, F b) { return rounded(a * b); }
+  static SWAPIO_INLINE F div(F a, F b) { return a / b; }
+  static SWAPIO_INLINE F sqrt(F a) { return std::sqrt(a); }
+  static SWAPIO_INLINE F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static SWAPIO_INLINE F flip(F x, uint32_t sign) { return f32_from_bits(f32_bits(x) ^ sign); }
+  static SWAPIO_INLINE F sign(F x) { return static_cast<float>(x > 0.0f) - static_cast<float>(x < 0.0f); }
+  static SWAPIO_INLINE F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static SWAPIO_INLINE void store_bf16_sr(uint16_t* p, F x, U r) { *p = f32_to_bf16_sr(x, r); }
+  static SWAPIO_INLINE U hash(uint32_t key, uint32_t index) { return sr_bits(key, index); }
+  static SWAPIO_INLINE U lo16(U r) { return r & 0xFFFFu; }
+  static SWAPIO_INLINE U hi16(U r) { return r >> 16; }
+  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) { return rounded(table[*code] * scale); }
+  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+    const float ax = std::fabs(x);
+    float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;
+    y = y < 1.0f ? y : 1.0f;
+    const uint32_t bits = f32_bits(y), key = bits >> 16;
+    const uint32_t entry = q.bucket[key > kBucketKeyMin ? key - kBucketKeyMin : 0];
+    const int k = static_cast<int>((entry >> 16) + ((bits & 0xFFFFu) > (entry & 0xFFFFu)));
+    if (q.is_signed && x < 0.0f) *out = static_cast<uint8_t>(q.zero - (k < q.max_neg_k ? k : q.max_neg_k));
+    else *out = static_cast<uint8_t>(q.zero + k);
+  }
+  static SWAPIO_INLINE F abs_finite(F x) {
+    const float ax = std::fabs(x);
+    return ax <= FLT_MAX ? ax : 0.0f;
+  }
+  static SWAPIO_INLINE F max(F a, F b) { return a > b ? a : b; }
+  static SWAPIO_INLINE float hmax(F a) { return a; }
+  static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) { return !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX); }
+};
+
 }  // namespace
 
 void adam_kernel_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
   run_variant<Kernel>(a, begin, end);
+}
+
+int64_t lowp_kernel_scalar(const LowpArgs& a, int64_t begin, int64_t end) {
+  return lowp::run_lowp<V>(a, begin, end);
 }
 
 }  // namespace adam

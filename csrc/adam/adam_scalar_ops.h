@@ -47,6 +47,27 @@ static inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u + bias) >> 16);
 }
 
+// Stochastic rounding to bf16: add 16 random bits below the kept ones, then truncate, so x rounds up with a
+// probability equal to the fraction dropped. NaN becomes 0xFFFF, as in f32_to_bf16. (No overflow: only NaNs
+// have bits >= 0xFFFF0000.)
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t random16) {
+  if (std::isnan(f)) return 0xFFFFu;
+  return static_cast<uint16_t>((f32_bits(f) + random16) >> 16);
+}
+
+// MurmurHash3's 32-bit finalizer (Appleby): a bijection whose output bits each depend on every input bit.
+static inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// The random bits of element `index` under `key` (a Weyl step apart per element, then mixed).
+static inline uint32_t sr_bits(uint32_t key, uint32_t index) { return fmix32(key + index * 0x9E3779B9u); }
+
 // Exact widening, like VCVTPH2PS: subnormals normalized, NaN quieted with its payload kept.
 static inline float f16_to_f32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

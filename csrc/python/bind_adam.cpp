@@ -10,6 +10,7 @@
 #include <string>
 
 #include "adam/adam.h"
+#include "adam/quant.h"
 
 namespace py = pybind11;
 
@@ -34,10 +35,44 @@ DType to_dtype(int code, bool allow_none, const char* what) {
 
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
-void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t n,
-          int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-          bool maximize, bool amsgrad, uintptr_t max_exp_avg_sq, uintptr_t param_out, int out_dtype, int threads,
-          const std::string& capability) {
+Capability to_capability(const std::string& capability, const char* who) {
+  Capability cap;
+  if (!adam::parse_capability(capability, &cap)) {
+    throw py::value_error(std::string(who) + ": unknown capability '" + capability + "' (scalar, avx2, avx512 or auto)");
+  }
+  return cap;
+}
+
+adam::StateOptions state_options(int state, uint64_t seed, int64_t index_base) {
+  adam::StateOptions o;
+  if (state < 0 || state > static_cast<int>(adam::StateType::kInt8)) {
+    throw py::value_error("bad state type code " + std::to_string(state));
+  }
+  o.state = static_cast<adam::StateType>(state);
+  o.seed = seed;
+  o.index_base = index_base;
+  return o;
+}
+
+// Runs fn with the GIL released; std::invalid_argument becomes ValueError.
+template <class Fn>
+int64_t released(Fn fn) {
+  std::string error;
+  int64_t result = 0;
+  {
+    py::gil_scoped_release release;
+    try {
+      result = fn();
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+  }
+  if (!error.empty()) throw py::value_error(error);
+  return result;
+}
+
+adam::AdamHyper adam_hyper(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                           bool adamw, bool maximize, bool amsgrad) {
   adam::AdamHyper h;
   h.step = step;
   h.lr = lr;
@@ -48,29 +83,75 @@ void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, ui
   h.adamw = adamw;
   h.maximize = maximize;
   h.amsgrad = amsgrad;
+  return h;
+}
+
+void step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t n,
+          int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+          bool maximize, bool amsgrad, uintptr_t max_exp_avg_sq, uintptr_t param_out, int out_dtype, int threads,
+          const std::string& capability) {
+  adam::AdamHyper h = adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, maximize, amsgrad);
   DType gd = to_dtype(grad_dtype, false, "grad");
   DType od = to_dtype(out_dtype, true, "param_out");
-  Capability cap;
-  if (!adam::parse_capability(capability, &cap)) {
-    throw py::value_error("adam_step: unknown capability '" + capability + "' (scalar, avx2, avx512 or auto)");
-  }
+  Capability cap = to_capability(capability, "adam_step");
   if (n > 0 && (param == 0 || grad == 0 || exp_avg == 0 || exp_avg_sq == 0)) {
     throw py::value_error("adam_step: null buffer pointer");
   }
   if (n > 0 && amsgrad && max_exp_avg_sq == 0) throw py::value_error("adam_step: amsgrad needs max_exp_avg_sq");
   if (n > 0 && od != DType::kNone && param_out == 0) throw py::value_error("adam_step: null param_out");
-  std::string error;
-  {
-    py::gil_scoped_release release;
-    try {
-      adam::adam_step(static_cast<float*>(ptr(param)), ptr(grad), gd, static_cast<float*>(ptr(exp_avg)),
-                      static_cast<float*>(ptr(exp_avg_sq)), static_cast<float*>(ptr(max_exp_avg_sq)), n, h,
-                      ptr(param_out), od, threads, cap);
-    } catch (const std::invalid_argument& e) {
-      error = e.what();
-    }
-  }
-  if (!error.empty()) throw py::value_error(error);
+  released([&] {
+    adam::adam_step(static_cast<float*>(ptr(param)), ptr(grad), gd, static_cast<float*>(ptr(exp_avg)),
+                    static_cast<float*>(ptr(exp_avg_sq)), static_cast<float*>(ptr(max_exp_avg_sq)), n, h,
+                    ptr(param_out), od, threads, cap);
+    return int64_t{0};
+  });
+}
+
+int64_t step_state(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_scale,
+                   uintptr_t exp_avg_sq, uintptr_t exp_avg_sq_scale, int64_t n, int state, uint64_t seed,
+                   int64_t index_base, int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, bool adamw, bool maximize, uintptr_t param_out, int out_dtype, int threads,
+                   const std::string& capability) {
+  adam::AdamHyper h = adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, maximize, false);
+  DType gd = to_dtype(grad_dtype, false, "grad");
+  DType od = to_dtype(out_dtype, true, "param_out");
+  Capability cap = to_capability(capability, "adam_step");
+  adam::StateOptions o = state_options(state, seed, index_base);
+  adam::MomentBuf m{ptr(exp_avg), static_cast<float*>(ptr(exp_avg_scale))};
+  adam::MomentBuf v{ptr(exp_avg_sq), static_cast<float*>(ptr(exp_avg_sq_scale))};
+  return released([&] {
+    return adam::adam_step_state(static_cast<float*>(ptr(param)), ptr(grad), gd, m, v, n, h, ptr(param_out), od, o,
+                                 threads, cap);
+  });
+}
+
+int64_t lion(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_scale, int64_t n,
+             int state, uint64_t seed, int64_t index_base, int64_t step, double lr, double beta1, double beta2,
+             double weight_decay, bool maximize, uintptr_t param_out, int out_dtype, int threads,
+             const std::string& capability) {
+  adam::LionHyper h;
+  h.step = step;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.weight_decay = weight_decay;
+  h.maximize = maximize;
+  DType gd = to_dtype(grad_dtype, false, "grad");
+  DType od = to_dtype(out_dtype, true, "param_out");
+  Capability cap = to_capability(capability, "lion_step");
+  adam::StateOptions o = state_options(state, seed, index_base);
+  adam::MomentBuf m{ptr(exp_avg), static_cast<float*>(ptr(exp_avg_scale))};
+  return released([&] {
+    return adam::lion_step(static_cast<float*>(ptr(param)), ptr(grad), gd, m, n, h, ptr(param_out), od, o, threads,
+                           cap);
+  });
+}
+
+py::list quant_map(bool is_signed) {
+  const adam::QuantMap& q = is_signed ? adam::signed_map() : adam::unsigned_map();
+  py::list codes;
+  for (float c : q.code) codes.append(c);
+  return codes;
 }
 
 py::dict capability_info() {
@@ -108,6 +189,33 @@ void bind_adam(py::module_& m) {
         py::arg("amsgrad") = false, py::arg("max_exp_avg_sq") = 0, py::arg("param_out") = 0,
         py::arg("out_dtype") = static_cast<int>(adam::DType::kNone), py::arg("threads") = 0,
         py::arg("capability") = "");
+  py::dict states;
+  states["fp32"] = static_cast<int>(adam::StateType::kF32);
+  states["bf16"] = static_cast<int>(adam::StateType::kBF16);
+  states["int8"] = static_cast<int>(adam::StateType::kInt8);
+  m.attr("STATE_CODES") = states;
+  m.attr("QUANT_BLOCK") = adam::kQuantBlock;
+
+  m.def("adam_step_state", &step_state,
+        "adam_step with moments stored as state code `state` (fp32, bf16 with stochastic rounding seeded by\n"
+        "(seed, step, index_base + i), or int8 codes with one fp32 scale per QUANT_BLOCK elements); no amsgrad.\n"
+        "Returns how many non-finite new moments were stored as zero (int8). Bad arguments raise ValueError.",
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_scale"),
+        py::arg("exp_avg_sq"), py::arg("exp_avg_sq_scale"), py::arg("n"), py::kw_only(), py::arg("state"),
+        py::arg("seed"), py::arg("index_base"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true, py::arg("maximize") = false,
+        py::arg("param_out") = 0, py::arg("out_dtype") = static_cast<int>(adam::DType::kNone),
+        py::arg("threads") = 0, py::arg("capability") = "");
+  m.def("lion_step", &lion,
+        "One Lion step over n elements in place; exp_avg stored as state code `state` (see adam_step_state).\n"
+        "Returns how many non-finite new moments were stored as zero (int8). Bad arguments raise ValueError.",
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_scale"),
+        py::arg("n"), py::kw_only(), py::arg("state"), py::arg("seed"), py::arg("index_base"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("maximize") = false,
+        py::arg("param_out") = 0, py::arg("out_dtype") = static_cast<int>(adam::DType::kNone),
+        py::arg("threads") = 0, py::arg("capability") = "");
+  m.def("quant_map", &quant_map, py::arg("signed"),
+        "The 256 code values of the int8 dynamic-tree map (signed: first moments; unsigned: second moments).");
   m.def("adam_capability", &adam::adam_capability,
         "SIMD level the Adam kernel uses: 'avx512', 'avx2' or 'scalar'.");
   m.def("adam_capability_info", &capability_info,

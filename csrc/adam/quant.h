@@ -1,0 +1,47 @@
+#pragma once
+// 8-bit dynamic-tree quantisation of optimizer moments, block-wise (Dettmers et al., "8-bit Optimizers via
+// Block-wise Quantization", ICLR 2022; the scheme of bitsandbytes' and torchao's 8-bit Adam): each block of
+// kQuantBlock elements keeps its absolute maximum A as an fp32 scale and each element an 8-bit code whose value
+// times A is the moment. The 256 code values are 0, 1 and, per decade 10^-6 .. 10^0, evenly spaced means
+// between 0.1 and 1 times the decade, more of them in the upper decades: a float-like map with ~3 significant
+// bits near 1 and 7 decades of range. The signed map (first moments) spends one bit on the sign (127 values
+// each side, +1 but no -1); the unsigned map (second moments, never negative) has 254 positive values.
+//
+// Quantising x with scale A: y = |x| * (1/A), clamped to 1; the nearest magnitude k (ties toward zero) is
+// found with one table load: y's top 16 bits pick a bucket, which holds at most one midpoint between codes;
+// the bucket's entry is (magnitudes below the bucket) << 16 | (low 16 bits of its midpoint, or 0xFFFF when it
+// has none), and k = entry >> 16, plus one when y's low 16 bits exceed the entry's.
+// Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
+#include <cstdint>
+
+#include "adam/adam_types.h"
+
+namespace swapio {
+namespace adam {
+
+// Buckets: the top 16 bits of y (a bfloat16 of y) from 2^-24 up to 1.0; everything below 2^-24 (below half
+// the smallest nonzero code of either map) shares bucket 0.
+constexpr uint32_t kBucketKeyMin = (127u - 24u) << 7;
+constexpr uint32_t kBucketKeyMax = 0x3F80u;  // top 16 bits of 1.0f
+constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
+
+struct QuantMap {
+  float code[256];         // code value of each 8-bit code, ascending
+  float mid[256];          // mid[k]: midpoint between magnitudes k and k+1; +inf from max_k on
+  uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
+  int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
+  int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
+  int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
+  bool is_signed;
+};
+
+// The two maps, built once (thread-safe static). A map's magnitudes are code[zero + k] for k in [0, max_k].
+const QuantMap& signed_map();
+const QuantMap& unsigned_map();
+
+// True when every bucket holds at most one midpoint (checked when the maps are built; tests assert it).
+bool quant_maps_valid();
+bool quant_maps_valid();
+
+}  // namespace adam
+}  // namespace swapio
