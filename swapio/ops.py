@@ -17,7 +17,6 @@ int8 block-wise codes with fp32 scales (``swapio.quant`` describes both and is t
 decoding, the step and encoding run in one pass. ``lion_step_`` is Lion (one moment, sign update, decoupled
 weight decay) with the same three state types. ``*_reference_`` are the same steps in plain torch.
 """
-import math
 import numbers
 import warnings
 
@@ -26,6 +25,7 @@ import torch
 from . import _C
 from . import quant
 from ._errors import SwapioWarning
+from ._hyper import check_adam_hyper, check_lion_hyper, check_step
 
 __all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "cpu_capability",
            "cpu_capabilities"]
@@ -155,56 +155,6 @@ def _count(nonfinite, found):
         nonfinite.add_(found)
 
 
-def _scalar(name, value):
-    """A Python float from a number or a one-element tensor (lr schedulers may hand either)."""
-    if type(value) is float or type(value) is int:  # the common case, without the slow ABC checks below
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    return float(value)
-
-
-def _step(step):
-    if type(step) is int and step >= 1:
-        return step
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1:
-            raise ValueError(f"step must be a number or a one-element tensor, got shape {tuple(step.shape)}")
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
-    if not math.isfinite(step) or step != int(step):
-        raise ValueError(f"step must be a whole number, got {step}")
-    step = int(step)
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the step being taken, counting from 1), got {step}")
-    return step
-
-
-def _hyper(step, lr, beta1, beta2, eps, weight_decay):
-    step = _step(step)
-    lr = _scalar("lr", lr)
-    beta1 = _scalar("beta1", beta1)
-    beta2 = _scalar("beta2", beta2)
-    eps = _scalar("eps", eps)
-    weight_decay = _scalar("weight_decay", weight_decay)
-    if not (0.0 <= lr < math.inf):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not (0.0 <= eps < math.inf):
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    if not (0.0 <= weight_decay < math.inf):
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return step, lr, beta1, beta2, eps, weight_decay
-
-
 def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw=True,
                maximize=False, amsgrad=False, max_exp_avg_sq=None, param_out=None, threads=None,
                capability=None, exp_avg_scale=None, exp_avg_sq_scale=None, seed=0, index_base=0, nonfinite=None):
@@ -233,7 +183,8 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
         if state != "fp32":
             raise ValueError(f"amsgrad needs float32 moments, got {exp_avg.dtype}")
         _check_flat("max_exp_avg_sq", _check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
-    step, lr, beta1, beta2, eps, weight_decay = _hyper(step, lr, beta1, beta2, eps, weight_decay)
+    step = check_step(step)
+    lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
@@ -268,7 +219,8 @@ def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=
     step only seeds the bf16 rounding. The other arguments are those of ``adam_step_``. Returns ``param``.
     """
     state = _check_buffers(param, grad, (("exp_avg", exp_avg, exp_avg_scale),), param_out)
-    step, lr, beta1, beta2, weight_decay = _lion_hyper(step, lr, beta1, beta2, weight_decay)
+    step = check_step(step)
+    lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
@@ -281,20 +233,6 @@ def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=
         out_dtype=_out_code(param_out), threads=threads, capability=capability)
     _count(nonfinite, found)
     return param
-
-
-def _lion_hyper(step, lr, beta1, beta2, weight_decay):
-    step = _step(step)
-    lr, beta1, beta2 = _scalar("lr", lr), _scalar("beta1", beta1), _scalar("beta2", beta2)
-    weight_decay = _scalar("weight_decay", weight_decay)
-    if not (0.0 <= lr < math.inf):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    for i, b in enumerate((beta1, beta2)):
-        if not 0.0 <= b <= 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if not (0.0 <= weight_decay < math.inf):
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return step, lr, beta1, beta2, weight_decay
 
 
 class _Decoded:
@@ -331,7 +269,8 @@ def lion_step_reference_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, wei
     """``lion_step_`` in plain torch ops (the form of the Lion paper's pseudocode), on any device. exp_avg may be
     fp32, bf16 or uint8 codes (decoded, stepped and encoded with ``swapio.quant``). ``threads``,
     ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
-    step, lr, beta1, beta2, weight_decay = _lion_hyper(step, lr, beta1, beta2, weight_decay)
+    step = check_step(step)
+    lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
     state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, index_base)
     m = state.values[0]
     p = param.reshape(-1)
@@ -362,7 +301,7 @@ def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, b
     compatibility and ignored. Returns ``param``.
     """
     if exp_avg.dtype in (torch.bfloat16, torch.uint8):
-        state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed, _step(step),
+        state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed, check_step(step),
                          index_base)
         adam_step_reference_(param.reshape(-1), grad.reshape(-1), *state.values, step=step, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize)
@@ -381,7 +320,8 @@ def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, b
                     ("max_exp_avg_sq", max_exp_avg_sq if amsgrad else None), ("param_out", param_out)):
         if t is not None and t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-    step, lr, beta1, beta2, eps, weight_decay = _hyper(step, lr, beta1, beta2, eps, weight_decay)
+    step = check_step(step)
+    lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
 
     g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
     if g.shape != param.shape:

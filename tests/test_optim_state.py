@@ -176,6 +176,37 @@ def test_load_state_dict_rejects_mismatched_groups_and_sizes(tmp_path):
         so.OffloadAdamW(params).load_state_dict(bad)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_state_dict_hooks_see_the_full_fp32_state(mode, tmp_path):
+    params = _params(torch.bfloat16)
+    opt = _opt(params, mode, tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    exported = []
+    opt.register_state_dict_post_hook(lambda o, sd: exported.append({k: sorted(v) for k, v in sd["state"].items()}))
+    sd = _snapshot(opt.state_dict())
+    assert exported == [{k: ["exp_avg", "exp_avg_sq", "master", "step"] for k in range(len(params))}]
+    installed = []
+    opt.register_load_state_dict_post_hook(lambda o: installed.append(_snapshot(o.state_dict())))
+    sd["state"][0]["exp_avg"].add_(1.0)  # not representable in bf16 at these magnitudes: must stay fp32
+    opt.load_state_dict(sd)
+    assert len(installed) == 1
+    _assert_state_equal(installed[0], sd)
+    opt.close()
+
+
+def test_rejected_state_dict_leaves_the_optimizer_as_it_was(tmp_path):
+    params = _params()
+    opt = so.OffloadAdamW(params)
+    _apply(opt, params, _grads(1)[0])
+    before = _snapshot(opt.state_dict())
+    bad = _snapshot(before)
+    bad["param_groups"][0]["lr"] = 0.5
+    bad["state"][3]["exp_avg_sq"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="elements"):
+        opt.load_state_dict(bad)
+    _assert_state_equal(opt.state_dict(), before)
+
+
 # ---- resume ---------------------------------------------------------------------------------------------------
 def _run_and_resume(dtype, save_mode, load_mode, tmp_path, via):
     grads = _grads(10, seed=7)
@@ -413,13 +444,3 @@ def test_io_config_file_and_kwargs_reach_the_handles(tmp_path):
     cfg.write_text(json.dumps({"handle": {"block_sz": 1}}))
     with pytest.raises(ValueError, match="unknown AioHandle config keys"):
         so.OffloadAdamW([torch.zeros(3, requires_grad=True)], offload="nvme", swap_dir=tmp_path, io_config=cfg)
-
-
-def test_amsgrad_rejected_when_the_kernel_lacks_it(monkeypatch):
-    from swapio.optim import offload_adam
-    monkeypatch.setattr(offload_adam, "kernel_supports_amsgrad", lambda ops: False)
-    with pytest.raises(ValueError, match="amsgrad"):
-        so.OffloadAdamW([torch.zeros(3, requires_grad=True)], amsgrad=True)
-    opt = so.OffloadAdamW([torch.zeros(3, requires_grad=True)])
-    with pytest.raises(ValueError, match="amsgrad"):
-        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "amsgrad": True})

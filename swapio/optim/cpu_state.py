@@ -3,8 +3,9 @@ import weakref
 
 import torch
 
+from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, init_segment, internal_fields, run_segment
+from ._common import FP32, init_segment, run_segment
 
 
 class CudaStaging:
@@ -45,36 +46,49 @@ class CudaStaging:
 
 
 class CpuState:
-    """State tensors in optimizer.state[p]: "step", "exp_avg", "exp_avg_sq" (fp32, the parameter's shape, on
-    the CPU), "max_exp_avg_sq" with amsgrad, and "master" (fp32) where the parameter is not itself a
-    contiguous fp32 CPU tensor."""
+    """State tensors in optimizer.state[p] beside "step": the rule's fields (fp32, the parameter's shape, on the
+    CPU), e.g. for Adam "exp_avg", "exp_avg_sq", "max_exp_avg_sq" with amsgrad, and "master" where the
+    parameter is not itself a contiguous fp32 CPU tensor."""
 
-    def __init__(self, opt, slot_bytes):
+    def __init__(self, opt, slot_bytes, io_settings):
         self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
         self.staging = CudaStaging(slot_bytes)
+        self.io_settings = io_settings
 
-    def step(self, works, ops, threads):
+    def step(self, works, threads):
         state = self.opt.state
         for w in works:
             st = state[w.p]
             if w.new:
-                for name in internal_fields(w.p, w.amsgrad):
+                for name in w.fields:
                     st[name] = torch.empty(w.p.shape, dtype=FP32)
-            elif w.amsgrad and "max_exp_avg_sq" not in st:
-                raise RuntimeError("amsgrad was switched on for a parameter whose state has no max_exp_avg_sq")
-            fields = {name: st[name].view(-1) for name in internal_fields(w.p, w.amsgrad)}
+            else:
+                missing = [name for name in w.fields if name not in st]
+                if missing:
+                    raise RuntimeError(f"the state of a parameter has no {missing}: its group's options (amsgrad) "
+                                       "changed after its first step")
+            fields = {name: st[name].view(-1) for name in w.fields}
             if w.new:
                 init_segment(w, 0, w.numel, fields)
             if not w.cuda:
-                run_segment(ops, threads, w, 0, w.numel, fields, None, None)
+                run_segment(w, 0, w.numel, fields, None, None, threads)
                 continue
             cap = self.staging.capacity
             for a in range(0, w.numel, cap):
                 b = min(a + cap, w.numel)
                 i, sg, so = self.staging.acquire()
-                run_segment(ops, threads, w, a, b, {k: v[a:b] for k, v in fields.items()}, sg, so)
+                run_segment(w, a, b, {k: v[a:b] for k, v in fields.items()}, sg, so, threads)
                 self.staging.record(i, w.p.device)
         self.staging.sync()
+
+    def tensors(self, params, fields_of):
+        """{p: {field: tensor}} of the exported fields: the live state tensors, as torch's state_dict() gives."""
+        return {p: {name: self.opt.state[p][name] for name in fields_of(p)} for p in params}
+
+    def io_handles(self):
+        """(read handle, write handle, owned) for checkpoints: a new handle, closed by the caller."""
+        h = AioHandle.from_config(dict(self.io_settings))
+        return h, h, True
 
     def dump(self, params, fields_of, sink):
         """sink(p, field, first_element, fp32 view) for every exported field; waits the futures it returns."""
@@ -90,14 +104,14 @@ class CpuState:
 
     def fill(self, entries, source, placement, state, check, commit):
         """Loads a whole new state, all or nothing: reads into new tensors put in `state` (not the live one),
-        then check(), then commit() makes `state` live. entries: {p: (amsgrad, set of fields the source has)}.
+        then check(), then commit() makes `state` live. entries: {p: (fields, set of fields the source has)}.
         source(p, field, first, view) fills the view (or returns a future that does); a missing master is taken
         from the parameter."""
         futures = []
         try:
-            for p, (amsgrad, available) in entries.items():
+            for p, (fields, available) in entries.items():
                 st = state[p]
-                for name in internal_fields(p, amsgrad):
+                for name in fields:
                     t = torch.empty(p.shape, dtype=FP32)
                     st[name] = t
                     if name in available:

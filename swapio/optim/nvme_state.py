@@ -22,7 +22,7 @@ import torch
 from .. import _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, init_segment, internal_fields, run_segment
+from ._common import FP32, init_segment, run_segment
 
 ALIGN = 4096
 FILE_NAME = "state.swap"
@@ -113,11 +113,12 @@ class NvmeState:
         per_elem = 4 * len(fields) + (8 if cuda else 0)  # + pinned staging of grad in / param out for a GPU
         return self.slot_bytes // (per_elem * 1024) * 1024
 
-    def place(self, params_amsgrad):
-        """Places parameters not placed yet (or whose kind changed while they have no state)."""
+    def place(self, params_fields):
+        """Places parameters not placed yet (or whose kind changed while they have no state). params_fields:
+        (p, the rule's fields for p) pairs."""
         new = []
-        for p, amsgrad in params_amsgrad:
-            fields, cuda = internal_fields(p, amsgrad), p.device.type == "cuda"
+        for p, fields in params_fields:
+            cuda = p.device.type == "cuda"
             where = self.placed.get(p)
             if where is not None:
                 if where[0] == fields and where[1] == cuda:
@@ -255,7 +256,8 @@ class NvmeState:
                     pass
 
     # ---- operations ---------------------------------------------------------------------------------------
-    def step(self, works, ops, threads):
+    def step(self, works, threads):
+        self.place(self.opt.param_fields())
         state = self.opt.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
@@ -269,17 +271,13 @@ class NvmeState:
                 fields = {name: views[name][seg.off:seg.off + seg.b - seg.a] for name in chunk.fields}
                 if w.new:
                     init_segment(w, seg.a, seg.b, fields)
-                run_segment(ops, threads, w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"))
+                run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
                 if w.cuda:
                     ev = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(w.p.device))
                     self._events[s].append(ev)
 
         self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True)
-
-    def io_pass(self, chunks=None):
-        """Reads and writes back the records (no compute): the I/O of a step alone, for benchmarks."""
-        self.run(self.chunks if chunks is None else chunks, lambda c: True, lambda c, v, s: None, True)
 
     def dump(self, params, fields_of, sink):
         """sink(p, field, first_element, fp32 view) for each exported field of each parameter in params, chunk by
@@ -300,10 +298,25 @@ class NvmeState:
 
         self.run(chunks, lambda c: True, work, False)
 
+    def tensors(self, params, fields_of):
+        """{p: {field: new fp32 tensor shaped like p}} of the exported fields, read from the swap file (the whole
+        state in RAM: save() streams instead)."""
+        out = {p: {name: torch.empty(p.shape, dtype=FP32) for name in fields_of(p)} for p in params}
+
+        def sink(p, name, a, view):
+            out[p][name].view(-1)[a:a + view.numel()].copy_(view)
+
+        self.dump([p for p in params if p in self.placed], fields_of, sink)
+        return out
+
+    def io_handles(self):
+        """(read handle, write handle, owned) for checkpoints: the swap file's own handles."""
+        return self.rh, self.wh, False
+
     def fill(self, entries, source, placement, state, check, commit):
-        """Loads a whole new state, all or nothing: a new layout for `placement` [(p, amsgrad)] is written to a
+        """Loads a whole new state, all or nothing: a new layout for `placement` [(p, fields)] is written to a
         new swap file beside the live one; then check(), the new file is renamed over the live one, and commit()
-        makes `state` live. entries: {p: (amsgrad, fields the source has)}; source(p, field, first, view) fills the
+        makes `state` live. entries: {p: (fields, fields the source has)}; source(p, field, first, view) fills the
         view or returns a future that will; a missing master is taken from the parameter. On failure the live
         file and layout are untouched and the new file is removed."""
         self.wait_all()

@@ -1,5 +1,6 @@
 """OffloadAdam / OffloadAdamW: torch.optim.Adam / AdamW with the fp32 master weights and the moments in CPU RAM
-(offload="cpu") or in swap files on NVMe (offload="nvme"), stepping on the CPU with swapio.ops.adam_step_."""
+(offload="cpu") or in swap files on NVMe (offload="nvme"), stepping on the CPU through the functional core
+(swapio.optim.functional: the update rule; the state backends cpu_state / nvme_state walk the state)."""
 import inspect
 import json
 import os
@@ -12,39 +13,14 @@ from torch.optim import Optimizer
 
 from .._errors import check_int
 from ..handle import AioHandle
-from . import checkpoint
-from ._common import (FP32, PARAM_DTYPES, Work, exported_fields, group_hyper, internal_fields, kernel_supports_amsgrad,
-                      load_ops)
+from . import checkpoint, state_dict_hooks
+from ._common import FP32, MASTER, PARAM_DTYPES, Work
 from .cpu_state import CpuState
+from .functional import AdamRule
 from .nvme_state import NvmeState
 
 _IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
-
-
-def _check_hyper(lr, betas, eps, weight_decay):
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = lr.item()
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-    beta1 = beta1.item() if isinstance(beta1, torch.Tensor) else beta1
-    beta2 = beta2.item() if isinstance(beta2, torch.Tensor) else beta2
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return float(beta1), float(beta2)
 
 
 def _io_settings(io_config, io_kwargs):
@@ -87,11 +63,15 @@ class OffloadAdam(Optimizer):
     """
 
     _decoupled = False
+    _rule = AdamRule()  # the update and the state it keeps (swapio.optim.functional)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
                  buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, **io_kwargs):
-        betas = _check_hyper(lr, betas, eps, weight_decay)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+                    "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
+        hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
+        defaults["betas"] = (hyper["beta1"], hyper["beta2"])
         if offload not in ("cpu", "nvme"):
             raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
         buffer_count = check_int("buffer_count", buffer_count, 3)
@@ -101,21 +81,16 @@ class OffloadAdam(Optimizer):
                              f"{buffer_count}")
         if cpu_threads is not None:
             cpu_threads = check_int("cpu_threads", cpu_threads, 1)
-        self._ops = load_ops()
-        self._amsgrad_ok = kernel_supports_amsgrad(self._ops)
-        if amsgrad and not self._amsgrad_ok:
-            raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
         self._io = _io_settings(io_config, io_kwargs)
         self.offload, self.buffer_bytes, self.buffer_count = offload, buffer_bytes, buffer_count
         self.cpu_threads = cpu_threads
         self._backend = None
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-                    "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
         super().__init__(params, defaults)
+        state_dict_hooks.register(self)
         if offload == "nvme":
             self._backend = NvmeState(self, swap_dir, buffer_bytes, buffer_count, self._io)
         else:
-            self._backend = CpuState(self, buffer_bytes // buffer_count)
+            self._backend = CpuState(self, buffer_bytes // buffer_count, self._io)
 
     # ---- torch.optim.Optimizer protocol ------------------------------------------------------------------------
     def __setstate__(self, state):
@@ -143,15 +118,13 @@ class OffloadAdam(Optimizer):
             if problem is not None:
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
-        if group["amsgrad"] and not getattr(self, "_amsgrad_ok", True):
-            self.param_groups.pop()
-            raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
         self._fill_group(group)
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
         """torch casts floating state to the parameter's dtype and device (for a bf16 parameter that would
-        round the fp32 moments); here every state tensor becomes an fp32 CPU copy and `step` an fp32 scalar."""
+        round the fp32 moments); here every state tensor becomes an fp32 CPU copy and `step` an fp32 scalar.
+        (torch's load_state_dict calls the base class's policy by name, so state_dict_hooks applies this one.)"""
         if key == "step":
             return (value.detach().to(device="cpu", dtype=FP32, copy=True) if isinstance(value, torch.Tensor)
                     else torch.tensor(float(value), dtype=FP32))
@@ -159,10 +132,11 @@ class OffloadAdam(Optimizer):
             return value.detach().to(device="cpu", dtype=FP32, copy=True).contiguous()
         return value
 
-    def iter_params_amsgrad(self):
+    def param_fields(self):
+        """(p, the state fields the rule keeps for p) for every parameter, in param-group order."""
         for group in self.param_groups:
             for p in group["params"]:
-                yield p, bool(group["amsgrad"])
+                yield p, self._rule.fields(p, group)
 
     def _check_open(self):
         if self._backend is None:
@@ -176,12 +150,9 @@ class OffloadAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        works = []
+        rule, works = self._rule, []
         for group in self.param_groups:
-            hyper = group_hyper(group)
-            amsgrad = bool(group["amsgrad"])
-            if amsgrad and not self._amsgrad_ok:
-                raise ValueError("amsgrad=True is not supported by this build of swapio.ops.adam_step_")
+            hyper = rule.hyper(group)
             for p in group["params"]:
                 g = p.grad
                 if g is None:
@@ -197,12 +168,10 @@ class OffloadAdam(Optimizer):
                 st = self.state.get(p)
                 new = not st
                 step = 1 if new else int(st["step"].item()) + 1
-                works.append(Work(p, step, hyper, amsgrad, new))
+                works.append(Work(p, step, rule.fields(p, group), rule.update, hyper, new))
         if not works:
             return loss
-        if isinstance(self._backend, NvmeState):
-            self._backend.place(self.iter_params_amsgrad())
-        self._backend.step(works, self._ops, self.cpu_threads)
+        self._backend.step(works, self.cpu_threads)
         for w in works:
             st = self.state[w.p]
             if "step" in st:
@@ -216,46 +185,10 @@ class OffloadAdam(Optimizer):
         "param_groups": [...]}; tensors fp32 on the CPU, shaped like the parameter. "master" (the fp32 master
         weights) appears only for bf16/fp16 parameters. In cpu mode the tensors are the live state (as with torch);
         in nvme mode they are read from the swap file into new tensors, so the whole state is materialised in
-        RAM: for states larger than RAM use save()/load()."""
+        RAM: for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
+        included); a post-hook of ours fills in the state from the backend first."""
         self._check_open()
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        param_groups, index = self._pack_groups()
-        packed = {}
-        for p, st in self.state.items():
-            if isinstance(p, torch.Tensor) and st:
-                packed[index[id(p)]] = {"step": st["step"]}
-        if isinstance(self._backend, CpuState):
-            for p, st in self.state.items():
-                if isinstance(p, torch.Tensor) and st:
-                    amsgrad = "max_exp_avg_sq" in st
-                    for name in exported_fields(p, amsgrad):
-                        packed[index[id(p)]][name] = st[name]
-        else:
-            outs = {}
-            stateful = [p for p in self._backend.placed if self.state.get(p)]
-            fields_of = self._fields_of()
-
-            def sink(p, name, a, view):
-                out = outs.setdefault(p, {})
-                if name not in out:
-                    out[name] = torch.empty(p.shape, dtype=FP32)
-                out[name].view(-1)[a:a + view.numel()].copy_(view)
-
-            self._backend.dump(stateful, fields_of, sink)
-            for p in stateful:
-                entry = packed[index[id(p)]]
-                for name in fields_of(p):
-                    entry[name] = outs.get(p, {}).get(name, torch.empty(p.shape, dtype=FP32))
-        for k, v in self.state.items():  # non-parameter keys, kept as torch does
-            if not isinstance(k, torch.Tensor):
-                packed[k] = v
-        state_dict = {"state": packed, "param_groups": param_groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return super().state_dict()
 
     def _pack_groups(self):
         index, packed_groups, start = {}, [], 0
@@ -268,13 +201,10 @@ class OffloadAdam(Optimizer):
             packed_groups.append(packed)
         return packed_groups, index
 
-    def _amsgrad_of(self):
-        return {p: bool(g["amsgrad"]) for g in self.param_groups for p in g["params"]}
-
     def _fields_of(self):
         """A function p -> the fields state_dict()/save() carry for p."""
-        amsgrad = self._amsgrad_of()
-        return lambda p: exported_fields(p, amsgrad.get(p, False))
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        return lambda p: self._rule.exported(p, group_of[p])
 
     def _remap_groups(self, saved_groups):
         """torch's checks: same number of groups and of parameters per group. Returns (id -> parameter,
@@ -296,66 +226,48 @@ class OffloadAdam(Optimizer):
             new_groups.append(s)
         return id_map, new_groups
 
+    @staticmethod
+    def _check_loaded_fields(p, kept, have):
+        """ValueError unless `have` holds every field in `kept` (the rule's fields for p) but the master, which
+        can be taken from the parameter."""
+        missing = [f for f in kept if f != MASTER and f not in have]
+        if missing:
+            raise ValueError(f"the loaded state of a parameter of shape {tuple(p.shape)} lacks {missing}")
+
     def _install(self, new_groups, steps, fields, source, extra_state=None, check=None):
         """Replaces groups and state, all or nothing. steps: {p: fp32 step tensor}; fields: {p: set of fields the
         source has}; source(p, field, first, view) as in the backends' fill(); check(): raises if what was read
         must not be used (checksums). On any failure the optimizer keeps its groups and state as they were."""
-        amsgrad = {p: bool(g.get("amsgrad", self.defaults["amsgrad"])) for g in new_groups for p in g["params"]}
+        kept = {p: self._rule.fields(p, {**self.defaults, **g}) for g in new_groups for p in g["params"]}
         for p, have in fields.items():
-            missing = [f for f in internal_fields(p, amsgrad[p]) if f != "master" and f not in have]
-            if missing:
-                raise ValueError(f"the loaded state of a parameter of shape {tuple(p.shape)} lacks {missing}")
-        if any(amsgrad.values()) and not self._amsgrad_ok:
-            raise ValueError("the loaded param groups use amsgrad, which this build of swapio.ops.adam_step_ "
-                             "does not support")
+            self._check_loaded_fields(p, kept[p], have)
         state = defaultdict(dict)
         for p, step in steps.items():
             state[p]["step"] = step
         for k, v in (extra_state or {}).items():
             state[k] = v
-        placement = [(p, amsgrad[p]) for g in new_groups for p in g["params"]]
 
         def commit():
             self.__setstate__({"state": state, "param_groups": new_groups})
 
-        self._backend.fill({p: (amsgrad[p], fields[p]) for p in steps}, source, placement, state,
+        self._backend.fill({p: (kept[p], fields[p]) for p in steps}, source, list(kept.items()), state,
                            check or (lambda: None), commit)
 
     def load_state_dict(self, state_dict):
         """Loads torch's format (from OffloadAdam[W] or torch.optim.Adam[W]), keeping the moments in fp32 even
-        for bf16/fp16 parameters. Without "master", the master weights are taken from the parameters."""
+        for bf16/fp16 parameters. Without "master", the master weights are taken from the parameters. torch's
+        Optimizer.load_state_dict() does the work (its hooks included); see swapio.optim.state_dict_hooks."""
         self._check_open()
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        id_map, new_groups = self._remap_groups(state_dict["param_groups"])
-        steps, values, extra = {}, {}, {}
-        for k, v in state_dict["state"].items():
-            p = id_map.get(k)
-            if p is None:
-                extra[k] = v
-                continue
-            if not v:
-                continue
-            if "step" not in v:
-                raise ValueError(f"the loaded state of parameter {k} has no 'step'")
-            cast = {key: self._process_value_according_to_param_policy(p, val, k, state_dict["param_groups"], key)
-                    for key, val in v.items()}
-            for key in _STATE_KEYS:
-                if key in cast and cast[key].numel() != p.numel():
-                    raise ValueError(f"state '{key}' of parameter {k} has {cast[key].numel()} elements; the "
-                                     f"parameter has {p.numel()}")
-            steps[p] = cast["step"].reshape(())
-            values[p] = {key: cast[key].reshape(-1) for key in _STATE_KEYS if key in cast}
-
-        def source(p, name, a, view):
-            view.copy_(values[p][name][a:a + view.numel()])
-
-        self._install(new_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        live = self.state, self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+        except BaseException:
+            # torch installs the new groups before our post-hook installs the state; the backend leaves its
+            # storage as it was on failure, so putting the live groups and state back restores the optimizer.
+            self.__dict__.update(state=live[0], param_groups=live[1])
+            raise
+        finally:
+            state_dict_hooks.discard_taken(self)
 
     # ---- streaming checkpoints ---------------------------------------------------------------------------------
     def save(self, path):
@@ -372,10 +284,7 @@ class OffloadAdam(Optimizer):
 
     def _io_handle(self):
         """(read handle, write handle, owned): the swap handles in nvme mode, new ones in cpu mode."""
-        if isinstance(self._backend, NvmeState):
-            return self._backend.rh, self._backend.wh, False
-        h = AioHandle.from_config(dict(self._io))
-        return h, h, True
+        return self._backend.io_handles()
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
     @property

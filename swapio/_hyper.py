@@ -1,0 +1,69 @@
+"""Hyperparameter checks: the one place the kernel (swapio.ops) and the optimizers (swapio.optim) validate them."""
+import math
+import numbers
+
+import torch
+
+
+def scalar(name, value):
+    """A Python float from a number or a one-element tensor (lr schedulers may hand either)."""
+    if type(value) is float or type(value) is int:  # the common case, without the slow ABC checks below
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_step(step):
+    if type(step) is int and step >= 1:
+        return step
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"step must be a number or a one-element tensor, got shape {tuple(step.shape)}")
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if not math.isfinite(step) or step != int(step):
+        raise ValueError(f"step must be a whole number, got {step}")
+    step = int(step)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the step being taken, counting from 1), got {step}")
+    return step
+
+
+def _finite_non_negative(name, value, what):
+    value = scalar(name, value)
+    if not (0.0 <= value < math.inf):
+        raise ValueError(f"Invalid {what}: {value}")
+    return value
+
+
+def _betas(beta1, beta2, closed):
+    """Each beta in [0, 1), or in [0, 1] when `closed` (Lion's)."""
+    betas = scalar("beta1", beta1), scalar("beta2", beta2)
+    for i, b in enumerate(betas):
+        if not (0.0 <= b <= 1.0 if closed else 0.0 <= b < 1.0):
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    return betas
+
+
+def check_adam_hyper(lr, beta1, beta2, eps, weight_decay):
+    """Adam's hyperparameters as Python floats, checked in torch's order with its messages (ValueError), or
+    TypeError for a value that is not a real number."""
+    lr = _finite_non_negative("lr", lr, "learning rate")
+    eps = _finite_non_negative("eps", eps, "epsilon value")
+    beta1, beta2 = _betas(beta1, beta2, closed=False)
+    weight_decay = _finite_non_negative("weight_decay", weight_decay, "weight_decay value")
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def check_lion_hyper(lr, beta1, beta2, weight_decay):
+    """Lion's hyperparameters as Python floats (betas may reach 1); ValueError or TypeError when one is bad."""
+    lr = _finite_non_negative("lr", lr, "learning rate")
+    beta1, beta2 = _betas(beta1, beta2, closed=True)
+    weight_decay = _finite_non_negative("weight_decay", weight_decay, "weight_decay value")
+    return lr, beta1, beta2, weight_decay

@@ -1,0 +1,84 @@
+"""torch's Optimizer.state_dict() / load_state_dict() for the offloaded optimizers, through torch's public hooks.
+
+state_dict: torch packs the param groups and optimizer.state, which holds only "step" in nvme mode and the live
+tensors (the master of fp32 parameters included) in cpu mode. A post-hook, run before any other, makes each
+parameter's entry "step" plus the fields the rule exports, read from the state backend.
+
+load_state_dict: torch casts every state tensor with Optimizer._process_value_according_to_param_policy, called
+on the base class by name, so an override is never reached: a bf16 parameter would round its fp32 moments to
+bf16, and a GPU parameter would pull its whole state onto the GPU. So a pre-hook takes the parameters' entries
+out of the state dict (hooks registered later see only the remaining entries), casts them with the optimizer's
+own policy (fp32 CPU copies) and checks them; torch then checks and installs the param groups; a post-hook, run
+before any other, hands the taken state to the backend.
+"""
+from itertools import chain
+
+import torch
+
+_TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
+
+
+def register(opt):
+    opt.register_state_dict_post_hook(_export_state, prepend=True)
+    opt.register_load_state_dict_pre_hook(_take_state)
+    opt.register_load_state_dict_post_hook(_install_state, prepend=True)
+
+
+def _export_state(opt, state_dict):
+    index = opt._pack_groups()[1]
+    packed = state_dict["state"]
+    params = [p for p, st in opt.state.items() if isinstance(p, torch.Tensor)]
+    stateful = [p for p in params if opt.state[p]]
+    tensors = opt._backend.tensors(stateful, opt._fields_of())
+    for p in params:
+        if p in tensors:
+            packed[index[id(p)]] = {"step": opt.state[p]["step"], **tensors[p]}
+        else:  # an empty entry (torch packs those too)
+            del packed[index[id(p)]]
+
+
+def _take_state(opt, state_dict):
+    saved_params = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+    if len(saved_params) != len(params):
+        return None  # torch raises its own error about the groups
+    id_map = dict(zip(saved_params, params))
+    saved_group = {k: g for g in state_dict["param_groups"] for k in g["params"]}
+    policy = opt._process_value_according_to_param_policy
+    steps, values, rest = {}, {}, {}
+    for k, entry in state_dict["state"].items():
+        p = id_map.get(k)
+        if p is None:
+            rest[k] = entry
+            continue
+        if not entry:
+            continue
+        if "step" not in entry:
+            raise ValueError(f"the loaded state of parameter {k} has no 'step'")
+        cast = {key: policy(p, val, k, state_dict["param_groups"], key) for key, val in entry.items()
+                if key == "step" or key in opt._rule.STATE_KEYS}
+        for key, val in cast.items():
+            if key != "step" and val.numel() != p.numel():
+                raise ValueError(f"state '{key}' of parameter {k} has {val.numel()} elements; the parameter has "
+                                 f"{p.numel()}")
+        steps[p] = cast.pop("step").reshape(())
+        values[p] = {key: val.reshape(-1) for key, val in cast.items()}
+        opt._check_loaded_fields(p, opt._rule.fields(p, {**opt.defaults, **saved_group[k]}), values[p])
+    setattr(opt, _TAKEN, (steps, values))
+    return {**state_dict, "state": rest}
+
+
+def _install_state(opt):
+    steps, values = opt.__dict__.pop(_TAKEN)
+
+    def source(p, name, a, view):
+        view.copy_(values[p][name][a:a + view.numel()])
+
+    extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
+    opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
+
+
+def discard_taken(opt):
+    """Drops the state a failed load_state_dict took but did not install."""
+    opt.__dict__.pop(_TAKEN, None)
+
