@@ -207,6 +207,27 @@ def test_rejected_state_dict_leaves_the_optimizer_as_it_was(tmp_path):
     _assert_state_equal(opt.state_dict(), before)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_load_state_dict_failing_to_install_leaves_the_optimizer_as_it_was(mode, tmp_path, monkeypatch):
+    params = _params()
+    opt = _opt(params, mode, tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    before = _snapshot(opt.state_dict())
+    other = _snapshot(before)
+    other["param_groups"][0]["lr"] = 0.5
+    backend = type(opt._backend)
+
+    def failing_fill(self, entries, source, *args):
+        raise OSError(5, "injected install failure")
+
+    monkeypatch.setattr(backend, "fill", failing_fill)
+    with pytest.raises(OSError, match="injected"):
+        opt.load_state_dict(other)
+    monkeypatch.undo()
+    _assert_state_equal(opt.state_dict(), before)
+    opt.close()
+
+
 # ---- resume ---------------------------------------------------------------------------------------------------
 def _run_and_resume(dtype, save_mode, load_mode, tmp_path, via):
     grads = _grads(10, seed=7)
