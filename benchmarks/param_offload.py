@@ -33,11 +33,9 @@ import subprocess
 import sys
 import time
 
+from _common import REPO, drop_caches, print_table  # first: the checkout's swapio
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
-from _common import drop_caches, print_table  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 READ_CONFIGS = [dict(block_size=1 << 20, queue_depth=32, threads=1), dict(block_size=4 << 20, queue_depth=16, threads=1),

@@ -14,6 +14,19 @@ def needs_master(p):
     return not (p.device.type == "cpu" and p.dtype == FP32 and p.is_contiguous())
 
 
+def finish_all(calls):
+    """Calls every one of `calls` (each waits for something: a future, a slot), then raises the first error any
+    raised, so that no I/O still writes into memory about to be dropped when the error propagates."""
+    error = None
+    for call in calls:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - the first error is raised below
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 class Work:
     """One parameter that has a gradient in this step: its state `fields` (rule.fields), the rule's `update`
     and the group's `hyper` (rule.hyper)."""

@@ -5,7 +5,7 @@ import torch
 
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, init_segment, run_segment
+from ._common import FP32, finish_all, init_segment, run_segment
 
 
 class CudaStaging:
@@ -121,14 +121,7 @@ class CpuState:
                     else:  # "master" only (the caller checked the rest)
                         t.copy_(p.detach())
         finally:
-            error = None
-            for f in futures:  # no read may still write into memory we drop
-                try:
-                    f.wait()
-                except BaseException as exc:  # noqa: BLE001 - the first error is raised below
-                    error = error or exc
-            if error is not None:
-                raise error
+            finish_all(f.wait for f in futures)
         check()
         commit()
 

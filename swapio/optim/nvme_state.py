@@ -22,7 +22,7 @@ import torch
 from .. import _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, init_segment, run_segment
+from ._common import FP32, finish_all, init_segment, run_segment
 
 ALIGN = 4096
 FILE_NAME = "state.swap"
@@ -189,24 +189,10 @@ class NvmeState:
         events, self._events[s] = self._events[s], []
         for ev in events:
             ev.synchronize()
-        error = None
-        for f in pending:
-            try:
-                f.wait()
-            except BaseException as exc:  # noqa: BLE001 - first error re-raised after all are waited
-                error = error or exc
-        if error is not None:
-            raise error
+        finish_all(f.wait for f in pending)
 
     def wait_all(self):
-        error = None
-        for s in range(self.buffer_count):
-            try:
-                self._drain(s)
-            except BaseException as exc:  # noqa: BLE001
-                error = error or exc
-        if error is not None:
-            raise error
+        finish_all(lambda s=s: self._drain(s) for s in range(self.buffer_count))
 
     def run(self, chunks, read, work, write):
         """For each chunk: read its record (if read(chunk)) into a slot, call work(chunk, views, slot) in this
@@ -367,15 +353,8 @@ class NvmeState:
                             view.copy_(flat[seg.p][seg.a:seg.b])
                     if seg.b == seg.p.numel():
                         flat.pop(seg.p, None)
-            finally:
-                error = None
-                for f in futures:  # the record is written after this returns; no read may outlive its slot
-                    try:
-                        f.wait()
-                    except BaseException as exc:  # noqa: BLE001 - the first error is raised below
-                        error = error or exc
-                if error is not None:
-                    raise error
+            finally:  # the record is written after this returns; no read may outlive its slot
+                finish_all(f.wait for f in futures)
 
         self.run(chunks, lambda c: False, work, True)
 
