@@ -19,7 +19,8 @@ rotates from one round to the next. Per round:
                every load is followed by touching one byte per page of every tensor it returned: an mmap-backed
                tensor is only read from disk when touched, and "in memory" means readable without I/O
 Each process first runs matmuls of the model's shapes on small random tensors, so one-time kernel setup is not
-timed. Peak RSS is each process's VmHWM over its timed part, minus its RSS before it.
+timed. Peak RSS growth is each process's peak RSS (VmHWM) from before its setup (offload hooks and ring, or the
+resident weights) to the end of the timed part.
 Goals (issue 7): swapio <= 1.15 x max(I/O bound, resident) and accelerate / swapio >= 1.5.
 """
 import argparse
@@ -102,14 +103,19 @@ def _touch(tensors):
 
 
 def _timed(fn, cold):
-    """(seconds, peak RSS growth) of fn(), after dropping the page cache if `cold`."""
+    """Seconds fn() takes, after dropping the page cache if `cold`."""
     if cold:
         drop_caches()
-    base = _status("VmRSS")
-    _reset_peak()
     t = time.perf_counter()
     fn()
-    return time.perf_counter() - t, _status("VmHWM") - base
+    return time.perf_counter() - t
+
+
+def _rss_base():
+    """RSS now, with the peak reset to it: peak growth from here covers the setup and the timed part."""
+    base = _status("VmRSS")
+    _reset_peak()
+    return base
 
 
 def child(args):
@@ -120,6 +126,7 @@ def child(args):
     if args.child in ("swapio", "accelerate", "resident"):
         _warm_kernels(args)
         model = _meta_model(args)
+        base = _rss_base()
         if args.child == "swapio":
             import swapio
             from swapio.offload import disk_offload
@@ -133,7 +140,8 @@ def child(args):
             from swapio.offload import load_file
             model.load_state_dict(load_file(ckpt), strict=False, assign=True)
             model.tie_weights()
-        out["seconds"], out["rss"] = _timed(lambda: _forward(model, args), cold=args.child != "resident")
+        out["seconds"] = _timed(lambda: _forward(model, args), cold=args.child != "resident")
+        out["rss"] = _status("VmHWM") - base
     elif args.child == "read":
         import torch
         import swapio
@@ -152,7 +160,7 @@ def child(args):
                         pending.append(h.pread(bufs[k % len(bufs)][:n], ckpt, off))
                     for f in pending:
                         f.wait()
-                seconds, _ = _timed(read_all, cold=True)
+                seconds = _timed(read_all, cold=True)
             out["configs"].append(dict(cfg, GBps=size / seconds / 1e9))
     elif args.child.startswith("load-"):
         import safetensors.torch
@@ -160,7 +168,9 @@ def child(args):
         load = {"load-st": lambda: safetensors.torch.load_file(ckpt),
                 "load-st-pread": lambda: safetensors.torch.load_file(ckpt, backend="pread"),
                 "load-swapio": lambda: load_file(ckpt)}[args.child]
-        out["seconds"], out["rss"] = _timed(lambda: _touch(load()), cold=True)
+        base = _rss_base()
+        out["seconds"] = _timed(lambda: _touch(load()), cold=True)
+        out["rss"] = _status("VmHWM") - base
     print(json.dumps(out))
 
 
@@ -213,7 +223,9 @@ def main(argv=None):
                     help="input length of the timed forward, batch 1 (default 1: a decode step, the I/O-bound case)")
     ap.add_argument("--buffer-mib", type=int, default=256, help="disk_offload's buffer_bytes, in MiB")
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads in the children (0: torch's)")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads in every child (default 1: on a shared 2-core machine a second compute "
+                         "thread slows the forward several times over and starves the I/O worker; 0: torch's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and offload folder afterwards")
     ap.add_argument("--json", action="store_true")

@@ -1,7 +1,7 @@
 """swapio: move PyTorch tensors between memory and fast storage.
 
 Async O_DIRECT reads and writes (io_uring, Linux AIO, or a pread/pwrite pool) into page-locked buffers,
-tensor swap handles, a SIMD CPU Adam kernel and offloaded optimizers.
+tensor swap handles, a SIMD CPU Adam kernel, offloaded optimizers and parameter (weight) offload.
 """
 __version__ = "0.1.0"
 
@@ -17,7 +17,7 @@ from .info import info  # noqa: E402
 from .pinned import empty_pinned, is_pinned  # noqa: E402
 from .swap import SwappedTensor, SwapStore  # noqa: E402
 
-from . import ops, optim  # noqa: E402,F401
+from . import offload, ops, optim  # noqa: E402,F401
 
 __all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
-           "is_pinned", "ops", "optim", "__version__"]
+           "is_pinned", "offload", "ops", "optim", "__version__"]

@@ -13,6 +13,8 @@ from .fetch import view
 from .schedule import Schedule
 from .units import install_placeholders, set_entry
 
+SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
+
 
 def _gradient_error(name):
     def hook(grad):
@@ -40,6 +42,7 @@ class OffloadEngine:
         if self.device.type != "cpu":
             self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
         install_placeholders(self.units)
+        self.fetcher.prepare()
 
     def _move_inputs(self, module, args, kwargs):
         move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -64,10 +67,7 @@ class OffloadEngine:
             fetcher = self.fetcher
             for record in unit.records:
                 fetcher.start(record, required=True)
-            for ahead in self.schedule.ahead(unit, self.prefetch):
-                for record in ahead.records:
-                    if fetcher.start(record) is None:
-                        break
+            self._prefetch(self.schedule.ahead, unit)
             fetcher.pump()
             for record in unit.records:
                 unit.fetches.append(fetcher.acquire(record))
@@ -90,6 +90,20 @@ class OffloadEngine:
         except BaseException:
             self.leave(unit, None)
             raise
+
+    def _prefetch(self, walk, unit):
+        """Starts the fetches of the next `prefetch` units along `walk` (schedule.ahead, or .behind in backward).
+        Units with less than SMALL bytes (norms, biases) ride along without counting: the big reads are what
+        must be in flight. Stops at the first record the ring has no room for."""
+        counted = 0
+        for other in walk(unit, self.prefetch + 64):
+            if counted >= self.prefetch:
+                break
+            for record in other.records:
+                if self.fetcher.start(record) is None:
+                    return
+            if sum(r.nbytes for r in other.records) >= SMALL:
+                counted += 1
 
     def leave(self, unit, output):
         if unit.depth == 0:

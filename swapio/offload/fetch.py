@@ -53,6 +53,11 @@ class Fetcher:
         self.lock = threading.RLock()
         self.stats = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0}
 
+    def prepare(self):
+        """Allocates the ring now (at offload time) rather than inside the first forward."""
+        if self.ring is not None and self.ring.capacity:
+            self.ring.arena  # noqa: B018 - the property allocates
+
     # ---- memory ---------------------------------------------------------------------------------------------
     def _spare_region(self, nbytes):
         if self._spare is None:

@@ -63,9 +63,7 @@ class SavedWeights:
         with fetcher.lock:
             fetch = fetcher.acquire(slot.record)
             try:
-                for earlier in engine.schedule.behind(unit, engine.prefetch):
-                    if any(fetcher.start(record) is None for record in earlier.records):
-                        break
+                engine._prefetch(engine.schedule.behind, unit)
                 t = view(fetch, slot)
                 if fetch.device is None and fetch.transient:
                     t = t.clone()  # the host region goes back to the ring at release
