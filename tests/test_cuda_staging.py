@@ -118,3 +118,63 @@ def test_empty_pinned_creates_no_context_in_a_fresh_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+class FakeEvent:
+    """A CUDA event stand-in: complete once `finished` is set."""
+
+    def __init__(self):
+        self.finished = False
+        self.synchronized = 0
+
+    def query(self):
+        return self.finished
+
+    def synchronize(self):
+        self.synchronized += 1
+        self.finished = True
+
+
+def test_copy_sources_stay_alive_until_their_event_completes():
+    import weakref
+
+    class Buffer:
+        pass
+    event, buf = FakeEvent(), Buffer()
+    ref = weakref.ref(buf)
+    cuda_copy.keep_until(event, buf)
+    del buf
+    cuda_copy.release_finished()
+    assert ref() is not None  # the copy may still read it
+    event.finished = True
+    cuda_copy.release_finished()
+    assert ref() is None
+
+
+def test_device_copy_future_is_done_only_when_the_copy_completed(monkeypatch):
+    class Stream:
+        waited = []
+
+        def wait_event(self, ev):
+            self.waited.append(ev)
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+
+    class Target:
+        device, recorded = torch.device("cpu"), []
+
+        def record_stream(self, s):
+            self.recorded.append(s)
+    event, issued = FakeEvent(), []
+    read = swapio.Future.finished(10)  # the read into staging memory has finished
+    f = cuda_copy.DeviceCopyFuture(read, lambda: issued.append(1) or event, Target())
+    assert not f.done() and issued == [1]  # done() saw the read finished and issued the copy, once
+    assert not f.done() and issued == [1]
+    event.finished = True
+    assert f.done()
+    event.finished = False
+    assert f.wait() is f._target and event.synchronized == 1  # waits for that copy's event only
+    assert stream.waited == [event] and Target.recorded == [stream]  # the caller's stream waits on the copy
+    with pytest.raises(TimeoutError):
+        slow = cuda_copy.DeviceCopyFuture(read, lambda: FakeEvent(), Target())
+        slow.wait(timeout=0.01)

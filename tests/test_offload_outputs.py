@@ -201,9 +201,10 @@ def test_keep_resident_modules_stay_in_memory(tmp_path):
     assert_same_outputs(model)
 
 
-def test_load_file_matches_safetensors(tmp_path):
+@pytest.mark.parametrize("staging_bytes", [8192, 128 << 20], ids=["tensors-span-windows", "default"])
+def test_load_file_matches_safetensors(tmp_path, staging_bytes):
     resident_model().save_pretrained(tmp_path / "ck", max_shard_size="100KB")
-    mine = swapio.offload.load_file(tmp_path / "ck")
+    mine = swapio.offload.load_file(tmp_path / "ck", staging_bytes=staging_bytes)
     theirs = {}
     for name in os.listdir(tmp_path / "ck"):
         if name.endswith(".safetensors"):

@@ -1,76 +1,83 @@
 """load_file: a safetensors checkpoint into memory, like safetensors.torch.load_file, without mmap.
 
-To the CPU, every tensor gets its own allocation and one read request, all in flight at once (the I/O core
-reads the aligned middle of each with O_DIRECT, through bounce buffers when the allocation is not 4 KiB
-aligned). To a GPU, tensors are read in batches into two pinned staging buffers of `staging_bytes` / 2 and
-copied on the side stream, a buffer being refilled only after the copy out of it completed, so host memory
-stays within staging_bytes whatever the checkpoint size.
+Each file is streamed in windows of `staging_bytes` / 2: a window is one aligned O_DIRECT request into one of two
+pinned buffers (zero copy), and while the next window is read, the tensors' bytes in this one are copied to
+their destinations: each tensor its own allocation on `device` (copied on the side stream for a GPU, a buffer
+being refilled only after the copies out of it completed). Host memory beyond the result stays within
+staging_bytes whatever the checkpoint size.
 """
+import os
+
 import torch
 
 from .. import cuda_copy
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from .layout import TENSOR_ALIGN, round_up
+from .layout import ALIGN, round_up
 from .safetensors_format import open_checkpoint
 
 
-def _batches(items, limit):
-    batch, size = [], 0
-    for name, loc in items:
-        need = round_up(loc.nbytes, TENSOR_ALIGN)
-        if batch and size + need > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, loc, size))
-        size += need
-    if batch:
-        yield batch
+def _pieces(items, start, end):
+    """(tensor index, offset in tensor, offset in window, length) of the tensors' bytes in [start, end)."""
+    for i, loc in items:
+        a, b = max(loc.offset, start), min(loc.offset + loc.nbytes, end)
+        if a < b:
+            yield i, a - loc.offset, a - start, b - a
 
 
-def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=256 << 20):
+def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20):
     """{name: tensor} of a safetensors file, a save_pretrained directory or a sharded index."""
     device = cuda_copy.normalize_device(device)
     locations = open_checkpoint(checkpoint)
+    names = list(locations)
+    out = []
+    for name in names:
+        with cuda_copy.allocating_on_side_stream(device):
+            out.append(torch.empty(locations[name].shape, dtype=locations[name].dtype, device=device))
+    flat = [t.view(-1).view(torch.uint8) if t.numel() else None for t in out]
+    window = max(ALIGN, staging_bytes // 2 // ALIGN * ALIGN)
     own = handle is None
     handle = AioHandle() if own else handle
+    cuda = device.type == "cuda"
+    stream = cuda_copy.copy_stream(device) if cuda else None
+    buffers, events = [empty_pinned(window, torch.uint8) for _ in range(2)], [None, None]
     try:
-        items = sorted(locations.items(), key=lambda kv: (kv[1].path, kv[1].offset))
-        out = {}
-        if device.type == "cpu":
-            reads = []
-            for name, loc in items:
-                t = out[name] = torch.empty(loc.shape, dtype=loc.dtype)
-                if loc.nbytes:
-                    reads.append(handle.pread(t.view(-1).view(torch.uint8), loc.path, loc.offset))
-            for f in reads:
-                f.wait()
-            return out
-        half = max(round_up(staging_bytes // 2, TENSOR_ALIGN), max((l.nbytes for l in locations.values()),
-                                                                   default=0))
-        buffers, events = [empty_pinned(round_up(half), torch.uint8) for _ in range(2)], [None, None]
-        stream = cuda_copy.copy_stream(device)
-        for k, batch in enumerate(_batches(items, half)):
-            buf = buffers[k % 2]
-            if events[k % 2] is not None:
-                events[k % 2].synchronize()  # the copies out of this buffer have finished
-            reads = [handle.pread(buf[off:off + loc.nbytes], loc.path, loc.offset)
-                     for _, loc, off in batch if loc.nbytes]
-            for f in reads:
-                f.wait()
-            for name, loc, off in batch:
-                with cuda_copy.allocating_on_side_stream(device):
-                    t = out[name] = torch.empty(loc.shape, dtype=loc.dtype, device=device)
-                if loc.nbytes:
-                    events[k % 2] = cuda_copy.copy_async(t.view(-1).view(torch.uint8), buf[off:off + loc.nbytes],
-                                                         stream)
+        by_file = {}
+        for i, name in enumerate(names):
+            if locations[name].nbytes:
+                by_file.setdefault(locations[name].path, []).append((i, locations[name]))
+        for path, items in by_file.items():
+            items.sort(key=lambda x: x[1].offset)
+            first = items[0][1].offset // ALIGN * ALIGN
+            last = min(round_up(max(loc.offset + loc.nbytes for _, loc in items)), os.path.getsize(path))
+            starts = list(range(first, last, window))
+
+            def submit(k):
+                if events[k % 2] is not None:
+                    events[k % 2].synchronize()  # the copies out of this buffer have finished
+                    events[k % 2] = None
+                n = min(window, last - starts[k])
+                return handle.pread(buffers[k % 2][:n], path, starts[k])
+
+            pending = submit(0)
+            for k, start in enumerate(starts):
+                pending.wait()
+                if k + 1 < len(starts):
+                    pending = submit(k + 1)
+                buf, end = buffers[k % 2], min(start + window, last)
+                for i, at, off, n in _pieces(items, start, end):
+                    if cuda:
+                        events[k % 2] = cuda_copy.copy_async(flat[i][at:at + n], buf[off:off + n], stream)
+                    else:
+                        flat[i][at:at + n].copy_(buf[off:off + n])
+    finally:
+        if own:
+            handle.close()
+    if cuda:
         current = torch.cuda.current_stream(device)
         for ev in events:
             if ev is not None:
                 current.wait_event(ev)
-        for t in out.values():
+        for t in out:
             t.record_stream(current)
-        return out
-    finally:
-        if own:
-            handle.close()
+    return dict(zip(names, out))
