@@ -162,6 +162,7 @@ class NvmeState:
         if end != self.file_bytes:
             os.truncate(self.path, end)
             self.file_bytes = end
+        self._grow_slots()
 
     def forget(self, p):
         where = self.placed.pop(p, None)
@@ -170,10 +171,23 @@ class NvmeState:
                 chunk.segments.remove(seg)
 
     # ---- the pipeline -------------------------------------------------------------------------------------
+    def _slot_need(self):
+        """Bytes a slot needs for the largest record (with the GPU staging behind it), at most slot_bytes: a state
+        smaller than the budget pins only what it uses."""
+        need = max((c.record_bytes + (2 * c.region if c.cuda else 0) for c in self.chunks), default=ALIGN)
+        return min(self.slot_bytes, _round_up(need))
+
     def _slot(self, s):
         if self._slots is None:
-            self._slots = [empty_pinned(self.slot_bytes, torch.uint8) for _ in range(self.buffer_count)]
+            size = self._slot_need()
+            self._slots = [empty_pinned(size, torch.uint8) for _ in range(self.buffer_count)]
         return self._slots[s]
+
+    def _grow_slots(self):
+        """After new parameters are placed: drop slots too small for a new record (allocated again on use)."""
+        if self._slots is not None and self._slots[0].numel() < self._slot_need():
+            self.wait_all()
+            self._slots = None
 
     def _views(self, s, chunk):
         buf, n, region = self._slot(s), chunk.n, chunk.region
