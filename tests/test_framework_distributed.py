@@ -1,7 +1,9 @@
 """torch.distributed (gloo, 2 processes on the loopback): DDP with OffloadAdamW, and ZeroRedundancyOptimizer with
 optimizer_class=OffloadAdamW in nvme mode (each rank its own swap directory), each against a single-process run
 on the same data; the consolidated ZeRO state dict loads into torch.optim.AdamW and into an OffloadAdamW with
-another swap_dir. The two processes are spawned once for the module; each test checks what they wrote."""
+another swap_dir. FSDP2 (fully_shard) runs on the CPU with this torch, but OffloadAdamW does not step DTensor
+parameters: it refuses them with a clear ValueError, and torch's AdamW over FSDP2 is checked as the reference of
+what works. The two processes are spawned once for the module; each test checks what they wrote."""
 import os
 import socket
 
@@ -59,6 +61,17 @@ def _worker(rank, port, out_dir):
             torch.save(zero.state_dict(), os.path.join(out_dir, "zero-consolidated.pt"))
         zero.optim.close()
         results["zero_swap_left"] = os.listdir(swap_dir)
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(mlp(), mesh=init_device_mesh("cpu", (WORLD,)))  # FSDP2: DTensor parameters
+        try:
+            so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD)
+            results["fsdp_error"] = None
+        except ValueError as e:
+            results["fsdp_error"] = str(e)
+        _local_steps(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False), rank)
+        results["fsdp_torch"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -146,3 +159,17 @@ def test_consolidated_zero_state_dict_loads_into_torch_and_offload_adamw(runs, t
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
     for rank in range(WORLD):
         assert os.listdir(out_dir / f"swap-rank{rank}") == []
+
+
+def test_fsdp2_runs_on_cpu_and_offload_adamw_refuses_dtensor_parameters(runs, tmp_path):
+    _, ranks = runs
+    for r in ranks:
+        assert r["fsdp_error"] is not None and "DTensor" in r["fsdp_error"]
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    for x, y in mlp_batches(STEPS):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_params_equal(ranks[0]["fsdp_torch"], ranks[1]["fsdp_torch"])
+    _assert_close(ranks[0]["fsdp_torch"], params_of(model))

@@ -32,10 +32,12 @@ class Work:
     and the group's `hyper` (rule.hyper)."""
 
     __slots__ = ("p", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low")
+                 "master", "low", "edited", "adopted")
 
-    def __init__(self, p, step, fields, update, hyper, new):
+    def __init__(self, p, step, fields, update, hyper, new, edited=False):
         self.p, self.numel, self.step, self.new = p, p.numel(), step, new
+        self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
+        self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
         self.cuda = p.device.type == "cuda"
         self.master = needs_master(p)
@@ -48,7 +50,7 @@ class Work:
         else:  # written into a contiguous temporary, copied into the parameter after its last segment
             self.tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             self.dst = self.tmp.view(-1)
-            self.src = data.contiguous().view(-1) if new else None
+            self.src = data.contiguous().view(-1) if new or edited else None
 
     def finish(self):
         if self.tmp is not None:
@@ -64,6 +66,16 @@ def init_segment(w, a, b, fields):
             view.zero_()
 
 
+def adopt_edits(w, a, b, master):
+    """Elements [a, b) of a parameter changed outside the optimizer: where the parameter no longer holds the master
+    rounded to its dtype, the master takes the parameter's value; elsewhere it keeps its fp32 precision."""
+    current = w.src[a:b].to("cpu")
+    stale = current != master.to(current.dtype)
+    if bool(stale.any()):
+        master[stale] = current[stale].to(FP32)
+        w.adopted = True
+
+
 def run_segment(w, a, b, fields, stage_g, stage_o, threads):
     """The update of elements [a, b) of w.p. fields: fp32 CPU views of the state for those elements. stage_g/stage_o:
     pinned uint8 buffers (>= 4*(b-a) bytes) for parameters on a GPU, else None. For a GPU parameter the
@@ -75,6 +87,8 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
     else:
         grad = w.grad[a:b]
     master = fields.get(MASTER)
+    if w.edited and master is not None:
+        adopt_edits(w, a, b, master)
     out = None
     if master is None:
         param = w.dst[a:b]

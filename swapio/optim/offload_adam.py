@@ -11,7 +11,7 @@ from itertools import chain
 import torch
 from torch.optim import Optimizer
 
-from .._errors import check_int
+from .._errors import check_int, warn_once
 from ..handle import AioHandle
 from . import checkpoint, state_dict_hooks
 from ._common import FP32, MASTER, PARAM_DTYPES, Work
@@ -20,6 +20,7 @@ from .functional import AdamRule
 from .nvme_state import NvmeState
 
 _IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
+_HISTORICAL_DEFAULTS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": False}  # torch.optim.Adam's
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
 
 
@@ -41,6 +42,16 @@ def _io_settings(io_config, io_kwargs):
     return settings
 
 
+def _check_betas_kind(betas):
+    """torch's rule: betas are both numbers or both tensors."""
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        return
+    if isinstance(beta1, torch.Tensor) != isinstance(beta2, torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+
+
 class OffloadAdam(Optimizer):
     """Adam (L2 weight decay, like torch.optim.Adam) with optimizer state off the GPU.
 
@@ -48,8 +59,9 @@ class OffloadAdam(Optimizer):
     decoupled_weight_decay (True gives AdamW). Parameters may be on the CPU or a CUDA device, fp32, bf16 or
     fp16. The optimizer keeps an fp32 master copy of every parameter that is not itself a contiguous fp32 CPU
     tensor, steps it on the CPU, and writes the result back into the parameter (for a GPU through pinned
-    memory with non_blocking copies, synchronised before step() returns). The master is the reference value:
-    if you change a parameter outside the optimizer, load the optimizer state again (or build a new one).
+    memory with non_blocking copies, synchronised before step() returns). A parameter changed outside the
+    optimizer since its last step (in-place writes, not through `.data`) has its changed elements adopted into
+    the master, with one warning (docs/optim.md, "Master weights").
 
     offload: "cpu" keeps master and moments in RAM; "nvme" keeps them in a swap file in a private directory
         (mkdtemp, mode 0700) under swap_dir, removed by close() or when the optimizer is garbage collected.
@@ -70,6 +82,7 @@ class OffloadAdam(Optimizer):
                  buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
+        _check_betas_kind(betas)
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
         defaults["betas"] = (hyper["beta1"], hyper["beta2"])
         if offload not in ("cpu", "nvme"):
@@ -85,6 +98,7 @@ class OffloadAdam(Optimizer):
         self.offload, self.buffer_bytes, self.buffer_count = offload, buffer_bytes, buffer_count
         self.cpu_threads = cpu_threads
         self._backend = None
+        self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         if offload == "nvme":
@@ -94,9 +108,19 @@ class OffloadAdam(Optimizer):
 
     # ---- torch.optim.Optimizer protocol ------------------------------------------------------------------------
     def __setstate__(self, state):
+        """Also what load_state_dict ends with: a group from an older torch that lacks a key gets torch's historical
+        default for it (as torch.optim.Adam/AdamW fill it), not this optimizer's constructor argument."""
         super().__setstate__(state)
         for group in self.param_groups:
+            for key, value in _HISTORICAL_DEFAULTS.items():
+                group.setdefault(key, value)
             self._fill_group(group)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "
+                        "the optimizer object): its state lives in a backend of RAM buffers or swap files that a "
+                        "copy would not own. Save opt.state_dict() (torch's format) or opt.save(dir), and build a "
+                        "new optimizer that load_state_dict()s or load()s it.")
 
     def _fill_group(self, group):
         for key in _GROUP_KEYS:
@@ -109,7 +133,10 @@ class OffloadAdam(Optimizer):
         group = self.param_groups[-1]
         for p in group["params"]:
             problem = None
-            if p.dtype not in PARAM_DTYPES:
+            if type(p).__name__ == "DTensor":
+                problem = ("DTensor type (FSDP2's fully_shard, tensor parallelism), which is not supported yet: use "
+                           "DDP or ZeroRedundancyOptimizer, or torch's optimizer, with FSDP2")
+            elif p.dtype not in PARAM_DTYPES:
                 problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
             elif p.device.type not in ("cpu", "cuda"):
                 problem = f"device {p.device} (supported: cpu, cuda)"
@@ -168,17 +195,31 @@ class OffloadAdam(Optimizer):
                 st = self.state.get(p)
                 new = not st
                 step = 1 if new else int(st["step"].item()) + 1
-                works.append(Work(p, step, rule.fields(p, group), rule.update, hyper, new))
+                works.append(Work(p, step, rule.fields(p, group), rule.update, hyper, new,
+                                  edited=not new and self._edited_outside(p)))
         if not works:
             return loss
         self._backend.step(works, self.cpu_threads)
+        if any(w.adopted for w in works):
+            warn_once(("edited-params", id(self)), f"a parameter was changed outside {type(self).__name__} since "
+                      "its last step (e.g. model.load_state_dict, an in-place clamp or copy); the changed elements "
+                      "were adopted into the fp32 master weights. Changes made through `.data` are not seen.")
         for w in works:
             st = self.state[w.p]
             if "step" in st:
                 st["step"].fill_(float(w.step))
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
+            if w.master:
+                self._written[w.p] = (w.p._version, w.p.data_ptr())
         return loss
+
+    def _edited_outside(self, p):
+        """Whether p was written by someone else since this optimizer last wrote it: its version counter (bumped by
+        every in-place op on it or its views, but not through `.data`) or its storage changed. O(1) a parameter.
+        Only parameters with a separate fp32 master can go stale; a contiguous fp32 CPU parameter is its own."""
+        seen = self._written.get(p)
+        return seen is not None and seen != (p._version, p.data_ptr())
 
     def state_dict(self):
         """torch's format: {"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}},
