@@ -76,3 +76,8 @@ def test_nvme_step_time_reads_and_writes_the_state_once():
 def test_unknown_choices_raise_value_error(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         memplan.plan(10**9, **kwargs)
+
+
+def test_int8_block_matches_the_kernels_quantisation_block():
+    from swapio import quant
+    assert memplan.INT8_BLOCK == quant.BLOCK

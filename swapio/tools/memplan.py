@@ -15,7 +15,7 @@ import re
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1}
-INT8_BLOCK = 256  # elements per fp32 scale of int8 moments (the kernel's quantisation block)
+INT8_BLOCK = 256  # elements per fp32 scale of int8 moments: swapio.quant.BLOCK (kept in sync by a test)
 STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 
