@@ -4,6 +4,7 @@
 import inspect
 import json
 import os
+import warnings
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
@@ -11,7 +12,7 @@ from itertools import chain
 import torch
 from torch.optim import Optimizer
 
-from .._errors import check_int, warn_once
+from .._errors import SwapioWarning, check_int
 from ..handle import AioHandle
 from . import checkpoint, state_dict_hooks
 from ._common import FP32, MASTER, PARAM_DTYPES, Work
@@ -99,6 +100,7 @@ class OffloadAdam(Optimizer):
         self.cpu_threads = cpu_threads
         self._backend = None
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
+        self._warned_edit = False
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         if offload == "nvme":
@@ -200,10 +202,12 @@ class OffloadAdam(Optimizer):
         if not works:
             return loss
         self._backend.step(works, self.cpu_threads)
-        if any(w.adopted for w in works):
-            warn_once(("edited-params", id(self)), f"a parameter was changed outside {type(self).__name__} since "
-                      "its last step (e.g. model.load_state_dict, an in-place clamp or copy); the changed elements "
-                      "were adopted into the fp32 master weights. Changes made through `.data` are not seen.")
+        if not self._warned_edit and any(w.adopted for w in works):
+            self._warned_edit = True  # once per optimizer (ids are reused, so not swapio's process-wide warn_once)
+            warnings.warn(f"a parameter was changed outside {type(self).__name__} since its last step (e.g. "
+                          "model.load_state_dict, an in-place clamp or copy); the changed elements were adopted into "
+                          "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
+                          stacklevel=2)
         for w in works:
             st = self.state[w.p]
             if "step" in st:
