@@ -15,8 +15,10 @@ update rule. A rule is the small interface between an optimizer and the backends
 
 The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
 """
+import math
+
 from .. import ops
-from .._hyper import check_adam_hyper
+from .._hyper import check_adam_hyper, scalar
 from ._common import LOW_PRECISION, MASTER, needs_master
 
 
@@ -58,3 +60,41 @@ class AdamRule:
                                                                group["weight_decay"])
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
                 "adamw": bool(group["decoupled_weight_decay"]), "maximize": bool(group["maximize"])}
+
+
+def lion(param, grad, state, *, step, lr, beta1, beta2, weight_decay, maximize, param_out=None, threads=None):
+    """One Lion step (Chen et al. 2023: sign of an interpolated momentum, decoupled weight decay) of a flat fp32
+    slice, in place, with the CPU kernel. state: {"exp_avg"}: an fp32 view of the slice."""
+    ops.lion_step_(param, grad, state["exp_avg"], step=step, lr=lr, beta1=beta1, beta2=beta2,
+                   weight_decay=weight_decay, maximize=maximize, param_out=param_out, threads=threads)
+
+
+class LionRule:
+    """Lion over one fp32 moment (exp_avg)."""
+
+    MOMENTS = ("exp_avg",)
+    STATE_KEYS = (MASTER, *MOMENTS)
+    update = staticmethod(lion)
+
+    def fields(self, p, group):
+        return ((MASTER,) if needs_master(p) else ()) + self.MOMENTS
+
+    def exported(self, p, group):
+        return self.MOMENTS + ((MASTER,) if p.dtype in LOW_PRECISION else ())
+
+    def hyper(self, group):
+        try:
+            beta1, beta2 = group["betas"]
+        except (TypeError, ValueError):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
+        lr, beta1, beta2 = scalar("lr", group["lr"]), scalar("beta1", beta1), scalar("beta2", beta2)
+        weight_decay = scalar("weight_decay", group["weight_decay"])
+        if not 0.0 <= lr < math.inf:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        for i, beta in enumerate((beta1, beta2)):
+            if not 0.0 <= beta <= 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        if not 0.0 <= weight_decay < math.inf:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
+                "maximize": bool(group["maximize"])}

@@ -77,13 +77,22 @@ class OffloadAdam(Optimizer):
 
     _decoupled = False
     _rule = AdamRule()  # the update and the state it keeps (swapio.optim.functional)
+    _group_keys = _GROUP_KEYS  # what every param group holds (missing keys come from the defaults)
+    _historical_defaults = _HISTORICAL_DEFAULTS
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
                  buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
-        _check_betas_kind(betas)
+        self._start(params, defaults, offload, swap_dir, buffer_bytes, buffer_count, cpu_threads, io_config,
+                    io_kwargs)
+
+    def _start(self, params, defaults, offload, swap_dir, buffer_bytes, buffer_count, cpu_threads, io_config,
+               io_kwargs):
+        """What every offloaded optimizer's constructor does once its rule's defaults are packed: validate them
+        and the offload options, then build the state backend."""
+        _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
         defaults["betas"] = (hyper["beta1"], hyper["beta2"])
         if offload not in ("cpu", "nvme"):
@@ -114,7 +123,7 @@ class OffloadAdam(Optimizer):
         default for it (as torch.optim.Adam/AdamW fill it), not this optimizer's constructor argument."""
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, value in _HISTORICAL_DEFAULTS.items():
+            for key, value in self._historical_defaults.items():
                 group.setdefault(key, value)
             self._fill_group(group)
 
@@ -125,7 +134,7 @@ class OffloadAdam(Optimizer):
                         "new optimizer that load_state_dict()s or load()s it.")
 
     def _fill_group(self, group):
-        for key in _GROUP_KEYS:
+        for key in self._group_keys:
             group.setdefault(key, self.defaults[key])
         if self._decoupled:
             group["decoupled_weight_decay"] = True
