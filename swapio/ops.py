@@ -301,8 +301,8 @@ def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, b
     compatibility and ignored. Returns ``param``.
     """
     if exp_avg.dtype in (torch.bfloat16, torch.uint8):
-        state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed, check_step(step),
-                         index_base)
+        state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed,
+                         check_step(step), index_base)
         adam_step_reference_(param.reshape(-1), grad.reshape(-1), *state.values, step=step, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize)
         state.store()

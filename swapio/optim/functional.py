@@ -15,10 +15,8 @@ update rule. A rule is the small interface between an optimizer and the backends
 
 The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
 """
-import math
-
 from .. import ops
-from .._hyper import check_adam_hyper, scalar
+from .._hyper import check_adam_hyper, check_lion_hyper
 from ._common import LOW_PRECISION, MASTER, needs_master
 
 
@@ -52,14 +50,19 @@ class AdamRule:
                 + ((MASTER,) if p.dtype in LOW_PRECISION else ()))
 
     def hyper(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
+        beta1, beta2 = betas_of(group)
         lr, beta1, beta2, eps, weight_decay = check_adam_hyper(group["lr"], beta1, beta2, group["eps"],
                                                                group["weight_decay"])
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
                 "adamw": bool(group["decoupled_weight_decay"]), "maximize": bool(group["maximize"])}
+
+
+def betas_of(group):
+    try:
+        beta1, beta2 = group["betas"]
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
+    return beta1, beta2
 
 
 def lion(param, grad, state, *, step, lr, beta1, beta2, weight_decay, maximize, param_out=None, threads=None):
@@ -83,18 +86,7 @@ class LionRule:
         return self.MOMENTS + ((MASTER,) if p.dtype in LOW_PRECISION else ())
 
     def hyper(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
-        lr, beta1, beta2 = scalar("lr", group["lr"]), scalar("beta1", beta1), scalar("beta2", beta2)
-        weight_decay = scalar("weight_decay", group["weight_decay"])
-        if not 0.0 <= lr < math.inf:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        for i, beta in enumerate((beta1, beta2)):
-            if not 0.0 <= beta <= 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-        if not 0.0 <= weight_decay < math.inf:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        beta1, beta2 = betas_of(group)
+        lr, beta1, beta2, weight_decay = check_lion_hyper(group["lr"], beta1, beta2, group["weight_decay"])
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
                 "maximize": bool(group["maximize"])}
