@@ -5,13 +5,16 @@ csrc/isa_flags.txt, like ATen's per-capability builds: the rest of the module is
 and the kernel to run is chosen at run time from CPUID, so one wheel runs on any x86-64.
 """
 import glob
+import hashlib
 import os
 import platform
+import sys
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
 IS_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
 ISA_TABLE = "csrc/isa_flags.txt"  # suffix -> flags, shared with tests/native/run.sh
 
@@ -43,14 +46,33 @@ def native_sources():
     return sources
 
 
+def _mtime(path):
+    return os.stat(path).st_mtime_ns
+
+
 class BuildExt(build_ext):
+    """Adds each source's ISA flags, and compiles incrementally: objects live in a persistent build/obj-<key>
+    directory (key: interpreter and compiler flags), and a source is compiled again only when it, a header or
+    the ISA table is newer than its object. So building again with nothing changed compiles nothing, also
+    through `pip install -e .`, whose own build directory is a new temporary one each time."""
+
+    def finalize_options(self):
+        if self.build_temp is None:  # an explicit --build-temp (the sanitizer build) is kept
+            key = repr((sys.implementation.cache_tag, platform.machine(), self.distribution.ext_modules[0]
+                        .extra_compile_args, self.distribution.ext_modules[0].extra_link_args))
+            self.build_temp = os.path.join(ROOT, "build", "obj-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+        super().finalize_options()
+
     def build_extensions(self):
         compile_one = self.compiler._compile
+        newest_dependency = max(_mtime(d) for d in self.extensions[0].depends)
 
-        def compile_with_isa_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
+        def compile_changed(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            if os.path.exists(obj) and _mtime(obj) >= max(_mtime(src), newest_dependency):
+                return  # up to date
             compile_one(obj, src, ext, cc_args, list(extra_postargs) + isa_flags(src), pp_opts)
 
-        self.compiler._compile = compile_with_isa_flags
+        self.compiler._compile = compile_changed
         if self.parallel is None:
             self.parallel = os.cpu_count() or 1
         super().build_extensions()
