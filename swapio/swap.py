@@ -301,6 +301,8 @@ class SwapStore(Closeable):
         if self._closed:
             return
         self._closed = True
+        if self._owner.pid != os.getpid():
+            return  # a forked child's copy of the store: the files and the handle's workers are the parent's
         first_error = None
         for swapped in list(self._tensors.values()):
             try:

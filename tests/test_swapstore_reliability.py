@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -209,3 +210,29 @@ def test_an_application_sigterm_handler_is_left_in_place(tmp_path, monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_forked_child_closing_its_copies_leaves_the_parents_files(tmp_path):
+    store = swapio.SwapStore(tmp_path / "s")
+    s = store.swap_out(sample(), release=False).wait(TIMEOUT)
+    p = torch.zeros(1024, requires_grad=True)
+    opt = so.OffloadAdamW([p], offload="nvme", swap_dir=tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the child: run the clean-ups its exit or garbage collection would run, leave at once
+        try:
+            store.close()
+            opt._backend._finalizer()  # what opt.close() and collection run (handles' teardown after fork:
+        finally:                       # the native core's part)
+            os._exit(0)
+    deadline = time.monotonic() + TIMEOUT
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked child hung")
+        time.sleep(0.01)
+    assert os.path.exists(s.path) and os.path.isdir(opt.swap_path)
+    p.grad = torch.ones_like(p)
+    opt.step()  # the parent's optimizer still works
+    opt.close()
+    store.close()
+    assert os.listdir(tmp_path) == []

@@ -55,12 +55,14 @@ class _Chunk:
 
 
 def _cleanup(handles, owner):
+    if owner.pid != os.getpid():
+        return  # a forked child's copy: the directory and the handles' workers are the parent's
     for h in handles:
         try:
             h.close()
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
-    owner.remove_everything()  # not in a forked child: the directory is the parent's
+    owner.remove_everything()
 
 
 def _check_direct(path):
