@@ -13,21 +13,29 @@ from conftest import TIMEOUT, random_bytes
 
 @contextlib.contextmanager
 def ctrl_c_until_raised():
-    """Sends SIGINT to the main thread every 10 ms until the block ends."""
-    stop = threading.Event()
+    """Sends SIGINT to the main thread every 10 ms until one KeyboardInterrupt has been raised; later signals
+    (already on their way when the first one landed) are swallowed, so none escapes the block."""
+    raised = threading.Event()
     main = threading.main_thread().ident
 
+    def interrupt_once(signum, frame):
+        if not raised.is_set():
+            raised.set()
+            raise KeyboardInterrupt
+
     def send():
-        while not stop.wait(0.01):
+        while not raised.wait(0.01):
             signal.pthread_kill(main, signal.SIGINT)
 
+    previous = signal.signal(signal.SIGINT, interrupt_once)
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     try:
         yield
     finally:
-        stop.set()
+        raised.set()
         sender.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def slow_handle(monkeypatch):
