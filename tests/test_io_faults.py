@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swapio
-from conftest import TIMEOUT, close_handle, engine_param, random_bytes, read_file
+from conftest import TIMEOUT, close_handle, engine_param, random_bytes, read_file, unaligned_uint8
 
 BLOCK = 64 << 10
 PIECES = 16  # per request of BLOCK * PIECES bytes
@@ -33,10 +33,12 @@ def payload(seed):
 
 
 def kernel_resources():
-    """Descriptors, threads, and kernel I/O contexts (AIO rings are mapped as /[aio]) of this process."""
+    """Descriptors, threads, kernel I/O rings mapped in (io_uring, AIO), pinned and bounce bytes held."""
     with open("/proc/self/maps") as f:
-        aio = sum("[aio]" in line for line in f)
-    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), aio
+        rings = sum("[aio]" in line or "io_uring" in line for line in f)
+    held = swapio._C.held_bytes()
+    return (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), rings, held["pinned"],
+            held["bounce"])
 
 
 def assert_released(before):
@@ -50,13 +52,15 @@ def assert_released(before):
 @pytest.mark.parametrize("err", ["EIO", "ENOSPC", "EFAULT"])
 @pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_injected_error_reaches_its_future(monkeypatch, tmp_path, engine, err):
-    good, bad = payload(1), payload(2)
+    good = payload(1)
+    bad = unaligned_uint8(BLOCK * PIECES, 2)  # through the bounce buffers, whose bytes must be let go too
     before = kernel_resources()
     # Pieces 1-16 write `good`; the fault hits piece 20, the 4th piece of the second request.
     h = faulty_handle(monkeypatch, engine, f"piece=20,errno={err}")
     assert h.pwrite(good, tmp_path / "good.bin").wait(timeout=TIMEOUT) == good.nbytes
     with pytest.raises(OSError) as info:
         h.pwrite(bad, tmp_path / "bad.bin", offset=BLOCK).wait(timeout=TIMEOUT)
+    assert swapio._C.held_bytes()["bounce"] > before[-1]
     e = info.value
     assert e.errno == getattr(errno, err)
     assert e.filename == str(tmp_path / "bad.bin")

@@ -20,6 +20,8 @@ int64_t now_ns() {
       .count();
 }
 
+std::atomic<size_t> g_bounce_bytes{0};
+
 const char* op_name(Op op) { return op == Op::read ? "read" : "write"; }
 
 // EINTR/EAGAIN completions are resubmitted this many times in a row, then the piece fails with them.
@@ -33,6 +35,8 @@ std::string describe(const Piece& p, const char* what) {
 }
 
 }  // namespace
+
+size_t bounce_bytes_held() { return g_bounce_bytes.load(); }
 
 int64_t random_piece_offset(uint64_t seed, int64_t i, int64_t span, int64_t block) {
   uint64_t x = seed + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ULL;  // splitmix64(seed + i)
@@ -58,8 +62,14 @@ Worker::~Worker() {
   thread_.join();
   if (ctx_) ops_.cleanup(ctx_);
   for (auto& s : slots_)
-    if (s.bounce_owned) std::free(s.bounce);
-  if (arena_map_) munmap(arena_map_, arena_map_bytes_);
+    if (s.bounce_owned && s.bounce) {
+      std::free(s.bounce);
+      g_bounce_bytes -= s.bounce_size;
+    }
+  if (arena_map_) {
+    munmap(arena_map_, arena_map_bytes_);
+    g_bounce_bytes -= arena_map_bytes_;
+  }
 }
 
 char* Worker::arena() {
@@ -76,6 +86,7 @@ char* Worker::arena() {
     return nullptr;
   }
   arena_map_ = p;
+  g_bounce_bytes += arena_map_bytes_;
   arena_ = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + huge - 1) & ~uintptr_t(huge - 1));
   madvise(arena_, bytes, MADV_HUGEPAGE);  // a hint: without THP the arena still works with small pages
   return arena_;
@@ -236,7 +247,10 @@ void Worker::prepare(Slot& s, Task& t) {
       s.bounce_owned = false;
     }
     if (s.bounce_size < s.total) {  // a piece larger than a slot (alignment above block_size): own buffer
-      if (s.bounce_owned) std::free(s.bounce);
+      if (s.bounce_owned && s.bounce) {
+        std::free(s.bounce);
+        g_bounce_bytes -= s.bounce_size;
+      }
       s.bounce_owned = true;
       s.bounce_size = 0;
       size_t size = (s.total + 4095) & ~size_t(4095);
@@ -247,6 +261,7 @@ void Worker::prepare(Slot& s, Task& t) {
         return;
       }
       s.bounce_size = size;
+      g_bounce_bytes += size;
     }
     if (s.op == Op::write) copy_to_device_buffer(s.bounce, s.user, s.total);
     s.buf = s.bounce;

@@ -21,6 +21,9 @@ namespace swapio::io {
 // block-aligned offsets. Exposed as swapio._C.random_offsets, so a benchmark can check what it read.
 int64_t random_piece_offset(uint64_t seed, int64_t i, int64_t span, int64_t block);
 
+// Bytes of bounce memory all workers hold (arenas and oversized buffers): 0 once every handle is closed.
+size_t bounce_bytes_held();
+
 // A contiguous stripe of one request: file positions [begin, end) (piece indices for random requests).
 struct Task {
   std::shared_ptr<Request> req;

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,11 @@
 #include "common/errors.h"
 
 namespace swapio::mem {
+namespace {
+std::atomic<size_t> g_mapped{0};
+}  // namespace
+
+size_t pinned_bytes_mapped() { return g_mapped.load(); }
 
 PinnedBlock pinned_alloc(size_t nbytes, bool lock) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -41,6 +47,7 @@ PinnedBlock pinned_alloc(size_t nbytes, bool lock) {
     madvise(p, b.mapped, MADV_HUGEPAGE);  // a hint; ignored where THP is off
   }
   b.ptr = p;
+  g_mapped += b.mapped;
   if (lock) {
     if (mlock(p, b.mapped) == 0)
       b.locked = true;
@@ -54,6 +61,7 @@ void pinned_free(PinnedBlock& b) noexcept {
   if (!b.ptr) return;
   if (b.locked) munlock(b.ptr, b.mapped);
   munmap(b.ptr, b.mapped);
+  g_mapped -= b.mapped;
   b.ptr = nullptr;
 }
 

@@ -15,5 +15,6 @@ struct PinnedBlock {
 
 PinnedBlock pinned_alloc(size_t nbytes, bool lock);  // throws IoError(ENOMEM) when the memory is not there
 void pinned_free(PinnedBlock& block) noexcept;
+size_t pinned_bytes_mapped();  // of every block not yet freed
 
 }  // namespace swapio::mem

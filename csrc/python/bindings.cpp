@@ -13,6 +13,7 @@
 #include "io/engine.h"
 #include "io/file.h"
 #include "io/handle.h"
+#include "io/worker.h"
 #include "mem/pinned.h"
 
 namespace py = pybind11;
@@ -214,6 +215,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("probe_file", &probe_file, py::arg("path"),
         "O_DIRECT support and alignment for an existing file.");
+  m.def("held_bytes", [] {
+        py::dict out;
+        out["pinned"] = mem::pinned_bytes_mapped();
+        out["bounce"] = io::bounce_bytes_held();
+        return out;
+      }, "Bytes of pinned blocks not yet freed, and of bounce buffers held by live handles' workers.");
   m.def("engine_status", &engine_status, "'ok' or the reason, for each engine on this kernel.");
   m.def("auto_engine", &auto_engine, "The engine engine=\"auto\" opens here (None if none is usable).");
   m.def("random_offsets", &random_offsets, py::arg("seed"), py::arg("count"), py::arg("span"), py::arg("block"),

@@ -14,6 +14,7 @@
 
 #include "common/errors.h"
 #include "io/handle.h"
+#include "io/worker.h"
 
 namespace t {
 
@@ -87,8 +88,9 @@ int per_engine_main(int argc, char** argv, Body body) {
 // shadow memory grows on its own). Equal before a handle is made and after it is gone: nothing leaked.
 struct Resources {
   int fds = 0, threads = 0, rings = 0, maps = 0;
+  size_t bounce = 0;  // bytes of bounce buffers held (swapio's own count: exact under sanitizers too)
   bool operator==(const Resources& o) const {
-    return fds == o.fds && threads == o.threads && rings == o.rings && maps == o.maps;
+    return fds == o.fds && threads == o.threads && rings == o.rings && maps == o.maps && bounce == o.bounce;
   }
 };
 
@@ -105,6 +107,7 @@ inline int count_entries(const char* dir) {
 // mapped after their threads exit, and reuses them.
 inline Resources resources() {
   Resources r;
+  r.bounce = swapio::io::bounce_bytes_held();
   r.fds = count_entries("/proc/self/fd");
   r.threads = count_entries("/proc/self/task");
   std::ifstream maps("/proc/self/maps");
@@ -121,8 +124,9 @@ inline Resources resources() {
 inline bool released(const Resources& before) {
   const Resources now = resources();
   if (now == before) return true;
-  std::fprintf(stderr, "fds %d -> %d, threads %d -> %d, rings %d -> %d, mappings %d -> %d\n", before.fds, now.fds,
-               before.threads, now.threads, before.rings, now.rings, before.maps, now.maps);
+  std::fprintf(stderr, "fds %d -> %d, threads %d -> %d, rings %d -> %d, mappings %d -> %d, bounce bytes %zu -> %zu\n",
+               before.fds, now.fds, before.threads, now.threads, before.rings, now.rings, before.maps, now.maps,
+               before.bounce, now.bounce);
   return false;
 }
 
