@@ -77,9 +77,7 @@ def test_randread_time_based_fills_read_and_zeroes_write(capsys, tmp_path):
     r = job["read"]
     assert r["total_ios"] > 0 and r["io_bytes"] == r["total_ios"] * 4096
     assert r["clat_ns"]["N"] == r["total_ios"]
-    # The measured window opens when the last warmup request completes, so its length depends on the
-    # machine's load: only its presence is checked (unit tests assert no timing).
-    assert r["runtime"] > 0
+    assert r["runtime"] >= 300  # the window lasts --runtime after the warmup, however slow its tail
     assert job["write"]["io_bytes"] == 0 and job["write"]["clat_ns"]["N"] == 0
     assert job["job options"]["time_based"] == "1" and job["job options"]["ramp_time"] == "0.1"
 

@@ -114,6 +114,8 @@ def pump(submit, *, count=None, runtime=None, warmup=0.0, outstanding=OUTSTANDIN
                     lats.append(req.latencies_ns())
             elif not inflight or inflight[0][4]:
                 win_start = now  # the last warmup request is done: the window opens
+                if runtime:  # and lasts `runtime` seconds however long the warmup's tail took (fio's ramp_time)
+                    deadline = max(deadline, win_start + runtime)
                 cpu0 = _cpu_seconds()
             if progress is not None:
                 rate = nbytes / (now - win_start) if win_start is not None and now > win_start else None
