@@ -4,6 +4,7 @@ on the same data; the consolidated ZeRO state dict loads into torch.optim.AdamW 
 another swap_dir. FSDP2 (fully_shard) runs on the CPU with this torch, but OffloadAdamW does not step DTensor
 parameters: it refuses them with a clear ValueError, and torch's AdamW over FSDP2 is checked as the reference of
 what works. The two processes are spawned once for the module; each test checks what they wrote."""
+import faulthandler
 import os
 import socket
 
@@ -37,6 +38,7 @@ def _local_steps(model, opt, rank):
 
 
 def _worker(rank, port, out_dir):
+    faulthandler.enable()  # a native abort in a rank prints where it happened
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:

@@ -29,13 +29,15 @@ def finish_all(calls):
 
 class Work:
     """One parameter that has a gradient in this step: its state `fields` (rule.fields), the rule's `update`
-    and the group's `hyper` (rule.hyper)."""
+    and the group's `hyper` (rule.hyper). seed: the parameter's seed of bf16 stochastic rounding (its index
+    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments."""
 
     __slots__ = ("p", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite")
 
-    def __init__(self, p, step, fields, update, hyper, new, edited=False):
+    def __init__(self, p, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
         self.p, self.numel, self.step, self.new = p, p.numel(), step, new
+        self.seed, self.nonfinite = seed, nonfinite
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
@@ -58,7 +60,8 @@ class Work:
 
 
 def init_segment(w, a, b, fields):
-    """First step of a parameter: zero moments, master = the parameter's value."""
+    """First step of a parameter: zero moments (and int8 scales: a scale of 0 decodes any code to 0), master =
+    the parameter's value."""
     for name, view in fields.items():
         if name == MASTER:
             view.copy_(w.src[a:b])
@@ -77,7 +80,8 @@ def adopt_edits(w, a, b, master):
 
 
 def run_segment(w, a, b, fields, stage_g, stage_o, threads):
-    """The update of elements [a, b) of w.p. fields: fp32 CPU views of the state for those elements. stage_g/stage_o:
+    """The update of elements [a, b) of w.p. fields: CPU views of the state for those elements (a is a multiple of
+    the state format's align, so int8 scales line up with the parameter's blocks). stage_g/stage_o:
     pinned uint8 buffers (>= 4*(b-a) bytes) for parameters on a GPU, else None. For a GPU parameter the
     host-to-device copy is queued (non_blocking) on the current stream; the caller synchronises."""
     n = b - a
@@ -96,7 +100,8 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
         param = master
         if w.low:
             out = stage_o[:n * w.p.element_size()].view(w.p.dtype) if w.cuda else w.dst[a:b]
-    w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, **w.hyper)
+    w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
+             nonfinite=w.nonfinite, **w.hyper)
     if master is not None:
         if w.cuda:
             src = out
@@ -108,3 +113,16 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
             w.dst[a:b].copy_(master)
     if b == w.numel:
         w.finish()
+
+
+def decoded_tensors(backend, fmt, params, fields_of):
+    """{p: {field: new fp32 tensor shaped like p}} of the fields_of(p) of each parameter, decoded from the stored
+    state through backend.dump (the whole of it in RAM: save() streams instead)."""
+    out = {p: {name: torch.empty(p.shape, dtype=FP32) for name in fields_of(p)} for p in params}
+
+    def sink(p, a, b, views):
+        for name, t in out[p].items():
+            t.view(-1)[a:b].copy_(fmt.decode(views, name))
+
+    backend.dump(params, sink)
+    return out

@@ -2,11 +2,12 @@
 
 A checkpoint is a directory holding two files:
   swapio-optim.pt               metadata (torch.save, loaded with weights_only=True): format, version, the
-                                optimizer class, param_groups as in state_dict(), per parameter index its
-                                step, shape, dtype and the byte offset of each fp32 array in the data file, and
-                                an xxh3-64 checksum of each array (version 2)
-  swapio-optim-<token>.bin      the arrays: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad), master (bf16/fp16
-                                parameters only), each parameter's fields one after the other, each 4 KiB aligned
+                                optimizer class, its state_dtype (version 3), param_groups as in state_dict(),
+                                per parameter index its step, shape, dtype and the byte offset of each array in
+                                the data file, and an xxh3-64 checksum of each array (version 2)
+  swapio-optim-<token>.bin      the arrays as the optimizer stores them (swapio.optim.state_format): exp_avg,
+                                exp_avg_sq, max_exp_avg_sq (amsgrad), master (bf16/fp16 parameters only), the
+                                int8 scales; each parameter's fields one after the other, each 4 KiB aligned
 The data go to "<name>.bin.tmp", are fsynced and renamed; then the metadata go to a temporary name, are fsynced
 and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash or a signal at any
 moment leaves either the previous checkpoint or the new one under swapio-optim.pt: once the rename is done,
@@ -19,7 +20,8 @@ the new state in; a failure at any point leaves the optimizer exactly as it was.
 
 The arrays stream chunk by chunk through the optimizer's pinned buffers (nvme mode) or straight from/to the
 state tensors (cpu mode), so saving or loading never holds more than a chunk beyond the live state. A checkpoint
-from either mode loads into either mode; the layout does not depend on buffer sizes.
+from either mode loads into either mode; the layout does not depend on buffer sizes. A checkpoint of another
+state_dtype loads too: its moments are decoded to fp32 and stored in this optimizer's format.
 """
 import os
 import secrets
@@ -27,12 +29,13 @@ import secrets
 import torch
 
 from .. import _checksum
+from .state_format import StateFormat
 
 META = "swapio-optim.pt"
 DATA_PREFIX = "swapio-optim-"
 DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
-VERSION = 2  # 2: checksums
+VERSION = 3  # 2: checksums; 3: state_dtype (bf16/int8 arrays)
 _ALIGN = 4096
 
 
@@ -66,7 +69,8 @@ def save(opt, path):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     groups, index = opt._pack_groups()
-    fields_of = opt._fields_of()
+    fields_of = opt._fields_of(saved=True)
+    fmt = opt._rule.format
     stateful, seen, entries, offsets = [], set(), {}, {}
     end = 0
     for group in opt.param_groups:
@@ -79,7 +83,7 @@ def save(opt, path):
             offs = {}
             for name in fields_of(p):
                 offs[name] = end
-                end += _round_up(p.numel() * 4)
+                end += _round_up(fmt.count(name, p.numel()) * fmt.dtype(name).itemsize)
             offsets[p] = offs
             entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(p.shape),
                                      "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
@@ -98,11 +102,15 @@ def save(opt, path):
     try:
         rh, wh, owned = opt._io_handle()
         try:
-            def sink(p, name, a, view):
-                sums.setdefault(p, {}).setdefault(name, _checksum.Stream()).update(a, view)
-                return wh.pwrite(view, tmp_data, offsets[p][name] + 4 * a)
+            def sink(p, a, b, views):
+                futures = []
+                for name, off in offsets[p].items():
+                    view, first = views[name], fmt.first(name, a)
+                    sums.setdefault(p, {}).setdefault(name, _checksum.Stream()).update(first, view)
+                    futures.append(wh.pwrite(view, tmp_data, off + first * view.element_size()))
+                return futures
 
-            opt._backend.dump(stateful, fields_of, sink)
+            opt._backend.dump(stateful, sink)
             wh.wait()
         finally:
             if owned:
@@ -115,8 +123,8 @@ def save(opt, path):
         for p, offs in offsets.items():
             entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
                                                   else _checksum.Stream().intdigest() for name in offs}
-        meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "param_groups": groups,
-                "state": entries, "data": data_name, "data_bytes": end, "checksum": _checksum.ALGORITHM}
+        meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
+                "param_groups": groups, "state": entries, "data": data_name, "data_bytes": end, "checksum": _checksum.ALGORITHM}
         with open(tmp_meta, "wb") as f:
             torch.save(meta, f)
             f.flush()
@@ -158,6 +166,8 @@ def read_meta(path):
 def load(opt, path):
     path = os.fspath(path)
     meta = read_meta(path)
+    saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
+    fmt = opt._rule.format
     data_path = os.path.join(path, meta["data"])
     size = os.path.getsize(data_path) if os.path.exists(data_path) else -1
     if size < meta["data_bytes"]:
@@ -172,19 +182,34 @@ def load(opt, path):
         if entry["numel"] != p.numel():
             raise ValueError(f"parameter {k} has {p.numel()} elements; its checkpointed state has {entry['numel']}")
         for name, off in entry["fields"].items():
-            if off < 0 or off + 4 * p.numel() > meta["data_bytes"]:
+            nbytes = saved_fmt.count(name, p.numel()) * saved_fmt.dtype(name).itemsize
+            if off < 0 or off + nbytes > meta["data_bytes"]:
                 raise ValueError(f"{data_path}: field {name!r} of parameter {k} lies outside the data file")
         steps[p] = entry["step"].to(torch.float32).reshape(()).clone()
-        fields[p] = set(entry["fields"])
+        fields[p] = {name for name in entry["fields"] if not saved_fmt.is_scale(name)}
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
     sums = {}
     rh, wh, owned = opt._io_handle()
     try:
-        def source(p, name, a, view):
+        def read(p, name, a, view):
+            """Reads the stored elements of `name` for parameter elements from a into view (a future)."""
+            first = saved_fmt.first(name, a)
             stream = sums.setdefault(p, {}).setdefault(name, _checksum.Stream())
-            read = rh.pread(view, data_path, offsets[p][name] + 4 * a)
-            return read._chain(lambda n: stream.update(a, view))
+            read = rh.pread(view, data_path, offsets[p][name] + first * view.element_size())
+            return read._chain(lambda n: stream.update(first, view))
+
+        def source(p, a, b, views):
+            if saved_fmt.name == fmt.name:  # as stored: straight into the views
+                return [read(p, name, a, view) for name, view in views.items()]
+            saved = {}  # another format: read, decode to fp32, store in ours
+            for name in offsets[p]:
+                saved[name] = torch.empty(saved_fmt.count(name, b - a), dtype=saved_fmt.dtype(name))
+                read(p, name, a, saved[name]).wait()
+            for name in views:
+                if not fmt.is_scale(name):
+                    fmt.encode(views, name, saved_fmt.decode(saved, name))
+            return []
 
         def check():
             for p, (k, checksums) in expected.items():

@@ -5,7 +5,7 @@ import torch
 
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, finish_all, init_segment, run_segment
+from ._common import decoded_tensors, finish_all, init_segment, run_segment
 
 
 class CudaStaging:
@@ -46,22 +46,24 @@ class CudaStaging:
 
 
 class CpuState:
-    """State tensors in optimizer.state[p] beside "step": the rule's fields (fp32, the parameter's shape, on the
-    CPU), e.g. for Adam "exp_avg", "exp_avg_sq", "max_exp_avg_sq" with amsgrad, and "master" where the
-    parameter is not itself a contiguous fp32 CPU tensor."""
+    """State tensors in optimizer.state[p] beside "step": the rule's fields, on the CPU, stored as the state
+    format says (e.g. for Adam "exp_avg", "exp_avg_sq" shaped like the parameter, "max_exp_avg_sq" with amsgrad,
+    "exp_avg_scale" and "exp_avg_sq_scale" with int8 state, and an fp32 "master" where the parameter is not
+    itself a contiguous fp32 CPU tensor)."""
 
     def __init__(self, opt, slot_bytes, io_settings):
         self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
+        self.format = opt._rule.format
         self.staging = CudaStaging(slot_bytes)
         self.io_settings = io_settings
 
     def step(self, works, threads):
-        state = self.opt.state
+        state, fmt = self.opt.state, self.format
         for w in works:
             st = state[w.p]
             if w.new:
                 for name in w.fields:
-                    st[name] = torch.empty(w.p.shape, dtype=FP32)
+                    st[name] = fmt.empty(name, w.p)
             else:
                 missing = [name for name in w.fields if name not in st]
                 if missing:
@@ -73,57 +75,57 @@ class CpuState:
             if not w.cuda:
                 run_segment(w, 0, w.numel, fields, None, None, threads)
                 continue
-            cap = self.staging.capacity
+            cap = self.staging.capacity  # a multiple of the int8 block
             for a in range(0, w.numel, cap):
                 b = min(a + cap, w.numel)
                 i, sg, so = self.staging.acquire()
-                run_segment(w, a, b, {k: v[a:b] for k, v in fields.items()}, sg, so, threads)
+                run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so, threads)
                 self.staging.record(i, w.p.device)
         self.staging.sync()
 
     def tensors(self, params, fields_of):
-        """{p: {field: tensor}} of the exported fields: the live state tensors, as torch's state_dict() gives."""
-        return {p: {name: self.opt.state[p][name] for name in fields_of(p)} for p in params}
+        """{p: {field: tensor}} of the exported fields: with fp32 state the live state tensors, as torch's
+        state_dict() gives; with bf16 or int8 state new fp32 tensors decoded from them."""
+        if self.format.name == "fp32":
+            return {p: {name: self.opt.state[p][name] for name in fields_of(p)} for p in params}
+        return decoded_tensors(self, self.format, params, fields_of)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: a new handle, closed by the caller."""
         h = AioHandle.from_config(dict(self.io_settings))
         return h, h, True
 
-    def dump(self, params, fields_of, sink):
-        """sink(p, field, first_element, fp32 view) for every exported field; waits the futures it returns."""
+    def dump(self, params, sink):
+        """sink(p, first_element, end_element, {field: view of every stored field}) for each parameter; waits the
+        futures it returns."""
         futures = []
         for p in params:
             st = self.opt.state[p]
-            for name in fields_of(p):
-                f = sink(p, name, 0, st[name].view(-1))
-                if f is not None:
-                    futures.append(f)
-        for f in futures:
-            f.wait()
+            futures.extend(sink(p, 0, p.numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
+        finish_all(f.wait for f in futures)
 
     def fill(self, entries, source, placement, state, check, commit):
-        """Loads a whole new state, all or nothing: reads into new tensors put in `state` (not the live one),
-        then check(), then commit() makes `state` live. entries: {p: (fields, set of fields the source has)}.
-        source(p, field, first, view) fills the view (or returns a future that does); a missing master is taken
-        from the parameter."""
+        """Loads a whole new state, all or nothing: new tensors put in `state` (not the live one) are filled by
+        source(p, first_element, end_element, {field: view}) (which may return futures that finish it), then
+        check(), then commit() makes `state` live. entries: {p: the fields to keep}."""
         futures = []
         try:
-            for p, (fields, available) in entries.items():
+            for p, fields in entries.items():
                 st = state[p]
                 for name in fields:
-                    t = torch.empty(p.shape, dtype=FP32)
-                    st[name] = t
-                    if name in available:
-                        f = source(p, name, 0, t.view(-1))
-                        if f is not None:
-                            futures.append(f)
-                    else:  # "master" only (the caller checked the rest)
-                        t.copy_(p.detach())
+                    st[name] = self.format.empty(name, p)
+                futures.extend(source(p, 0, p.numel(), {name: st[name].view(-1) for name in fields}) or ())
         finally:
             finish_all(f.wait for f in futures)
         check()
         commit()
+
+    def memory(self):
+        """The bytes of the state tensors in RAM and of the pinned GPU staging buffers."""
+        state = sum(t.nbytes for st in self.opt.state.values() for k, t in st.items()
+                    if k != "step" and isinstance(t, torch.Tensor))
+        staging = self.staging.capacity * 8 * self.staging.count if self.staging._buffers is not None else 0
+        return {"state_bytes": state, "pinned_bytes": staging, "io_bytes_per_step": 0}
 
     def forget(self, p):
         pass

@@ -1,12 +1,14 @@
 """offload="nvme": the fp32 master and the moments live in one swap file, walked in chunks.
 
 Layout. Parameters are packed, in param-group order, into chunks of at most `capacity` elements; chunks hold
-parameters of one kind (which fp32 arrays they keep, and whether they sit on a GPU), a large parameter spans
+parameters of one kind (which arrays they keep, and whether they sit on a GPU), a large parameter spans
 several chunks and small ones share one. A chunk of n elements is one record in the swap file:
-field 0 [n fp32, padded to 4 KiB] field 1 [...] ..., in the order master?, exp_avg, exp_avg_sq,
-max_exp_avg_sq?; records start at 4 KiB boundaries, so each is one aligned read and one aligned write straight
-from a pinned buffer (zero copy under O_DIRECT). Parameters are placed when the optimizer first sees them
-(first step, state_dict, load); the file is grown with ftruncate, so unplaced holes read as zeros.
+field 0 [n elements of its dtype, padded to 4 KiB] field 1 [...] ..., in the rule's order (master?, exp_avg,
+exp_avg_sq, max_exp_avg_sq?, then the int8 scales: one fp32 per 256 elements); records start at 4 KiB
+boundaries, so each is one aligned read and one aligned write straight from a pinned buffer (zero copy under
+O_DIRECT). Every piece of a parameter starts at a multiple of the state format's `align` in its chunk and in its
+parameter, so int8 scale blocks line up. Parameters are placed when the optimizer first sees them (first step,
+state_dict, load); the file is grown with ftruncate, so unplaced holes read as zeros.
 
 Pipeline. `buffer_count` pinned slots of buffer_bytes // buffer_count bytes rotate: while chunk i is computed,
 reads of chunks i+1 .. i+buffer_count-2 are in flight and the write of chunk i-1 drains, on separate read and
@@ -22,7 +24,7 @@ import torch
 from .. import _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import FP32, finish_all, init_segment, run_segment
+from ._common import decoded_tensors, finish_all, init_segment, run_segment
 
 ALIGN = 4096
 FILE_NAME = "state.swap"
@@ -40,18 +42,30 @@ class _Segment:
 
 
 class _Chunk:
-    __slots__ = ("fields", "cuda", "n", "offset", "segments")
+    __slots__ = ("fields", "cuda", "fmt", "n", "offset", "segments")
 
-    def __init__(self, fields, cuda):
-        self.fields, self.cuda, self.n, self.offset, self.segments = fields, cuda, 0, -1, []  # -1: not yet in the file
+    def __init__(self, fields, cuda, fmt):
+        self.fields, self.cuda, self.fmt = fields, cuda, fmt
+        self.n, self.offset, self.segments = 0, -1, []  # offset -1: not yet in the file
 
-    @property
-    def region(self):
-        return _round_up(self.n * 4)
+    def regions(self):
+        """(field, byte offset in the record, elements, dtype) of each field."""
+        out, at = [], 0
+        for name in self.fields:
+            dtype = self.fmt.dtype(name)
+            count = self.fmt.count(name, self.n)
+            out.append((name, at, count, dtype))
+            at += _round_up(count * dtype.itemsize)
+        return out, at
 
     @property
     def record_bytes(self):
-        return len(self.fields) * self.region
+        return self.regions()[1]
+
+    @property
+    def stage_bytes(self):
+        """Pinned staging behind the record for a GPU chunk: gradients in and parameters out, 4 bytes each."""
+        return 2 * _round_up(self.n * 4) if self.cuda else 0
 
 
 def _cleanup(handles, owner):
@@ -84,6 +98,7 @@ class NvmeState:
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
         self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
+        self.format = opt._rule.format
         self.buffer_count = buffer_count
         self.slot_bytes = buffer_bytes // buffer_count // ALIGN * ALIGN
         _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
@@ -112,8 +127,15 @@ class NvmeState:
 
     # ---- layout -------------------------------------------------------------------------------------------
     def capacity(self, fields, cuda):
-        per_elem = 4 * len(fields) + (8 if cuda else 0)  # + pinned staging of grad in / param out for a GPU
-        return self.slot_bytes // (per_elem * 1024) * 1024
+        """The most elements, a multiple of 1024 (and so of the int8 block), of a chunk whose record and GPU
+        staging fit a slot."""
+        probe = _Chunk(fields, cuda, self.format)
+        fmt, many = self.format, 1 << 20
+        per_elem = sum(fmt.count(name, many) * fmt.dtype(name).itemsize for name in fields) / many
+        probe.n = int(self.slot_bytes / (per_elem + (8 if cuda else 0))) // 1024 * 1024  # before padding: a bound
+        while probe.n > 1024 and probe.record_bytes + probe.stage_bytes > self.slot_bytes:
+            probe.n -= 1024
+        return probe.n
 
     def place(self, params_fields):
         """Places parameters not placed yet (or whose kind changed while they have no state). params_fields:
@@ -136,6 +158,7 @@ class NvmeState:
         kinds = {}
         for p, fields, cuda in new:
             kinds.setdefault((fields, cuda), []).append(p)
+        align = self.format.align
         for (fields, cuda), params in kinds.items():
             cap = self.capacity(fields, cuda)
             chunk = None
@@ -143,13 +166,14 @@ class NvmeState:
                 segs = []
                 a, numel = 0, p.numel()
                 while a < numel:
-                    if chunk is None or chunk.n == cap:
-                        chunk = _Chunk(fields, cuda)
+                    off = -(-chunk.n // align) * align if chunk is not None else cap
+                    if off >= cap:
+                        chunk, off = _Chunk(fields, cuda, self.format), 0
                         self.chunks.append(chunk)
-                    b = min(numel, a + cap - chunk.n)
-                    seg = _Segment(p, a, b, chunk.n)
+                    b = min(numel, a + cap - off)  # cap and off are multiples of align: so is b unless it ends p
+                    seg = _Segment(p, a, b, off)
                     chunk.segments.append(seg)
-                    chunk.n += b - a
+                    chunk.n = off + b - a
                     segs.append((chunk, seg))
                     a = b
                 self.placed[p] = (fields, cuda, segs)
@@ -176,7 +200,7 @@ class NvmeState:
     def _slot_need(self):
         """Bytes a slot needs for the largest record (with the GPU staging behind it), at most slot_bytes: a state
         smaller than the budget pins only what it uses."""
-        need = max((c.record_bytes + (2 * c.region if c.cuda else 0) for c in self.chunks), default=ALIGN)
+        need = max((c.record_bytes + c.stage_bytes for c in self.chunks), default=ALIGN)
         return min(self.slot_bytes, _round_up(need))
 
     def _slot(self, s):
@@ -192,13 +216,19 @@ class NvmeState:
             self._slots = None
 
     def _views(self, s, chunk):
-        buf, n, region = self._slot(s), chunk.n, chunk.region
-        views = {name: buf[k * region:k * region + n * 4].view(FP32) for k, name in enumerate(chunk.fields)}
-        stage = len(chunk.fields) * region
+        buf = self._slot(s)
+        regions, record_bytes = chunk.regions()
+        views = {name: buf[at:at + count * dtype.itemsize].view(dtype) for name, at, count, dtype in regions}
         if chunk.cuda:
-            views["_stage_g"] = buf[stage:stage + region]
-            views["_stage_o"] = buf[stage + region:stage + 2 * region]
-        return buf[:chunk.record_bytes], views
+            half = chunk.stage_bytes // 2
+            views["_stage_g"] = buf[record_bytes:record_bytes + half]
+            views["_stage_o"] = buf[record_bytes + half:record_bytes + 2 * half]
+        return buf[:record_bytes], views
+
+    def _segment_views(self, chunk, views, seg):
+        """{field: the elements of segment seg in the slot's views}."""
+        end = seg.off + seg.b - seg.a
+        return {name: self.format.part(name, views[name], seg.off, end) for name in chunk.fields}
 
     def _drain(self, s):
         pending, self._pending[s] = self._pending[s], []
@@ -270,7 +300,7 @@ class NvmeState:
                 w = by_param.get(seg.p)
                 if w is None:
                     continue
-                fields = {name: views[name][seg.off:seg.off + seg.b - seg.a] for name in chunk.fields}
+                fields = self._segment_views(chunk, views, seg)
                 if w.new:
                     init_segment(w, seg.a, seg.b, fields)
                 run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
@@ -281,35 +311,24 @@ class NvmeState:
 
         self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True)
 
-    def dump(self, params, fields_of, sink):
-        """sink(p, field, first_element, fp32 view) for each exported field of each parameter in params, chunk by
-        chunk; futures it returns are waited before the slot is reused."""
+    def dump(self, params, sink):
+        """sink(p, first_element, end_element, {field: view of every stored field}) for each piece of each
+        parameter in params, chunk by chunk; futures it returns are waited before the slot is reused."""
         wanted = set(params)
         chunks = [c for c in self.chunks if any(seg.p in wanted for seg in c.segments)]
 
         def work(chunk, views, s):
             futures = []
             for seg in chunk.segments:
-                if seg.p not in wanted:
-                    continue
-                for name in fields_of(seg.p):
-                    f = sink(seg.p, name, seg.a, views[name][seg.off:seg.off + seg.b - seg.a])
-                    if f is not None:
-                        futures.append(f)
+                if seg.p in wanted:
+                    futures.extend(sink(seg.p, seg.a, seg.b, self._segment_views(chunk, views, seg)) or ())
             return futures
 
         self.run(chunks, lambda c: True, work, False)
 
     def tensors(self, params, fields_of):
-        """{p: {field: new fp32 tensor shaped like p}} of the exported fields, read from the swap file (the whole
-        state in RAM: save() streams instead)."""
-        out = {p: {name: torch.empty(p.shape, dtype=FP32) for name in fields_of(p)} for p in params}
-
-        def sink(p, name, a, view):
-            out[p][name].view(-1)[a:a + view.numel()].copy_(view)
-
-        self.dump([p for p in params if p in self.placed], fields_of, sink)
-        return out
+        """{p: {field: new fp32 tensor shaped like p}} of the exported fields, read from the swap file."""
+        return decoded_tensors(self, self.format, [p for p in params if p in self.placed], fields_of)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap file's own handles."""
@@ -318,9 +337,9 @@ class NvmeState:
     def fill(self, entries, source, placement, state, check, commit):
         """Loads a whole new state, all or nothing: a new layout for `placement` [(p, fields)] is written to a
         new swap file beside the live one; then check(), the new file is renamed over the live one, and commit()
-        makes `state` live. entries: {p: (fields, fields the source has)}; source(p, field, first, view) fills the
-        view or returns a future that will; a missing master is taken from the parameter. On failure the live
-        file and layout are untouched and the new file is removed."""
+        makes `state` live. entries: {p: fields}; source(p, first_element, end_element, {field: view}) fills
+        the views of a piece of p or returns futures that will. On failure the live file and layout are
+        untouched and the new file is removed."""
         self.wait_all()
         live = (self.chunks, self.placed, self.file_bytes, self.path)
         new_path = self.path + ".load"
@@ -348,31 +367,24 @@ class NvmeState:
 
     def _fill_records(self, entries, source):
         chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]
-        flat = {}
 
         def work(chunk, views, s):
             futures = []
             try:
                 for seg in chunk.segments:
-                    entry = entries.get(seg.p)
-                    if entry is None:
-                        continue
-                    for name in chunk.fields:
-                        view = views[name][seg.off:seg.off + seg.b - seg.a]
-                        if name in entry[1]:
-                            f = source(seg.p, name, seg.a, view)
-                            if f is not None:
-                                futures.append(f)
-                        else:
-                            if seg.p not in flat:
-                                flat[seg.p] = seg.p.detach().reshape(-1)
-                            view.copy_(flat[seg.p][seg.a:seg.b])
-                    if seg.b == seg.p.numel():
-                        flat.pop(seg.p, None)
+                    if seg.p in entries:
+                        futures.extend(source(seg.p, seg.a, seg.b, self._segment_views(chunk, views, seg)) or ())
             finally:  # the record is written after this returns; no read may outlive its slot
                 finish_all(f.wait for f in futures)
 
         self.run(chunks, lambda c: False, work, True)
+
+    def memory(self):
+        """The swap file's bytes, the pinned slots, and the bytes a step that touches every chunk reads and
+        writes."""
+        pinned = sum(t.numel() for t in self._slots) if self._slots is not None else 0
+        return {"state_bytes": self.file_bytes, "pinned_bytes": pinned,
+                "io_bytes_per_step": 2 * sum(c.record_bytes for c in self.chunks)}
 
     def close(self):
         self._finalizer()

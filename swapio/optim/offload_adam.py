@@ -73,25 +73,30 @@ class OffloadAdam(Optimizer):
     cpu_threads: threads of the Adam kernel (None: torch.get_num_threads()).
     io_config: a JSON file (or dict) written by `swapio tune`; **io_kwargs: AioHandle settings (block_size,
         queue_depth, threads, engine, direct) overriding it. Used for the swap file and for save()/load().
+    state_dtype: how the moments are stored: "fp32" (default), "bf16" (stochastic rounding) or "int8"
+        (block-wise dynamic quantisation, 256 elements a block); the master copy stays fp32. Not with amsgrad.
+        See swapio.optim.state_format and docs/optim.md ("Smaller state").
     """
 
     _decoupled = False
-    _rule = AdamRule()  # the update and the state it keeps (swapio.optim.functional)
+    _rule_type = AdamRule  # the update and the state it keeps (swapio.optim.functional)
     _group_keys = _GROUP_KEYS  # what every param group holds (missing keys come from the defaults)
     _historical_defaults = _HISTORICAL_DEFAULTS
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
-                 buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, **io_kwargs):
+                 buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32",
+                 **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
         self._start(params, defaults, offload, swap_dir, buffer_bytes, buffer_count, cpu_threads, io_config,
-                    io_kwargs)
+                    io_kwargs, state_dtype)
 
     def _start(self, params, defaults, offload, swap_dir, buffer_bytes, buffer_count, cpu_threads, io_config,
-               io_kwargs):
+               io_kwargs, state_dtype):
         """What every offloaded optimizer's constructor does once its rule's defaults are packed: validate them
         and the offload options, then build the state backend."""
+        self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
         _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
         defaults["betas"] = (hyper["beta1"], hyper["beta2"])
@@ -138,6 +143,7 @@ class OffloadAdam(Optimizer):
             group.setdefault(key, self.defaults[key])
         if self._decoupled:
             group["decoupled_weight_decay"] = True
+        self._rule.hyper(group)  # a group's options must suit the state format (amsgrad with int8)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -156,7 +162,11 @@ class OffloadAdam(Optimizer):
             if problem is not None:
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
-        self._fill_group(group)
+        try:
+            self._fill_group(group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
@@ -188,10 +198,12 @@ class OffloadAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rule, works = self._rule, []
+        rule, works, index = self._rule, [], -1
+        nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.name == "int8" else None
         for group in self.param_groups:
             hyper = rule.hyper(group)
             for p in group["params"]:
+                index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 g = p.grad
                 if g is None:
                     continue
@@ -207,10 +219,15 @@ class OffloadAdam(Optimizer):
                 new = not st
                 step = 1 if new else int(st["step"].item()) + 1
                 works.append(Work(p, step, rule.fields(p, group), rule.update, hyper, new,
-                                  edited=not new and self._edited_outside(p)))
+                                  edited=not new and self._edited_outside(p), seed=index, nonfinite=nonfinite))
         if not works:
             return loss
         self._backend.step(works, self.cpu_threads)
+        if nonfinite is not None and int(nonfinite) > 0:
+            warnings.warn(f"{int(nonfinite)} moment value(s) of this step were NaN or infinite (from non-finite "
+                          "gradients); int8 state stores them as 0 and keeps them out of their block's scale, so "
+                          "the rest of each block is intact (docs/optim.md, \"Smaller state\")", SwapioWarning,
+                          stacklevel=2)
         if not self._warned_edit and any(w.adopted for w in works):
             self._warned_edit = True  # once per optimizer (ids are reused, so not swapio's process-wide warn_once)
             warnings.warn(f"a parameter was changed outside {type(self).__name__} since its last step (e.g. "
@@ -255,10 +272,14 @@ class OffloadAdam(Optimizer):
             packed_groups.append(packed)
         return packed_groups, index
 
-    def _fields_of(self):
-        """A function p -> the fields state_dict()/save() carry for p."""
+    def _fields_of(self, saved=False):
+        """A function p -> the fields state_dict() carries for p (fp32 values), or with `saved` those save()
+        carries (as stored: the exported ones and the int8 scales)."""
         group_of = {p: g for g in self.param_groups for p in g["params"]}
-        return lambda p: self._rule.exported(p, group_of[p])
+        rule = self._rule
+        if saved:
+            return lambda p: rule.exported(p, group_of[p]) + rule.format.scales_of(rule.moments(group_of[p]))
+        return lambda p: rule.exported(p, group_of[p])
 
     def _remap_groups(self, saved_groups):
         """torch's checks: same number of groups and of parameters per group. Returns (id -> parameter,
@@ -280,18 +301,21 @@ class OffloadAdam(Optimizer):
             new_groups.append(s)
         return id_map, new_groups
 
-    @staticmethod
-    def _check_loaded_fields(p, kept, have):
+    def _check_loaded_fields(self, p, kept, have):
         """ValueError unless `have` holds every field in `kept` (the rule's fields for p) but the master, which
-        can be taken from the parameter."""
-        missing = [f for f in kept if f != MASTER and f not in have]
+        can be taken from the parameter, and int8 scales, which come with their moments."""
+        missing = [f for f in kept if f != MASTER and not self._rule.format.is_scale(f) and f not in have]
         if missing:
             raise ValueError(f"the loaded state of a parameter of shape {tuple(p.shape)} lacks {missing}")
 
     def _install(self, new_groups, steps, fields, source, extra_state=None, check=None):
-        """Replaces groups and state, all or nothing. steps: {p: fp32 step tensor}; fields: {p: set of fields the
-        source has}; source(p, field, first, view) as in the backends' fill(); check(): raises if what was read
-        must not be used (checksums). On any failure the optimizer keeps its groups and state as they were."""
+        """Replaces groups and state, all or nothing. steps: {p: fp32 step tensor}; fields: {p: set of exported
+        fields the source has}; source(p, first, end, {field: view}) fills the stored views of elements
+        [first, end) of p but the master when the source has none (taken from the parameter here), as in the
+        backends' fill(); check(): raises if what was read must not be used (checksums). On any failure the
+        optimizer keeps its groups and state as they were."""
+        for g in new_groups:
+            self._rule.hyper({**self.defaults, **g})  # e.g. amsgrad groups into an int8 optimizer
         kept = {p: self._rule.fields(p, {**self.defaults, **g}) for g in new_groups for p in g["params"]}
         for p, have in fields.items():
             self._check_loaded_fields(p, kept[p], have)
@@ -304,7 +328,13 @@ class OffloadAdam(Optimizer):
         def commit():
             self.__setstate__({"state": state, "param_groups": new_groups})
 
-        self._backend.fill({p: (kept[p], fields[p]) for p in steps}, source, list(kept.items()), state,
+        def filled(p, a, b, views):
+            if MASTER in views and MASTER not in fields[p]:
+                views = dict(views)
+                views.pop(MASTER).copy_(p.detach().reshape(-1)[a:b])
+            return source(p, a, b, views)
+
+        self._backend.fill({p: kept[p] for p in steps}, filled, list(kept.items()), state,
                            check or (lambda: None), commit)
 
     def load_state_dict(self, state_dict):
@@ -336,6 +366,18 @@ class OffloadAdam(Optimizer):
         self._check_open()
         checkpoint.load(self, path)
 
+    def memory_report(self):
+        """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
+        "state_bytes" (RAM in cpu mode; the swap file in nvme mode), "bytes_per_param" (state_bytes / params),
+        "pinned_bytes" (the nvme pipeline's buffers), "io_bytes_per_step" (nvme: read + written per full step)}."""
+        self._check_open()
+        stateful = [p for p, st in self.state.items() if isinstance(p, torch.Tensor) and st]
+        params = sum(p.numel() for p in stateful)
+        report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
+        report.update(self._backend.memory())
+        report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0
+        return report
+
     def _io_handle(self):
         """(read handle, write handle, owned): the swap handles in nvme mode, new ones in cpu mode."""
         return self._backend.io_handles()
@@ -366,7 +408,8 @@ class OffloadAdamW(OffloadAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
-                 cpu_threads=None, io_config=None, **io_kwargs):
+                 cpu_threads=None, io_config=None, state_dtype="fp32", **io_kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
-                         buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config, **io_kwargs)
+                         buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
+                         state_dtype=state_dtype, **io_kwargs)

@@ -9,7 +9,8 @@ on the base class by name, so an override is never reached: a bf16 parameter wou
 bf16, and a GPU parameter would pull its whole state onto the GPU. So a pre-hook takes the parameters' entries
 out of the state dict (hooks registered later see only the remaining entries), casts them with the optimizer's
 own policy (fp32 CPU copies) and checks them; torch then checks and installs the param groups; a post-hook, run
-before any other, hands the taken state to the backend.
+before any other, hands the taken state to the backend, stored as the optimizer's state format says (an fp32
+state dict loaded into an int8 optimizer is quantised).
 """
 from itertools import chain
 
@@ -71,8 +72,12 @@ def _take_state(opt, state_dict):
 def _install_state(opt):
     steps, values = opt.__dict__.pop(_TAKEN)
 
-    def source(p, name, a, view):
-        view.copy_(values[p][name][a:a + view.numel()])
+    fmt = opt._rule.format
+
+    def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
+        for name in views:
+            if not fmt.is_scale(name):
+                fmt.encode(views, name, values[p][name][a:b])
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)

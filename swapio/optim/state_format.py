@@ -1,0 +1,95 @@
+"""How an offloaded optimizer stores its state arrays: state_dtype "fp32", "bf16" or "int8".
+
+The fp32 master copy stays fp32 in every format; the moments are stored as
+  fp32   4 bytes an element;
+  bf16   2 bytes, written by the kernels with stochastic rounding (swapio.quant explains why);
+  int8   1 byte of block-wise dynamic-tree code (swapio.quant) plus one fp32 scale per block of 256 elements,
+         kept in a companion array "<moment>_scale".
+A scale belongs to a block of 256 elements of the parameter, so every slice of a parameter that the backends
+hand to the kernel starts on a block boundary (`align`) and a slice's scales are the blocks it covers.
+
+state_dict() carries fp32 moments (torch.optim.AdamW loads them): decode() turns stored arrays into fp32,
+encode() stores fp32 values (round to nearest for bf16, quantised for int8), e.g. an fp32 state dict loaded into
+an int8 optimizer. save()/load() carry the stored arrays as they are, so a resumed run is bit-identical.
+"""
+import torch
+
+from .. import quant
+from ._common import FP32, MASTER
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+SCALE = "_scale"
+_MOMENT_DTYPE = {"fp32": FP32, "bf16": torch.bfloat16, "int8": torch.uint8}
+_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")  # never negative: the unsigned int8 map
+
+
+def check_state_dtype(state_dtype):
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+    return state_dtype
+
+
+class StateFormat:
+    def __init__(self, state_dtype="fp32"):
+        self.name = check_state_dtype(state_dtype)
+        self.moment_dtype = _MOMENT_DTYPE[state_dtype]
+        # Pieces of a parameter start at a multiple of this in every format, so that a checkpoint of one format
+        # can be read piece by piece into another.
+        self.align = quant.BLOCK
+
+    def scales_of(self, moments):
+        return tuple(m + SCALE for m in moments) if self.name == "int8" else ()
+
+    @staticmethod
+    def is_scale(name):
+        return name.endswith(SCALE)
+
+    def dtype(self, name):
+        """The dtype an array is stored in."""
+        if name == MASTER or self.is_scale(name) or name == "max_exp_avg_sq":
+            return FP32
+        return self.moment_dtype
+
+    def count(self, name, n):
+        """Stored elements of `name` for n parameter elements."""
+        return quant.num_blocks(n) if self.is_scale(name) else n
+
+    def first(self, name, a):
+        """The stored element that holds parameter element a (a block boundary for a scale)."""
+        return a // quant.BLOCK if self.is_scale(name) else a
+
+    def part(self, name, view, a, b):
+        """The elements of a field's flat view that belong to parameter elements [a, b) of that view."""
+        first = self.first(name, a)
+        return view[first:first + self.count(name, b - a)]
+
+    def empty(self, name, p):
+        """A new array for the whole of parameter p (shaped like p, but flat scales)."""
+        if self.is_scale(name):
+            return torch.empty(quant.num_blocks(p.numel()), dtype=FP32)
+        return torch.empty(p.shape, dtype=self.dtype(name))
+
+    def decode(self, views, name):
+        """fp32 values of an exported field from the stored views of one slice ({field: view})."""
+        view = views[name]
+        if view.dtype == torch.uint8:
+            return quant.dequantize(view, views[name + SCALE], signed=name not in _UNSIGNED)
+        return view.float() if view.dtype != FP32 else view
+
+    def encode(self, views, name, values):
+        """Stores fp32 values of an exported field into the views of one slice."""
+        view = views[name]
+        if view.dtype == torch.uint8:
+            codes, scale = quant.quantize(values, signed=name not in _UNSIGNED)
+            view.copy_(codes)
+            views[name + SCALE].copy_(scale)
+        else:
+            view.copy_(values.reshape(-1))
+
+    def bytes_per_element(self, name):
+        """Bytes an array takes per parameter element (int8 codes include their share of the scale)."""
+        if self.is_scale(name):
+            return 0.0  # counted with its moment
+        if self.dtype(name) == torch.uint8:
+            return quant.state_bytes_per_element("int8")
+        return float(torch.empty((), dtype=self.dtype(name)).element_size())
