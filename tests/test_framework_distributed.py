@@ -7,6 +7,7 @@ what works. The two processes are spawned once for the module; each test checks 
 import faulthandler
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -75,14 +76,25 @@ def _worker(rank, port, out_dir):
         _local_steps(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False), rank)
         results["fsdp_torch"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    for attempt in (1, 2):
+        out_dir = tmp_path_factory.mktemp("distributed")
+        try:
+            mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+            break
+        except mp.ProcessExitedException as exc:
+            # Seen once in ~60 CI-like runs: a rank killed by SIGABRT ("terminate called without an active
+            # exception", gloo's teardown) after its work. A second such death in a row fails the test; the
+            # first is reported, with the rank's traceback (faulthandler) above, not hidden.
+            if attempt == 2 or exc.signal_name is None:
+                raise
+            warnings.warn(f"distributed ranks died once ({exc}); ran them again", RuntimeWarning)
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     return out_dir, ranks
 
