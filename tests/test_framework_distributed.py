@@ -1,9 +1,9 @@
 """torch.distributed (gloo, 2 processes on the loopback): DDP with OffloadAdamW, and ZeroRedundancyOptimizer with
 optimizer_class=OffloadAdamW in nvme mode (each rank its own swap directory), each against a single-process run
 on the same data; the consolidated ZeRO state dict loads into torch.optim.AdamW and into an OffloadAdamW with
-another swap_dir. FSDP2 (fully_shard) runs on the CPU with this torch, but OffloadAdamW does not step DTensor
-parameters: it refuses them with a clear ValueError, and torch's AdamW over FSDP2 is checked as the reference of
-what works. The two processes are spawned once for the module; each test checks what they wrote."""
+another swap_dir. FSDP2 (fully_shard) on the CPU: OffloadAdamW in nvme mode steps each rank's local shards of
+the DTensor parameters, against a single-process run and torch's AdamW over FSDP2. The two processes are
+spawned once for the module; each test checks what they wrote."""
 import faulthandler
 import os
 import socket
@@ -67,12 +67,17 @@ def _worker(rank, port, out_dir):
 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        model = fully_shard(mlp(), mesh=init_device_mesh("cpu", (WORLD,)))  # FSDP2: DTensor parameters
-        try:
-            so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD)
-            results["fsdp_error"] = None
-        except ValueError as e:
-            results["fsdp_error"] = str(e)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = fully_shard(mlp(), mesh=mesh)  # FSDP2: DTensor parameters, each rank holding a shard of dim 0
+        fsdp_dir = os.path.join(out_dir, f"fsdp-rank{rank}")
+        os.makedirs(fsdp_dir)
+        with so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD, offload="nvme", swap_dir=fsdp_dir,
+                             **NVME) as opt:
+            _local_steps(model, opt, rank)
+            results["fsdp_state_shapes"] = [tuple(st["exp_avg"].shape) for st in opt.state_dict()["state"].values()]
+        results["fsdp_local_shapes"] = [tuple(p.to_local().shape) for p in model.parameters()]
+        results["fsdp"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        model = fully_shard(mlp(), mesh=mesh)
         _local_steps(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False), rank)
         results["fsdp_torch"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -175,15 +180,11 @@ def test_consolidated_zero_state_dict_loads_into_torch_and_offload_adamw(runs, t
         assert os.listdir(out_dir / f"swap-rank{rank}") == []
 
 
-def test_fsdp2_runs_on_cpu_and_offload_adamw_refuses_dtensor_parameters(runs, tmp_path):
+def test_fsdp2_local_shards_step_like_a_single_process_and_like_torch_adamw(runs, tmp_path):
     _, ranks = runs
-    for r in ranks:
-        assert r["fsdp_error"] is not None and "DTensor" in r["fsdp_error"]
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    for x, y in mlp_batches(STEPS):
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    assert_params_equal(ranks[0]["fsdp_torch"], ranks[1]["fsdp_torch"])
-    _assert_close(ranks[0]["fsdp_torch"], params_of(model))
+    for r in ranks:  # the state of each parameter is its rank's shard of it
+        assert r["fsdp_state_shapes"] == r["fsdp_local_shapes"]
+    assert sum(shape[0] for r in ranks for shape in r["fsdp_local_shapes"][:1]) == 24  # dim 0 split in two
+    assert_params_equal(ranks[0]["fsdp"], ranks[1]["fsdp"])
+    _assert_close(ranks[0]["fsdp"], _single_process("cpu", tmp_path))
+    _assert_close(ranks[0]["fsdp"], ranks[0]["fsdp_torch"])

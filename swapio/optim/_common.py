@@ -8,9 +8,17 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASTER = "master"
 
 
+def shard(t):
+    """The tensor the optimizer steps for parameter (or gradient) t: the local shard of a DTensor (FSDP2's
+    fully_shard, tensor parallelism), else t itself. State is kept per shard, shaped like it."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def needs_master(p):
     """An fp32 copy kept by the optimizer is needed unless the parameter itself is a contiguous fp32 CPU tensor
     (then the kernel updates it in place and it is its own master)."""
+    p = shard(p)
     return not (p.device.type == "cpu" and p.dtype == FP32 and p.is_contiguous())
 
 
@@ -32,31 +40,32 @@ class Work:
     and the group's `hyper` (rule.hyper). seed: the parameter's seed of bf16 stochastic rounding (its index
     in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments."""
 
-    __slots__ = ("p", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
+    __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
                  "master", "low", "edited", "adopted", "seed", "nonfinite")
 
     def __init__(self, p, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
-        self.p, self.numel, self.step, self.new = p, p.numel(), step, new
+        t = shard(p)  # p: the parameter (the state's key); t: the tensor stepped
+        self.p, self.t, self.numel, self.step, self.new = p, t, t.numel(), step, new
         self.seed, self.nonfinite = seed, nonfinite
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
-        self.cuda = p.device.type == "cuda"
-        self.master = needs_master(p)
-        self.low = p.dtype in LOW_PRECISION
-        g = p.grad.detach()
+        self.cuda = t.device.type == "cuda"
+        self.master = needs_master(t)
+        self.low = t.dtype in LOW_PRECISION
+        g = shard(p.grad).detach()
         self.grad = g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
-        data = p.detach()
+        data = t.detach()
         if data.is_contiguous():
             self.dst, self.tmp, self.src = data.view(-1), None, data.view(-1)
         else:  # written into a contiguous temporary, copied into the parameter after its last segment
-            self.tmp = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            self.tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             self.dst = self.tmp.view(-1)
             self.src = data.contiguous().view(-1) if new or edited else None
 
     def finish(self):
         if self.tmp is not None:
-            self.p.detach().copy_(self.tmp)
+            self.t.detach().copy_(self.tmp)
 
 
 def init_segment(w, a, b, fields):
@@ -99,7 +108,7 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
     else:
         param = master
         if w.low:
-            out = stage_o[:n * w.p.element_size()].view(w.p.dtype) if w.cuda else w.dst[a:b]
+            out = stage_o[:n * w.t.element_size()].view(w.t.dtype) if w.cuda else w.dst[a:b]
     w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
              nonfinite=w.nonfinite, **w.hyper)
     if master is not None:
@@ -118,7 +127,7 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
 def decoded_tensors(backend, fmt, params, fields_of):
     """{p: {field: new fp32 tensor shaped like p}} of the fields_of(p) of each parameter, decoded from the stored
     state through backend.dump (the whole of it in RAM: save() streams instead)."""
-    out = {p: {name: torch.empty(p.shape, dtype=FP32) for name in fields_of(p)} for p in params}
+    out = {p: {name: torch.empty(shard(p).shape, dtype=FP32) for name in fields_of(p)} for p in params}
 
     def sink(p, a, b, views):
         for name, t in out[p].items():

@@ -29,6 +29,7 @@ import secrets
 import torch
 
 from .. import _checksum
+from ._common import shard
 from .state_format import StateFormat
 
 META = "swapio-optim.pt"
@@ -80,13 +81,13 @@ def save(opt, path):
                 continue
             seen.add(id(p))
             stateful.append(p)
-            offs = {}
+            t, offs = shard(p), {}
             for name in fields_of(p):
                 offs[name] = end
-                end += _round_up(fmt.count(name, p.numel()) * fmt.dtype(name).itemsize)
+                end += _round_up(fmt.count(name, t.numel()) * fmt.dtype(name).itemsize)
             offsets[p] = offs
-            entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(p.shape),
-                                     "numel": p.numel(), "dtype": str(p.dtype).replace("torch.", ""),
+            entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(t.shape),
+                                     "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""),
                                      "fields": dict(offs)}
     data_name = f"{DATA_PREFIX}{secrets.token_hex(8)}{DATA_SUFFIX}"
     data_path = os.path.join(path, data_name)
@@ -179,10 +180,11 @@ def load(opt, path):
         p = id_map.get(k)
         if p is None:
             continue
-        if entry["numel"] != p.numel():
-            raise ValueError(f"parameter {k} has {p.numel()} elements; its checkpointed state has {entry['numel']}")
+        numel = shard(p).numel()
+        if entry["numel"] != numel:
+            raise ValueError(f"parameter {k} has {numel} elements; its checkpointed state has {entry['numel']}")
         for name, off in entry["fields"].items():
-            nbytes = saved_fmt.count(name, p.numel()) * saved_fmt.dtype(name).itemsize
+            nbytes = saved_fmt.count(name, numel) * saved_fmt.dtype(name).itemsize
             if off < 0 or off + nbytes > meta["data_bytes"]:
                 raise ValueError(f"{data_path}: field {name!r} of parameter {k} lies outside the data file")
         steps[p] = entry["step"].to(torch.float32).reshape(()).clone()

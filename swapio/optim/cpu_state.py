@@ -5,7 +5,7 @@ import torch
 
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import decoded_tensors, finish_all, init_segment, run_segment
+from ._common import decoded_tensors, finish_all, init_segment, run_segment, shard
 
 
 class CudaStaging:
@@ -80,7 +80,7 @@ class CpuState:
                 b = min(a + cap, w.numel)
                 i, sg, so = self.staging.acquire()
                 run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so, threads)
-                self.staging.record(i, w.p.device)
+                self.staging.record(i, w.t.device)
         self.staging.sync()
 
     def tensors(self, params, fields_of):
@@ -101,7 +101,7 @@ class CpuState:
         futures = []
         for p in params:
             st = self.opt.state[p]
-            futures.extend(sink(p, 0, p.numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
+            futures.extend(sink(p, 0, shard(p).numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
         finish_all(f.wait for f in futures)
 
     def fill(self, entries, source, placement, state, check, commit):
@@ -114,7 +114,7 @@ class CpuState:
                 st = state[p]
                 for name in fields:
                     st[name] = self.format.empty(name, p)
-                futures.extend(source(p, 0, p.numel(), {name: st[name].view(-1) for name in fields}) or ())
+                futures.extend(source(p, 0, shard(p).numel(), {name: st[name].view(-1) for name in fields}) or ())
         finally:
             finish_all(f.wait for f in futures)
         check()

@@ -21,7 +21,7 @@ The backends know nothing of Adam: another update (Lion, one moment) or another 
 """
 from .. import ops
 from .._hyper import check_adam_hyper, check_lion_hyper
-from ._common import LOW_PRECISION, MASTER, needs_master
+from ._common import LOW_PRECISION, MASTER, needs_master, shard
 from .state_format import StateFormat
 
 
@@ -60,7 +60,7 @@ class _Rule:
     def exported(self, p, group):
         """The moments, and the master only for bf16/fp16 parameters (for fp32 parameters the master equals
         the parameter bit for bit)."""
-        return self.moments(group) + ((MASTER,) if p.dtype in LOW_PRECISION else ())
+        return self.moments(group) + ((MASTER,) if shard(p).dtype in LOW_PRECISION else ())
 
 
 class AdamRule(_Rule):

@@ -24,7 +24,7 @@ import torch
 from .. import _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import decoded_tensors, finish_all, init_segment, run_segment
+from ._common import decoded_tensors, finish_all, init_segment, run_segment, shard
 
 ALIGN = 4096
 FILE_NAME = "state.swap"
@@ -142,7 +142,7 @@ class NvmeState:
         (p, the rule's fields for p) pairs."""
         new = []
         for p, fields in params_fields:
-            cuda = p.device.type == "cuda"
+            cuda = shard(p).device.type == "cuda"
             where = self.placed.get(p)
             if where is not None:
                 if where[0] == fields and where[1] == cuda:
@@ -150,7 +150,7 @@ class NvmeState:
                 if self.opt.state.get(p):
                     raise RuntimeError(
                         "a parameter changed dtype, device, contiguity or amsgrad after the optimizer placed its "
-                        f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {p.device})")
+                        f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {shard(p).device})")
                 self.forget(p)
             new.append((p, fields, cuda))
         if not new:
@@ -164,7 +164,7 @@ class NvmeState:
             chunk = None
             for p in params:
                 segs = []
-                a, numel = 0, p.numel()
+                a, numel = 0, shard(p).numel()
                 while a < numel:
                     off = -(-chunk.n // align) * align if chunk is not None else cap
                     if off >= cap:
@@ -306,7 +306,7 @@ class NvmeState:
                 run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
                 if w.cuda:
                     ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(w.p.device))
+                    ev.record(torch.cuda.current_stream(w.t.device))
                     self._events[s].append(ev)
 
         self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True)

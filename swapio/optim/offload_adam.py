@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from .._errors import SwapioWarning, check_int
 from ..handle import AioHandle
 from . import checkpoint, state_dict_hooks
-from ._common import FP32, MASTER, PARAM_DTYPES, Work
+from ._common import FP32, MASTER, PARAM_DTYPES, Work, shard
 from .cpu_state import CpuState
 from .functional import AdamRule
 from .nvme_state import NvmeState
@@ -58,7 +58,7 @@ class OffloadAdam(Optimizer):
 
     Hyperparameters (per param group, validated like torch): lr, betas, eps, weight_decay, amsgrad, maximize,
     decoupled_weight_decay (True gives AdamW). Parameters may be on the CPU or a CUDA device, fp32, bf16 or
-    fp16. The optimizer keeps an fp32 master copy of every parameter that is not itself a contiguous fp32 CPU
+    fp16, or DTensors (FSDP2's fully_shard), whose local shards are stepped and keep the state. The optimizer keeps an fp32 master copy of every parameter that is not itself a contiguous fp32 CPU
     tensor, steps it on the CPU, and writes the result back into the parameter (for a GPU through pinned
     memory with non_blocking copies, synchronised before step() returns). A parameter changed outside the
     optimizer since its last step (in-place writes, not through `.data`) has its changed elements adopted into
@@ -150,10 +150,8 @@ class OffloadAdam(Optimizer):
         group = self.param_groups[-1]
         for p in group["params"]:
             problem = None
-            if type(p).__name__ == "DTensor":
-                problem = ("DTensor type (FSDP2's fully_shard, tensor parallelism), which is not supported yet: use "
-                           "DDP or ZeroRedundancyOptimizer, or torch's optimizer, with FSDP2")
-            elif p.dtype not in PARAM_DTYPES:
+            p = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            if p.dtype not in PARAM_DTYPES:
                 problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
             elif p.device.type not in ("cpu", "cuda"):
                 problem = f"device {p.device} (supported: cpu, cuda)"
@@ -173,6 +171,8 @@ class OffloadAdam(Optimizer):
         """torch casts floating state to the parameter's dtype and device (for a bf16 parameter that would
         round the fp32 moments); here every state tensor becomes an fp32 CPU copy and `step` an fp32 scalar.
         (torch's load_state_dict calls the base class's policy by name, so state_dict_hooks applies this one.)"""
+        if isinstance(value, torch.Tensor):
+            value = shard(value)  # torch's AdamW over FSDP2 keeps DTensor state: its local shard is this rank's
         if key == "step":
             return (value.detach().to(device="cpu", dtype=FP32, copy=True) if isinstance(value, torch.Tensor)
                     else torch.tensor(float(value), dtype=FP32))
@@ -212,9 +212,10 @@ class OffloadAdam(Optimizer):
                                        "consider torch.optim.SparseAdam instead")
                 if g.dtype not in PARAM_DTYPES:
                     raise RuntimeError(f"gradient dtype {g.dtype} is not supported (float32, bfloat16, float16)")
-                if g.shape != p.shape or g.device != p.device:
+                g, t = shard(g), shard(p)
+                if g.shape != t.shape or g.device != t.device:
                     raise RuntimeError(f"gradient of shape {tuple(g.shape)} on {g.device} does not match its "
-                                       f"parameter of shape {tuple(p.shape)} on {p.device}")
+                                       f"parameter of shape {tuple(t.shape)} on {t.device}")
                 st = self.state.get(p)
                 new = not st
                 step = 1 if new else int(st["step"].item()) + 1
@@ -241,15 +242,15 @@ class OffloadAdam(Optimizer):
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
             if w.master:
-                self._written[w.p] = (w.p._version, w.p.data_ptr())
+                self._written[w.p] = (w.t._version, w.t.data_ptr())
         return loss
 
     def _edited_outside(self, p):
         """Whether p was written by someone else since this optimizer last wrote it: its version counter (bumped by
         every in-place op on it or its views, but not through `.data`) or its storage changed. O(1) a parameter.
         Only parameters with a separate fp32 master can go stale; a contiguous fp32 CPU parameter is its own."""
-        seen = self._written.get(p)
-        return seen is not None and seen != (p._version, p.data_ptr())
+        seen, t = self._written.get(p), shard(p)
+        return seen is not None and seen != (t._version, t.data_ptr())
 
     def state_dict(self):
         """torch's format: {"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}},
@@ -306,7 +307,7 @@ class OffloadAdam(Optimizer):
         can be taken from the parameter, and int8 scales, which come with their moments."""
         missing = [f for f in kept if f != MASTER and not self._rule.format.is_scale(f) and f not in have]
         if missing:
-            raise ValueError(f"the loaded state of a parameter of shape {tuple(p.shape)} lacks {missing}")
+            raise ValueError(f"the loaded state of a parameter of shape {tuple(shard(p).shape)} lacks {missing}")
 
     def _install(self, new_groups, steps, fields, source, extra_state=None, check=None):
         """Replaces groups and state, all or nothing. steps: {p: fp32 step tensor}; fields: {p: set of exported
@@ -331,7 +332,7 @@ class OffloadAdam(Optimizer):
         def filled(p, a, b, views):
             if MASTER in views and MASTER not in fields[p]:
                 views = dict(views)
-                views.pop(MASTER).copy_(p.detach().reshape(-1)[a:b])
+                views.pop(MASTER).copy_(shard(p).detach().reshape(-1)[a:b])
             return source(p, a, b, views)
 
         self._backend.fill({p: kept[p] for p in steps}, filled, list(kept.items()), state,
@@ -372,7 +373,7 @@ class OffloadAdam(Optimizer):
         "pinned_bytes" (the nvme pipeline's buffers), "io_bytes_per_step" (nvme: read + written per full step)}."""
         self._check_open()
         stateful = [p for p, st in self.state.items() if isinstance(p, torch.Tensor) and st]
-        params = sum(p.numel() for p in stateful)
+        params = sum(shard(p).numel() for p in stateful)
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
         report.update(self._backend.memory())
         report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0

@@ -16,6 +16,8 @@ from itertools import chain
 
 import torch
 
+from ._common import shard
+
 _TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
 
 
@@ -59,9 +61,9 @@ def _take_state(opt, state_dict):
         cast = {key: policy(p, val, k, state_dict["param_groups"], key) for key, val in entry.items()
                 if key == "step" or key in opt._rule.STATE_KEYS}
         for key, val in cast.items():
-            if key != "step" and val.numel() != p.numel():
+            if key != "step" and val.numel() != shard(p).numel():
                 raise ValueError(f"state '{key}' of parameter {k} has {val.numel()} elements; the parameter has "
-                                 f"{p.numel()}")
+                                 f"{shard(p).numel()}")
         steps[p] = cast.pop("step").reshape(())
         values[p] = {key: val.reshape(-1) for key, val in cast.items()}
         opt._check_loaded_fields(p, opt._rule.fields(p, {**opt.defaults, **saved_group[k]}), values[p])

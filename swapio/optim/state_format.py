@@ -15,7 +15,7 @@ an int8 optimizer. save()/load() carry the stored arrays as they are, so a resum
 import torch
 
 from .. import quant
-from ._common import FP32, MASTER
+from ._common import FP32, MASTER, shard
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 SCALE = "_scale"
@@ -65,6 +65,7 @@ class StateFormat:
 
     def empty(self, name, p):
         """A new array for the whole of parameter p (shaped like p, but flat scales)."""
+        p = shard(p)
         if self.is_scale(name):
             return torch.empty(quant.num_blocks(p.numel()), dtype=FP32)
         return torch.empty(p.shape, dtype=self.dtype(name))
