@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -103,13 +104,44 @@ inline int count_entries(const char* dir) {
   return n;
 }
 
+// The fields of /proc/self/task/TID/stat after the thread's name (which may hold spaces and parentheses),
+// starting with its state letter; "" if there is no such thread.
+inline std::string thread_stat(const std::string& tid) {
+  std::ifstream stat("/proc/self/task/" + tid + "/stat");
+  std::string line;
+  const size_t name_end = std::getline(stat, line) ? line.rfind(") ") : std::string::npos;
+  return name_end == std::string::npos ? "" : line.substr(name_end + 2);
+}
+
+// Threads of this process that have not begun to exit. pthread_join() returns once the kernel has cleared the
+// thread's id, and the thread is still listed in /proc/self/task for a moment after that (counted, it made
+// the leak checks fail now and then on a loaded machine); but the kernel marks a thread exiting (PF_EXITING in
+// the flags field of its stat) before it clears the id, so a joined thread is never counted here.
+inline int live_threads() {
+  constexpr unsigned long kExiting = 0x4;  // PF_EXITING, include/linux/sched.h
+  int n = 0;
+  DIR* d = opendir("/proc/self/task");
+  if (!d) return -1;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::istringstream fields(thread_stat(e->d_name));  // state ppid pgrp session tty_nr tpgid flags ...
+    std::string state;
+    long skipped;
+    unsigned long flags = 0;
+    fields >> state >> skipped >> skipped >> skipped >> skipped >> skipped >> flags;
+    if (fields && !(flags & kExiting)) n++;  // (empty: the thread is gone meanwhile)
+  }
+  closedir(d);
+  return n;
+}
+
 // Call once a handle of the same shape was made and destroyed: the C library keeps per-thread malloc arenas
 // mapped after their threads exit, and reuses them.
 inline Resources resources() {
   Resources r;
   r.bounce = swapio::io::bounce_bytes_held();
   r.fds = count_entries("/proc/self/fd");
-  r.threads = count_entries("/proc/self/task");
+  r.threads = live_threads();
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
     if (line.find("io_uring") != std::string::npos || line.find("[aio]") != std::string::npos) r.rings++;
@@ -120,9 +152,14 @@ inline Resources resources() {
   return r;
 }
 
-// True if nothing is held beyond `before`; prints both counts otherwise.
+// True if nothing is held beyond `before`; prints both counts otherwise. Waits up to a second for what the
+// kernel tears down after the fact (an io_uring worker thread signals its ring's owner, then exits).
 inline bool released(const Resources& before) {
-  const Resources now = resources();
+  Resources now = resources();
+  for (int i = 0; i < 100 && !(now == before); i++) {
+    usleep(10000);
+    now = resources();
+  }
   if (now == before) return true;
   std::fprintf(stderr, "fds %d -> %d, threads %d -> %d, rings %d -> %d, mappings %d -> %d, bounce bytes %zu -> %zu\n",
                before.fds, now.fds, before.threads, now.threads, before.rings, now.rings, before.maps, now.maps,
