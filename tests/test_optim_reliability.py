@@ -8,6 +8,7 @@ import torch
 
 import swapio
 import swapio.optim as so
+from swapio import _durable
 from swapio.optim import checkpoint
 from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
 
@@ -57,7 +58,7 @@ def test_interrupt_after_the_commit_keeps_the_new_checkpoint(mode, tmp_path, mon
     opt.save(ckpt)
     _steps(opt, params, 1, seed=2)
     expected = _clone_sd(opt)
-    real_fsync = checkpoint._fsync_path
+    real_fsync = _durable.fsync_path
 
     def fsync(path, directory=False):
         if directory and os.path.exists(os.path.join(path, checkpoint.META)) and \
@@ -65,7 +66,7 @@ def test_interrupt_after_the_commit_keeps_the_new_checkpoint(mode, tmp_path, mon
             raise KeyboardInterrupt  # Ctrl-C right after the metadata was renamed into place
         real_fsync(path, directory)
 
-    monkeypatch.setattr(checkpoint, "_fsync_path", fsync)
+    monkeypatch.setattr(_durable, "fsync_path", fsync)
     with pytest.raises(KeyboardInterrupt):
         opt.save(ckpt)
     monkeypatch.undo()

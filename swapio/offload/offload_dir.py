@@ -15,7 +15,7 @@ import secrets
 
 import torch
 
-from ..optim.checkpoint import _fsync_path as _fsync
+from .. import _durable
 from ..pinned import empty_pinned
 from .layout import ALIGN, round_up
 from .safetensors_format import Location
@@ -114,15 +114,10 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
                                lambda s=slot: source_of(s).detach().contiguous().reshape(-1).view(torch.uint8)))
         _stream(handle, tmp_data, pieces, end, chunk)
         pieces.clear()
-        _fsync(tmp_data)
-        os.rename(tmp_data, data_path)
+        _durable.publish(tmp_data, data_path)
         index = {"format": FORMAT, "version": VERSION, "data": data_name, "data_bytes": end, "tensors": entries}
-        with open(tmp_index, "w") as f:
-            json.dump(index, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_index, os.path.join(directory, INDEX))
-        _fsync(directory, directory=True)
+        _durable.write_and_replace(tmp_index, os.path.join(directory, INDEX), lambda f: json.dump(index, f),
+                                   mode="w")
     except BaseException:
         for leftover in (tmp_data, tmp_index, data_path):
             try:
@@ -135,12 +130,7 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
             except OSError:
                 pass
         raise
-    for name in os.listdir(directory):  # data files of earlier offloads into this directory
-        if name != data_name and name.startswith(DATA_PREFIX) and name.endswith(DATA_SUFFIX):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+    _durable.remove_others(directory, DATA_PREFIX, (DATA_SUFFIX,), keep=data_name)  # earlier offloads' data
     return locations
 
 

@@ -28,7 +28,7 @@ import secrets
 
 import torch
 
-from .. import _checksum
+from .. import _checksum, _durable
 from ._common import shard
 from .state_format import StateFormat
 
@@ -38,28 +38,6 @@ DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
 VERSION = 3  # 2: checksums; 3: state_dtype (bf16/int8 arrays)
 _ALIGN = 4096
-
-
-def _fsync_path(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _file_id(fd):
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
-def _committed(meta_path, meta_id):
-    """True when meta_path is the metadata file we wrote (the rename happened)."""
-    try:
-        st = os.stat(meta_path)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == meta_id
 
 
 def _round_up(x):
@@ -99,7 +77,7 @@ def save(opt, path):
         os.close(fd)
     tmp_meta = os.path.join(path, f".{META}.{secrets.token_hex(4)}.tmp")
     meta_path = os.path.join(path, META)
-    sums, meta_id = {}, None
+    sums, written = {}, []
     try:
         rh, wh, owned = opt._io_handle()
         try:
@@ -118,38 +96,26 @@ def save(opt, path):
                 rh.close()
                 if wh is not rh:
                     wh.close()
-        _fsync_path(tmp_data)
-        os.rename(tmp_data, data_path)
-        _fsync_path(path, directory=True)
+        _durable.publish(tmp_data, data_path)
         for p, offs in offsets.items():
             entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
                                                   else _checksum.Stream().intdigest() for name in offs}
         meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
-                "param_groups": groups, "state": entries, "data": data_name, "data_bytes": end, "checksum": _checksum.ALGORITHM}
-        with open(tmp_meta, "wb") as f:
-            torch.save(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-            meta_id = _file_id(f.fileno())
-        os.replace(tmp_meta, meta_path)  # the commit point
-        _fsync_path(path, directory=True)
+                "param_groups": groups, "state": entries, "data": data_name, "data_bytes": end,
+                "checksum": _checksum.ALGORITHM}
+        _durable.write_and_replace(tmp_meta, meta_path, lambda f: torch.save(meta, f), written)  # the commit
     except BaseException:
         # After the commit the new data file is the checkpoint's: keep it, whatever interrupted us (a signal can
         # land between the rename and any flag set after it, so ask the file system what is committed).
-        committed = meta_id is not None and _committed(meta_path, meta_id)
+        committed = bool(written) and _durable.is_file(meta_path, written[0])
         for leftover in (tmp_data, tmp_meta) if committed else (tmp_data, tmp_meta, data_path):
             try:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
         raise
-    for name in os.listdir(path):  # data of earlier checkpoints and of interrupted saves
-        if name != data_name and name.startswith(DATA_PREFIX) and (name.endswith(DATA_SUFFIX)
-                                                                     or name.endswith(DATA_SUFFIX + ".tmp")):
-            try:
-                os.unlink(os.path.join(path, name))
-            except FileNotFoundError:
-                pass
+    # data of earlier checkpoints and of interrupted saves
+    _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
 
 
 def read_meta(path):
