@@ -11,17 +11,9 @@ import torch
 
 so = pytest.importorskip("swapio.optim", reason="swapio is not built (python setup.py build_ext --inplace)")
 transformers = pytest.importorskip("transformers")
+from optim_helpers import one_thread  # noqa: E402,F401  (autouse: a model this small runs faster on one thread)
 
 STEPS, BATCH, SEQ, SYMBOLS = 300, 16, 32, 32
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: a model this small runs several times slower on two threads of a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def markov_chain():
