@@ -159,8 +159,9 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
 
 def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, *, checkpoint=None,
                  prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
-    """Keeps the weights in files and streams each submodule's weights in just before its forward, `prefetch`
-    submodules ahead, with O_DIRECT reads into a ring of `buffer_bytes` of pinned memory. Exactly one of:
+    """Keeps the weights in files and streams each submodule's weights in just before its forward, with O_DIRECT
+    reads into a ring of `buffer_bytes` of pinned memory, at least `prefetch` submodules ahead and as far as
+    the ring holds (prefetch=0: no read-ahead). Exactly one of:
     offload_dir (the model's current weights are written there once, streamed), or checkpoint (a safetensors
     file, a directory with model.safetensors or a sharded index, read in place; the model may be on meta).
     Returns the model."""

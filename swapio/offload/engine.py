@@ -42,7 +42,7 @@ class OffloadEngine:
         if self.device.type != "cpu":
             self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
         install_placeholders(self.units)
-        self.fetcher.prepare()
+        self.fetcher.prepare(self.records)
 
     def _move_inputs(self, module, args, kwargs):
         move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -92,15 +92,21 @@ class OffloadEngine:
             raise
 
     def _prefetch(self, walk, unit):
-        """Starts the fetches of the next `prefetch` units along `walk` (schedule.ahead, or .behind in backward).
-        Units with less than SMALL bytes (norms, biases) ride along without counting: the big reads are what
-        must be in flight. Stops at the first record the ring has no room for."""
-        counted = 0
-        for other in walk(unit, self.prefetch + 64):
-            if counted >= self.prefetch:
-                break
+        """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
+        then, for disk reads, as many more as the ring has room for. Reading ahead by bytes keeps the disk busy
+        through modules that compute faster than they read (a decode step) and through stalls of the computing
+        thread; the ring bounds it. Units with less than SMALL bytes (norms, biases) ride along without counting.
+        Stops at the first record the ring has no room for. For CUDA only the first `prefetch` units are copied
+        to the device ahead; the rest wait in the ring, so device memory holds no more than before."""
+        if not self.prefetch:
+            return
+        counted, by_bytes = 0, self.fetcher.ring is not None
+        for other in walk(unit):
+            near = counted < self.prefetch
+            if not (near or by_bytes):
+                return
             for record in other.records:
-                if self.fetcher.start(record) is None:
+                if self.fetcher.start(record, copy=near) is None:
                     return
             if sum(r.nbytes for r in other.records) >= SMALL:
                 counted += 1

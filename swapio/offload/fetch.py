@@ -2,12 +2,12 @@
 
 A Fetch is one record on its way in: disk records are read with one aligned O_DIRECT request per span into a
 region of the PinnedRing (or, for a record larger than the ring or while the ring is held by running modules,
-into one spare buffer sized for the largest record); host records (cpu_offload) need no read. For a CUDA
-execution device the region is then copied to a fresh device tensor on the side copy stream, as soon as the read
-is seen finished; the compute stream waits on that copy's event, never on a whole-stream synchronize, and the
-region goes back to the ring only after that event completed. Host memory for weights is therefore bounded by
-buffer_bytes + the largest record (temporary buffers beyond that only when nested modules hold both, counted in
-stats["temp"]).
+into one spare buffer sized for the largest record, where a tied record also waits between its users, read
+once); host records (cpu_offload) need no read. For a CUDA execution device the region is then copied to a
+fresh device tensor on the side copy stream, as soon as the read is seen finished; the compute stream waits on
+that copy's event, never on a whole-stream synchronize, and the region goes back to the ring only after that
+event completed. Host memory for weights is therefore bounded by buffer_bytes + the largest record (temporary
+buffers beyond that only when nested modules hold both, counted in stats["temp"]).
 """
 import threading
 
@@ -20,11 +20,12 @@ from .ring import PinnedRing
 
 
 class Fetch:
-    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users")
+    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy")
 
-    def __init__(self, record, host, alloc):
+    def __init__(self, record, host, alloc, copy):
         self.record, self.host, self.alloc = record, host, alloc  # alloc: ("ring", start) | spare | temp | host
         self.reads, self.device, self.event, self.users = [], None, None, 0
+        self.copy = copy  # CUDA: copy to the device as soon as the bytes are in (else only when acquired)
 
     @property
     def data(self):
@@ -53,10 +54,13 @@ class Fetcher:
         self.lock = threading.RLock()
         self.stats = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0}
 
-    def prepare(self):
-        """Allocates the ring now (at offload time) rather than inside the first forward."""
+    def prepare(self, records):
+        """Allocates the ring now (at offload time) rather than inside the first forward, and the spare too when
+        a record will use it in every forward (a tied one, or one larger than the ring)."""
         if self.ring is not None and self.ring.capacity:
             self.ring.arena  # noqa: B018 - the property allocates
+            if any(len(r.units) > 1 or r.nbytes > self.ring.capacity for r in records):
+                self._spare_region(0)
 
     # ---- memory ---------------------------------------------------------------------------------------------
     def _spare_region(self, nbytes):
@@ -67,23 +71,39 @@ class Fetcher:
     def _allocate(self, record, required):
         n = record.nbytes
         fits_ring = n <= self.ring.capacity
-        for attempt in range(3):
-            self._reclaim(block=attempt == 2)
+        # a record larger than the ring needs the spare; a tied one (several users) takes it when free, so that
+        # it can stay there between its users (see release) without holding ring space meanwhile
+        spare_first = not fits_ring or len(record.units) > 1
+
+        def take(spare_allowed):
+            if spare_first and self._spare_user is None:
+                return self._take_spare(record)
             if fits_ring:
                 got = self.ring.alloc(n)
                 if got is not None:
                     return ("ring", got[0]), got[1]
-            if self._spare_user is None and (required or not fits_ring):
-                self._spare_user = record
-                return ("spare",), self._spare_region(n)
-            if not required:
-                return None
-            if attempt == 0:  # make room: drop prefetched records nobody uses yet, furthest ahead first
+            if spare_allowed and self._spare_user is None:
+                return self._take_spare(record)
+            return None
+
+        for attempt in range(3):
+            self._reclaim(block=attempt == 2)
+            got = take(required)
+            if got is not None or not required:
+                return got
+            if attempt == 0:  # make room: drop fetched records nobody uses now, furthest ahead first
                 for f in reversed(list(self.fetches.values())):
                     if f.users == 0:
                         self._drop(f)
+                        got = take(True)
+                        if got is not None:
+                            return got
         self.stats["temp"] += 1
         return ("temp",), empty_pinned(round_up(n), torch.uint8)
+
+    def _take_spare(self, record):
+        self._spare_user = record
+        return ("spare",), self._spare_region(record.nbytes)
 
     def _free(self, fetch):
         kind = fetch.alloc[0]
@@ -106,27 +126,29 @@ class Fetcher:
         self._deferred = keep
 
     # ---- fetching -------------------------------------------------------------------------------------------
-    def start(self, record, required=False):
+    def start(self, record, required=False, copy=True):
         """Starts bringing `record` in (no-op if it is on its way); None when `required` is False and there is
-        no room now."""
+        no room now. `copy`: for CUDA, copy it to the device as soon as it is read (False: read ahead into host
+        memory only, so device memory holds no more than the records expected soon)."""
         with self.lock:
             fetch = self.fetches.get(record)
             if fetch is not None:
+                fetch.copy = fetch.copy or copy
                 return fetch
             if self.hosts is not None:
-                fetch = Fetch(record, self.hosts[record], ("host",))
+                fetch = Fetch(record, self.hosts[record], ("host",), copy)
             else:
                 got = self._allocate(record, required)
                 if got is None:
                     return None
-                fetch = Fetch(record, got[1], got[0])
+                fetch = Fetch(record, got[1], got[0], copy)
                 for path, offset, length, region_offset in record.spans:
                     fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length], path,
                                                          offset))
                     self.stats["reads"] += 1
                     self.stats["bytes_read"] += length
             self.fetches[record] = fetch
-            if self.cuda and not fetch.reads:
+            if self.cuda and copy and fetch.device is None and not fetch.reads:
                 self._copy_to_device(fetch)
             return fetch
 
@@ -143,7 +165,7 @@ class Fetcher:
             return
         with self.lock:
             for fetch in list(self.fetches.values()):
-                if fetch.event is None and all(f.done() for f in fetch.reads):
+                if fetch.copy and fetch.device is None and all(f.done() for f in fetch.reads):
                     if all(f.exception() is None for f in fetch.reads):
                         fetch.reads = []
                         self._copy_to_device(fetch)
@@ -162,7 +184,7 @@ class Fetcher:
                 raise
             fetch.reads = []
             if self.cuda:
-                if fetch.event is None:
+                if fetch.device is None:
                     self._copy_to_device(fetch)
                 stream = torch.cuda.current_stream(self.device)
                 stream.wait_event(fetch.event)
@@ -173,7 +195,16 @@ class Fetcher:
         with self.lock:
             fetch.users -= 1
             if fetch.users == 0 and self.fetches.get(fetch.record) is fetch:
-                self._drop(fetch)
+                if fetch.alloc[0] == "spare" and len(fetch.record.units) > 1:
+                    self._keep(fetch)
+                else:
+                    self._drop(fetch)
+
+    def _keep(self, fetch):
+        """A tied record in the spare stays there, read once, until its next user runs (GPT-2's wte, then
+        lm_head, then wte of the next step) or a record needs the spare. Its device copy goes: device memory
+        holds only what runs or comes next, and the spare is reused only after that copy finished (event)."""
+        fetch.device, fetch.copy = None, False
 
     def _drop(self, fetch):
         if self.fetches.get(fetch.record) is fetch:

@@ -19,19 +19,18 @@ class Schedule:
             self.prev[unit] = self.last
         self.last = unit
 
-    def _walk(self, links, unit, k):
-        out, u = [], unit
-        for _ in range(k):
+    @staticmethod
+    def _walk(links, unit):
+        seen, u = {unit}, links.get(unit)
+        while u is not None and u not in seen:
+            yield u
+            seen.add(u)
             u = links.get(u)
-            if u is None or u is unit or u in out:
-                break
-            out.append(u)
-        return out
 
-    def ahead(self, unit, k):
-        """The k units expected to start after `unit` (fewer if the chain loops back)."""
-        return self._walk(self.next, unit, k)
+    def ahead(self, unit):
+        """The units expected to start after `unit`, nearest first, until the chain loops back (lazily)."""
+        return self._walk(self.next, unit)
 
-    def behind(self, unit, k):
-        """The k units that ran before `unit` (the order backward needs them in)."""
-        return self._walk(self.prev, unit, k)
+    def behind(self, unit):
+        """The units that ran before `unit`, nearest first (the order backward needs them in), lazily."""
+        return self._walk(self.prev, unit)
