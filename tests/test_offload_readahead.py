@@ -124,3 +124,32 @@ def test_read_ahead_keeps_outputs_exact_in_generate(tmp_path, prefetch):
     model = disk_offload(meta_model(), checkpoint=tmp_path / "ck", buffer_bytes=96 << 10, prefetch=prefetch)
     assert_same_outputs(model)
     assert stats(model)["temp"] == 0
+
+
+def test_backward_reads_ahead_through_what_the_forward_read_ahead(tmp_path):
+    """At the end of a forward the ring fills with the next forward's first layers; backward needs the last
+    ones first, so it drops those reads instead of running without read-ahead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(8)]).requires_grad_(False)
+    x = torch.randn(2, WIDTH, requires_grad=True)
+
+    def run(observe=None):
+        h = x
+        for i, layer in enumerate(model):
+            h = layer(h)
+            if observe is not None and i < len(model) - 1:
+                h.register_hook(observe(i))  # runs once layer i + 1's backward ran, before layer i's
+        (grad,) = torch.autograd.grad(h.square().sum(), x)
+        return grad
+    want = run()
+    disk_offload(model, tmp_path / "od", buffer_bytes=4 * LAYER, prefetch=1)
+    fetcher, seen = _offloaded[model].fetcher, {}
+
+    def observe(i):
+        def hook(grad):
+            seen[i] = sorted(f.record.index for f in fetcher.fetches.values())
+        return hook
+    assert torch.equal(run(observe), want)
+    assert seen[6] == [4, 5, 6]  # not the next forward's layers 0-2, read ahead at the end of the forward
+    assert all(i in started for i, started in seen.items())  # every layer's read started before it was needed
+    assert stats(model)["temp"] == 0

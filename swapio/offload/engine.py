@@ -96,17 +96,24 @@ class OffloadEngine:
         then, for disk reads, as many more as the ring has room for. Reading ahead by bytes keeps the disk busy
         through modules that compute faster than they read (a decode step) and through stalls of the computing
         thread; the ring bounds it. Units with less than SMALL bytes (norms, biases) ride along without counting.
-        Stops at the first record the ring has no room for. For CUDA only the first `prefetch` units are copied
+        When the ring is full, reads ahead that this walk does not reach yet are dropped to make room (the next
+        forward's first modules, read ahead at the end of a forward, when backward starts instead); then it
+        stops at the first record the ring has no room for. For CUDA only the first `prefetch` units are copied
         to the device ahead; the rest wait in the ring, so device memory holds no more than before."""
         if not self.prefetch:
             return
         counted, by_bytes = 0, self.fetcher.ring is not None
+        wanted = set(unit.records)  # before acquire(), the unit's own fetches have no user yet
         for other in walk(unit):
             near = counted < self.prefetch
             if not (near or by_bytes):
                 return
             for record in other.records:
-                if self.fetcher.start(record, copy=near) is None:
+                wanted.add(record)
+                fetch = self.fetcher.start(record, copy=near)
+                if fetch is None and self.fetcher.drop_unused(keep=wanted):
+                    fetch = self.fetcher.start(record, copy=near)
+                if fetch is None:
                     return
             if sum(r.nbytes for r in other.records) >= SMALL:
                 counted += 1

@@ -206,6 +206,16 @@ class Fetcher:
         holds only what runs or comes next, and the spare is reused only after that copy finished (event)."""
         fetch.device, fetch.copy = None, False
 
+    def drop_unused(self, keep):
+        """Drops the ring's fetches that nobody uses and that are not in `keep` (read ahead for modules that no
+        longer come next); returns whether it dropped any."""
+        with self.lock:
+            stale = [f for f in self.fetches.values()
+                     if f.users == 0 and f.alloc[0] == "ring" and f.record not in keep]
+            for f in stale:
+                self._drop(f)
+            return bool(stale)
+
     def _drop(self, fetch):
         if self.fetches.get(fetch.record) is fetch:
             del self.fetches[fetch.record]
