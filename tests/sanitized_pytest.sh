@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 out=$root/build/asan
 .ci/install-build-requires  # setup.py below imports pybind11
-SWAPIO_EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+SWAPIO_EXTRA_CFLAGS="-O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
   python setup.py -q build_ext --build-lib "$out/lib" --build-temp "$out/tmp" >/dev/null
 rm -rf "$out/pkg" && mkdir -p "$out/pkg"
 cp -r swapio "$out/pkg/" && rm -f "$out"/pkg/swapio/_C*.so && cp "$out"/lib/swapio/_C*.so "$out/pkg/swapio/"
