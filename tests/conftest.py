@@ -105,6 +105,23 @@ def queued_behind_big_read(handle_factory, tmp_path, nbytes=10):
     return big, h.pread(out, small_path), out
 
 
+def live_threads():
+    """Threads of this process that have not begun to exit. A joined thread stays listed in /proc/self/task a
+    moment after pthread_join() returns, but the kernel marks it exiting (PF_EXITING in the flags field of its
+    stat) before that, so it is never counted here (tests/native/helpers.h counts the same way)."""
+    exiting = 0x4  # PF_EXITING, include/linux/sched.h
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()  # after "pid (comm) ": state ppid ... flags
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # gone meanwhile
+        if not int(fields[6]) & exiting:
+            count += 1
+    return count
+
+
 def open_fds():
     return set(os.listdir("/proc/self/fd"))
 

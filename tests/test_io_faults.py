@@ -3,6 +3,7 @@ it belongs to with errno, path and offset; EINTR/EAGAIN are retried a bounded nu
 fails the requests instead of hanging close(); the handle stays usable; nothing leaks; data written before a
 fault reads back intact."""
 import errno
+import gc
 import os
 import time
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import swapio
-from conftest import TIMEOUT, close_handle, engine_param, random_bytes, read_file, unaligned_uint8
+from conftest import TIMEOUT, close_handle, engine_param, live_threads, random_bytes, read_file, unaligned_uint8
 
 BLOCK = 64 << 10
 PIECES = 16  # per request of BLOCK * PIECES bytes
@@ -33,12 +34,13 @@ def payload(seed):
 
 
 def kernel_resources():
-    """Descriptors, threads, kernel I/O rings mapped in (io_uring, AIO), pinned and bounce bytes held."""
+    """Descriptors, threads, kernel I/O rings mapped in (io_uring, AIO), pinned and bounce bytes held (after a
+    collection: an earlier test's buffers may wait in a reference cycle)."""
+    gc.collect()
     with open("/proc/self/maps") as f:
         rings = sum("[aio]" in line or "io_uring" in line for line in f)
     held = swapio._C.held_bytes()
-    return (len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), rings, held["pinned"],
-            held["bounce"])
+    return len(os.listdir("/proc/self/fd")), live_threads(), rings, held["pinned"], held["bounce"]
 
 
 def assert_released(before):
