@@ -230,21 +230,52 @@ struct V {
   }
   static SWAPIO_INLINE U lo16(U r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)); }
   static SWAPIO_INLINE U hi16(U r) { return _mm512_srli_epi32(r, 16); }
+  // tab[t] per lane for t in [0, size) (size a power of two up to 256), from registers: one vpermps for up to
+  // 16 entries, vpermt2ps for 32, blends on the higher bits of t above that. No gathers (see quant.h).
+  template <int size>
+  static SWAPIO_INLINE F lookup(const float* tab, __m512i t) {
+    if constexpr (size == 1) {
+      return _mm512_set1_ps(tab[0]);
+    } else if constexpr (size <= 16) {
+      return _mm512_permutexvar_ps(t, _mm512_loadu_ps(tab));
+    } else if constexpr (size == 32) {
+      return _mm512_permutex2var_ps(_mm512_loadu_ps(tab), t, _mm512_loadu_ps(tab + 16));
+    } else {
+      const __mmask16 upper = _mm512_test_epi32_mask(t, _mm512_set1_epi32(size / 2));
+      return _mm512_mask_blend_ps(upper, lookup<size / 2>(tab, t), lookup<size / 2>(tab + size / 2, t));
+    }
+  }
   static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) {
     __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
-    return mul(_mm512_i32gather_ps(idx, table, 4), scale);
+    return mul(lookup<256>(table, idx), scale);
+  }
+  // One level r of quant.h's binary search: t = 2t + (y > search[r][t]).
+  template <int r>
+  static SWAPIO_INLINE __m512i search_level(F y, const QuantMap& q, __m512i t) {
+    const __mmask16 above = _mm512_cmp_ps_mask(y, lookup<(1 << r)>(q.search[r], t), _CMP_GT_OQ);
+    t = _mm512_add_epi32(t, t);
+    return _mm512_mask_add_epi32(t, above, t, _mm512_set1_epi32(1));
+  }
+  // k = the count of midpoints below y (depth levels, then search_last).
+  template <int depth>
+  static SWAPIO_INLINE __m512i search(F y, const QuantMap& q) {
+    __m512i t = _mm512_setzero_si512();
+    t = search_level<0>(y, q, t);
+    t = search_level<1>(y, q, t);
+    t = search_level<2>(y, q, t);
+    t = search_level<3>(y, q, t);
+    t = search_level<4>(y, q, t);
+    t = search_level<5>(y, q, t);
+    t = search_level<6>(y, q, t);
+    if constexpr (depth == 8) return search_level<7>(y, q, t);  // search_last is +inf at depth 8
+    const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_set1_ps(q.search_last), _CMP_GT_OQ);
+    return _mm512_mask_add_epi32(t, above, t, _mm512_set1_epi32(1));
   }
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     const F ax = _mm512_abs_ps(x);
     F y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
     y = _mm512_min_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_castps_si512(y), low = _mm512_set1_epi32(0xFFFF);
-    __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(static_cast<int>(kBucketKeyMin)));
-    idx = _mm512_max_epi32(idx, _mm512_setzero_si512());
-    const __m512i entry = _mm512_i32gather_epi32(idx, q.bucket, 4);
-    const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, low), _mm512_and_si512(entry, low));
-    __m512i k = _mm512_srli_epi32(entry, 16);
-    k = _mm512_mask_add_epi32(k, above, k, _mm512_set1_epi32(1));
+    const __m512i k = q.search_depth == 7 ? search<7>(y, q) : search<8>(y, q);
     __m512i c = _mm512_add_epi32(_mm512_set1_epi32(q.zero), k);
     if (q.is_signed) {
       const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);

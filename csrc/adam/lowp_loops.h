@@ -172,26 +172,45 @@ struct Loops {
                }
                nonfinite += V::count_nonfinite(m, two ? v : m);
              });
-      encode_block(mbuf, static_cast<uint8_t*>(a.m.data), a.m.scale + blk, mq, V::hmax(mmax), b0, b1);
-      if (two) encode_block(vbuf, static_cast<uint8_t*>(a.v.data), a.v.scale + blk, *vq, V::hmax(vmax), b0, b1);
+      const Coded mc = coded(a.m.scale + blk, V::hmax(mmax)), vc = two ? coded(a.v.scale + blk, V::hmax(vmax)) : mc;
+      encode_block(mbuf, static_cast<uint8_t*>(a.m.data), mc, mq, vbuf, static_cast<uint8_t*>(a.v.data), vc, vq,
+                   b0, b1);
     }
     return nonfinite;
   }
 
-  static SWAPIO_INLINE void encode_block(const float* buf, uint8_t* codes, float* scale, const QuantMap& q, float absmax,
-                                  int64_t b0, int64_t b1) {
+  // A block's scale (stored) and its inverse, which encode multiplies by.
+  struct Coded {
+    F inv;
+  };
+  static SWAPIO_INLINE Coded coded(float* scale, float absmax) {
     const float s = absmax >= FLT_MIN ? absmax : 0.0f;  // tinier blocks store zeros
     *scale = s;
-    const F inv = V::set1(s > 0.0f ? 1.0f / s : 0.0f);
+    return Coded{V::set1(s > 0.0f ? 1.0f / s : 0.0f)};
+  }
+
+  // Encodes [b0, b1) of the first moment from mbuf and, with two moments, of the second from vbuf, in one loop
+  // (the two codes' lookups are independent chains that overlap).
+  static SWAPIO_INLINE void encode_block(const float* mbuf, uint8_t* mcodes, Coded mc, const QuantMap& mq,
+                                         const float* vbuf, uint8_t* vcodes, Coded vc, const QuantMap* vq,
+                                         int64_t b0, int64_t b1) {
     int64_t i = b0;
-    for (; i + W <= b1; i += W) V::encode(codes + i, V::load(buf + (i - b0)), inv, q);
-    if (i < b1) {
-      alignas(64) uint8_t tail[W];
-      alignas(64) float x[W] = {0};
-      __builtin_memcpy(x, buf + (i - b0), (b1 - i) * 4);
-      V::encode(tail, V::load(x), inv, q);
-      __builtin_memcpy(codes + i, tail, b1 - i);
+    for (; i + W <= b1; i += W) {
+      V::encode(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq);
+      if (two) V::encode(vcodes + i, V::load(vbuf + (i - b0)), vc.inv, *vq);
     }
+    if (i < b1) {
+      encode_tail(mbuf + (i - b0), mcodes + i, b1 - i, mc, mq);
+      if (two) encode_tail(vbuf + (i - b0), vcodes + i, b1 - i, vc, *vq);
+    }
+  }
+
+  static SWAPIO_INLINE void encode_tail(const float* buf, uint8_t* codes, int64_t r, Coded c, const QuantMap& q) {
+    alignas(64) uint8_t tail[W];
+    alignas(64) float x[W] = {0};
+    __builtin_memcpy(x, buf, r * 4);
+    V::encode(tail, V::load(x), c.inv, q);
+    __builtin_memcpy(codes, tail, r);
   }
 
   static int64_t run(const LowpArgs& a, int64_t b, int64_t e) {

@@ -58,6 +58,13 @@ Built build(bool is_signed) {
   for (int k = 1; k <= q.max_neg_k; ++k) q.code[q.zero - k] = -mags[k];
   const float inf = std::numeric_limits<float>::infinity();
   for (int k = 0; k < 256; ++k) q.mid[k] = k < max_k ? (mags[k] + mags[k + 1]) / 2.0f : inf;
+  q.search_depth = is_signed ? 7 : 8;
+  const int slots = 1 << q.search_depth;
+  for (int r = 0; r < 8; ++r) {
+    const int stride = r < q.search_depth ? 1 << (q.search_depth - r) : 0;
+    for (int t = 0; t < 128; ++t) q.search[r][t] = t < (1 << r) && stride ? q.mid[(2 * t + 1) * stride / 2 - 1] : inf;
+  }
+  q.search_last = q.mid[slots - 1];
   // count of midpoints strictly below y
   auto below = [&](float y) { return static_cast<int>(std::lower_bound(q.mid, q.mid + max_k, y) - q.mid); };
   b.valid = true;

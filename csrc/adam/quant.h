@@ -11,6 +11,8 @@
 // found with one table load: y's top 16 bits pick a bucket, which holds at most one midpoint between codes;
 // the bucket's entry is (magnitudes below the bucket) << 16 | (low 16 bits of its midpoint, or 0xFFFF when it
 // has none), and k = entry >> 16, plus one when y's low 16 bits exceed the entry's.
+// The same k is the result of a branchless binary search over mid (`search`), which the AVX-512 kernel does with
+// register permutes instead of gathers (gathers are slow on CPUs with the Gather Data Sampling microcode fix).
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -29,6 +31,12 @@ struct QuantMap {
   float code[256];         // code value of each 8-bit code, ascending
   float mid[256];          // mid[k]: midpoint between magnitudes k and k+1; +inf from max_k on
   uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
+  // Binary search: with t = 0, at each level r = 0 .. search_depth-1: t = 2t + (y > search[r][t]); then
+  // t += (y > search_last). search[r][t] = mid[(2t+1) * 2^(depth-1-r) - 1] (+inf beyond 2^r): t ends as the
+  // count of midpoints below y, k. Depth 7 (signed: 128 slots) or 8 (unsigned: 256).
+  alignas(64) float search[8][128];
+  float search_last;       // mid[2^depth - 1]: +inf for the unsigned map, mid[127] for the signed one
+  int32_t search_depth;
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
@@ -40,7 +48,6 @@ const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
 // True when every bucket holds at most one midpoint (checked when the maps are built; tests assert it).
-bool quant_maps_valid();
 bool quant_maps_valid();
 
 }  // namespace adam
