@@ -253,6 +253,11 @@ struct V {
     __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
   }
+  static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
+                                    const QuantMap& q1) {
+    encode(out0, x0, inv0, q0);
+    encode(out1, x1, inv1, q1);
+  }
   static SWAPIO_INLINE F abs_finite(F x) {
     const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
     return _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));

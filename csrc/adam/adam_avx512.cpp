@@ -249,33 +249,39 @@ struct V {
     __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
     return mul(lookup<256>(table, idx), scale);
   }
-  // One level r of quant.h's binary search: t = 2t + (y > search[r][t]).
-  template <int r>
-  static SWAPIO_INLINE __m512i search_level(F y, const QuantMap& q, __m512i t) {
-    const __mmask16 above = _mm512_cmp_ps_mask(y, lookup<(1 << r)>(q.search[r], t), _CMP_GT_OQ);
-    t = _mm512_add_epi32(t, t);
-    return _mm512_mask_add_epi32(t, above, t, _mm512_set1_epi32(1));
+  // One level r of quant.h's binary search: t = 2t + (y > search[r][t]) (nothing past the map's depth).
+  template <int r, int depth>
+  static SWAPIO_INLINE void search_level(F y, const QuantMap& q, __m512i& t) {
+    if constexpr (r < depth) {
+      const __mmask16 above = _mm512_cmp_ps_mask(y, lookup<(1 << r)>(q.search[r], t), _CMP_GT_OQ);
+      t = _mm512_mask_add_epi32(_mm512_add_epi32(t, t), above, _mm512_add_epi32(t, t), _mm512_set1_epi32(1));
+    } else if constexpr (r == depth && depth < 8) {  // search_last is +inf at depth 8
+      t = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(y, _mm512_set1_ps(q.search_last), _CMP_GT_OQ), t,
+                                _mm512_set1_epi32(1));
+    }
   }
-  // k = the count of midpoints below y (depth levels, then search_last).
-  template <int depth>
-  static SWAPIO_INLINE __m512i search(F y, const QuantMap& q) {
-    __m512i t = _mm512_setzero_si512();
-    t = search_level<0>(y, q, t);
-    t = search_level<1>(y, q, t);
-    t = search_level<2>(y, q, t);
-    t = search_level<3>(y, q, t);
-    t = search_level<4>(y, q, t);
-    t = search_level<5>(y, q, t);
-    t = search_level<6>(y, q, t);
-    if constexpr (depth == 8) return search_level<7>(y, q, t);  // search_last is +inf at depth 8
-    const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_set1_ps(q.search_last), _CMP_GT_OQ);
-    return _mm512_mask_add_epi32(t, above, t, _mm512_set1_epi32(1));
+  // k (the count of midpoints below y) of two vectors, their levels interleaved: each level waits on the one
+  // before, so two independent chains side by side keep the core busy.
+  template <int d0, int d1>
+  static SWAPIO_INLINE void search2(F y0, const QuantMap& q0, __m512i& t0, F y1, const QuantMap& q1, __m512i& t1) {
+    t0 = t1 = _mm512_setzero_si512();
+    search_level<0, d0>(y0, q0, t0), search_level<0, d1>(y1, q1, t1);
+    search_level<1, d0>(y0, q0, t0), search_level<1, d1>(y1, q1, t1);
+    search_level<2, d0>(y0, q0, t0), search_level<2, d1>(y1, q1, t1);
+    search_level<3, d0>(y0, q0, t0), search_level<3, d1>(y1, q1, t1);
+    search_level<4, d0>(y0, q0, t0), search_level<4, d1>(y1, q1, t1);
+    search_level<5, d0>(y0, q0, t0), search_level<5, d1>(y1, q1, t1);
+    search_level<6, d0>(y0, q0, t0), search_level<6, d1>(y1, q1, t1);
+    search_level<7, d0>(y0, q0, t0), search_level<7, d1>(y1, q1, t1);
+    search_level<8, d0>(y0, q0, t0), search_level<8, d1>(y1, q1, t1);
   }
-  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+  // |x| * inv clamped to 1; 0 for a non-finite x.
+  static SWAPIO_INLINE F unit(F x, F inv) {
     const F ax = _mm512_abs_ps(x);
     F y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
-    y = _mm512_min_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i k = q.search_depth == 7 ? search<7>(y, q) : search<8>(y, q);
+    return _mm512_min_ps(y, _mm512_set1_ps(1.0f));
+  }
+  static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i k, const QuantMap& q) {
     __m512i c = _mm512_add_epi32(_mm512_set1_epi32(q.zero), k);
     if (q.is_signed) {
       const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
@@ -283,6 +289,22 @@ struct V {
       c = _mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(q.zero), kn);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  }
+  // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements).
+  static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
+                                    const QuantMap& q1) {
+    const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
+    __m512i k0, k1;
+    if (q0.search_depth == 7 && q1.search_depth == 8) search2<7, 8>(y0, q0, k0, y1, q1, k1);
+    else if (q0.search_depth == 7 && q1.search_depth == 7) search2<7, 7>(y0, q0, k0, y1, q1, k1);
+    else if (q0.search_depth == 8 && q1.search_depth == 8) search2<8, 8>(y0, q0, k0, y1, q1, k1);
+    else search2<8, 7>(y0, q0, k0, y1, q1, k1);
+    store_codes(out0, x0, k0, q0);
+    store_codes(out1, x1, k1, q1);
+  }
+  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+    alignas(16) uint8_t unused[16];
+    encode2(out, x, inv, q, unused, _mm512_setzero_ps(), inv, q);
   }
   static SWAPIO_INLINE F abs_finite(F x) {
     const F ax = _mm512_abs_ps(x);

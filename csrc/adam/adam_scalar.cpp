@@ -120,6 +120,11 @@ struct V {
     if (q.is_signed && x < 0.0f) *out = static_cast<uint8_t>(q.zero - (k < q.max_neg_k ? k : q.max_neg_k));
     else *out = static_cast<uint8_t>(q.zero + k);
   }
+  static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
+                                    const QuantMap& q1) {
+    encode(out0, x0, inv0, q0);
+    encode(out1, x1, inv1, q1);
+  }
   static SWAPIO_INLINE F abs_finite(F x) {
     const float ax = std::fabs(x);
     return ax <= FLT_MAX ? ax : 0.0f;

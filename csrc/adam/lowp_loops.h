@@ -12,7 +12,7 @@
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode, encode, abs_finite (|x|, 0 when not finite),
-//   max, hmax, count_nonfinite.
+//   encode2 (two encodes, in any order), max, hmax, count_nonfinite.
 #include <cfloat>
 #include <cstdint>
 
@@ -189,15 +189,22 @@ struct Loops {
     return Coded{V::set1(s > 0.0f ? 1.0f / s : 0.0f)};
   }
 
-  // Encodes [b0, b1) of the first moment from mbuf and, with two moments, of the second from vbuf, in one loop
-  // (the two codes' lookups are independent chains that overlap).
+  // Encodes [b0, b1) of the first moment from mbuf and, with two moments, of the second from vbuf, two vectors
+  // per call to encode2 (whose lookups are independent chains that can overlap).
   static SWAPIO_INLINE void encode_block(const float* mbuf, uint8_t* mcodes, Coded mc, const QuantMap& mq,
                                          const float* vbuf, uint8_t* vcodes, Coded vc, const QuantMap* vq,
                                          int64_t b0, int64_t b1) {
     int64_t i = b0;
-    for (; i + W <= b1; i += W) {
-      V::encode(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq);
-      if (two) V::encode(vcodes + i, V::load(vbuf + (i - b0)), vc.inv, *vq);
+    if constexpr (two) {
+      for (; i + W <= b1; i += W) {
+        V::encode2(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq, vcodes + i, V::load(vbuf + (i - b0)), vc.inv, *vq);
+      }
+    } else {
+      for (; i + 2 * W <= b1; i += 2 * W) {
+        V::encode2(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq, mcodes + i + W, V::load(mbuf + (i + W - b0)),
+                   mc.inv, mq);
+      }
+      for (; i + W <= b1; i += W) V::encode(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq);
     }
     if (i < b1) {
       encode_tail(mbuf + (i - b0), mcodes + i, b1 - i, mc, mq);
