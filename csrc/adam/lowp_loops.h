@@ -94,26 +94,27 @@ struct Loops {
     return q;
   }
 
-  // Runs body(lane, i) on every W elements of [b, e); the last partial group on zero-padded stack copies
-  // (moments padded with `m_pad`/`v_pad` bytes), copied back after. Returns nothing; body sees global i.
+  // Runs body(lane, i) on every W elements of [b, e); the last partial group on zero-padded stack copies,
+  // copied back after. Body sees global i. (int8 moments do not pass through here: blockwise() keeps them in
+  // its block buffers.)
   template <class Body>
-  static SWAPIO_INLINE void groups(const LowpArgs& a, int64_t b, int64_t e, uint8_t m_pad, uint8_t v_pad, Body body) {
+  static SWAPIO_INLINE void groups(const LowpArgs& a, int64_t b, int64_t e, Body body) {
     int64_t i = b;
     for (; i + W <= e; i += W) body(at(a, i), i);
     if (i == e) return;
     const int64_t r = e - i;
-    alignas(64) float p[W] = {0}, g[W] = {0}, out[W] = {0}, m[W], v[W];
-    __builtin_memset(m, m_pad, sizeof m);
-    __builtin_memset(v, v_pad, sizeof v);
+    alignas(64) float p[W] = {0}, g[W] = {0}, out[W] = {0}, m[W] = {0}, v[W] = {0};
     const Lane src = at(a, i);
     __builtin_memcpy(p, src.p, r * 4);
     __builtin_memcpy(g, src.g, r * gs);
-    __builtin_memcpy(m, src.m, r * ss);
-    if (two) __builtin_memcpy(v, src.v, r * ss);
+    if (S != StateType::kInt8) {
+      __builtin_memcpy(m, src.m, r * ss);
+      if (two) __builtin_memcpy(v, src.v, r * ss);
+    }
     body(Lane{p, g, out, m, v}, i);
     __builtin_memcpy(src.p, p, r * 4);
     if (os) __builtin_memcpy(src.out, out, r * os);
-    if (S != StateType::kInt8) {  // int8 moments go to the block buffer, encoded by the caller
+    if (S != StateType::kInt8) {
       __builtin_memcpy(src.m, m, r * ss);
       if (two) __builtin_memcpy(src.v, v, r * ss);
     }
@@ -126,7 +127,7 @@ struct Loops {
 
   // fp32 and bf16 moments: element by element.
   static int64_t elementwise(const LowpArgs& a, int64_t b, int64_t e) {
-    groups(a, b, e, 0, 0, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
+    groups(a, b, e, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
       F p = V::load(q.p);
       F g = V::template load_grad<G>(q.g);
       F m = load_state(q.m), v = two ? load_state(q.v) : p;
@@ -145,7 +146,9 @@ struct Loops {
     return 0;
   }
 
-  // int8 moments: one block of kQuantBlock at a time; decode + step + absmax, then encode.
+  // int8 moments: one block of kQuantBlock at a time, in three passes over an L1-resident fp32 copy of its
+  // moments: decode, step + absmax, encode. (Fused in one pass, the decode's lookups and the step's divisions
+  // made one long chain per vector, and too few vectors fit in flight to hide it.)
   static int64_t blockwise(const LowpArgs& a, int64_t b, int64_t e) {
     alignas(64) float mbuf[kQuantBlock], vbuf[kQuantBlock];
     const QuantMap& mq = *a.m.map;
@@ -153,30 +156,45 @@ struct Loops {
     int64_t nonfinite = 0;
     for (int64_t b0 = b; b0 < e; b0 += kQuantBlock) {
       const int64_t b1 = b0 + kQuantBlock < e ? b0 + kQuantBlock : e, blk = b0 / kQuantBlock;
-      const F ms = V::set1(a.m.scale[blk]), vs = V::set1(two ? a.v.scale[blk] : 0.0f);
+      decode_block(static_cast<const uint8_t*>(a.m.data), mq, a.m.scale[blk], mbuf, b0, b1);
+      if (two) decode_block(static_cast<const uint8_t*>(a.v.data), *vq, a.v.scale[blk], vbuf, b0, b1);
       F mmax = V::set1(0.0f), vmax = V::set1(0.0f);
-      groups(a, b0, b1, static_cast<uint8_t>(mq.zero), two ? static_cast<uint8_t>(vq->zero) : 0,
-             [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
-               F p = V::load(q.p);
-               F g = V::template load_grad<G>(q.g);
-               F m = V::decode(static_cast<const uint8_t*>(q.m), mq.code, ms);
-               F v = two ? V::decode(static_cast<const uint8_t*>(q.v), vq->code, vs) : p;
-               Step::step(a, p, g, m, v);
-               V::store(q.p, p);
-               V::template store_out<O>(q.out, p);
-               V::store(mbuf + (i - b0), m);
-               mmax = V::max(mmax, V::abs_finite(m));
-               if (two) {
-                 V::store(vbuf + (i - b0), v);
-                 vmax = V::max(vmax, V::abs_finite(v));
-               }
-               nonfinite += V::count_nonfinite(m, two ? v : m);
-             });
+      // the lanes past b1 step the decoded zero code of the padding, as elementwise() steps its zero padding
+      groups(a, b0, b1, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
+        F p = V::load(q.p);
+        F g = V::template load_grad<G>(q.g);
+        F m = V::load(mbuf + (i - b0));
+        F v = two ? V::load(vbuf + (i - b0)) : p;
+        Step::step(a, p, g, m, v);
+        V::store(q.p, p);
+        V::template store_out<O>(q.out, p);
+        V::store(mbuf + (i - b0), m);
+        mmax = V::max(mmax, V::abs_finite(m));
+        if (two) {
+          V::store(vbuf + (i - b0), v);
+          vmax = V::max(vmax, V::abs_finite(v));
+        }
+        nonfinite += V::count_nonfinite(m, two ? v : m);
+      });
       const Coded mc = coded(a.m.scale + blk, V::hmax(mmax)), vc = two ? coded(a.v.scale + blk, V::hmax(vmax)) : mc;
       encode_block(mbuf, static_cast<uint8_t*>(a.m.data), mc, mq, vbuf, static_cast<uint8_t*>(a.v.data), vc, vq,
                    b0, b1);
     }
     return nonfinite;
+  }
+
+  // buf[0, b1 - b0) = the values of codes [b0, b1) with this block's scale; up to the next W, the zero code's.
+  static SWAPIO_INLINE void decode_block(const uint8_t* codes, const QuantMap& q, float scale, float* buf, int64_t b0,
+                                         int64_t b1) {
+    const F s = V::set1(scale);
+    int64_t i = b0;
+    for (; i + W <= b1; i += W) V::store(buf + (i - b0), V::decode(codes + i, q.code, s));
+    if (i < b1) {
+      alignas(64) uint8_t tail[W];
+      __builtin_memset(tail, q.zero, sizeof tail);
+      __builtin_memcpy(tail, codes + i, b1 - i);
+      V::store(buf + (i - b0), V::decode(tail, q.code, s));
+    }
   }
 
   // A block's scale (stored) and its inverse, which encode multiplies by.
