@@ -249,15 +249,18 @@ struct V {
     __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
     return mul(lookup<256>(table, idx), scale);
   }
+  // 1 where y > mid, else 0, for y in [0, 1] and mid > 0 (+inf included): non-negative floats order like their
+  // bits as integers, so the sign of mid - y as integers says it (integer ops only, no mask register between).
+  static SWAPIO_INLINE __m512i above(F y, F mid) {
+    return _mm512_srli_epi32(_mm512_sub_epi32(_mm512_castps_si512(mid), _mm512_castps_si512(y)), 31);
+  }
   // One level r of quant.h's binary search: t = 2t + (y > search[r][t]) (nothing past the map's depth).
   template <int r, int depth>
   static SWAPIO_INLINE void search_level(F y, const QuantMap& q, __m512i& t) {
     if constexpr (r < depth) {
-      const __mmask16 above = _mm512_cmp_ps_mask(y, lookup<(1 << r)>(q.search[r], t), _CMP_GT_OQ);
-      t = _mm512_mask_add_epi32(_mm512_add_epi32(t, t), above, _mm512_add_epi32(t, t), _mm512_set1_epi32(1));
+      t = _mm512_add_epi32(_mm512_add_epi32(t, t), above(y, lookup<(1 << r)>(q.search[r], t)));
     } else if constexpr (r == depth && depth < 8) {  // search_last is +inf at depth 8
-      t = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(y, _mm512_set1_ps(q.search_last), _CMP_GT_OQ), t,
-                                _mm512_set1_epi32(1));
+      t = _mm512_add_epi32(t, above(y, _mm512_set1_ps(q.search_last)));
     }
   }
   // k (the count of midpoints below y) of two vectors, their levels interleaved: each level waits on the one
