@@ -15,7 +15,10 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-IS_X86 = platform.machine() in ("x86_64", "AMD64", "i686")
+# SWAPIO_SCALAR_ONLY=1 leaves the per-ISA kernels out (the scalar level serves): the sanitized test build
+# uses it, since tests/native/run.sh --sanitize already runs every SIMD level under ASan and UBSan and those
+# files take minutes to compile with both.
+IS_X86 = platform.machine() in ("x86_64", "AMD64", "i686") and os.environ.get("SWAPIO_SCALAR_ONLY") != "1"
 ISA_TABLE = "csrc/isa_flags.txt"  # suffix -> flags, shared with tests/native/run.sh
 
 
