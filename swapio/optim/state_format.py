@@ -66,16 +66,15 @@ class StateFormat:
     def empty(self, name, p):
         """A new array for the whole of parameter p (shaped like p, but flat scales)."""
         p = shard(p)
-        if self.is_scale(name):
-            return torch.empty(quant.num_blocks(p.numel()), dtype=FP32)
-        return torch.empty(p.shape, dtype=self.dtype(name))
+        shape = (self.count(name, p.numel()),) if self.is_scale(name) else p.shape
+        return torch.empty(shape, dtype=self.dtype(name))
 
     def decode(self, views, name):
         """fp32 values of an exported field from the stored views of one slice ({field: view})."""
         view = views[name]
         if view.dtype == torch.uint8:
             return quant.dequantize(view, views[name + SCALE], signed=name not in _UNSIGNED)
-        return view.float() if view.dtype != FP32 else view
+        return view.float()  # the view itself when it is fp32
 
     def encode(self, views, name, values):
         """Stores fp32 values of an exported field into the views of one slice."""
@@ -86,11 +85,3 @@ class StateFormat:
             views[name + SCALE].copy_(scale)
         else:
             view.copy_(values.reshape(-1))
-
-    def bytes_per_element(self, name):
-        """Bytes an array takes per parameter element (int8 codes include their share of the scale)."""
-        if self.is_scale(name):
-            return 0.0  # counted with its moment
-        if self.dtype(name) == torch.uint8:
-            return quant.state_bytes_per_element("int8")
-        return float(torch.empty((), dtype=self.dtype(name)).element_size())
