@@ -21,6 +21,7 @@
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
 #include "adam/lowp_loops.h"
+#include "adam/quant_search.h"
 
 namespace swapio {
 namespace adam {
@@ -254,29 +255,35 @@ struct V {
   static SWAPIO_INLINE __m512i above(F y, F mid) {
     return _mm512_srli_epi32(_mm512_sub_epi32(_mm512_castps_si512(mid), _mm512_castps_si512(y)), 31);
   }
-  // One level r of quant.h's binary search: t = 2t + (y > search[r][t]) (nothing past the map's depth).
-  template <int r, int depth>
-  static SWAPIO_INLINE void search_level(F y, const QuantMap& q, __m512i& t) {
-    if constexpr (r < depth) {
-      t = _mm512_add_epi32(_mm512_add_epi32(t, t), above(y, lookup<(1 << r)>(q.search[r], t)));
-    } else if constexpr (r == depth && depth < 8) {  // search_last is +inf at depth 8
-      t = _mm512_add_epi32(t, above(y, _mm512_set1_ps(q.search_last)));
-    }
+  // quant.h's arithmetic search of k for y in [0, 1] (quant_search.h's quick_k, lane by lane); `in_band`: the
+  // lanes whose pos lies within kPosBand of an integer, where k must come from the bucket lookup instead.
+  static SWAPIO_INLINE __m512i quick_k(F y, const QuantMap& q, __mmask16& in_band) {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i b = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kRegionExpBase)),
+                                       _mm512_setzero_si512());
+    const __m512i below = _mm512_permutex2var_epi32(_mm512_load_si512(q.region_below), b,
+                                                    _mm512_load_si512(q.region_below + 16));
+    const F mid = _mm512_permutex2var_ps(_mm512_load_ps(q.region_mid), b, _mm512_load_ps(q.region_mid + 16));
+    const __m512i r = _mm512_add_epi32(below, above(y, mid));
+    const F pos = _mm512_sub_ps(mul(y, _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_scale))),
+                                _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_offset)));
+    __m512i c = _mm512_cvt_roundps_epi32(pos, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(1)),
+                         _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_parts)));
+    const F off = _mm512_abs_ps(_mm512_sub_ps(pos, _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    in_band = _mm512_cmp_ps_mask(off, _mm512_set1_ps(kPosBand), _CMP_LE_OQ);
+    return _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_first)), c);
   }
-  // k (the count of midpoints below y) of two vectors, their levels interleaved: each level waits on the one
-  // before, so two independent chains side by side keep the core busy.
-  template <int d0, int d1>
-  static SWAPIO_INLINE void search2(F y0, const QuantMap& q0, __m512i& t0, F y1, const QuantMap& q1, __m512i& t1) {
-    t0 = t1 = _mm512_setzero_si512();
-    search_level<0, d0>(y0, q0, t0), search_level<0, d1>(y1, q1, t1);
-    search_level<1, d0>(y0, q0, t0), search_level<1, d1>(y1, q1, t1);
-    search_level<2, d0>(y0, q0, t0), search_level<2, d1>(y1, q1, t1);
-    search_level<3, d0>(y0, q0, t0), search_level<3, d1>(y1, q1, t1);
-    search_level<4, d0>(y0, q0, t0), search_level<4, d1>(y1, q1, t1);
-    search_level<5, d0>(y0, q0, t0), search_level<5, d1>(y1, q1, t1);
-    search_level<6, d0>(y0, q0, t0), search_level<6, d1>(y1, q1, t1);
-    search_level<7, d0>(y0, q0, t0), search_level<7, d1>(y1, q1, t1);
-    search_level<8, d0>(y0, q0, t0), search_level<8, d1>(y1, q1, t1);
+  // The lanes in `lanes` of k, from the bucket lookup (rare: about one lane in 2000; out of line).
+  static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i k, __mmask16 lanes, const QuantMap& q) {
+    alignas(64) float ys[16];
+    alignas(64) int32_t ks[16];
+    _mm512_store_ps(ys, y);
+    _mm512_store_si512(ks, k);
+    for (int i = 0; i < 16; ++i) {
+      if (lanes >> i & 1) ks[i] = exact_k(q, ys[i]);
+    }
+    return _mm512_load_si512(ks);
   }
   // |x| * inv clamped to 1; 0 for a non-finite x.
   static SWAPIO_INLINE F unit(F x, F inv) {
@@ -297,11 +304,12 @@ struct V {
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
     const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
-    __m512i k0, k1;
-    if (q0.search_depth == 7 && q1.search_depth == 8) search2<7, 8>(y0, q0, k0, y1, q1, k1);
-    else if (q0.search_depth == 7 && q1.search_depth == 7) search2<7, 7>(y0, q0, k0, y1, q1, k1);
-    else if (q0.search_depth == 8 && q1.search_depth == 8) search2<8, 8>(y0, q0, k0, y1, q1, k1);
-    else search2<8, 7>(y0, q0, k0, y1, q1, k1);
+    __mmask16 band0, band1;
+    __m512i k0 = quick_k(y0, q0, band0), k1 = quick_k(y1, q1, band1);
+    if (__builtin_expect(band0 | band1, 0)) {
+      k0 = exact_lanes(y0, k0, band0, q0);
+      k1 = exact_lanes(y1, k1, band1, q1);
+    }
     store_codes(out0, x0, k0, q0);
     store_codes(out1, x1, k1, q1);
   }

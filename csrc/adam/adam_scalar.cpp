@@ -9,6 +9,7 @@
 #include "adam/adam_variants.h"
 #include "adam/adam_scalar_ops.h"
 #include "adam/lowp_loops.h"
+#include "adam/quant_search.h"
 
 namespace swapio {
 namespace adam {
@@ -114,9 +115,7 @@ struct V {
     const float ax = std::fabs(x);
     float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;
     y = y < 1.0f ? y : 1.0f;
-    const uint32_t bits = f32_bits(y), key = bits >> 16;
-    const uint32_t entry = q.bucket[key > kBucketKeyMin ? key - kBucketKeyMin : 0];
-    const int k = static_cast<int>((entry >> 16) + ((bits & 0xFFFFu) > (entry & 0xFFFFu)));
+    const int k = exact_k(q, y);
     if (q.is_signed && x < 0.0f) *out = static_cast<uint8_t>(q.zero - (k < q.max_neg_k ? k : q.max_neg_k));
     else *out = static_cast<uint8_t>(q.zero + k);
   }

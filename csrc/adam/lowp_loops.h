@@ -146,46 +146,126 @@ struct Loops {
     return 0;
   }
 
-  // int8 moments: one block of kQuantBlock at a time, in three passes over an L1-resident fp32 copy of its
-  // moments: decode, step + absmax, encode. (Fused in one pass, the decode's lookups and the step's divisions
-  // made one long chain per vector, and too few vectors fit in flight to hide it.)
+  // int8 moments, a block of kQuantBlock elements at a time through an L1-resident fp32 copy of its moments, in
+  // three stages: decode, step (+ the new absmax), encode (which needs the whole block's absmax). The stages are
+  // software-pipelined over blocks: a loop iteration decodes vectors of block n + 1, steps the same vectors of
+  // block n and encodes those of block n - 1. The three are independent chains bound by different units (table
+  // permutes, the divider, the code search), which the core then overlaps; run as one pass after another, each
+  // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
+  // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
+  // A block's scale (stored) and its inverse, which encode multiplies by.
+  struct Coded {
+    F inv;
+  };
+  static SWAPIO_INLINE Coded coded(float* scale, float absmax) {
+    const float s = absmax >= FLT_MIN ? absmax : 0.0f;  // tinier blocks store zeros
+    *scale = s;
+    return Coded{V::set1(s > 0.0f ? 1.0f / s : 0.0f)};
+  }
+
+  static constexpr int64_t kStride = two ? W : 2 * W;  // vectors per iteration: Lion encodes two at once
+
+  struct Slot {  // one block in flight
+    alignas(64) float m[kQuantBlock];
+    alignas(64) float v[kQuantBlock];
+    Coded mc, vc;
+  };
+
   static int64_t blockwise(const LowpArgs& a, int64_t b, int64_t e) {
-    alignas(64) float mbuf[kQuantBlock], vbuf[kQuantBlock];
-    const QuantMap& mq = *a.m.map;
-    const QuantMap* vq = two ? a.v.map : nullptr;
+    Slot slots[3];
+    const int64_t blocks = (e - b + kQuantBlock - 1) / kQuantBlock;
     int64_t nonfinite = 0;
-    for (int64_t b0 = b; b0 < e; b0 += kQuantBlock) {
-      const int64_t b1 = b0 + kQuantBlock < e ? b0 + kQuantBlock : e, blk = b0 / kQuantBlock;
-      decode_block(static_cast<const uint8_t*>(a.m.data), mq, a.m.scale[blk], mbuf, b0, b1);
-      if (two) decode_block(static_cast<const uint8_t*>(a.v.data), *vq, a.v.scale[blk], vbuf, b0, b1);
+    for (int64_t n = -1; n <= blocks; ++n) {  // n: the block stepped in this iteration
+      const bool dec = n + 1 < blocks, stp = n >= 0 && n < blocks, enc = n >= 1;
+      const int64_t b_dec = b + (n + 1) * kQuantBlock, b_stp = b_dec - kQuantBlock, b_enc = b_stp - kQuantBlock;
+      Slot& sd = slots[(n + 4) % 3];
+      Slot& ss = slots[(n + 3) % 3];
+      Slot& se = slots[(n + 2) % 3];
       F mmax = V::set1(0.0f), vmax = V::set1(0.0f);
-      // the lanes past b1 step the decoded zero code of the padding, as elementwise() steps its zero padding
-      groups(a, b0, b1, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
-        F p = V::load(q.p);
-        F g = V::template load_grad<G>(q.g);
-        F m = V::load(mbuf + (i - b0));
-        F v = two ? V::load(vbuf + (i - b0)) : p;
-        Step::step(a, p, g, m, v);
-        V::store(q.p, p);
-        V::template store_out<O>(q.out, p);
-        V::store(mbuf + (i - b0), m);
-        mmax = V::max(mmax, V::abs_finite(m));
-        if (two) {
-          V::store(vbuf + (i - b0), v);
-          vmax = V::max(vmax, V::abs_finite(v));
+      if (dec && stp && enc && b_dec + kQuantBlock <= e) {  // all three whole blocks
+        for (int64_t j = 0; j < kQuantBlock; j += kStride) {
+          // the step first: its chain through the divider is the longest, the other two fill its wait
+          step_vectors(a, b_stp, j, ss, mmax, vmax, nonfinite);
+          encode_vectors(a, b_enc, j, se);
+          decode_vectors(a, b_dec, j, sd);
         }
-        nonfinite += V::count_nonfinite(m, two ? v : m);
-      });
-      const Coded mc = coded(a.m.scale + blk, V::hmax(mmax)), vc = two ? coded(a.v.scale + blk, V::hmax(vmax)) : mc;
-      encode_block(mbuf, static_cast<uint8_t*>(a.m.data), mc, mq, vbuf, static_cast<uint8_t*>(a.v.data), vc, vq,
-                   b0, b1);
+      } else {
+        if (dec) decode_block(a, b_dec, end_of(b_dec, e), sd);
+        if (stp) {
+          const int64_t b1 = end_of(b_stp, e);
+          // the lanes past b1 step the decoded zero code of the padding, as elementwise() steps its zero padding
+          groups(a, b_stp, b1, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
+            step_lane(a, q, ss.m + (i - b_stp), ss.v + (i - b_stp), mmax, vmax, nonfinite);
+          });
+        }
+        if (enc) encode_block(a, b_enc, end_of(b_enc, e), se);
+      }
+      if (stp) {
+        const int64_t blk = b_stp / kQuantBlock;
+        ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
+        if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
+      }
     }
     return nonfinite;
   }
 
+  static SWAPIO_INLINE int64_t end_of(int64_t b0, int64_t e) { return b0 + kQuantBlock < e ? b0 + kQuantBlock : e; }
+
+  // One vector: the step on fp32 moments m[0, W) (and v), stored back; the running absmax and non-finite count.
+  static SWAPIO_INLINE void step_lane(const LowpArgs& a, const Lane& q, float* mb, float* vb, F& mmax, F& vmax,
+                                      int64_t& nonfinite) {
+    F p = V::load(q.p);
+    F g = V::template load_grad<G>(q.g);
+    F m = V::load(mb);
+    F v = two ? V::load(vb) : p;
+    Step::step(a, p, g, m, v);
+    V::store(q.p, p);
+    V::template store_out<O>(q.out, p);
+    V::store(mb, m);
+    mmax = V::max(mmax, V::abs_finite(m));
+    if (two) {
+      V::store(vb, v);
+      vmax = V::max(vmax, V::abs_finite(v));
+    }
+    nonfinite += V::count_nonfinite(m, two ? v : m);
+  }
+
+  // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.
+  static SWAPIO_INLINE void decode_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s) {
+    const int64_t blk = b0 / kQuantBlock;
+    const uint8_t* mcodes = static_cast<const uint8_t*>(a.m.data) + b0;
+    for (int64_t k = j; k < j + kStride; k += W) {
+      V::store(s.m + k, V::decode(mcodes + k, a.m.map->code, V::set1(a.m.scale[blk])));
+      if (two) {
+        V::store(s.v + k, V::decode(static_cast<const uint8_t*>(a.v.data) + b0 + k, a.v.map->code,
+                                    V::set1(a.v.scale[blk])));
+      }
+    }
+  }
+  static SWAPIO_INLINE void step_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s, F& mmax, F& vmax,
+                                         int64_t& nonfinite) {
+    for (int64_t k = j; k < j + kStride; k += W) step_lane(a, at(a, b0 + k), s.m + k, s.v + k, mmax, vmax, nonfinite);
+  }
+  static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
+    uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
+    if constexpr (two) {
+      V::encode2(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map, static_cast<uint8_t*>(a.v.data) + b0 + j,
+                 V::load(s.v + j), s.vc.inv, *a.v.map);
+    } else {
+      V::encode2(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map, mcodes + j + W, V::load(s.m + j + W), s.mc.inv,
+                 *a.m.map);
+    }
+  }
+
+  static SWAPIO_INLINE void decode_block(const LowpArgs& a, int64_t b0, int64_t b1, Slot& s) {
+    const int64_t blk = b0 / kQuantBlock;
+    decode_span(static_cast<const uint8_t*>(a.m.data), *a.m.map, a.m.scale[blk], s.m, b0, b1);
+    if (two) decode_span(static_cast<const uint8_t*>(a.v.data), *a.v.map, a.v.scale[blk], s.v, b0, b1);
+  }
+
   // buf[0, b1 - b0) = the values of codes [b0, b1) with this block's scale; up to the next W, the zero code's.
-  static SWAPIO_INLINE void decode_block(const uint8_t* codes, const QuantMap& q, float scale, float* buf, int64_t b0,
-                                         int64_t b1) {
+  static SWAPIO_INLINE void decode_span(const uint8_t* codes, const QuantMap& q, float scale, float* buf, int64_t b0,
+                                        int64_t b1) {
     const F s = V::set1(scale);
     int64_t i = b0;
     for (; i + W <= b1; i += W) V::store(buf + (i - b0), V::decode(codes + i, q.code, s));
@@ -197,36 +277,16 @@ struct Loops {
     }
   }
 
-  // A block's scale (stored) and its inverse, which encode multiplies by.
-  struct Coded {
-    F inv;
-  };
-  static SWAPIO_INLINE Coded coded(float* scale, float absmax) {
-    const float s = absmax >= FLT_MIN ? absmax : 0.0f;  // tinier blocks store zeros
-    *scale = s;
-    return Coded{V::set1(s > 0.0f ? 1.0f / s : 0.0f)};
-  }
-
-  // Encodes [b0, b1) of the first moment from mbuf and, with two moments, of the second from vbuf, two vectors
-  // per call to encode2 (whose lookups are independent chains that can overlap).
-  static SWAPIO_INLINE void encode_block(const float* mbuf, uint8_t* mcodes, Coded mc, const QuantMap& mq,
-                                         const float* vbuf, uint8_t* vcodes, Coded vc, const QuantMap* vq,
-                                         int64_t b0, int64_t b1) {
-    int64_t i = b0;
-    if constexpr (two) {
-      for (; i + W <= b1; i += W) {
-        V::encode2(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq, vcodes + i, V::load(vbuf + (i - b0)), vc.inv, *vq);
-      }
-    } else {
-      for (; i + 2 * W <= b1; i += 2 * W) {
-        V::encode2(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq, mcodes + i + W, V::load(mbuf + (i + W - b0)),
-                   mc.inv, mq);
-      }
-      for (; i + W <= b1; i += W) V::encode(mcodes + i, V::load(mbuf + (i - b0)), mc.inv, mq);
-    }
-    if (i < b1) {
-      encode_tail(mbuf + (i - b0), mcodes + i, b1 - i, mc, mq);
-      if (two) encode_tail(vbuf + (i - b0), vcodes + i, b1 - i, vc, *vq);
+  // Encodes [b0, b1) of a block from its slot (a partial block: the last of the range).
+  static SWAPIO_INLINE void encode_block(const LowpArgs& a, int64_t b0, int64_t b1, const Slot& s) {
+    const int64_t r = b1 - b0;
+    uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
+    int64_t j = 0;
+    for (; j + kStride <= r; j += kStride) encode_vectors(a, b0, j, s);
+    for (; j + W <= r; j += W) V::encode(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map);  // Lion's odd one
+    if (j < r) {
+      encode_tail(s.m + j, mcodes + j, r - j, s.mc, *a.m.map);
+      if (two) encode_tail(s.v + j, static_cast<uint8_t*>(a.v.data) + b0 + j, r - j, s.vc, *a.v.map);
     }
   }
 

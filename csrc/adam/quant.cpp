@@ -1,6 +1,8 @@
 // Builds the dynamic-tree maps of quant.h (baseline code, once).
 #include "adam/quant.h"
 
+#include "adam/quant_search.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,16 +30,44 @@ std::vector<float> magnitudes(bool is_signed) {
   return mags;  // signed: 1 + 127 + 1 = 129 values; unsigned: 1 + 254 + 1 = 256
 }
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// The tables of the arithmetic search (quant.h). Decade d's magnitudes are k = first(d) .. first(d) + parts(d) - 1;
+// the region midpoints are mid[first(d) - 1] for d = 0 .. 7 (first(7) = max_k: the midpoint below 1).
+void build_regions(QuantMap& q, bool& valid) {
+  static const double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+  const float inf = std::numeric_limits<float>::infinity();
+  int first[8];
+  first[0] = 1;
+  for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + (q.is_signed ? 1 << d : 2 << d);
+  float region[8];
+  for (int d = 0; d < 8; ++d) region[d] = q.mid[first[d] - 1];
+  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): pos = 0.5, k = first + 1
+    q.pos_scale[r] = 0.0f;
+    q.pos_offset[r] = -0.5f;
+    q.region_parts[r] = 1;
+    q.region_first[r] = r == 0 ? -1 : q.max_k - 1;
+  }
+  for (int d = 0; d < 7; ++d) {
+    const int parts = first[d + 1] - first[d];
+    q.pos_scale[d + 1] = static_cast<float>(parts / (0.9 * kDecade[d]));
+    q.pos_offset[d + 1] = static_cast<float>(0.1 * parts / 0.9);
+    q.region_parts[d + 1] = parts;
+    q.region_first[d + 1] = first[d] - 1;
+    for (int t = 1; t < parts; ++t) {  // inner midpoint t of the decade
+      if (std::fabs(quant_pos(q, d + 1, q.mid[first[d] + t - 1]) - static_cast<float>(t)) > kPosBand / 2) valid = false;
+    }
+  }
+  for (int b = 0; b < kRegionBinades; ++b) {  // binade b: [lo, hi), all y below 2^-30 for b = 0
+    const uint32_t e = kRegionExpBase + static_cast<uint32_t>(b);
+    const float lo = b == 0 ? 0.0f : scalar_ops::f32_from_bits(e << 23), hi = scalar_ops::f32_from_bits((e + 1) << 23);
+    int below = 0, inside = 0;
+    q.region_mid[b] = inf;
+    for (float m : region) {
+      below += m < lo;
+      if (m >= lo && m < hi) q.region_mid[b] = m, ++inside;
+    }
+    q.region_below[b] = below;
+    if (inside > 1) valid = false;  // one comparison must settle every y of the binade
+  }
 }
 
 struct Built {
@@ -58,30 +88,24 @@ Built build(bool is_signed) {
   for (int k = 1; k <= q.max_neg_k; ++k) q.code[q.zero - k] = -mags[k];
   const float inf = std::numeric_limits<float>::infinity();
   for (int k = 0; k < 256; ++k) q.mid[k] = k < max_k ? (mags[k] + mags[k + 1]) / 2.0f : inf;
-  q.search_depth = is_signed ? 7 : 8;
-  const int slots = 1 << q.search_depth;
-  for (int r = 0; r < 8; ++r) {
-    const int stride = r < q.search_depth ? 1 << (q.search_depth - r) : 0;
-    for (int t = 0; t < 128; ++t) q.search[r][t] = t < (1 << r) && stride ? q.mid[(2 * t + 1) * stride / 2 - 1] : inf;
-  }
-  q.search_last = q.mid[slots - 1];
   // count of midpoints strictly below y
   auto below = [&](float y) { return static_cast<int>(std::lower_bound(q.mid, q.mid + max_k, y) - q.mid); };
   b.valid = true;
   for (int idx = 0; idx < kBuckets; ++idx) {
     const uint32_t key = kBucketKeyMin + static_cast<uint32_t>(idx);
-    const float lo = idx == 0 ? 0.0f : from_bits(key << 16);
-    const float hi = key == kBucketKeyMax ? 1.0f : from_bits((key << 16) | 0xFFFFu);
+    const float lo = idx == 0 ? 0.0f : scalar_ops::f32_from_bits(key << 16);
+    const float hi = key == kBucketKeyMax ? 1.0f : scalar_ops::f32_from_bits((key << 16) | 0xFFFFu);
     const int first = below(lo);
     uint32_t low = 0xFFFFu;  // no midpoint in the bucket: y > mid[first] for none of its values
     if (below(hi) > first) {  // mid[first] lies in (lo, hi]: compare low halves (same top half)
-      const uint32_t mid_bits = bits_of(q.mid[first]);
+      const uint32_t mid_bits = scalar_ops::f32_bits(q.mid[first]);
       if (mid_bits >> 16 != key || idx == 0) b.valid = false;
       low = mid_bits & 0xFFFFu;
     }
     if (below(hi) - first > 1) b.valid = false;  // one comparison must settle every y of the bucket
     q.bucket[idx] = static_cast<uint32_t>(first) << 16 | low;
   }
+  build_regions(q, b.valid);
   return b;
 }
 

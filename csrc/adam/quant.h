@@ -11,8 +11,13 @@
 // found with one table load: y's top 16 bits pick a bucket, which holds at most one midpoint between codes;
 // the bucket's entry is (magnitudes below the bucket) << 16 | (low 16 bits of its midpoint, or 0xFFFF when it
 // has none), and k = entry >> 16, plus one when y's low 16 bits exceed the entry's.
-// The same k is the result of a branchless binary search over mid (`search`), which the AVX-512 kernel does with
-// register permutes instead of gathers (gathers are slow on CPUs with the Gather Data Sampling microcode fix).
+// The AVX-512 kernel, where gathers are slow (CPUs with the Gather Data Sampling microcode fix), finds the same k
+// by arithmetic (quant_search.h): y's binade says how many region midpoints (those around 0, between decades,
+// and below 1) lie below it, up to one comparison with the region midpoint inside that binade; within a decade
+// the magnitudes are evenly spaced, so pos = y * pos_scale - pos_offset puts the decade's t-th inner midpoint at
+// pos ~ t, and k = first + clamp(ceil(pos), 1, parts). That is the exact k whenever pos lies farther than
+// kPosBand from every integer: every inner midpoint's pos is within kPosBand / 2 of its integer (checked when
+// the maps are built), and pos only grows with y. The rare y within the band take the bucket lookup.
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -27,16 +32,23 @@ constexpr uint32_t kBucketKeyMin = (127u - 24u) << 7;
 constexpr uint32_t kBucketKeyMax = 0x3F80u;  // top 16 bits of 1.0f
 constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
 
+// Region tables: binades 2^-31 .. 2^0 by y's exponent field (all smaller y share the first); regions 0 .. 8 (y
+// below the first nonzero magnitude's midpoint, the 7 decades, y above the last midpoint), padded to 16.
+constexpr int kRegionBinades = 32;
+constexpr uint32_t kRegionExpBase = 127u - 31u;
+constexpr int kRegions = 16;
+constexpr float kPosBand = 1.0f / 4096;
+
 struct QuantMap {
   float code[256];         // code value of each 8-bit code, ascending
   float mid[256];          // mid[k]: midpoint between magnitudes k and k+1; +inf from max_k on
   uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
-  // Binary search: with t = 0, at each level r = 0 .. search_depth-1: t = 2t + (y > search[r][t]); then
-  // t += (y > search_last). search[r][t] = mid[(2t+1) * 2^(depth-1-r) - 1] (+inf beyond 2^r): t ends as the
-  // count of midpoints below y, k. Depth 7 (signed: 128 slots) or 8 (unsigned: 256).
-  alignas(64) float search[8][128];
-  float search_last;       // mid[2^depth - 1]: +inf for the unsigned map, mid[127] for the signed one
-  int32_t search_depth;
+  alignas(64) float region_mid[kRegionBinades];  // the region midpoint inside each binade, or +inf
+  alignas(64) int32_t region_below[kRegionBinades];  // region midpoints below each binade
+  alignas(64) float pos_scale[kRegions];  // per region: pos = y * pos_scale - pos_offset (two roundings)
+  alignas(64) float pos_offset[kRegions];
+  alignas(64) int32_t region_first[kRegions];  // k = region_first + clamp(ceil(pos), 1, region_parts)
+  alignas(64) int32_t region_parts[kRegions];
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
@@ -47,7 +59,8 @@ struct QuantMap {
 const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
-// True when every bucket holds at most one midpoint (checked when the maps are built; tests assert it).
+// True when every bucket holds at most one midpoint, every binade at most one region midpoint, and every inner
+// midpoint's pos lies within kPosBand / 2 of its integer (checked when the maps are built; tests assert it).
 bool quant_maps_valid();
 
 }  // namespace adam
