@@ -84,3 +84,20 @@ def test_native_registry_is_what_the_handle_and_info_use():
         with pytest.raises(ValueError, match=f"{name} must be between 1 and"):
             swapio.AioHandle(engine="null", **{name: limit + 1})
     swapio.AioHandle(block_size=_C.MAX_BLOCK_SIZE, queue_depth=_C.MAX_QUEUE_DEPTH, engine="null").close()
+
+
+def test_engine_traits_in_the_registry_match_what_the_engines_do(tmp_path):
+    """swapio._C.DATA_ENGINES (what bench --verify and info read) names exactly the engines whose writes land."""
+    import torch
+    from swapio import _C
+    data = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
+    for name, status in swapio.info()["engines"].items():
+        if status != "ok":
+            continue
+        path = tmp_path / name
+        path.write_bytes(bytes(data.numel()))
+        with swapio.AioHandle(block_size=4096, queue_depth=8, engine=name) as h:
+            h.pwrite(data, str(path)).wait()
+        landed = path.read_bytes() == data.numpy().tobytes()
+        assert landed == (name in _C.DATA_ENGINES), name
+    assert set(_C.SYNC_ENGINES) <= set(_C.ENGINES) and set(_C.DATA_ENGINES) <= set(_C.ENGINES)

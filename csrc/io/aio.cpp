@@ -79,6 +79,6 @@ void aio_cleanup(void* ctx) {
 
 }  // namespace
 
-const EngineOps aio_engine = {"aio", false, aio_init, aio_submit, aio_reap, aio_cleanup};
+const EngineOps aio_engine = {"aio", false, true, aio_init, aio_submit, aio_reap, aio_cleanup};
 
 }  // namespace swapio::io

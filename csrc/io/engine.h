@@ -27,6 +27,8 @@ struct EngineOps {
   // Completes pieces inside submit() (psync, null): the handle then submits one piece at a time, so each
   // piece's latency is its own (like fio's FIO_SYNCIO engines).
   bool sync;
+  // Reads and writes the file's bytes (all but null, which completes pieces without touching them).
+  bool moves_data;
   // Creates a context able to hold `depth` pieces in flight.
   int (*init)(unsigned depth, void** ctx);
   // Queues up to n pieces; returns how many were taken (0 = busy: reap first) or -errno.

@@ -103,8 +103,8 @@ void fault_cleanup(void* c) {
 
 int fault_init(unsigned, void**) { return -EINVAL; }  // contexts come from wrap_with_faults
 
-const EngineOps fault_sync = {"fault", true, fault_init, fault_submit, fault_reap, fault_cleanup};
-const EngineOps fault_async = {"fault", false, fault_init, fault_submit, fault_reap, fault_cleanup};
+const EngineOps fault_sync = {"fault", true, true, fault_init, fault_submit, fault_reap, fault_cleanup};
+const EngineOps fault_async = {"fault", false, true, fault_init, fault_submit, fault_reap, fault_cleanup};
 
 }  // namespace
 

@@ -16,6 +16,6 @@ int null_submit(void* ctx, Piece** pieces, int n) {
 
 }  // namespace
 
-const EngineOps null_engine = {"null", true, inline_init, null_submit, inline_reap, inline_cleanup};
+const EngineOps null_engine = {"null", true, false, inline_init, null_submit, inline_reap, inline_cleanup};
 
 }  // namespace swapio::io

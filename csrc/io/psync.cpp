@@ -27,6 +27,6 @@ int psync_submit(void* ctx, Piece** pieces, int n) {
 
 }  // namespace
 
-const EngineOps psync_engine = {"psync", true, inline_init, psync_submit, inline_reap, inline_cleanup};
+const EngineOps psync_engine = {"psync", true, true, inline_init, psync_submit, inline_reap, inline_cleanup};
 
 }  // namespace swapio::io

@@ -159,6 +159,6 @@ void uring_cleanup(void* ctx) {
 
 }  // namespace
 
-const EngineOps uring_engine = {"uring", false, uring_init, uring_submit, uring_reap, uring_cleanup};
+const EngineOps uring_engine = {"uring", false, true, uring_init, uring_submit, uring_reap, uring_cleanup};
 
 }  // namespace swapio::io

@@ -111,6 +111,14 @@ py::tuple engine_names(const std::vector<const io::EngineOps*>& engines) {
   return out;
 }
 
+// The engines with a trait of io/engine.h's EngineOps (sync, moves_data).
+std::vector<const io::EngineOps*> engines_where(bool io::EngineOps::*trait) {
+  std::vector<const io::EngineOps*> out;
+  for (const io::EngineOps* ops : io::all_engines())
+    if (ops->*trait) out.push_back(ops);
+  return out;
+}
+
 // What engine="auto" opens here: the SWAPIO_ENGINE override, else the first usable engine in auto order.
 py::object auto_engine() {
   const std::string wanted = io::resolve_engine_request("auto");
@@ -228,6 +236,8 @@ PYBIND11_MODULE(_C, m) {
   // The registry the Python layer reads instead of restating it.
   m.attr("ENGINES") = engine_names(io::all_engines());
   m.attr("AUTO_ENGINE_ORDER") = engine_names(io::auto_engine_order());
+  m.attr("SYNC_ENGINES") = engine_names(engines_where(&io::EngineOps::sync));  // threads are their parallelism
+  m.attr("DATA_ENGINES") = engine_names(engines_where(&io::EngineOps::moves_data));  // all but null
   m.attr("MAX_BLOCK_SIZE") = io::kMaxBlockSize;
   m.attr("MAX_QUEUE_DEPTH") = io::kMaxQueueDepth;
   m.attr("MAX_THREADS") = io::kMaxThreads;

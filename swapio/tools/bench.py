@@ -85,9 +85,9 @@ class BenchConfig:
             raise BenchError("--fio-first needs --compare-fio")
         if self.fio_first and self.verify:
             raise BenchError("--fio-first and --verify don't mix (fio's writes would replace the pattern)")
-        if self.verify and self.engine == "null":
+        if self.verify and self.engine not in _C.DATA_ENGINES + ("auto",):
             raise BenchError("--verify needs a real engine (null moves no data)")
-        if self.compare_fio and self.engine == "null":
+        if self.compare_fio and self.engine not in _C.DATA_ENGINES + ("auto",):
             raise BenchError("--compare-fio needs a real engine (not null)")
 
 

@@ -1,4 +1,5 @@
 """`swapio info` as text: what swapio.info() returns, one fact per line."""
+from .. import _C
 
 
 def _engines(data):
@@ -7,7 +8,7 @@ def _engines(data):
         mark = "usable" if status == "ok" else f"unavailable ({status})"
         if name == data.get("auto_engine"):
             mark += ", picked by engine=\"auto\""
-        if name == "null":
+        if name not in _C.DATA_ENGINES:
             mark += ", no I/O (testing)"
         lines.append(f"  {name:6} {mark}")
     return lines

@@ -181,7 +181,7 @@ class _Sweeper:
         self.buffer = loadgen.pinned_buffer(chunk, True)
 
     def valid(self, engine, bs, qd, th):
-        inflight = bs * (1 if engine == "psync" else qd) * th
+        inflight = bs * (1 if engine in _C.SYNC_ENGINES else qd) * th
         return inflight <= MAX_INFLIGHT and bs * th <= self.cfg.size
 
     def out_of_time(self):
@@ -219,15 +219,15 @@ class _Sweeper:
         pts = [p for p in self.points.values() if p.op == op and (engine is None or p.engine == engine)]
         return max(pts, key=lambda p: p.median) if pts else None
 
-    # psync runs its pieces one at a time per worker: threads are its parallelism, its depth stays 1
+    # a sync engine (psync) runs its pieces one at a time per worker: threads are its parallelism, depth stays 1
     def axes(self, engine):
         c = self.cfg
-        if engine == "psync":
+        if engine in _C.SYNC_ENGINES:
             return "threads", c.threads
         return "iodepth", c.depths
 
     def key_of(self, engine, bs, x, th=1):
-        return (bs, 1, x) if engine == "psync" else (bs, x, th)
+        return (bs, 1, x) if engine in _C.SYNC_ENGINES else (bs, x, th)
 
     def coarse(self, op, engine):
         _, xs = self.axes(engine)
@@ -258,7 +258,7 @@ class _Sweeper:
                 return
 
     def more_threads(self, op, engine):
-        if engine == "psync":
+        if engine in _C.SYNC_ENGINES:
             return
         cur = self.best_of(op, engine)
         for th in self.cfg.threads:
@@ -394,12 +394,12 @@ def plot(result, path):
         vmax = max((p.median for p in pts), default=1.0)
         for col, engine in enumerate(engines):
             ax = axes[r][col]
-            xs = c.threads if engine == "psync" else c.depths
+            xs = c.threads if engine in _C.SYNC_ENGINES else c.depths
             grid = np.full((len(c.block_sizes), len(xs)), np.nan)
             for p in pts:
                 if p.engine != engine or p.bs not in c.block_sizes:
                     continue
-                x = p.threads if engine == "psync" else p.iodepth
+                x = p.threads if engine in _C.SYNC_ENGINES else p.iodepth
                 if x in xs:
                     i, j = c.block_sizes.index(p.bs), xs.index(x)
                     grid[i, j] = np.nanmax([grid[i, j], p.median])
@@ -411,13 +411,13 @@ def plot(result, path):
                             color="white" if v < 0.6 * vmax else "black")
             eng, bs, qd, th = result.best[op]
             if eng == engine and bs in c.block_sizes:
-                x = th if engine == "psync" else qd
+                x = th if engine in _C.SYNC_ENGINES else qd
                 if x in xs:
                     ax.add_patch(plt.Rectangle((xs.index(x) - 0.5, c.block_sizes.index(bs) - 0.5), 1, 1,
                                                fill=False, edgecolor="red", linewidth=2))
             ax.set_xticks(range(len(xs)), [str(x) for x in xs], fontsize=7)
             ax.set_yticks(range(len(c.block_sizes)), [report.fmt_size(b) for b in c.block_sizes], fontsize=7)
-            ax.set_xlabel("threads" if engine == "psync" else "queue depth", fontsize=8)
+            ax.set_xlabel("threads" if engine in _C.SYNC_ENGINES else "queue depth", fontsize=8)
             ax.set_ylabel("block size", fontsize=8)
             ax.set_title(f"{op}, {engine}", fontsize=9)
             ax.set_facecolor("#eeeeee")

@@ -29,17 +29,45 @@ constexpr int kPass = 0, kFail = 1, kSkip = 77;
     }                                                                                 \
   } while (0)
 
-// A scratch directory in the working directory (a real disk: /tmp may be tmpfs), removed at exit.
+// A scratch directory under build/ (a real disk: /tmp may be tmpfs, where O_DIRECT fails; and ignored by git),
+// removed by its destructor, or at exit when a failed CHECK exits past the destructor (in the process that made
+// it: a forked child's exit leaves its parent's directories alone).
 struct ScratchDir {
   std::string path;
   ScratchDir() {
-    char tmpl[] = "./swapio-native-XXXXXX";
+    CHECK(std::system("mkdir -p build/scratch") == 0);
+    char tmpl[] = "build/scratch/swapio-native-XXXXXX";
     char* p = mkdtemp(tmpl);
     CHECK(p != nullptr);
     path = p;
+    live().push_back(path);
+    owner() = getpid();
+    static const bool registered = std::atexit(remove_live) == 0;
+    (void)registered;
   }
-  ~ScratchDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~ScratchDir() {
+    remove(path);
+    auto& l = live();
+    for (size_t i = 0; i < l.size(); ++i) {
+      if (l[i] == path) l.erase(l.begin() + static_cast<long>(i));
+    }
+  }
   std::string file(const std::string& name) const { return path + "/" + name; }
+
+ private:
+  static std::vector<std::string>& live() {
+    static std::vector<std::string> dirs;
+    return dirs;
+  }
+  static void remove(const std::string& dir) { std::system(("rm -rf '" + dir + "'").c_str()); }
+  static pid_t& owner() {
+    static pid_t pid = 0;
+    return pid;
+  }
+  static void remove_live() {
+    if (getpid() != owner()) return;
+    for (const auto& dir : live()) remove(dir);
+  }
 };
 
 inline std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
