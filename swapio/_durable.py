@@ -43,12 +43,22 @@ def is_file(path, ident):
     return (st.st_dev, st.st_ino) == ident
 
 
+def discard(*paths):
+    """Removes each path (a file, or a directory if it is empty), quietly: one already gone, or a directory
+    that still holds someone else's files, stays as it is."""
+    for path in paths:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 def remove_others(directory, prefix, suffixes, keep):
     """Removes the files in directory named prefix...suffix (one of suffixes) but keep: data of earlier commits and
     of interrupted ones."""
     for name in os.listdir(directory):
         if name != keep and name.startswith(prefix) and name.endswith(tuple(suffixes)):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+            discard(os.path.join(directory, name))

@@ -23,6 +23,7 @@ import signal
 import tempfile
 import threading
 
+from . import _durable
 from ._errors import warn_once
 
 LOCK_NAME = ".swapio-owner"
@@ -103,17 +104,10 @@ class Owner:
         if self.private:
             shutil.rmtree(self.directory, ignore_errors=True)
         else:
-            for path in list(self.files):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            _durable.discard(*self.files)
         self.release()
         if self.created and not self.private:
-            try:
-                os.rmdir(self.directory)
-            except OSError:
-                pass
+            _durable.discard(self.directory)
 
 
 def claim(directory, created):

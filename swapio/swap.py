@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from . import _checksum, _swapdir, cuda_copy
+from . import _checksum, _durable, _swapdir, cuda_copy
 from ._closeable import Closeable
 from ._errors import check_path
 from .handle import AioHandle
@@ -197,10 +197,7 @@ class SwapStore(Closeable):
             if own_handle is not None:
                 own_handle.close()
             if created:
-                try:
-                    os.rmdir(directory)
-                except OSError:
-                    pass
+                _durable.discard(directory)
             raise
         self.directory = directory
         self.handle = handle if handle is not None else own_handle
@@ -313,10 +310,7 @@ class SwapStore(Closeable):
             self.handle.close()
         self._owner.release()
         if self._owner.created:
-            try:
-                os.rmdir(self.directory)
-            except OSError:
-                pass  # not empty: someone else's files are there
+            _durable.discard(self.directory)  # kept if someone else's files are there
         if first_error is not None:
             raise first_error
 

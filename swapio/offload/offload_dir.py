@@ -119,16 +119,7 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
         _durable.write_and_replace(tmp_index, os.path.join(directory, INDEX), lambda f: json.dump(index, f),
                                    mode="w")
     except BaseException:
-        for leftover in (tmp_data, tmp_index, data_path):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
-        if created:
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
+        _durable.discard(tmp_data, tmp_index, data_path, *([directory] if created else []))
         raise
     _durable.remove_others(directory, DATA_PREFIX, (DATA_SUFFIX,), keep=data_name)  # earlier offloads' data
     return locations
