@@ -12,6 +12,7 @@ import threading
 import warnings
 
 from .. import _C
+from . import memplan, report
 from .errors import PathError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
@@ -28,28 +29,20 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
 
 
-def _size(text):
-    from .report import parse_size
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _arg_type(parse):
+    """An argparse type from a parser that raises ValueError: its message becomes argparse's usage error."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__  # argparse names the type in some messages
+    return convert
 
 
-def _duration(text):
-    from .report import parse_duration
-    try:
-        return parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _count(text):
-    from .memplan import parse_count
-    try:
-        return parse_count(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_size = _arg_type(report.parse_size)
+_duration = _arg_type(report.parse_duration)
+_count = _arg_type(memplan.parse_count)
 
 
 def _int(text):
@@ -156,7 +149,6 @@ def _demo_parser(sub):
 
 
 def _plan_parser(sub):
-    from . import memplan
     p = sub.add_parser("plan", help="memory arithmetic: where weights, gradients and optimizer state fit",
                        description="Bytes per parameter for weights, gradients and optimizer state; where they "
                                    "sit with and without swapio's optimizer offload (GPU, RAM, disk), whether "
@@ -211,8 +203,7 @@ def _tune_parser(sub):
 
 
 def fmt(n):
-    from .report import fmt_size
-    return fmt_size(n)
+    return report.fmt_size(n)
 
 
 def _info_parser(sub):
@@ -267,8 +258,7 @@ def _check_output_path(path, what="--output"):
 
 def _emit(text, output):
     if output:
-        from .report import write_text_atomic
-        write_text_atomic(output, text + "\n")
+        report.write_text_atomic(output, text + "\n")
     else:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
@@ -276,7 +266,7 @@ def _emit(text, output):
 
 # --- commands
 def _run_bench(args):
-    from . import bench, report
+    from . import bench
     if args.output:
         _check_output_path(args.output)
     cfg = bench.BenchConfig(rw=args.rw, bs=args.bs, iodepth=args.iodepth, threads=args.threads, size=args.size,
