@@ -1,5 +1,7 @@
 """The child side of test_crash_save: imported once by the fork server (preload), so each saver process starts
 warm (torch, swapio and the optimizer's lazily imported pieces are loaded already)."""
+import signal
+
 import torch
 
 import swapio.optim as so
@@ -22,6 +24,9 @@ def uniform_state(opt, k):
 
 def saver(mode, swap_dir, ckpt, first, saved, saving):
     """Child: saves checkpoints first, first+1, ... until killed; saved.value: the last save that returned."""
+    # Ctrl-C raises here even when the test runs where SIGINT is ignored (a non-interactive shell's background
+    # job), which the fork server and its children would otherwise inherit.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     opt = make_optimizer(mode, swap_dir)
     k = first
     while True:

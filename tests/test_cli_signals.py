@@ -15,7 +15,10 @@ def test_signal_mid_run_removes_the_temporary_file(tmp_path, sig, status):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "swapio", "bench", "--dir", str(tmp_path), "--size", "8M",
                              "--bs", "256K", "--runtime", "60", "-q"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # SIGINT at its default even where the tests run with it ignored (a background
+                            # job of a non-interactive shell): Python then installs its Ctrl-C handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not any(f.startswith("swapio-bench-") for f in os.listdir(tmp_path)):
