@@ -146,13 +146,6 @@ struct Loops {
     return 0;
   }
 
-  // int8 moments, a block of kQuantBlock elements at a time through an L1-resident fp32 copy of its moments, in
-  // three stages: decode, step (+ the new absmax), encode (which needs the whole block's absmax). The stages are
-  // software-pipelined over blocks: a loop iteration decodes vectors of block n + 1, steps the same vectors of
-  // block n and encodes those of block n - 1. The three are independent chains bound by different units (table
-  // permutes, the divider, the code search), which the core then overlaps; run as one pass after another, each
-  // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
-  // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
   // A block's scale (stored) and its inverse, which encode multiplies by.
   struct Coded {
     F inv;
@@ -163,6 +156,13 @@ struct Loops {
     return Coded{V::set1(s > 0.0f ? 1.0f / s : 0.0f)};
   }
 
+  // int8 moments, a block of kQuantBlock elements at a time through an L1-resident fp32 copy of its moments, in
+  // three stages: decode, step (+ the new absmax), encode (which needs the whole block's absmax). The stages are
+  // software-pipelined over blocks: a loop iteration decodes vectors of block n + 1, steps the same vectors of
+  // block n and encodes those of block n - 1. The three are independent chains bound by different units (table
+  // permutes, the divider, the code search), which the core then overlaps; run as one pass after another, each
+  // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
+  // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
   static constexpr int64_t kStride = two ? W : 2 * W;  // vectors per iteration: Lion encodes two at once
 
   struct Slot {  // one block in flight
