@@ -274,7 +274,7 @@ struct V {
     in_band = _mm512_cmp_ps_mask(off, _mm512_set1_ps(kPosBand), _CMP_LE_OQ);
     return _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_first)), c);
   }
-  // The lanes in `lanes` of k, from the bucket lookup (rare: about one lane in 2000; out of line).
+  // The lanes in `lanes` of k, from the bucket lookup (rare: the band is 2^-11 wide around each integer; out of line).
   static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i k, __mmask16 lanes, const QuantMap& q) {
     alignas(64) float ys[16];
     alignas(64) int32_t ks[16];

@@ -13,14 +13,18 @@ namespace swapio {
 namespace adam {
 namespace {
 
+constexpr double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+
+// Magnitudes of decade i of a map: more in the upper decades, twice as many in the unsigned map.
+int parts_of(bool is_signed, int i) { return is_signed ? 1 << i : 2 << i; }
+
 // Positive magnitudes of a map, ascending, starting with 0 and ending with 1: per decade i (values
-// 10^(i-6) * [0.1, 1)), `per_decade(i)` evenly spaced means of the intervals that split [0.1, 1] into that
+// 10^(i-6) * [0.1, 1)), parts_of(i) evenly spaced means of the intervals that split [0.1, 1] into that
 // many parts. Computed in double, rounded to float once (the Python reference does the same).
 std::vector<float> magnitudes(bool is_signed) {
-  static const double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
   std::vector<float> mags{0.0f};
   for (int i = 0; i < 7; ++i) {
-    const int parts = is_signed ? (1 << i) : (2 << i);
+    const int parts = parts_of(is_signed, i);
     for (int j = 0; j < parts; ++j) {
       const double mean = 0.1 + 0.9 * (j + 0.5) / parts;
       mags.push_back(static_cast<float>(kDecade[i] * mean));
@@ -33,11 +37,10 @@ std::vector<float> magnitudes(bool is_signed) {
 // The tables of the arithmetic search (quant.h). Decade d's magnitudes are k = first(d) .. first(d) + parts(d) - 1;
 // the region midpoints are mid[first(d) - 1] for d = 0 .. 7 (first(7) = max_k: the midpoint below 1).
 void build_regions(QuantMap& q, bool& valid) {
-  static const double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
   const float inf = std::numeric_limits<float>::infinity();
   int first[8];
   first[0] = 1;
-  for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + (q.is_signed ? 1 << d : 2 << d);
+  for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + parts_of(q.is_signed, d);
   float region[8];
   for (int d = 0; d < 8; ++d) region[d] = q.mid[first[d] - 1];
   for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): pos = 0.5, k = first + 1

@@ -85,9 +85,10 @@ class BenchConfig:
             raise BenchError("--fio-first needs --compare-fio")
         if self.fio_first and self.verify:
             raise BenchError("--fio-first and --verify don't mix (fio's writes would replace the pattern)")
-        if self.verify and self.engine not in _C.DATA_ENGINES + ("auto",):
+        moves_data = self.engine == "auto" or self.engine in _C.DATA_ENGINES
+        if self.verify and not moves_data:
             raise BenchError("--verify needs a real engine (null moves no data)")
-        if self.compare_fio and self.engine not in _C.DATA_ENGINES + ("auto",):
+        if self.compare_fio and not moves_data:
             raise BenchError("--compare-fio needs a real engine (not null)")
 
 
