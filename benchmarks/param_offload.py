@@ -11,8 +11,12 @@ rotates from one round to the next. Per round:
   swapio       disk_offload(meta model, checkpoint=...): the first forward (batch 1 x --tokens), cold
   accelerate   accelerate.disk_offload(meta model, offload folder): the same forward, cold
   resident     the model in RAM: the same forward (compute only)
-  read         the checkpoint read whole by swapio into pinned buffers, for a few handle configurations;
-               the best one's bandwidth gives the I/O bound: weight bytes / best bandwidth
+  read         the checkpoint read whole by swapio into pinned buffers, once per handle configuration (their
+               order rotating too); the best configuration is the one with the highest median bandwidth over
+               the rounds, and its median gives the I/O bound: weight bytes / that bandwidth. (The highest read
+               of each round, whichever configuration made it, is printed too: on a disk whose identical reads
+               vary by +-15 %, that maximum of a few noisy samples runs above what any one configuration
+               delivers, and is no configuration's bandwidth.)
   load-st      safetensors.torch.load_file(checkpoint), cold (its default mmap backend)
   load-st-pread  the same with backend="pread"
   load-swapio  swapio.offload.load_file(checkpoint), cold
@@ -149,7 +153,8 @@ def child(args):
         piece = 64 * MiB
         bufs = [swapio.empty_pinned(piece, torch.uint8) for _ in range(4)]
         out["configs"] = []
-        for cfg in READ_CONFIGS:
+        shift = args.round % len(READ_CONFIGS)
+        for cfg in READ_CONFIGS[shift:] + READ_CONFIGS[:shift]:
             with swapio.AioHandle(**cfg) as h:
                 def read_all():
                     pending = []
@@ -202,7 +207,8 @@ def write_checkpoint(args, path):
 
 
 def run_child(args, name, extra=()):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dir", args.dir, "--layers", str(args.layers),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--round", str(args.round),
+           "--dir", args.dir, "--layers", str(args.layers),
            "--width", str(args.width), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
            "--buffer-mib", str(args.buffer_mib), "--prefetch", str(args.prefetch),
            "--cpu-threads", str(args.cpu_threads or 0), *extra]
@@ -231,6 +237,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--handle", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.cpu_threads = args.cpu_threads or None
@@ -260,6 +267,7 @@ def main(argv=None):
         names = ["swapio", "accelerate", "resident", "read", "load-st", "load-st-pread", "load-swapio"]
         runs = {n: [] for n in names}
         for r in range(args.repeats):
+            args.round = r
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 res = run_child(args, n)
@@ -273,15 +281,23 @@ def main(argv=None):
 
     med = {n: statistics.median(x["seconds"] for x in runs[n]) for n in names if n != "read"}
     rss = {n: statistics.median(x["rss"] for x in runs[n]) for n in names if n != "read"}
-    best = [max(c["GBps"] for c in res["configs"]) for res in runs["read"]]
-    bw = statistics.median(best)
+    key = lambda c: json.dumps({k: c[k] for k in READ_CONFIGS[0]}, sort_keys=True)  # noqa: E731
+    by_config = {key(c): [] for c in READ_CONFIGS}
+    for res in runs["read"]:
+        for c in res["configs"]:
+            by_config[key(c)].append(c["GBps"])
+    best_config = max(by_config, key=lambda k: statistics.median(by_config[k]))
+    bw = statistics.median(by_config[best_config])
+    luckiest = statistics.median(max(c["GBps"] for c in res["configs"]) for res in runs["read"])
     io_bound = weight_bytes / 1e9 / bw
     bound = max(io_bound, med["resident"])
     per_round = [s["seconds"] / max(weight_bytes / 1e9 / b, res["seconds"])
-                 for s, b, res in zip(runs["swapio"], best, runs["resident"])]
+                 for s, b, res in zip(runs["swapio"], by_config[best_config], runs["resident"])]
     result = {"weight_bytes": weight_bytes, "cold": cold, "median_s": med, "peak_rss_growth": rss,
-              "best_read_GBps": bw, "read_configs": runs["read"], "io_bound_s": io_bound,
+              "best_config": json.loads(best_config), "best_read_GBps": bw, "read_GBps_by_config": by_config,
+              "luckiest_read_GBps": luckiest, "read_configs": runs["read"], "io_bound_s": io_bound,
               "swapio_vs_bound": med["swapio"] / bound, "swapio_vs_bound_per_round": per_round,
+              "swapio_vs_luckiest_bound": med["swapio"] / max(weight_bytes / 1e9 / luckiest, med["resident"]),
               "accelerate_over_swapio": med["accelerate"] / med["swapio"],
               "load_st_over_swapio": med["load-st"] / med["load-swapio"], "runs": runs}
     if args.json:
@@ -292,9 +308,14 @@ def main(argv=None):
     rows = [(n, f"{med[n]:.2f}", f"{rss[n] / MiB:.0f}") for n in ("swapio", "accelerate", "resident", "load-st",
                                                                  "load-st-pread", "load-swapio")]
     print_table(["run", "seconds", "peak RSS growth MiB"], rows)
-    print(f"swapio best read {bw:.2f} GB/s -> I/O bound {io_bound:.2f} s")
-    print(f"swapio / max(I/O bound, resident) = {result['swapio_vs_bound']:.2f} (per round "
-          f"{' '.join(f'{x:.2f}' for x in per_round)}; goal <= 1.15)")
+    for k, v in by_config.items():
+        print(f"read {k}: {' '.join(f'{x:.2f}' for x in v)} GB/s, median {statistics.median(v):.2f}"
+              f"{'  <- best' if k == best_config else ''}")
+    print(f"swapio best configuration {bw:.2f} GB/s -> I/O bound {io_bound:.2f} s")
+    print(f"swapio / max(I/O bound, resident) = {result['swapio_vs_bound']:.2f} (per round, against that round's "
+          f"read with the best configuration: {' '.join(f'{x:.2f}' for x in per_round)}; goal <= 1.15)")
+    print(f"  against each round's highest read, any configuration ({luckiest:.2f} GB/s in median): "
+          f"{result['swapio_vs_luckiest_bound']:.2f}")
     print(f"accelerate / swapio = {result['accelerate_over_swapio']:.2f} (goal >= 1.5)")
     print(f"load: safetensors.load_file / swapio.offload.load_file = {result['load_st_over_swapio']:.2f} (mmap), "
           f"{med['load-st-pread'] / med['load-swapio']:.2f} (pread)")
