@@ -74,17 +74,24 @@ class AioHandle(Closeable):
         """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written."""
         return self._submit("write", tensor, path, offset)
 
-    def pread(self, tensor, path, offset=0):
-        """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read."""
-        return self._submit("read", tensor, path, offset)
+    def pread(self, tensor, path, offset=0, *, identity=None):
+        """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
+        identity=(st_dev, st_ino): the file must still be that one (say, the file a pwrite created): it is opened
+        without following a symlink and checked on the descriptor the reads use, else OSError (ELOOP: a
+        symlink, ESTALE: another file) here."""
+        return self._submit("read", tensor, path, offset, identity=identity)
 
-    def _submit(self, op, tensor, path, offset, record_latency=False):
+    def _submit(self, op, tensor, path, offset, record_latency=False, identity=None):
         ptr, nbytes = cpu_memory(tensor)
         path = check_path("path", path)
         offset = check_int("offset", offset, 0)
+        if identity is not None:
+            if not (isinstance(identity, tuple) and len(identity) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in identity)):
+                raise TypeError(f"identity must be a (st_dev, st_ino) tuple of two ints >= 0, got {identity!r}")
         existed = op != "write" or os.path.lexists(path)
         try:
-            request = self._native.submit(op, ptr, nbytes, path, offset, record_latency)
+            request = self._native.submit(op, ptr, nbytes, path, offset, record_latency, identity)
         except BaseException:
             if not existed:
                 _remove_if_empty(path)  # the open created it, then failed (O_DIRECT refused, ...)

@@ -30,23 +30,6 @@ def _private_file(path):
         os.close(fd)
 
 
-def _check_same_file(path, identity):
-    """OSError unless path is still the regular file swap_out wrote (opened with O_NOFOLLOW: never a symlink)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "the swap file was replaced by a symlink after swap_out; swapio does not "
-                          "follow it", path) from None
-        raise
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if (st.st_dev, st.st_ino) != identity:
-        raise OSError(errno.ESTALE, "the swap file was replaced by another file after swap_out", path)
-
-
 class SwappedTensor:
     """A tensor whose bytes are (being) written to a file; ``swap_in()`` brings them back."""
 
@@ -100,7 +83,6 @@ class SwappedTensor:
             device = out.device
         if device.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
-        _check_same_file(self.path, self._file)
         with self._lock:
             refill = out is None and self._released and device == self.device
             if refill and self._refill is not None:
@@ -148,10 +130,10 @@ class SwappedTensor:
 
         staging = None
         if target.device.type == "cpu" and target.is_contiguous():
-            read = self.store.handle.pread(target.detach().view(-1), self.path, 0)
+            read = self.store.handle.pread(target.detach().view(-1), self.path, 0, identity=self._file)
         else:  # GPU or strided targets: read into pinned memory, then copy
             staging = empty_pinned(self.shape, self.dtype)
-            read = self.store.handle.pread(staging.view(-1), self.path, 0)
+            read = self.store.handle.pread(staging.view(-1), self.path, 0, identity=self._file)
         checked = read._chain(done, failed)
         if not cuda:
             return checked

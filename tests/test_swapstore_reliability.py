@@ -125,6 +125,75 @@ def test_symlink_planted_after_swap_out_is_not_followed(tmp_path):
     store.close()
 
 
+def test_another_file_moved_over_the_swap_file_is_refused(tmp_path):
+    store = swapio.SwapStore(tmp_path / "s")
+    t = sample()
+    s = store.swap_out(t).wait(TIMEOUT)
+    other = tmp_path / "other.bin"
+    other.write_bytes(open(s.path, "rb").read())  # the same bytes, but not the file swapio wrote
+    os.replace(other, s.path)
+    with pytest.raises(OSError, match="another file") as info:
+        s.swap_in()
+    assert info.value.errno == errno.ESTALE and not s.is_resident
+    store.close()
+
+
+class _SwapsFileAtOpen:
+    """Stands in for a handle's native part: plants a symlink at the path just before the native open, the
+    instant after every check in Python has run (the race an identity check in Python alone cannot see)."""
+
+    def __init__(self, native, path, decoy):
+        self._native, self._path, self._decoy = native, path, decoy
+
+    def submit(self, op, *args, **kwargs):
+        if op == "read":
+            os.unlink(self._path)
+            os.symlink(self._decoy, self._path)
+        return self._native.submit(op, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+
+def test_the_file_is_checked_on_the_descriptor_that_reads_it(tmp_path):
+    store = swapio.SwapStore(tmp_path / "s")
+    t = sample()
+    s = store.swap_out(t).wait(TIMEOUT)
+    decoy = tmp_path / "decoy.bin"
+    decoy.write_bytes(b"\x01" * t.numel() * 4)
+    store.handle._native = _SwapsFileAtOpen(store.handle._native, s.path, decoy)
+    try:
+        with pytest.raises(OSError, match="symlink") as info:
+            s.swap_in().wait(TIMEOUT)
+        assert info.value.errno == errno.ELOOP and not s.is_resident
+    finally:
+        store.handle._native = store.handle._native._native
+    store.close()
+
+
+def test_pread_identity_is_checked(tmp_path):
+    path = str(tmp_path / "f.bin")
+    data = torch.arange(4096, dtype=torch.int32)
+    with swapio.AioHandle() as h:
+        h.pwrite(data, path).wait(TIMEOUT)
+        st = os.stat(path)
+        out = torch.empty_like(data)
+        h.pread(out, path, identity=(st.st_dev, st.st_ino)).wait(TIMEOUT)
+        assert torch.equal(out, data)
+        with pytest.raises(OSError) as info:
+            h.pread(out, path, identity=(st.st_dev, st.st_ino + 1))
+        assert info.value.errno == errno.ESTALE and path in str(info.value)
+        link = str(tmp_path / "link.bin")
+        os.symlink(path, link)
+        with pytest.raises(OSError) as info:
+            h.pread(out, link, identity=(st.st_dev, st.st_ino))
+        assert info.value.errno == errno.ELOOP
+        h.pread(out, link).wait(TIMEOUT)  # without identity a symlink is followed, as open() does
+        for bad in ((st.st_dev,), [st.st_dev, st.st_ino], (st.st_dev, -1), (True, 1), "x"):
+            with pytest.raises(TypeError, match="identity"):
+                h.pread(out, path, identity=bad)
+
+
 def test_close_does_not_raise_again_a_write_error_already_raised(small_ext4_dir):
     store = swapio.SwapStore(small_ext4_dir / "s")
     s = store.swap_out(torch.zeros(64 << 20, dtype=torch.uint8))  # 64 MiB into 48 MiB

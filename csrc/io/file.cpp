@@ -44,14 +44,16 @@ Alignment query_alignment(int fd) {
   return a;
 }
 
-OpenFile::OpenFile(const std::string& path, Op op, DirectMode mode) : path_(path), op_(op) {
+OpenFile::OpenFile(const std::string& path, Op op, DirectMode mode, std::optional<FileIdentity> expect)
+    : path_(path), op_(op), expect_(expect) {
   if (path.empty()) throw ArgError("path must not be empty");
   if (path.find('\0') != std::string::npos) throw ArgError("path must not contain NUL bytes");
   // Checked before opening: O_DIRECT opens of a directory fail with EINVAL on some file systems (ext4),
   // which would read as "no O_DIRECT support", and a write must not create anything next to a FIFO.
   // open_fd() checks again on the descriptor, for a path swapped in between.
   struct stat st;
-  if (::stat(path.c_str(), &st) == 0) check_file_type(st.st_mode, path);
+  if ((expect_ ? ::lstat(path.c_str(), &st) : ::stat(path.c_str(), &st)) == 0 && !S_ISLNK(st.st_mode))
+    check_file_type(st.st_mode, path);
   if (mode == DirectMode::off) {
     buffered_fd_ = open_fd(false);
     if (buffered_fd_ < 0) throw IoError(errno, std::string("cannot open: ") + std::strerror(errno), path, 0);
@@ -84,10 +86,14 @@ int OpenFile::open_fd(bool direct) {
   // O_NONBLOCK: opening a FIFO must not wait for its other end; it is cleared once fstat says it is a file.
   int flags = O_CLOEXEC | O_NONBLOCK | (op_ == Op::read ? O_RDONLY : (O_WRONLY | O_CREAT));
   if (direct) flags |= O_DIRECT;
+  if (expect_) flags |= O_NOFOLLOW;
   int fd;
   do {
     fd = ::open(path_.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && expect_ && errno == ELOOP)
+    throw IoError(ELOOP, "the file was replaced by a symlink since swapio wrote it; swapio does not follow it",
+                  path_, 0);
   if (fd < 0) return fd;
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -99,6 +105,10 @@ int OpenFile::open_fd(bool direct) {
   if (!(S_ISREG(st.st_mode) || S_ISBLK(st.st_mode))) {
     ::close(fd);
     check_file_type(st.st_mode, path_);  // throws
+  }
+  if (expect_ && (static_cast<uint64_t>(st.st_dev) != expect_->dev || static_cast<uint64_t>(st.st_ino) != expect_->ino)) {
+    ::close(fd);
+    throw IoError(ESTALE, "the file was replaced by another file since swapio wrote it", path_, 0);
   }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;

@@ -3,6 +3,7 @@
 // unaligned head/tail bytes, and the direct-I/O alignment the kernel reports for it.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "io/engine.h"
@@ -21,10 +22,20 @@ struct Alignment {
   bool from_statx = false;
 };
 
+// A file's identity as fstat gives it: a file swapio wrote earlier must still be that file when it is read
+// back, and never a symlink planted at its name since.
+struct FileIdentity {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+};
+
 // Descriptors stay open until the last piece of the request that opened them is done.
 class OpenFile {
  public:
-  OpenFile(const std::string& path, Op op, DirectMode mode);  // throws IoError / ArgError
+  // `expect`: opened without following a symlink, each descriptor checked on itself (no window between a
+  // check and the open that does the I/O): ELOOP for a symlink, ESTALE for another file at the path.
+  OpenFile(const std::string& path, Op op, DirectMode mode,
+           std::optional<FileIdentity> expect = std::nullopt);  // throws IoError / ArgError
   ~OpenFile();
   OpenFile(const OpenFile&) = delete;
   OpenFile& operator=(const OpenFile&) = delete;
@@ -41,6 +52,7 @@ class OpenFile {
   int open_fd(bool direct);
   std::string path_;
   Op op_;
+  std::optional<FileIdentity> expect_;
   int direct_fd_ = -1;
   int buffered_fd_ = -1;
   bool fell_back_ = false;

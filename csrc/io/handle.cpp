@@ -31,9 +31,10 @@ int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<
 }
 
 // Opens the request's file; an error names the request's offset.
-std::shared_ptr<OpenFile> open_for(const std::string& path, Op op, DirectMode mode, int64_t offset) {
+std::shared_ptr<OpenFile> open_for(const std::string& path, Op op, DirectMode mode, int64_t offset,
+                                   std::optional<FileIdentity> expect = std::nullopt) {
   try {
-    return std::make_shared<OpenFile>(path, op, mode);
+    return std::make_shared<OpenFile>(path, op, mode, expect);
   } catch (const IoError& e) {
     throw IoError(e.err(), e.what(), e.path(), offset);
   }
@@ -128,7 +129,7 @@ bool Handle::closed() {
 }
 
 std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, const std::string& path,
-                                        int64_t offset, bool record_latency) {
+                                        int64_t offset, bool record_latency, std::optional<FileIdentity> expect) {
   if (offset < 0) throw ArgError("offset must be >= 0, got " + std::to_string(offset));
   if (length < 0) throw ArgError("length must be >= 0, got " + std::to_string(length));
   // Headroom for rounding to blocks and alignment, so no position computed from the request can overflow.
@@ -136,7 +137,7 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
   if (buf == 0 && length > 0) throw ArgError("buffer pointer is null");
   check_usable();
 
-  auto file = open_for(path, op, opt_.direct, offset);
+  auto file = open_for(path, op, opt_.direct, offset, expect);
   RequestLayout L;
   L.op = op;
   L.buf = reinterpret_cast<char*>(buf);

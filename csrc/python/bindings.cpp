@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "python/bind_adam.h"
 #include "common/errors.h"
@@ -187,12 +189,15 @@ PYBIND11_MODULE(_C, m) {
            py::arg("block_size"), py::arg("queue_depth"), py::arg("threads"), py::arg("engine"),
            py::arg("direct"), py::arg("submit_batch") = 1)
       .def("submit", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t length,
-                        const std::string& path, int64_t offset, bool record_latency) {
+                        const std::string& path, int64_t offset, bool record_latency,
+                        std::optional<std::pair<uint64_t, uint64_t>> expect) {
              io::Op o = parse_op(op);
+             std::optional<io::FileIdentity> identity;
+             if (expect) identity = io::FileIdentity{expect->first, expect->second};
              py::gil_scoped_release nogil;
-             return h.submit(o, buf, length, path, offset, record_latency);
+             return h.submit(o, buf, length, path, offset, record_latency, identity);
            }, py::arg("op"), py::arg("buf"), py::arg("length"), py::arg("path"), py::arg("offset"),
-           py::arg("record_latency") = false)
+           py::arg("record_latency") = false, py::arg("expect") = py::none())
       .def("submit_random", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t buf_len,
                                const std::string& path, int64_t span, int64_t count, uint64_t seed,
                                bool record_latency) {
