@@ -70,14 +70,15 @@ class AioHandle(Closeable):
         return {"block_size": self.block_size, "queue_depth": self.queue_depth, "threads": self.threads,
                 "engine": self.engine, "direct": self.direct, "submit_batch": self.submit_batch}
 
-    def pwrite(self, tensor, path, offset=0):
-        """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written."""
-        return self._submit("write", tensor, path, offset)
+    def pwrite(self, tensor, path, offset=0, *, identity=None):
+        """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written.
+        identity: as for pread."""
+        return self._submit("write", tensor, path, offset, identity=identity)
 
     def pread(self, tensor, path, offset=0, *, identity=None):
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
-        identity=(st_dev, st_ino): the file must still be that one (say, the file a pwrite created): it is opened
-        without following a symlink and checked on the descriptor the reads use, else OSError (ELOOP: a
+        identity=(st_dev, st_ino): the file must still be that one (say, one the caller created): it is opened
+        without following a symlink and checked on the descriptors the I/O uses, else OSError (ELOOP: a
         symlink, ESTALE: another file) here."""
         return self._submit("read", tensor, path, offset, identity=identity)
 

@@ -238,7 +238,7 @@ class SwapStore(Closeable):
                 source = staging
             if self.verify:
                 swapped._digest = _checksum.digest(source)
-            swapped._write = self.handle.pwrite(source.view(-1), path, 0)
+            swapped._write = self.handle.pwrite(source.view(-1), path, 0, identity=swapped._file)
         except BaseException:
             with self._lock:
                 self._tensors.pop(name, None)

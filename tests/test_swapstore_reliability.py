@@ -139,17 +139,18 @@ def test_another_file_moved_over_the_swap_file_is_refused(tmp_path):
 
 
 class _SwapsFileAtOpen:
-    """Stands in for a handle's native part: plants a symlink at the path just before the native open, the
-    instant after every check in Python has run (the race an identity check in Python alone cannot see)."""
+    """Stands in for a handle's native part: plants a symlink to `decoy` at the swap file's path just before
+    the native open of an `op` request, the instant after every check in Python has run (the race an identity
+    check in Python alone cannot see). path=None: the path the request names."""
 
-    def __init__(self, native, path, decoy):
-        self._native, self._path, self._decoy = native, path, decoy
+    def __init__(self, native, op, decoy, path=None):
+        self._native, self._op, self._decoy, self._path = native, op, decoy, path
 
-    def submit(self, op, *args, **kwargs):
-        if op == "read":
-            os.unlink(self._path)
-            os.symlink(self._decoy, self._path)
-        return self._native.submit(op, *args, **kwargs)
+    def submit(self, op, buf, length, path, *args, **kwargs):
+        if op == self._op:
+            os.unlink(self._path or path)
+            os.symlink(self._decoy, self._path or path)
+        return self._native.submit(op, buf, length, path, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._native, name)
@@ -161,13 +162,29 @@ def test_the_file_is_checked_on_the_descriptor_that_reads_it(tmp_path):
     s = store.swap_out(t).wait(TIMEOUT)
     decoy = tmp_path / "decoy.bin"
     decoy.write_bytes(b"\x01" * t.numel() * 4)
-    store.handle._native = _SwapsFileAtOpen(store.handle._native, s.path, decoy)
+    store.handle._native = _SwapsFileAtOpen(store.handle._native, "read", decoy, s.path)
     try:
         with pytest.raises(OSError, match="symlink") as info:
             s.swap_in().wait(TIMEOUT)
         assert info.value.errno == errno.ELOOP and not s.is_resident
     finally:
         store.handle._native = store.handle._native._native
+    store.close()
+
+
+def test_swap_out_writes_only_the_file_it_created(tmp_path):
+    store = swapio.SwapStore(tmp_path / "s")
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"keep")
+    store.handle._native = _SwapsFileAtOpen(store.handle._native, "write", victim)
+    try:
+        with pytest.raises(OSError, match="symlink") as info:
+            store.swap_out(sample(), name="x", release=False).wait(TIMEOUT)
+        assert info.value.errno == errno.ELOOP
+    finally:
+        store.handle._native = store.handle._native._native
+    assert victim.read_bytes() == b"keep"
+    assert "x" not in store
     store.close()
 
 

@@ -92,7 +92,7 @@ int OpenFile::open_fd(bool direct) {
     fd = ::open(path_.c_str(), flags, 0644);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0 && expect_ && errno == ELOOP)
-    throw IoError(ELOOP, "the file was replaced by a symlink since swapio wrote it; swapio does not follow it",
+    throw IoError(ELOOP, "a symlink replaced the file expected here (swapio does not follow it)",
                   path_, 0);
   if (fd < 0) return fd;
   struct stat st;
@@ -106,9 +106,10 @@ int OpenFile::open_fd(bool direct) {
     ::close(fd);
     check_file_type(st.st_mode, path_);  // throws
   }
-  if (expect_ && (static_cast<uint64_t>(st.st_dev) != expect_->dev || static_cast<uint64_t>(st.st_ino) != expect_->ino)) {
+  if (expect_ && (static_cast<uint64_t>(st.st_dev) != expect_->dev ||
+                  static_cast<uint64_t>(st.st_ino) != expect_->ino)) {
     ::close(fd);
-    throw IoError(ESTALE, "the file was replaced by another file since swapio wrote it", path_, 0);
+    throw IoError(ESTALE, "another file replaced the file expected here", path_, 0);
   }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;
