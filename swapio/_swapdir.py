@@ -60,6 +60,30 @@ def _lock_file(path):
         os.close(fd)  # the previous owner removed it between our open and our lock: try again
 
 
+def create_private_file(path):
+    """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name; returns its
+    identity (st_dev, st_ino), which the native core checks on every later open of it (pread/pwrite identity=)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
+
+
+def resize_private_file(path, identity, size):
+    """Sets the size of the file create_private_file made, never through a symlink or on another file."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            raise OSError(errno.ESTALE, "another file replaced the file expected here", path)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _pid_of(content):
     try:
         return int(content.decode().split()[0])

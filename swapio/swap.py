@@ -18,18 +18,6 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
 
 
-def _private_file(path):
-    """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name; returns
-    its identity (device, inode)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        st = os.fstat(fd)
-        return st.st_dev, st.st_ino
-    finally:
-        os.close(fd)
-
-
 class SwappedTensor:
     """A tensor whose bytes are (being) written to a file; ``swap_in()`` brings them back."""
 
@@ -230,7 +218,7 @@ class SwapStore(Closeable):
             self._tensors[name] = swapped
         try:
             self._owner.files.add(path)
-            swapped._file = _private_file(path)
+            swapped._file = _swapdir.create_private_file(path)
             source = tensor.detach()
             if source.device.type != "cpu" or not source.is_contiguous():
                 staging = empty_pinned(source.shape, source.dtype)

@@ -128,3 +128,23 @@ def test_failed_load_leaves_the_live_state_as_it_was(mode, fault, tmp_path, monk
     opt.close()
     ref.close()
     donor.close()
+
+
+def test_nvme_state_file_replaced_by_a_symlink_is_not_followed(tmp_path):
+    """The state file is read and written by path at every step: a symlink planted there later (or another
+    file moved over it) is an OSError at that step, and the file it points to is never written."""
+    params = _params()
+    (tmp_path / "swap").mkdir()
+    opt = _opt(params, "nvme", tmp_path / "swap")
+    _steps(opt, params, 1)
+    (state_file,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "swap") for f in files
+                     if not f.startswith(".")]
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(open(state_file, "rb").read())
+    before = victim.read_bytes()
+    os.unlink(state_file)
+    os.symlink(victim, state_file)
+    with pytest.raises(OSError) as info:
+        _steps(opt, params, 1)
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_bytes() == before

@@ -111,8 +111,7 @@ class NvmeState:
             handles.append(AioHandle.from_config(dict(io_settings)))
             self.rh, self.wh = handles
             self.path = os.path.join(self.directory, FILE_NAME)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            os.close(fd)
+            self.identity = _swapdir.create_private_file(self.path)
             if io_settings.get("direct") is True:
                 _check_direct(self.path)
         except BaseException:
@@ -186,7 +185,7 @@ class NvmeState:
                 chunk.offset = end
                 end += chunk.record_bytes
         if end != self.file_bytes:
-            os.truncate(self.path, end)
+            _swapdir.resize_private_file(self.path, self.identity, end)
             self.file_bytes = end
         self._grow_slots()
 
@@ -254,7 +253,7 @@ class NvmeState:
             self._drain(s)
             if read(chunks[j]):
                 record, _ = self._views(s, chunks[j])
-                reads[j] = self.rh.pread(record, self.path, chunks[j].offset)
+                reads[j] = self.rh.pread(record, self.path, chunks[j].offset, identity=self.identity)
 
         ok = False
         try:
@@ -270,7 +269,7 @@ class NvmeState:
                 record, views = self._views(s, chunks[i])
                 futures = list(work(chunks[i], views, s) or ())
                 if write:
-                    futures.append(self.wh.pwrite(record, self.path, chunks[i].offset))
+                    futures.append(self.wh.pwrite(record, self.path, chunks[i].offset, identity=self.identity))
                 self._pending[s] = futures
             ok = True
         finally:
@@ -341,21 +340,22 @@ class NvmeState:
         the views of a piece of p or returns futures that will. On failure the live file and layout are
         untouched and the new file is removed."""
         self.wait_all()
-        live = (self.chunks, self.placed, self.file_bytes, self.path)
+        live = (self.chunks, self.placed, self.file_bytes, self.path, self.identity)
         new_path = self.path + ".load"
         try:
             os.unlink(new_path)
         except FileNotFoundError:
             pass
-        os.close(os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        identity = _swapdir.create_private_file(new_path)
         try:
-            self.chunks, self.placed, self.file_bytes, self.path = [], {}, 0, new_path
+            self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
             self.place(placement)
             self._fill_records(entries, source)
             check()
             os.replace(new_path, live[3])
         except BaseException:
             self.chunks, self.placed, self.file_bytes = live[:3]
+            self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
             try:
                 os.unlink(new_path)
             except FileNotFoundError:
