@@ -111,30 +111,28 @@ def test_swap_in_to_meta_is_refused(tmp_path):
     store.close()
 
 
-def test_symlink_planted_after_swap_out_is_not_followed(tmp_path):
-    store = swapio.SwapStore(tmp_path / "s")
-    t = sample()
-    s = store.swap_out(t).wait(TIMEOUT)
+def _plant_symlink(path, tmp_path):
     decoy = tmp_path / "decoy.bin"
-    decoy.write_bytes(b"\0" * t.numel() * 4)
-    os.unlink(s.path)
-    os.symlink(decoy, s.path)
-    with pytest.raises(OSError, match="symlink") as info:
-        s.swap_in()
-    assert info.value.errno == errno.ELOOP and not s.is_resident
-    store.close()
+    decoy.write_bytes(b"\0" * os.path.getsize(path))
+    os.unlink(path)
+    os.symlink(decoy, path)
 
 
-def test_another_file_moved_over_the_swap_file_is_refused(tmp_path):
-    store = swapio.SwapStore(tmp_path / "s")
-    t = sample()
-    s = store.swap_out(t).wait(TIMEOUT)
+def _move_a_copy_over(path, tmp_path):
     other = tmp_path / "other.bin"
-    other.write_bytes(open(s.path, "rb").read())  # the same bytes, but not the file swapio wrote
-    os.replace(other, s.path)
-    with pytest.raises(OSError, match="another file") as info:
+    other.write_bytes(open(path, "rb").read())  # the same bytes, but not the file swapio wrote
+    os.replace(other, path)
+
+
+@pytest.mark.parametrize("replace, err, message", [(_plant_symlink, errno.ELOOP, "symlink"),
+                                                   (_move_a_copy_over, errno.ESTALE, "another file")])
+def test_swap_file_replaced_after_swap_out_is_refused(tmp_path, replace, err, message):
+    store = swapio.SwapStore(tmp_path / "s")
+    s = store.swap_out(sample()).wait(TIMEOUT)
+    replace(s.path, tmp_path)
+    with pytest.raises(OSError, match=message) as info:
         s.swap_in()
-    assert info.value.errno == errno.ESTALE and not s.is_resident
+    assert info.value.errno == err and not s.is_resident
     store.close()
 
 
