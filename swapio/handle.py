@@ -78,8 +78,9 @@ class AioHandle(Closeable):
     def pread(self, tensor, path, offset=0, *, identity=None):
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
         identity=(st_dev, st_ino): the file must still be that one (say, one the caller created): it is opened
-        without following a symlink and checked on the descriptors the I/O uses, else OSError (ELOOP: a
-        symlink, ESTALE: another file) here."""
+        without following a symlink and checked on each descriptor the I/O uses, else OSError (ELOOP: a
+        symlink, ESTALE: another file) at this call, or at wait() for the descriptor an unaligned edge opens
+        later."""
         return self._submit("read", tensor, path, offset, identity=identity)
 
     def _submit(self, op, tensor, path, offset, record_latency=False, identity=None):

@@ -42,7 +42,8 @@ class Handle {
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 
-  // `length` bytes between memory at `buf` and `path` at `offset`; `expect`: the file path must be (OpenFile).
+  // `length` bytes between memory at `buf` and `path` at `offset`; `expect`: the identity the file at `path`
+  // must have (see OpenFile).
   std::shared_ptr<Request> submit(Op op, uintptr_t buf, int64_t length, const std::string& path, int64_t offset,
                                   bool record_latency, std::optional<FileIdentity> expect = std::nullopt);
   // Benchmarks: `count` block-sized pieces at random block-aligned offsets below `span`, cycling through
