@@ -74,7 +74,7 @@ def create_private_file(path):
 
 def resize_private_file(path, identity, size):
     """Sets the size of the file create_private_file made, never through a symlink or on another file."""
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # NONBLOCK: a FIFO there
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != identity:

@@ -78,9 +78,8 @@ class AioHandle(Closeable):
     def pread(self, tensor, path, offset=0, *, identity=None):
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
         identity=(st_dev, st_ino): the file must still be that one (say, one the caller created): it is opened
-        without following a symlink and checked on each descriptor the I/O uses, else OSError (ELOOP: a
-        symlink, ESTALE: another file) at this call, or at wait() for the descriptor an unaligned edge opens
-        later."""
+        without following a symlink (nor created, for pwrite) and checked on each descriptor the I/O uses,
+        else OSError here (ELOOP: a symlink, ESTALE: another file, ENOENT: none)."""
         return self._submit("read", tensor, path, offset, identity=identity)
 
     def _submit(self, op, tensor, path, offset, record_latency=False, identity=None):
@@ -89,8 +88,9 @@ class AioHandle(Closeable):
         offset = check_int("offset", offset, 0)
         if identity is not None:
             if not (isinstance(identity, tuple) and len(identity) == 2
-                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in identity)):
-                raise TypeError(f"identity must be a (st_dev, st_ino) tuple of two ints >= 0, got {identity!r}")
+                    and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64 for x in identity)):
+                raise TypeError(f"identity must be a (st_dev, st_ino) tuple of two unsigned 64-bit ints, got "
+                                f"{identity!r}")
         existed = op != "write" or os.path.lexists(path)
         try:
             request = self._native.submit(op, ptr, nbytes, path, offset, record_latency, identity)

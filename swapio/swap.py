@@ -95,6 +95,8 @@ class SwappedTensor:
         return future
 
     def _read_into(self, target, refill, caller_owned):
+        if self._file is None:  # another thread's swap_out of it has not created the file yet
+            raise OSError(errno.ENOENT, "the swap file is not written yet: its swap_out has not returned", self.path)
         verify = self._digest is not None
         cuda = target.device.type == "cuda"
 

@@ -2,6 +2,7 @@
 load leaves the live state exactly as it was, checksums catch a flipped bit."""
 import errno
 import os
+import shutil
 
 import pytest
 import torch
@@ -82,11 +83,11 @@ def _failing_pread(monkeypatch, fail_at):
     real = swapio.AioHandle.pread
     calls = {"n": 0}
 
-    def pread(self, tensor, path, offset=0):
+    def pread(self, tensor, path, offset=0, **kw):
         calls["n"] += 1
         if calls["n"] - 1 == fail_at and os.path.basename(os.fspath(path)).startswith(checkpoint.DATA_PREFIX):
             raise OSError(errno.EIO, "injected read error", os.fspath(path))
-        return real(self, tensor, path, offset)
+        return real(self, tensor, path, offset, **kw)
 
     monkeypatch.setattr(swapio.AioHandle, "pread", pread)
 
@@ -130,9 +131,21 @@ def test_failed_load_leaves_the_live_state_as_it_was(mode, fault, tmp_path, monk
     donor.close()
 
 
-def test_nvme_state_file_replaced_by_a_symlink_is_not_followed(tmp_path):
-    """The state file is read and written by path at every step: a symlink planted there later (or another
-    file moved over it) is an OSError at that step, and the file it points to is never written."""
+def _symlink_to(victim, path):
+    os.unlink(path)
+    os.symlink(victim, path)
+
+
+def _copy_moved_over(victim, path):
+    other = str(path) + ".other"
+    shutil.copyfile(victim, other)
+    os.replace(other, path)
+
+
+@pytest.mark.parametrize("replace, err", [(_symlink_to, errno.ELOOP), (_copy_moved_over, errno.ESTALE)])
+def test_nvme_state_file_replaced_is_refused(tmp_path, replace, err):
+    """The state file is read and written by path at every step: a symlink planted there later, or another
+    file moved over it, is an OSError at that step, and no other file is read or written."""
     params = _params()
     (tmp_path / "swap").mkdir()
     opt = _opt(params, "nvme", tmp_path / "swap")
@@ -142,9 +155,8 @@ def test_nvme_state_file_replaced_by_a_symlink_is_not_followed(tmp_path):
     victim = tmp_path / "victim.bin"
     victim.write_bytes(open(state_file, "rb").read())
     before = victim.read_bytes()
-    os.unlink(state_file)
-    os.symlink(victim, state_file)
+    replace(victim, state_file)
     with pytest.raises(OSError) as info:
         _steps(opt, params, 1)
-    assert info.value.errno == errno.ELOOP
+    assert info.value.errno == err
     assert victim.read_bytes() == before

@@ -186,6 +186,31 @@ def test_swap_out_writes_only_the_file_it_created(tmp_path):
     store.close()
 
 
+def test_swap_in_while_its_swap_out_is_creating_the_file_reads_nothing(tmp_path, monkeypatch):
+    """Another thread's swap_in of a name whose swap_out has registered it but not yet created its file: an
+    OSError, never a read of whatever is at the path then (here a symlink planted in that instant)."""
+    store = swapio.SwapStore(tmp_path / "s")
+    decoy = tmp_path / "decoy.bin"
+    decoy.write_bytes(b"\x01" * 40000 * 4)
+    real_create, seen = _swapdir.create_private_file, []
+
+    def create(path):
+        os.symlink(decoy, path)
+        try:
+            store["x"].swap_in(device="cpu").wait(TIMEOUT)
+            seen.append("read")
+        except OSError as exc:
+            seen.append(exc.errno)
+        os.unlink(path)
+        return real_create(path)
+
+    monkeypatch.setattr(_swapdir, "create_private_file", create)
+    s = store.swap_out(sample(), name="x", release=False).wait(TIMEOUT)
+    assert seen == [errno.ENOENT]
+    assert torch.equal(s.swap_in().wait(TIMEOUT), sample())
+    store.close()
+
+
 def test_pread_identity_is_checked(tmp_path):
     path = str(tmp_path / "f.bin")
     data = torch.arange(4096, dtype=torch.int32)
@@ -204,7 +229,10 @@ def test_pread_identity_is_checked(tmp_path):
             h.pread(out, link, identity=(st.st_dev, st.st_ino))
         assert info.value.errno == errno.ELOOP
         h.pread(out, link).wait(TIMEOUT)  # without identity a symlink is followed, as open() does
-        for bad in ((st.st_dev,), [st.st_dev, st.st_ino], (st.st_dev, -1), (True, 1), "x"):
+        with pytest.raises(OSError) as info:  # pwrite with an identity never creates the file
+            h.pwrite(data, str(tmp_path / "missing.bin"), identity=(st.st_dev, st.st_ino))
+        assert info.value.errno == errno.ENOENT and not (tmp_path / "missing.bin").exists()
+        for bad in ((st.st_dev,), [st.st_dev, st.st_ino], (st.st_dev, -1), (st.st_dev, 1 << 64), (True, 1), "x"):
             with pytest.raises(TypeError, match="identity"):
                 h.pread(out, path, identity=bad)
 

@@ -84,7 +84,8 @@ OpenFile::~OpenFile() {
 
 int OpenFile::open_fd(bool direct) {
   // O_NONBLOCK: opening a FIFO must not wait for its other end; it is cleared once fstat says it is a file.
-  int flags = O_CLOEXEC | O_NONBLOCK | (op_ == Op::read ? O_RDONLY : (O_WRONLY | O_CREAT));
+  int flags = O_CLOEXEC | O_NONBLOCK | (op_ == Op::read ? O_RDONLY : O_WRONLY);
+  if (op_ == Op::write && !expect_) flags |= O_CREAT;  // an expected file must exist: never create another
   if (direct) flags |= O_DIRECT;
   if (expect_) flags |= O_NOFOLLOW;
   int fd;

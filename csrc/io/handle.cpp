@@ -152,7 +152,13 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
     block = std::max(align, round_down(block, align));
     L.head_end = std::min(end, round_up(offset, edge));
     L.tail_start = std::max(L.head_end, round_down(end, edge));
-    if (L.head_end > offset || L.tail_start < end) file->ensure_buffered_fd();
+    if (L.head_end > offset || L.tail_start < end) {
+      try {
+        file->ensure_buffered_fd();
+      } catch (const IoError& e) {
+        throw IoError(e.err(), e.what(), e.path(), offset);
+      }
+    }
     L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
     if (L.bounce_middle) check_memory(op, buf, length, path, offset);
   } else {

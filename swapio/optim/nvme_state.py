@@ -82,7 +82,7 @@ def _cleanup(handles, owner):
 def _check_direct(path):
     """OSError(EINVAL) now, not at the first step, when direct=True but the file system refuses O_DIRECT."""
     try:
-        os.close(os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC))
+        os.close(os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC))
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

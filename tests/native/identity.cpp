@@ -1,6 +1,7 @@
-// A read that expects a file identity (device, inode) reads that file or fails at submit: ELOOP for a symlink
-// at the path (never followed), ESTALE for another file there. Without an identity a symlink is followed, as
-// open() does.
+// I/O that expects a file identity (device, inode) reaches that file or fails at submit: ELOOP for a symlink
+// at the path (never followed), ESTALE for another file there (on the O_DIRECT descriptor and on the buffered
+// one alike), ENOENT for none (a write never creates it). Without an identity a symlink is followed, as open()
+// does.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,9 +11,10 @@ using namespace swapio::io;
 
 namespace {
 
-int submit_error(Handle& h, std::vector<uint8_t>& buf, const std::string& path, FileIdentity id) {
+int submit_error(Handle& h, std::vector<uint8_t>& buf, const std::string& path, FileIdentity id,
+                 Op op = Op::read) {
   try {
-    h.submit(Op::read, t::addr(buf.data()), static_cast<int64_t>(buf.size()), path, 0, false, id)->result();
+    h.submit(op, t::addr(buf.data()), static_cast<int64_t>(buf.size()), path, 0, false, id)->result();
   } catch (const swapio::IoError& e) {
     return e.path() == path ? e.err() : -1;
   }
@@ -48,5 +50,16 @@ int main() {
         10000);
   CHECK(::rename(other.c_str(), path.c_str()) == 0);
   CHECK(submit_error(h, buf, path, id) == ESTALE);
+  CHECK(submit_error(h, buf, path, id, Op::write) == ESTALE);
+
+  swapio::io::HandleOptions buffered = t::options("psync", 4096, 4, 1);
+  buffered.direct = DirectMode::off;  // the buffered descriptor alone
+  Handle hb(buffered);
+  CHECK(submit_error(hb, buf, path, id) == ESTALE);
+  CHECK(submit_error(hb, buf, link, id) == ELOOP);
+
+  const std::string missing = dir.file("missing");
+  CHECK(submit_error(h, buf, missing, id, Op::write) == ENOENT);
+  CHECK(::access(missing.c_str(), F_OK) != 0);  // not created
   return t::kPass;
 }
