@@ -30,14 +30,19 @@ int create_contexts(const EngineOps& ops, unsigned depth, size_t n, std::vector<
   return 0;
 }
 
-// Opens the request's file; an error names the request's offset.
-std::shared_ptr<OpenFile> open_for(const std::string& path, Op op, DirectMode mode, int64_t offset,
-                                   std::optional<FileIdentity> expect = std::nullopt) {
+// Runs an open of the request's file: its error names the request's offset.
+template <class Open>
+auto at_offset(int64_t offset, Open open) {
   try {
-    return std::make_shared<OpenFile>(path, op, mode, expect);
+    return open();
   } catch (const IoError& e) {
     throw IoError(e.err(), e.what(), e.path(), offset);
   }
+}
+
+std::shared_ptr<OpenFile> open_for(const std::string& path, Op op, DirectMode mode, int64_t offset,
+                                   std::optional<FileIdentity> expect = std::nullopt) {
+  return at_offset(offset, [&] { return std::make_shared<OpenFile>(path, op, mode, expect); });
 }
 
 // A bounce copy into (or out of) memory the process may not write (or read) would crash it: refuse first.
@@ -152,13 +157,7 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
     block = std::max(align, round_down(block, align));
     L.head_end = std::min(end, round_up(offset, edge));
     L.tail_start = std::max(L.head_end, round_down(end, edge));
-    if (L.head_end > offset || L.tail_start < end) {
-      try {
-        file->ensure_buffered_fd();
-      } catch (const IoError& e) {
-        throw IoError(e.err(), e.what(), e.path(), offset);
-      }
-    }
+    if (L.head_end > offset || L.tail_start < end) at_offset(offset, [&] { file->ensure_buffered_fd(); });
     L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
     if (L.bounce_middle) check_memory(op, buf, length, path, offset);
   } else {

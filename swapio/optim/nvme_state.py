@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from .. import _swapdir
+from .. import _durable, _swapdir
 from ..handle import AioHandle
 from ..pinned import empty_pinned
 from ._common import decoded_tensors, finish_all, init_segment, run_segment, shard
@@ -342,10 +342,7 @@ class NvmeState:
         self.wait_all()
         live = (self.chunks, self.placed, self.file_bytes, self.path, self.identity)
         new_path = self.path + ".load"
-        try:
-            os.unlink(new_path)
-        except FileNotFoundError:
-            pass
+        _durable.discard(new_path)  # a leftover of an interrupted load
         identity = _swapdir.create_private_file(new_path)
         try:
             self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
@@ -356,10 +353,7 @@ class NvmeState:
         except BaseException:
             self.chunks, self.placed, self.file_bytes = live[:3]
             self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
-            try:
-                os.unlink(new_path)
-            except FileNotFoundError:
-                pass
+            _durable.discard(new_path)
             raise
         finally:
             self.path = live[3]

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -48,9 +49,7 @@ struct ScratchDir {
   ~ScratchDir() {
     remove(path);
     auto& l = live();
-    for (size_t i = 0; i < l.size(); ++i) {
-      if (l[i] == path) l.erase(l.begin() + static_cast<long>(i));
-    }
+    l.erase(std::remove(l.begin(), l.end(), path), l.end());
   }
   std::string file(const std::string& name) const { return path + "/" + name; }
 
