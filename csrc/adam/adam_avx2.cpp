@@ -229,9 +229,10 @@ struct V {
   }
   static SWAPIO_INLINE U lo16(U r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)); }
   static SWAPIO_INLINE U hi16(U r) { return _mm256_srli_epi32(r, 16); }
-  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) {
+  template <bool kSigned>
+  static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
     __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
-    return mul(_mm256_i32gather_ps(table, idx, 4), scale);
+    return mul(_mm256_i32gather_ps(q.code, idx, 4), scale);
   }
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));

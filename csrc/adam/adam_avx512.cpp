@@ -202,10 +202,11 @@ struct V {
   static SWAPIO_INLINE F flip(F x, uint32_t sign) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(sign))));
   }
+  // +-1.0 with x's sign bit where x is nonzero and not NaN, +0 elsewhere: (x & sign) | 1.0 under a mask
   static SWAPIO_INLINE F sign(F x) {
-    const F one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), one),
-                         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one));
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    const __m512i one = _mm512_set1_epi32(0x3F800000), sign_bit = _mm512_set1_epi32(INT32_MIN);
+    return _mm512_castsi512_ps(_mm512_maskz_ternarylogic_epi32(nonzero, _mm512_castps_si512(x), one, sign_bit, 0xEC));
   }
   static SWAPIO_INLINE F load_bf16(const uint16_t* p) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -246,35 +247,47 @@ struct V {
       return _mm512_mask_blend_ps(upper, lookup<size / 2>(tab, t), lookup<size / 2>(tab + size / 2, t));
     }
   }
-  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) {
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
-    return mul(lookup<256>(table, idx), scale);
+  // code value * scale. The signed map is symmetric (quant.h): |code - zero| picks one of 128 magnitudes (128, the
+  // value 1.0, wraps to entry 0), the sign bit of code - zero becomes the value's, and the zero code gives +0:
+  // half the table of the unsigned map's 256-entry lookup.
+  template <bool kSigned>
+  static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+    if constexpr (kSigned) {
+      const __m512i s = _mm512_sub_epi32(idx, _mm512_set1_epi32(q.zero));
+      const F mag = lookup<128>(q.magnitude, _mm512_abs_epi32(s));
+      const __m512i v = _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(s, s), _mm512_castps_si512(mag), s,
+                                                        _mm512_set1_epi32(INT32_MIN), 0x78);  // mag ^ (s & sign)
+      return mul(_mm512_castsi512_ps(v), scale);
+    } else {
+      return mul(lookup<256>(q.code, idx), scale);
+    }
   }
   // 1 where y > mid, else 0, for y in [0, 1] and mid > 0 (+inf included): non-negative floats order like their
   // bits as integers, so the sign of mid - y as integers says it (integer ops only, no mask register between).
   static SWAPIO_INLINE __m512i above(F y, F mid) {
     return _mm512_srli_epi32(_mm512_sub_epi32(_mm512_castps_si512(mid), _mm512_castps_si512(y)), 31);
   }
-  // quant.h's arithmetic search of k for y in [0, 1] (quant_search.h's quick_k, lane by lane); `in_band`: the
-  // lanes whose pos lies within kPosBand of an integer, where k must come from the bucket lookup instead.
-  static SWAPIO_INLINE __m512i quick_k(F y, const QuantMap& q, __mmask16& in_band) {
+  // quant.h's arithmetic search of k for y in [0, 1] (quant_search.h's quick_k, lane by lane); `deferred`: the
+  // lanes whose rounded P is a multiple of kPosUnit, where k must come from the bucket lookup instead.
+  static SWAPIO_INLINE __m512i quick_k(F y, const QuantMap& q, __mmask16& deferred) {
     const __m512i bits = _mm512_castps_si512(y);
-    const __m512i b = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kRegionExpBase)),
-                                       _mm512_setzero_si512());
+    // the binade index, 0 below the tables: y >= 0, so the exponent field fits the low 16 bits of each lane and an
+    // unsigned saturating 16-bit subtraction clamps it (the high 16 bits are 0 - 0)
+    const __m512i b = _mm512_subs_epu16(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(kRegionExpBase));
     const __m512i below = _mm512_permutex2var_epi32(_mm512_load_si512(q.region_below), b,
                                                     _mm512_load_si512(q.region_below + 16));
     const F mid = _mm512_permutex2var_ps(_mm512_load_ps(q.region_mid), b, _mm512_load_ps(q.region_mid + 16));
     const __m512i r = _mm512_add_epi32(below, above(y, mid));
     const F pos = _mm512_sub_ps(mul(y, _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_scale))),
                                 _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_offset)));
-    __m512i c = _mm512_cvt_roundps_epi32(pos, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(1)),
-                         _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_parts)));
-    const F off = _mm512_abs_ps(_mm512_sub_ps(pos, _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-    in_band = _mm512_cmp_ps_mask(off, _mm512_set1_ps(kPosBand), _CMP_LE_OQ);
-    return _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_first)), c);
+    const __m512i u = _mm512_cvt_roundps_epi32(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    deferred = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(kPosUnit - 1));
+    const __m512i k = _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_k0)),
+                                       _mm512_srli_epi32(u, kPosBits));
+    return _mm512_min_epi32(k, _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_k_max)));
   }
-  // The lanes in `lanes` of k, from the bucket lookup (rare: the band is 2^-11 wide around each integer; out of line).
+  // The lanes in `lanes` of k, from the bucket lookup (rare: one rounded P in kPosUnit; out of line).
   static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i k, __mmask16 lanes, const QuantMap& q) {
     alignas(64) float ys[16];
     alignas(64) int32_t ks[16];
@@ -304,11 +317,11 @@ struct V {
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
     const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
-    __mmask16 band0, band1;
-    __m512i k0 = quick_k(y0, q0, band0), k1 = quick_k(y1, q1, band1);
-    if (__builtin_expect(band0 | band1, 0)) {
-      k0 = exact_lanes(y0, k0, band0, q0);
-      k1 = exact_lanes(y1, k1, band1, q1);
+    __mmask16 defer0, defer1;
+    __m512i k0 = quick_k(y0, q0, defer0), k1 = quick_k(y1, q1, defer1);
+    if (__builtin_expect(defer0 | defer1, 0)) {
+      k0 = exact_lanes(y0, k0, defer0, q0);
+      k1 = exact_lanes(y1, k1, defer1, q1);
     }
     store_codes(out0, x0, k0, q0);
     store_codes(out1, x1, k1, q1);

@@ -110,7 +110,8 @@ struct V {
   static SWAPIO_INLINE U hash(uint32_t key, uint32_t index) { return sr_bits(key, index); }
   static SWAPIO_INLINE U lo16(U r) { return r & 0xFFFFu; }
   static SWAPIO_INLINE U hi16(U r) { return r >> 16; }
-  static SWAPIO_INLINE F decode(const uint8_t* code, const float* table, F scale) { return rounded(table[*code] * scale); }
+  template <bool kSigned>
+  static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) { return rounded(q.code[*code] * scale); }
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     const float ax = std::fabs(x);
     float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;

@@ -11,7 +11,7 @@
 // V provides (W lanes; all arithmetic correctly rounded, mul() never fused with a later add):
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
-//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode, encode, abs_finite (|x|, 0 when not finite),
+//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<signed map?>, encode, abs_finite (|x|, 0 when not finite),
 //   encode2 (two encodes, in any order), max, hmax, count_nonfinite.
 #include <cfloat>
 #include <cstdint>
@@ -235,10 +235,10 @@ struct Loops {
     const int64_t blk = b0 / kQuantBlock;
     const uint8_t* mcodes = static_cast<const uint8_t*>(a.m.data) + b0;
     for (int64_t k = j; k < j + kStride; k += W) {
-      V::store(s.m + k, V::decode(mcodes + k, a.m.map->code, V::set1(a.m.scale[blk])));
+      V::store(s.m + k, V::template decode<true>(mcodes + k, *a.m.map, V::set1(a.m.scale[blk])));
       if (two) {
-        V::store(s.v + k, V::decode(static_cast<const uint8_t*>(a.v.data) + b0 + k, a.v.map->code,
-                                    V::set1(a.v.scale[blk])));
+        V::store(s.v + k, V::template decode<false>(static_cast<const uint8_t*>(a.v.data) + b0 + k, *a.v.map,
+                                                    V::set1(a.v.scale[blk])));
       }
     }
   }
@@ -259,21 +259,22 @@ struct Loops {
 
   static SWAPIO_INLINE void decode_block(const LowpArgs& a, int64_t b0, int64_t b1, Slot& s) {
     const int64_t blk = b0 / kQuantBlock;
-    decode_span(static_cast<const uint8_t*>(a.m.data), *a.m.map, a.m.scale[blk], s.m, b0, b1);
-    if (two) decode_span(static_cast<const uint8_t*>(a.v.data), *a.v.map, a.v.scale[blk], s.v, b0, b1);
+    decode_span<true>(static_cast<const uint8_t*>(a.m.data), *a.m.map, a.m.scale[blk], s.m, b0, b1);
+    if (two) decode_span<false>(static_cast<const uint8_t*>(a.v.data), *a.v.map, a.v.scale[blk], s.v, b0, b1);
   }
 
   // buf[0, b1 - b0) = the values of codes [b0, b1) with this block's scale; up to the next W, the zero code's.
+  template <bool kSigned>
   static SWAPIO_INLINE void decode_span(const uint8_t* codes, const QuantMap& q, float scale, float* buf, int64_t b0,
                                         int64_t b1) {
     const F s = V::set1(scale);
     int64_t i = b0;
-    for (; i + W <= b1; i += W) V::store(buf + (i - b0), V::decode(codes + i, q.code, s));
+    for (; i + W <= b1; i += W) V::store(buf + (i - b0), V::template decode<kSigned>(codes + i, q, s));
     if (i < b1) {
       alignas(64) uint8_t tail[W];
       __builtin_memset(tail, q.zero, sizeof tail);
       __builtin_memcpy(tail, codes + i, b1 - i);
-      V::store(buf + (i - b0), V::decode(tail, q.code, s));
+      V::store(buf + (i - b0), V::template decode<kSigned>(tail, q, s));
     }
   }
 

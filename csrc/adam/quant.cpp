@@ -43,20 +43,20 @@ void build_regions(QuantMap& q, bool& valid) {
   for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + parts_of(q.is_signed, d);
   float region[8];
   for (int d = 0; d < 8; ++d) region[d] = q.mid[first[d] - 1];
-  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): pos = 0.5, k = first + 1
+  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): P = kPosUnit / 2, k = region_k0
     q.pos_scale[r] = 0.0f;
-    q.pos_offset[r] = -0.5f;
-    q.region_parts[r] = 1;
-    q.region_first[r] = r == 0 ? -1 : q.max_k - 1;
+    q.pos_offset[r] = -0.5f * kPosUnit;
+    q.region_k0[r] = q.region_k_max[r] = r == 0 ? 0 : q.max_k;
   }
   for (int d = 0; d < 7; ++d) {
     const int parts = first[d + 1] - first[d];
-    q.pos_scale[d + 1] = static_cast<float>(parts / (0.9 * kDecade[d]));
-    q.pos_offset[d + 1] = static_cast<float>(0.1 * parts / 0.9);
-    q.region_parts[d + 1] = parts;
-    q.region_first[d + 1] = first[d] - 1;
+    q.pos_scale[d + 1] = static_cast<float>(kPosUnit * parts / (0.9 * kDecade[d]));
+    q.pos_offset[d + 1] = static_cast<float>(kPosUnit * 0.1 * parts / 0.9);
+    q.region_k0[d + 1] = first[d];
+    q.region_k_max[d + 1] = first[d] + parts - 1;
+    if (quant_pos(q, d + 1, region[d]) < 0.0f) valid = false;  // every y of the region lies above region[d]
     for (int t = 1; t < parts; ++t) {  // inner midpoint t of the decade
-      if (std::fabs(quant_pos(q, d + 1, q.mid[first[d] + t - 1]) - static_cast<float>(t)) > kPosBand / 2) valid = false;
+      if (std::nearbyint(quant_pos(q, d + 1, q.mid[first[d] + t - 1])) != static_cast<float>(t * kPosUnit)) valid = false;
     }
   }
   for (int b = 0; b < kRegionBinades; ++b) {  // binade b: [lo, hi), all y below 2^-30 for b = 0
@@ -89,6 +89,10 @@ Built build(bool is_signed) {
   q.zero = is_signed ? q.max_neg_k : 0;
   for (int k = 0; k <= max_k; ++k) q.code[q.zero + k] = mags[k];
   for (int k = 1; k <= q.max_neg_k; ++k) q.code[q.zero - k] = -mags[k];
+  if (is_signed) {
+    for (int k = 1; k <= max_k; ++k) q.magnitude[k % 128] = mags[k];
+    if (max_k != 128) b.valid = false;
+  }
   const float inf = std::numeric_limits<float>::infinity();
   for (int k = 0; k < 256; ++k) q.mid[k] = k < max_k ? (mags[k] + mags[k + 1]) / 2.0f : inf;
   // count of midpoints strictly below y

@@ -14,10 +14,11 @@
 // The AVX-512 kernel, where gathers are slow (CPUs with the Gather Data Sampling microcode fix), finds the same k
 // by arithmetic (quant_search.h): y's binade says how many region midpoints (those around 0, between decades,
 // and below 1) lie below it, up to one comparison with the region midpoint inside that binade; within a decade
-// the magnitudes are evenly spaced, so pos = y * pos_scale - pos_offset puts the decade's t-th inner midpoint at
-// pos ~ t, and k = first + clamp(ceil(pos), 1, parts). That is the exact k whenever pos lies farther than
-// kPosBand from every integer: every inner midpoint's pos is within kPosBand / 2 of its integer (checked when
-// the maps are built), and pos only grows with y. The rare y within the band take the bucket lookup.
+// the magnitudes are evenly spaced, so P = y * pos_scale - pos_offset, rounded to an integer u, puts the decade's
+// t-th inner midpoint at u = t * kPosUnit exactly (checked when the maps are built). P only grows with y, so
+// every y above that midpoint has u >= t * kPosUnit and every other y u <= t * kPosUnit: unless u is a multiple
+// of kPosUnit, the count of inner midpoints below y is u / kPosUnit, and k = min(region_k0 + u / kPosUnit,
+// region_k_max). The rare u that are multiples take the bucket lookup.
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -37,18 +38,20 @@ constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
 constexpr int kRegionBinades = 32;
 constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
-constexpr float kPosBand = 1.0f / 4096;
+constexpr int kPosBits = 12;  // P is pos in units of 2^-12: far finer than the float rounding of pos near a midpoint
+constexpr int32_t kPosUnit = 1 << kPosBits;
 
 struct QuantMap {
   float code[256];         // code value of each 8-bit code, ascending
   float mid[256];          // mid[k]: midpoint between magnitudes k and k+1; +inf from max_k on
+  alignas(64) float magnitude[128];  // signed map: magnitude k = code[zero + k] at k % 128 (1.0 at 0); else 0
   uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
   alignas(64) float region_mid[kRegionBinades];  // the region midpoint inside each binade, or +inf
   alignas(64) int32_t region_below[kRegionBinades];  // region midpoints below each binade
-  alignas(64) float pos_scale[kRegions];  // per region: pos = y * pos_scale - pos_offset (two roundings)
+  alignas(64) float pos_scale[kRegions];  // per region: P = y * pos_scale - pos_offset (two roundings)
   alignas(64) float pos_offset[kRegions];
-  alignas(64) int32_t region_first[kRegions];  // k = region_first + clamp(ceil(pos), 1, region_parts)
-  alignas(64) int32_t region_parts[kRegions];
+  alignas(64) int32_t region_k0[kRegions];     // k = min(region_k0 + rint(P) / kPosUnit, region_k_max)
+  alignas(64) int32_t region_k_max[kRegions];
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
@@ -59,8 +62,9 @@ struct QuantMap {
 const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
-// True when every bucket holds at most one midpoint, every binade at most one region midpoint, and every inner
-// midpoint's pos lies within kPosBand / 2 of its integer (checked when the maps are built; tests assert it).
+// True when every bucket holds at most one midpoint, every binade at most one region midpoint, every inner
+// midpoint's P rounds to its multiple of kPosUnit and P is not negative in any decade (checked when the maps are
+// built; tests assert it).
 bool quant_maps_valid();
 
 }  // namespace adam

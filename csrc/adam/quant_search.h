@@ -22,17 +22,18 @@ static inline int quant_region(const QuantMap& q, float y) {
   return q.region_below[b] + (y > q.region_mid[b]);
 }
 
-// pos of y in region r, rounded after the multiply and after the subtraction, as the kernel does.
+// P of y in region r (pos in units of 1 / kPosUnit), rounded after the multiply and after the subtraction, as
+// the kernel does.
 static inline float quant_pos(const QuantMap& q, int r, float y) { return scalar_ops::rounded(y * q.pos_scale[r]) - q.pos_offset[r]; }
 
-// The arithmetic search: k, and whether y fell within the band (then k may be off and exact_k decides).
-static inline int quick_k(const QuantMap& q, float y, bool* in_band) {
+// The arithmetic search: k, and whether P rounded to a multiple of kPosUnit (then k may be off and exact_k
+// decides). P is never negative (checked when the maps are built), so the shift is a floor.
+static inline int quick_k(const QuantMap& q, float y, bool* deferred) {
   const int r = quant_region(q, y);
-  const float pos = quant_pos(q, r, y);
-  *in_band = std::fabs(pos - std::nearbyint(pos)) <= kPosBand;
-  int c = static_cast<int>(std::ceil(pos));
-  c = c < 1 ? 1 : (c > q.region_parts[r] ? q.region_parts[r] : c);
-  return q.region_first[r] + c;
+  const int32_t u = static_cast<int32_t>(std::nearbyint(quant_pos(q, r, y)));
+  *deferred = (u & (kPosUnit - 1)) == 0;
+  const int k = q.region_k0[r] + (u >> kPosBits);
+  return k < q.region_k_max[r] ? k : q.region_k_max[r];
 }
 
 }  // namespace adam
