@@ -111,7 +111,9 @@ struct V {
   static SWAPIO_INLINE U lo16(U r) { return r & 0xFFFFu; }
   static SWAPIO_INLINE U hi16(U r) { return r >> 16; }
   template <bool kSigned>
-  static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) { return rounded(q.code[*code] * scale); }
+  static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
+    return rounded(q.code[*code] * scale);
+  }
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     const float ax = std::fabs(x);
     float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;

@@ -184,6 +184,7 @@ struct Loops {
       F mmax = V::set1(0.0f), vmax = V::set1(0.0f);
       if (dec && stp && enc && b_dec + kQuantBlock <= e) {  // all three whole blocks
         for (int64_t j = 0; j < kQuantBlock; j += kStride) {
+          prefetch(a, b_dec + kPrefetchBlocks * kQuantBlock + j, e);
           // the step first: its chain through the divider is the longest, the other two fill its wait
           step_vectors(a, b_stp, j, ss, mmax, vmax, nonfinite);
           encode_vectors(a, b_enc, j, se);
@@ -207,6 +208,21 @@ struct Loops {
       }
     }
     return nonfinite;
+  }
+
+  // Software prefetch of the streams, kPrefetchBlocks blocks ahead of the decode: one core alone keeps too few
+  // cache misses in flight to feed these kernels (a 32M-parameter Lion step ran at 0.7 of its speed on L2-resident
+  // data), and the hardware prefetcher stops at page boundaries.
+  static constexpr int64_t kPrefetchBlocks = 2;
+  static SWAPIO_INLINE void prefetch(const LowpArgs& a, int64_t i, int64_t e) {
+    if (i >= e) return;
+    const Lane q = at(a, i);
+    for (int64_t off = 0; off < kStride * 4; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(q.p) + off, 1);
+    for (int64_t off = 0; off < kStride * gs; off += 64) __builtin_prefetch(static_cast<const char*>(q.g) + off);
+    if (i % 64 < kStride) {
+      __builtin_prefetch(q.m, 1);
+      if (two) __builtin_prefetch(q.v, 1);
+    }
   }
 
   static SWAPIO_INLINE int64_t end_of(int64_t b0, int64_t e) { return b0 + kQuantBlock < e ? b0 + kQuantBlock : e; }

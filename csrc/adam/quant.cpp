@@ -56,7 +56,8 @@ void build_regions(QuantMap& q, bool& valid) {
     q.region_k_max[d + 1] = first[d] + parts - 1;
     if (quant_pos(q, d + 1, region[d]) < 0.0f) valid = false;  // every y of the region lies above region[d]
     for (int t = 1; t < parts; ++t) {  // inner midpoint t of the decade
-      if (std::nearbyint(quant_pos(q, d + 1, q.mid[first[d] + t - 1])) != static_cast<float>(t * kPosUnit)) valid = false;
+      const float u = std::nearbyint(quant_pos(q, d + 1, q.mid[first[d] + t - 1]));
+      if (u != static_cast<float>(t * kPosUnit)) valid = false;
     }
   }
   for (int b = 0; b < kRegionBinades; ++b) {  // binade b: [lo, hi), all y below 2^-30 for b = 0
