@@ -259,11 +259,10 @@ struct V {
     encode(out0, x0, inv0, q0);
     encode(out1, x1, inv1, q1);
   }
-  static SWAPIO_INLINE F abs_finite(F x) {
+  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
     const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    return _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+    return _mm256_max_ps(acc, _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)));
   }
-  static SWAPIO_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
   static SWAPIO_INLINE float hmax(F a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));

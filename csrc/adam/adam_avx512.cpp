@@ -307,7 +307,8 @@ struct V {
   static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i k, const QuantMap& q) {
     __m512i c = _mm512_add_epi32(_mm512_set1_epi32(q.zero), k);
     if (q.is_signed) {
-      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      // the sign bit (vpmovd2m, off the shuffle port): -0 and a negative NaN have k = 0, where both codes agree
+      const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(x));
       const __m512i kn = _mm512_min_epi32(k, _mm512_set1_epi32(q.max_neg_k));
       c = _mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(q.zero), kn);
     }
@@ -330,17 +331,17 @@ struct V {
     alignas(16) uint8_t unused[16];
     encode2(out, x, inv, q, unused, _mm512_setzero_ps(), inv, q);
   }
-  static SWAPIO_INLINE F abs_finite(F x) {
-    const F ax = _mm512_abs_ps(x);
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax);
+  // QNaN, SNaN, +inf and -inf for vfpclassps
+  static constexpr int kNonFinite = 0x01 | 0x80 | 0x08 | 0x10;
+  // vrangeps 0x0B: the larger magnitude with its sign cleared, max(acc, |x|) as acc >= 0; in finite lanes only
+  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
+    const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(x, kNonFinite));
+    return _mm512_mask_range_ps(acc, finite, acc, x, 0x0B);
   }
-  static SWAPIO_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
   static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
   static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) {
-    const F big = _mm512_set1_ps(FLT_MAX);
-    const __mmask16 fin = _mm512_cmp_ps_mask(_mm512_abs_ps(m), big, _CMP_LE_OQ) &
-                          _mm512_cmp_ps_mask(_mm512_abs_ps(v), big, _CMP_LE_OQ);
-    return __builtin_popcount(static_cast<unsigned>(static_cast<__mmask16>(~fin)));
+    const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);
+    return __builtin_popcount(static_cast<unsigned>(bad));
   }
 };
 

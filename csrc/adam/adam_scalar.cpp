@@ -127,11 +127,10 @@ struct V {
     encode(out0, x0, inv0, q0);
     encode(out1, x1, inv1, q1);
   }
-  static SWAPIO_INLINE F abs_finite(F x) {
+  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
     const float ax = std::fabs(x);
-    return ax <= FLT_MAX ? ax : 0.0f;
+    return ax <= FLT_MAX && ax > acc ? ax : acc;
   }
-  static SWAPIO_INLINE F max(F a, F b) { return a > b ? a : b; }
   static SWAPIO_INLINE float hmax(F a) { return a; }
   static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) { return !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX); }
 };

@@ -11,8 +11,8 @@
 // V provides (W lanes; all arithmetic correctly rounded, mul() never fused with a later add):
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
-//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<signed map?>, encode, abs_finite (|x|, 0 when not finite),
-//   encode2 (two encodes, in any order), max, hmax, count_nonfinite.
+//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode, encode2 (two encodes, in
+//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite.
 #include <cfloat>
 #include <cstdint>
 
@@ -238,10 +238,10 @@ struct Loops {
     V::store(q.p, p);
     V::template store_out<O>(q.out, p);
     V::store(mb, m);
-    mmax = V::max(mmax, V::abs_finite(m));
+    mmax = V::max_abs_finite(mmax, m);
     if (two) {
       V::store(vb, v);
-      vmax = V::max(vmax, V::abs_finite(v));
+      vmax = V::max_abs_finite(vmax, v);
     }
     nonfinite += V::count_nonfinite(m, two ? v : m);
   }
