@@ -268,9 +268,9 @@ struct V {
   static SWAPIO_INLINE __m512i above(F y, F mid) {
     return _mm512_srli_epi32(_mm512_sub_epi32(_mm512_castps_si512(mid), _mm512_castps_si512(y)), 31);
   }
-  // quant.h's arithmetic search of k for y in [0, 1] (quant_search.h's quick_k, lane by lane); `deferred`: the
-  // lanes whose rounded P is a multiple of kPosUnit, where k must come from the bucket lookup instead.
-  static SWAPIO_INLINE __m512i quick_k(F y, const QuantMap& q, __mmask16& deferred) {
+  // quant.h's arithmetic search of the code of +y, y in [0, 1] (quant_search.h's quick_code, lane by lane);
+  // `deferred`: the lanes whose rounded P is a multiple of kPosUnit, where the bucket lookup must decide instead.
+  static SWAPIO_INLINE __m512i quick_code(F y, const QuantMap& q, __mmask16& deferred) {
     const __m512i bits = _mm512_castps_si512(y);
     // the binade index, 0 below the tables: y >= 0, so the exponent field fits the low 16 bits of each lane and an
     // unsigned saturating 16-bit subtraction clamps it (the high 16 bits are 0 - 0)
@@ -279,24 +279,24 @@ struct V {
                                                     _mm512_load_si512(q.region_below + 16));
     const F mid = _mm512_permutex2var_ps(_mm512_load_ps(q.region_mid), b, _mm512_load_ps(q.region_mid + 16));
     const __m512i r = _mm512_add_epi32(below, above(y, mid));
-    const F pos = _mm512_sub_ps(mul(y, _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_scale))),
-                                _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_offset)));
+    const F pos = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_scale)),
+                                  _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_offset)));
     const __m512i u = _mm512_cvt_roundps_epi32(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     deferred = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(kPosUnit - 1));
-    const __m512i k = _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_k0)),
+    const __m512i c = _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_code0)),
                                        _mm512_srli_epi32(u, kPosBits));
-    return _mm512_min_epi32(k, _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_k_max)));
+    return _mm512_min_epi32(c, _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_code_max)));
   }
-  // The lanes in `lanes` of k, from the bucket lookup (rare: one rounded P in kPosUnit; out of line).
-  static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i k, __mmask16 lanes, const QuantMap& q) {
+  // The lanes in `lanes` of c, from the bucket lookup (rare: one rounded P in kPosUnit; out of line).
+  static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i c, __mmask16 lanes, const QuantMap& q) {
     alignas(64) float ys[16];
-    alignas(64) int32_t ks[16];
+    alignas(64) int32_t cs[16];
     _mm512_store_ps(ys, y);
-    _mm512_store_si512(ks, k);
+    _mm512_store_si512(cs, c);
     for (int i = 0; i < 16; ++i) {
-      if (lanes >> i & 1) ks[i] = exact_k(q, ys[i]);
+      if (lanes >> i & 1) cs[i] = q.zero + exact_k(q, ys[i]);
     }
-    return _mm512_load_si512(ks);
+    return _mm512_load_si512(cs);
   }
   // |x| * inv clamped to 1; 0 for a non-finite x.
   static SWAPIO_INLINE F unit(F x, F inv) {
@@ -304,13 +304,13 @@ struct V {
     F y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
     return _mm512_min_ps(y, _mm512_set1_ps(1.0f));
   }
-  static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i k, const QuantMap& q) {
-    __m512i c = _mm512_add_epi32(_mm512_set1_epi32(q.zero), k);
+  // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k)
+  static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i c, const QuantMap& q) {
     if (q.is_signed) {
       // the sign bit (vpmovd2m, off the shuffle port): -0 and a negative NaN have k = 0, where both codes agree
       const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(x));
-      const __m512i kn = _mm512_min_epi32(k, _mm512_set1_epi32(q.max_neg_k));
-      c = _mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(q.zero), kn);
+      const __m512i cn = _mm512_min_epi32(c, _mm512_set1_epi32(q.zero + q.max_neg_k));
+      c = _mm512_mask_sub_epi32(c, neg, _mm512_set1_epi32(2 * q.zero), cn);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
   }
@@ -319,13 +319,13 @@ struct V {
                                     const QuantMap& q1) {
     const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
     __mmask16 defer0, defer1;
-    __m512i k0 = quick_k(y0, q0, defer0), k1 = quick_k(y1, q1, defer1);
+    __m512i c0 = quick_code(y0, q0, defer0), c1 = quick_code(y1, q1, defer1);
     if (__builtin_expect(defer0 | defer1, 0)) {
-      k0 = exact_lanes(y0, k0, defer0, q0);
-      k1 = exact_lanes(y1, k1, defer1, q1);
+      c0 = exact_lanes(y0, c0, defer0, q0);
+      c1 = exact_lanes(y1, c1, defer1, q1);
     }
-    store_codes(out0, x0, k0, q0);
-    store_codes(out1, x1, k1, q1);
+    store_codes(out0, x0, c0, q0);
+    store_codes(out1, x1, c1, q1);
   }
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     alignas(16) uint8_t unused[16];

@@ -43,17 +43,17 @@ void build_regions(QuantMap& q, bool& valid) {
   for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + parts_of(q.is_signed, d);
   float region[8];
   for (int d = 0; d < 8; ++d) region[d] = q.mid[first[d] - 1];
-  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): P = kPosUnit / 2, k = region_k0
+  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): P = kPosUnit / 2, k = 0 or max_k
     q.pos_scale[r] = 0.0f;
     q.pos_offset[r] = -0.5f * kPosUnit;
-    q.region_k0[r] = q.region_k_max[r] = r == 0 ? 0 : q.max_k;
+    q.region_code0[r] = q.region_code_max[r] = q.zero + (r == 0 ? 0 : q.max_k);
   }
   for (int d = 0; d < 7; ++d) {
     const int parts = first[d + 1] - first[d];
     q.pos_scale[d + 1] = static_cast<float>(kPosUnit * parts / (0.9 * kDecade[d]));
     q.pos_offset[d + 1] = static_cast<float>(kPosUnit * 0.1 * parts / 0.9);
-    q.region_k0[d + 1] = first[d];
-    q.region_k_max[d + 1] = first[d] + parts - 1;
+    q.region_code0[d + 1] = q.zero + first[d];
+    q.region_code_max[d + 1] = q.zero + first[d] + parts - 1;
     if (quant_pos(q, d + 1, region[d]) < 0.0f) valid = false;  // every y of the region lies above region[d]
     for (int t = 1; t < parts; ++t) {  // inner midpoint t of the decade
       const float u = std::nearbyint(quant_pos(q, d + 1, q.mid[first[d] + t - 1]));

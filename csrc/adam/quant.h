@@ -14,11 +14,12 @@
 // The AVX-512 kernel, where gathers are slow (CPUs with the Gather Data Sampling microcode fix), finds the same k
 // by arithmetic (quant_search.h): y's binade says how many region midpoints (those around 0, between decades,
 // and below 1) lie below it, up to one comparison with the region midpoint inside that binade; within a decade
-// the magnitudes are evenly spaced, so P = y * pos_scale - pos_offset, rounded to an integer u, puts the decade's
-// t-th inner midpoint at u = t * kPosUnit exactly (checked when the maps are built). P only grows with y, so
-// every y above that midpoint has u >= t * kPosUnit and every other y u <= t * kPosUnit: unless u is a multiple
-// of kPosUnit, the count of inner midpoints below y is u / kPosUnit, and k = min(region_k0 + u / kPosUnit,
-// region_k_max). The rare u that are multiples take the bucket lookup.
+// the magnitudes are evenly spaced, so P = y * pos_scale - pos_offset (one fused rounding), rounded to an integer
+// u, puts the decade's t-th inner midpoint at u = t * kPosUnit exactly (checked when the maps are built). P only
+// grows with y, so every y above that midpoint has u >= t * kPosUnit and every other y u <= t * kPosUnit: unless
+// u is a multiple of kPosUnit, the count of inner midpoints below y is u / kPosUnit, and the code of +y is
+// zero + k = min(region_code0 + u / kPosUnit, region_code_max). The rare u that are multiples take the bucket
+// lookup.
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -48,10 +49,10 @@ struct QuantMap {
   uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
   alignas(64) float region_mid[kRegionBinades];  // the region midpoint inside each binade, or +inf
   alignas(64) int32_t region_below[kRegionBinades];  // region midpoints below each binade
-  alignas(64) float pos_scale[kRegions];  // per region: P = y * pos_scale - pos_offset (two roundings)
+  alignas(64) float pos_scale[kRegions];  // per region: P = fma(y, pos_scale, -pos_offset)
   alignas(64) float pos_offset[kRegions];
-  alignas(64) int32_t region_k0[kRegions];     // k = min(region_k0 + rint(P) / kPosUnit, region_k_max)
-  alignas(64) int32_t region_k_max[kRegions];
+  alignas(64) int32_t region_code0[kRegions];  // zero + k = min(region_code0 + rint(P) / kPosUnit, region_code_max)
+  alignas(64) int32_t region_code_max[kRegions];
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
