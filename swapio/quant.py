@@ -6,7 +6,8 @@ These are the references of the native kernels (``swapio.ops``) and what the opt
 int8 (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022; the scheme of bitsandbytes'
 and torchao's 8-bit Adam): every block of ``BLOCK`` elements keeps its absolute maximum as an fp32 scale, and
 every element the 8-bit code of its value divided by that scale. The 256 code values: 0, 1 and, per decade
-10^-6 .. 10^0, evenly spaced means between 0.1 and 1 times the decade, more of them in the upper decades.
+10^-6 .. 10^0, evenly spaced means between 0.1 and 1 times the decade, more of them in the upper decades
+(each within a few float32 ulps of that decimal formula: it is evaluated as one float32 multiply-add).
 The signed map (first moments) has 127 values each side (+1 but no -1); the unsigned map (second moments,
 never negative, so ``eps`` keeps its meaning) has 254 positive ones. Encoding picks the nearest code (ties
 toward zero). A non-finite value is encoded as 0 and kept out of its block's scale, so one NaN or inf gradient
@@ -29,11 +30,19 @@ _FLT_MIN = torch.finfo(torch.float32).tiny
 _M32 = 0xFFFFFFFF
 
 
+def _f32(x):
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
 def _magnitudes(signed):
+    # Decade i's magnitudes decade * (0.1 + 0.9 * (j + 0.5) / parts), j < parts, are a line in the rank
+    # r = parts + j: r * B + C. B and C are rounded to float32 once, r * B + C once (exact in double before
+    # that, as in one FMA): the native kernel decodes with that FMA (csrc/adam/quant.cpp).
     mags = [0.0]
     for i, decade in enumerate(_DECADES):
         parts = (1 << i) if signed else (2 << i)
-        mags += [decade * (0.1 + 0.9 * (j + 0.5) / parts) for j in range(parts)]
+        b, c = _f32(0.9 * decade / parts), _f32(decade * (0.45 / parts - 0.8))
+        mags += [r * b + c for r in range(parts, 2 * parts)]
     return torch.tensor(mags + [1.0], dtype=torch.float32)
 
 

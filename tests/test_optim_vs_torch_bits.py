@@ -1,6 +1,7 @@
 """What the README says about agreement with torch, checked bit for bit: OffloadAdamW's parameters equal those of
 torch.optim.AdamW(fused=True) (torch's fused CPU kernel); its moments equal those of torch's default single-tensor
-AdamW, whose parameters differ from ours in a few elements per million per step, by float32 rounding."""
+AdamW, whose parameters differ from ours in a few elements per thousand or per million per step (the CPU decides),
+by float32 rounding."""
 import pytest
 import torch
 
@@ -52,6 +53,6 @@ def test_against_default_single_tensor_adamw_only_params_round_differently():
     single = _run(lambda ps: torch.optim.AdamW(ps, foreach=False, **KW))
     for k, ((p, m, v), (ps, ms, vs)) in enumerate(zip(_run_ours("cpu", None), single), 1):
         assert torch.equal(m, ms) and torch.equal(v, vs), f"step {k}: moments differ"
-        differ = (p != ps).sum().item()
-        assert differ <= 5e-4 * N * k, f"step {k}: {differ} of {N} parameters differ"
+        differ = (p != ps).sum().item()  # how many is the CPU's: 23 per million at step 1 on one, 570 on another
+        assert differ <= 2e-3 * N * k, f"step {k}: {differ} of {N} parameters differ"
         assert (p - ps).abs().max().item() <= 1e-6 * max(1.0, ps.abs().max().item())

@@ -193,6 +193,15 @@ def test_native_code_values_are_the_published_maps():
     assert u.min() == 0 and u.max() == 1.0 and (u > 0).sum() == 255
     # 7 decades: the smallest nonzero magnitudes are a few 1e-7 of the block scale
     assert 1e-7 < u[1] < 1e-6 and 1e-7 < s[128] < 1e-6
+    # each value within a few float32 ulps of the published decimal formula (it is one float32 multiply-add)
+    for signed, values in ((True, s[127:]), (False, u)):
+        ideal = [0.0]
+        for i, decade in enumerate((1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)):
+            parts = (1 << i) if signed else (2 << i)
+            ideal += [decade * (0.1 + 0.9 * (j + 0.5) / parts) for j in range(parts)]
+        ideal = torch.tensor(ideal + [1.0], dtype=torch.float64)
+        ulp = torch.nextafter(ideal.float(), torch.tensor(2.0)).double() - ideal.float().double()
+        assert values.numel() == ideal.numel() and bool(((values.double() - ideal).abs() <= 8 * ulp).all())
 
 
 def test_quantize_picks_the_nearest_code_and_keeps_signs():

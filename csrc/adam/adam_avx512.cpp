@@ -232,35 +232,23 @@ struct V {
   }
   static SWAPIO_INLINE U lo16(U r) { return _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)); }
   static SWAPIO_INLINE U hi16(U r) { return _mm512_srli_epi32(r, 16); }
-  // tab[t] per lane for t in [0, size) (size a power of two up to 256), from registers: one vpermps for up to
-  // 16 entries, vpermt2ps for 32, blends on the higher bits of t above that. No gathers (see quant.h).
-  template <int size>
-  static SWAPIO_INLINE F lookup(const float* tab, __m512i t) {
-    if constexpr (size == 1) {
-      return _mm512_set1_ps(tab[0]);
-    } else if constexpr (size <= 16) {
-      return _mm512_permutexvar_ps(t, _mm512_loadu_ps(tab));
-    } else if constexpr (size == 32) {
-      return _mm512_permutex2var_ps(_mm512_loadu_ps(tab), t, _mm512_loadu_ps(tab + 16));
-    } else {
-      const __mmask16 upper = _mm512_test_epi32_mask(t, _mm512_set1_epi32(size / 2));
-      return _mm512_mask_blend_ps(upper, lookup<size / 2>(tab, t), lookup<size / 2>(tab + size / 2, t));
-    }
-  }
-  // code value * scale. The signed map is symmetric (quant.h): |code - zero| picks one of 128 magnitudes (128, the
-  // value 1.0, wraps to entry 0), the sign bit of code - zero becomes the value's, and the zero code gives +0:
-  // half the table of the unsigned map's 256-entry lookup.
+  // code value * scale, by arithmetic (quant.h): the magnitude is one FMA on the rank, with the line of the rank's
+  // binade (two vpermps on its exponent field's low 4 bits). The signed map is symmetric: rank = |code - zero|,
+  // the sign bit of code - zero becomes the value's, and the zero code (whose rank 0 has no binade) gives +0.
   template <bool kSigned>
   static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+    const __m512i s = kSigned ? _mm512_sub_epi32(idx, _mm512_set1_epi32(q.zero)) : idx;
+    const F rank = _mm512_cvtepi32_ps(kSigned ? _mm512_abs_epi32(s) : _mm512_add_epi32(idx, _mm512_set1_epi32(1)));
+    const __m512i slot = _mm512_srli_epi32(_mm512_castps_si512(rank), 23);
+    const F mag = _mm512_fmadd_ps(rank, _mm512_permutexvar_ps(slot, _mm512_load_ps(q.rank_scale)),
+                                  _mm512_permutexvar_ps(slot, _mm512_load_ps(q.rank_offset)));
     if constexpr (kSigned) {
-      const __m512i s = _mm512_sub_epi32(idx, _mm512_set1_epi32(q.zero));
-      const F mag = lookup<128>(q.magnitude, _mm512_abs_epi32(s));
       const __m512i v = _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(s, s), _mm512_castps_si512(mag), s,
                                                         _mm512_set1_epi32(INT32_MIN), 0x78);  // mag ^ (s & sign)
       return mul(_mm512_castsi512_ps(v), scale);
     } else {
-      return mul(lookup<256>(q.code, idx), scale);
+      return mul(mag, scale);
     }
   }
   // 1 where y > mid, else 0, for y in [0, 1] and mid > 0 (+inf included): non-negative floats order like their

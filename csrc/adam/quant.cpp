@@ -18,19 +18,35 @@ constexpr double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
 // Magnitudes of decade i of a map: more in the upper decades, twice as many in the unsigned map.
 int parts_of(bool is_signed, int i) { return is_signed ? 1 << i : 2 << i; }
 
-// Positive magnitudes of a map, ascending, starting with 0 and ending with 1: per decade i (values
-// 10^(i-6) * [0.1, 1)), parts_of(i) evenly spaced means of the intervals that split [0.1, 1] into that
-// many parts. Computed in double, rounded to float once (the Python reference does the same).
-std::vector<float> magnitudes(bool is_signed) {
-  std::vector<float> mags{0.0f};
+// The rank tables' entry of a rank's binade (quant.h): the low 4 bits of the binade's float exponent field.
+int rank_slot(int rank) { return (127 + std::ilogb(static_cast<double>(rank))) & 15; }
+
+// Decade i of a map holds parts_of(i) magnitudes, 10^(i-6) times the evenly spaced means of the intervals that
+// split [0.1, 1] into that many parts. They are numbered by rank = k + rank_bias (quant.h), which starts the
+// decade at rank parts_of(i), a power of two: so the rank's binade names the decade, and the magnitude is linear
+// in the rank, decade * (0.1 + 0.9 * (rank - parts + 0.5) / parts) = rank * B + C. The map's value is that line
+// in float32, B and C rounded to float once and rank * B + C rounded once (the product and the sum are exact in
+// double, so this is what one fused multiply-add gives): the AVX-512 kernel decodes by arithmetic, and the
+// values lie within a few float32 ulps of the decimal formula. (bitsandbytes builds the same formula in float32
+// torch operations, which round differently again.) The Python reference (swapio/quant.py) does the same.
+void build_decades(QuantMap& q) {
+  for (int slot = 0; slot < 16; ++slot) q.rank_scale[slot] = q.rank_offset[slot] = 0.0f;  // unsigned rank 1: 0
   for (int i = 0; i < 7; ++i) {
-    const int parts = parts_of(is_signed, i);
-    for (int j = 0; j < parts; ++j) {
-      const double mean = 0.1 + 0.9 * (j + 0.5) / parts;
-      mags.push_back(static_cast<float>(kDecade[i] * mean));
-    }
+    const int parts = parts_of(q.is_signed, i);
+    const int slot = rank_slot(parts);
+    q.rank_scale[slot] = static_cast<float>(0.9 * kDecade[i] / parts);
+    q.rank_offset[slot] = static_cast<float>(kDecade[i] * (0.45 / parts - 0.8));
   }
-  mags.push_back(1.0f);
+  q.rank_offset[rank_slot(q.max_k + q.rank_bias)] = 1.0f;  // the last magnitude, a binade of its own
+}
+
+// The positive magnitudes k = 0 .. max_k, ascending from 0 to 1.
+std::vector<float> magnitudes(const QuantMap& q) {
+  std::vector<float> mags{0.0f};
+  for (int k = 1; k <= q.max_k; ++k) {
+    const int rank = k + q.rank_bias, slot = rank_slot(rank);
+    mags.push_back(static_cast<float>(rank * static_cast<double>(q.rank_scale[slot]) + q.rank_offset[slot]));
+  }
   return mags;  // signed: 1 + 127 + 1 = 129 values; unsigned: 1 + 254 + 1 = 256
 }
 
@@ -82,23 +98,21 @@ struct Built {
 Built build(bool is_signed) {
   Built b{};
   QuantMap& q = b.map;
-  const std::vector<float> mags = magnitudes(is_signed);
-  const int max_k = static_cast<int>(mags.size()) - 1;
   q.is_signed = is_signed;
-  q.max_k = max_k;
-  q.max_neg_k = is_signed ? max_k - 1 : 0;
+  q.max_k = is_signed ? 128 : 255;
+  q.max_neg_k = is_signed ? q.max_k - 1 : 0;
   q.zero = is_signed ? q.max_neg_k : 0;
+  q.rank_bias = is_signed ? 0 : 1;
+  build_decades(q);
+  const std::vector<float> mags = magnitudes(q);
+  const int max_k = q.max_k;
+  b.valid = static_cast<int>(mags.size()) == max_k + 1;
   for (int k = 0; k <= max_k; ++k) q.code[q.zero + k] = mags[k];
   for (int k = 1; k <= q.max_neg_k; ++k) q.code[q.zero - k] = -mags[k];
-  if (is_signed) {
-    for (int k = 1; k <= max_k; ++k) q.magnitude[k % 128] = mags[k];
-    if (max_k != 128) b.valid = false;
-  }
   const float inf = std::numeric_limits<float>::infinity();
   for (int k = 0; k < 256; ++k) q.mid[k] = k < max_k ? (mags[k] + mags[k + 1]) / 2.0f : inf;
   // count of midpoints strictly below y
   auto below = [&](float y) { return static_cast<int>(std::lower_bound(q.mid, q.mid + max_k, y) - q.mid); };
-  b.valid = true;
   for (int idx = 0; idx < kBuckets; ++idx) {
     const uint32_t key = kBucketKeyMin + static_cast<uint32_t>(idx);
     const float lo = idx == 0 ? 0.0f : scalar_ops::f32_from_bits(key << 16);

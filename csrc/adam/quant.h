@@ -45,7 +45,11 @@ constexpr int32_t kPosUnit = 1 << kPosBits;
 struct QuantMap {
   float code[256];         // code value of each 8-bit code, ascending
   float mid[256];          // mid[k]: midpoint between magnitudes k and k+1; +inf from max_k on
-  alignas(64) float magnitude[128];  // signed map: magnitude k = code[zero + k] at k % 128 (1.0 at 0); else 0
+  // Magnitude k > 0 is float(rank * rank_scale[slot] + rank_offset[slot]), one rounding (an FMA), where rank =
+  // k + rank_bias and slot = the low 4 bits of float(rank)'s exponent field: decade i starts at a rank that is a
+  // power of two (quant.cpp), so the binade of the rank picks the decade's line, and 1.0 has a binade of its own.
+  alignas(64) float rank_scale[16];
+  alignas(64) float rank_offset[16];
   uint32_t bucket[kBuckets];  // per bucket: (midpoints below its smallest y) << 16 | low 16 bits of its own
   alignas(64) float region_mid[kRegionBinades];  // the region midpoint inside each binade, or +inf
   alignas(64) int32_t region_below[kRegionBinades];  // region midpoints below each binade
@@ -56,6 +60,7 @@ struct QuantMap {
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
+  int32_t rank_bias;       // 0 signed, 1 unsigned
   bool is_signed;
 };
 
