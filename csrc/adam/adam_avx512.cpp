@@ -271,9 +271,8 @@ struct V {
                                   _mm512_permutexvar_ps(r, _mm512_load_ps(q.pos_offset)));
     const __m512i u = _mm512_cvt_roundps_epi32(pos, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     deferred = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(kPosUnit - 1));
-    const __m512i c = _mm512_add_epi32(_mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_code0)),
-                                       _mm512_srli_epi32(u, kPosBits));
-    return _mm512_min_epi32(c, _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_code_max)));
+    return _mm512_min_epi32(_mm512_srli_epi32(u, kPosBits),
+                            _mm512_permutexvar_epi32(r, _mm512_load_si512(q.region_code_max)));
   }
   // The lanes in `lanes` of c, from the bucket lookup (rare: one rounded P in kPosUnit; out of line).
   static __attribute__((noinline, cold)) __m512i exact_lanes(F y, __m512i c, __mmask16 lanes, const QuantMap& q) {
@@ -286,11 +285,11 @@ struct V {
     }
     return _mm512_load_si512(cs);
   }
-  // |x| * inv clamped to 1; 0 for a non-finite x.
+  // |x| * inv; 0 for a non-finite x. Not clamped to 1 as in the scalar level: |x| is at most the block's absmax A,
+  // so y <= A * float(1 / A) < 2, and a y in [1, 2) lies in the binade of region 8 (code max_k), as 1 does.
   static SWAPIO_INLINE F unit(F x, F inv) {
     const F ax = _mm512_abs_ps(x);
-    F y = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
-    return _mm512_min_ps(y, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
   }
   // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k)
   static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i c, const QuantMap& q) {

@@ -59,21 +59,23 @@ void build_regions(QuantMap& q, bool& valid) {
   for (int d = 0; d < 7; ++d) first[d + 1] = first[d] + parts_of(q.is_signed, d);
   float region[8];
   for (int d = 0; d < 8; ++d) region[d] = q.mid[first[d] - 1];
-  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): P = kPosUnit / 2, k = 0 or max_k
+  // P counts in units of 1 / kPosUnit from code 0, so that rint(P) / kPosUnit is the code itself
+  for (int r = 0; r < kRegions; ++r) {  // regions 0 and 8 (and the padding): P = (code + 1/2) kPosUnit
+    const int code = q.zero + (r == 0 ? 0 : q.max_k);
     q.pos_scale[r] = 0.0f;
-    q.pos_offset[r] = -0.5f * kPosUnit;
-    q.region_code0[r] = q.region_code_max[r] = q.zero + (r == 0 ? 0 : q.max_k);
+    q.pos_offset[r] = -(code + 0.5f) * kPosUnit;
+    q.region_code_max[r] = code;
   }
   for (int d = 0; d < 7; ++d) {
-    const int parts = first[d + 1] - first[d];
+    const int parts = first[d + 1] - first[d], code0 = q.zero + first[d];
     q.pos_scale[d + 1] = static_cast<float>(kPosUnit * parts / (0.9 * kDecade[d]));
-    q.pos_offset[d + 1] = static_cast<float>(kPosUnit * 0.1 * parts / 0.9);
-    q.region_code0[d + 1] = q.zero + first[d];
-    q.region_code_max[d + 1] = q.zero + first[d] + parts - 1;
-    if (quant_pos(q, d + 1, region[d]) < 0.0f) valid = false;  // every y of the region lies above region[d]
+    q.pos_offset[d + 1] = static_cast<float>(kPosUnit * (0.1 * parts / 0.9 - code0));
+    q.region_code_max[d + 1] = code0 + parts - 1;
+    // every y of the region lies above region[d]: P >= code0 * kPosUnit
+    if (quant_pos(q, d + 1, region[d]) < static_cast<float>(code0 * kPosUnit)) valid = false;
     for (int t = 1; t < parts; ++t) {  // inner midpoint t of the decade
       const float u = std::nearbyint(quant_pos(q, d + 1, q.mid[first[d] + t - 1]));
-      if (u != static_cast<float>(t * kPosUnit)) valid = false;
+      if (u != static_cast<float>((code0 + t) * kPosUnit)) valid = false;
     }
   }
   for (int b = 0; b < kRegionBinades; ++b) {  // binade b: [lo, hi), all y below 2^-30 for b = 0

@@ -15,11 +15,11 @@
 // by arithmetic (quant_search.h): y's binade says how many region midpoints (those around 0, between decades,
 // and below 1) lie below it, up to one comparison with the region midpoint inside that binade; within a decade
 // the magnitudes are evenly spaced, so P = y * pos_scale - pos_offset (one fused rounding), rounded to an integer
-// u, puts the decade's t-th inner midpoint at u = t * kPosUnit exactly (checked when the maps are built). P only
-// grows with y, so every y above that midpoint has u >= t * kPosUnit and every other y u <= t * kPosUnit: unless
-// u is a multiple of kPosUnit, the count of inner midpoints below y is u / kPosUnit, and the code of +y is
-// zero + k = min(region_code0 + u / kPosUnit, region_code_max). The rare u that are multiples take the bucket
-// lookup.
+// u, puts the decade's t-th inner midpoint at u = (code0 + t) * kPosUnit exactly, code0 being the code of the
+// decade's first magnitude (checked when the maps are built). P only grows with y, so every y above that midpoint
+// has u >= (code0 + t) * kPosUnit and every other y u <= (code0 + t) * kPosUnit: unless u is a multiple of
+// kPosUnit, the code of +y (zero + k) is min(u / kPosUnit, region_code_max). The rare u that are multiples take
+// the bucket lookup.
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -39,7 +39,7 @@ constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
 constexpr int kRegionBinades = 32;
 constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
-constexpr int kPosBits = 12;  // P is pos in units of 2^-12: far finer than the float rounding of pos near a midpoint
+constexpr int kPosBits = 12;  // P counts 2^-12 code steps: far finer than the float rounding of P (< 2^20) near a midpoint
 constexpr int32_t kPosUnit = 1 << kPosBits;
 
 struct QuantMap {
@@ -55,8 +55,7 @@ struct QuantMap {
   alignas(64) int32_t region_below[kRegionBinades];  // region midpoints below each binade
   alignas(64) float pos_scale[kRegions];  // per region: P = fma(y, pos_scale, -pos_offset)
   alignas(64) float pos_offset[kRegions];
-  alignas(64) int32_t region_code0[kRegions];  // zero + k = min(region_code0 + rint(P) / kPosUnit, region_code_max)
-  alignas(64) int32_t region_code_max[kRegions];
+  alignas(64) int32_t region_code_max[kRegions];  // the code of +y = min(rint(P) / kPosUnit, region_code_max)
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)
@@ -69,7 +68,7 @@ const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
 // True when every bucket holds at most one midpoint, every binade at most one region midpoint, every inner
-// midpoint's P rounds to its multiple of kPosUnit and P is not negative in any decade (checked when the maps are
+// midpoint's P rounds to its multiple of kPosUnit and no P in a decade lies below its first code's (checked when the maps are
 // built; tests assert it).
 bool quant_maps_valid();
 

@@ -22,7 +22,7 @@ static inline int quant_region(const QuantMap& q, float y) {
   return q.region_below[b] + (y > q.region_mid[b]);
 }
 
-// P of y in region r (pos in units of 1 / kPosUnit), one fused multiply-subtract, as the kernel does.
+// P of y in region r (in 1 / kPosUnit code steps, from code 0), one fused multiply-subtract, as the kernel does.
 static inline float quant_pos(const QuantMap& q, int r, float y) { return std::fma(y, q.pos_scale[r], -q.pos_offset[r]); }
 
 // The arithmetic search: the code of +y (zero + k), and whether P rounded to a multiple of kPosUnit (then k may be
@@ -31,7 +31,7 @@ static inline int quick_code(const QuantMap& q, float y, bool* deferred) {
   const int r = quant_region(q, y);
   const int32_t u = static_cast<int32_t>(std::nearbyint(quant_pos(q, r, y)));
   *deferred = (u & (kPosUnit - 1)) == 0;
-  const int c = q.region_code0[r] + (u >> kPosBits);
+  const int c = u >> kPosBits;
   return c < q.region_code_max[r] ? c : q.region_code_max[r];
 }
 
