@@ -269,11 +269,18 @@ struct V {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) {
+  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
     const F absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
     const F fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(m, absmask), big, _CMP_LE_OQ),
                                 _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_LE_OQ));
-    return 8 - __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(fin)));
+    return _mm256_add_epi32(n, _mm256_add_epi32(_mm256_castps_si256(fin), _mm256_set1_epi32(1)));  // -1 finite
+  }
+  static SWAPIO_INLINE int64_t count_sum(U n) {
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), n);
+    int64_t sum = 0;
+    for (uint32_t x : lanes) sum += x;
+    return sum;
   }
 };
 

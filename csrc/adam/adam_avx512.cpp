@@ -326,9 +326,16 @@ struct V {
     return _mm512_mask_range_ps(acc, finite, acc, x, 0x0B);
   }
   static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
-  static SWAPIO_INLINE int64_t count_nonfinite(F m, F v) {
+  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
     const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);
-    return __builtin_popcount(static_cast<unsigned>(bad));
+    return _mm512_mask_sub_epi32(n, bad, n, _mm512_set1_epi32(-1));
+  }
+  static SWAPIO_INLINE int64_t count_sum(U n) {
+    alignas(64) uint32_t lanes[16];
+    _mm512_store_si512(lanes, n);
+    int64_t sum = 0;
+    for (uint32_t x : lanes) sum += x;
+    return sum;
   }
 };
 

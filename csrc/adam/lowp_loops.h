@@ -12,7 +12,8 @@
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode, encode2 (two encodes, in
-//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite.
+//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite (per-lane counts in a U, of
+//   the elements where m or v is not finite), count_sum (the lanes' counts added).
 #include <cfloat>
 #include <cstdint>
 
@@ -174,7 +175,8 @@ struct Loops {
   static int64_t blockwise(const LowpArgs& a, int64_t b, int64_t e) {
     Slot slots[3];
     const int64_t blocks = (e - b + kQuantBlock - 1) / kQuantBlock;
-    int64_t nonfinite = 0;
+    int64_t total_nonfinite = 0;
+    U nonfinite{};  // per-lane counts, added up every 2^16 blocks (a lane counts at most 16 elements a block)
     for (int64_t n = -1; n <= blocks; ++n) {  // n: the block stepped in this iteration
       const bool dec = n + 1 < blocks, stp = n >= 0 && n < blocks, enc = n >= 1;
       const int64_t b_dec = b + (n + 1) * kQuantBlock, b_stp = b_dec - kQuantBlock, b_enc = b_stp - kQuantBlock;
@@ -206,8 +208,12 @@ struct Loops {
         ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
         if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
       }
+      if ((n & 0xFFFF) == 0xFFFF || n == blocks) {
+        total_nonfinite += V::count_sum(nonfinite);
+        nonfinite = U{};
+      }
     }
-    return nonfinite;
+    return total_nonfinite;
   }
 
   // Software prefetch of the streams, kPrefetchBlocks blocks ahead of the decode: one core alone keeps too few
@@ -229,7 +235,7 @@ struct Loops {
 
   // One vector: the step on fp32 moments m[0, W) (and v), stored back; the running absmax and non-finite count.
   static SWAPIO_INLINE void step_lane(const LowpArgs& a, const Lane& q, float* mb, float* vb, F& mmax, F& vmax,
-                                      int64_t& nonfinite) {
+                                      U& nonfinite) {
     F p = V::load(q.p);
     F g = V::template load_grad<G>(q.g);
     F m = V::load(mb);
@@ -243,7 +249,7 @@ struct Loops {
       V::store(vb, v);
       vmax = V::max_abs_finite(vmax, v);
     }
-    nonfinite += V::count_nonfinite(m, two ? v : m);
+    nonfinite = V::count_nonfinite(nonfinite, m, two ? v : m);
   }
 
   // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.
@@ -259,7 +265,7 @@ struct Loops {
     }
   }
   static SWAPIO_INLINE void step_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s, F& mmax, F& vmax,
-                                         int64_t& nonfinite) {
+                                         U& nonfinite) {
     for (int64_t k = j; k < j + kStride; k += W) step_lane(a, at(a, b0 + k), s.m + k, s.v + k, mmax, vmax, nonfinite);
   }
   static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
