@@ -281,7 +281,7 @@ struct V {
     _mm512_store_ps(ys, y);
     _mm512_store_si512(cs, c);
     for (int i = 0; i < 16; ++i) {
-      if (lanes >> i & 1) cs[i] = q.zero + exact_k(q, ys[i]);
+      if (lanes >> i & 1) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);  // y < 2 is not clamped
     }
     return _mm512_load_si512(cs);
   }
