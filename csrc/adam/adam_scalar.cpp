@@ -132,7 +132,9 @@ struct V {
     return ax <= FLT_MAX && ax > acc ? ax : acc;
   }
   static SWAPIO_INLINE float hmax(F a) { return a; }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) { return n + !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX); }
+  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
+    return n + !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX);
+  }
   static SWAPIO_INLINE int64_t count_sum(U n) { return n; }
 };
 

@@ -12,8 +12,8 @@
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode, encode2 (two encodes, in
-//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite (per-lane counts in a U, of
-//   the elements where m or v is not finite), count_sum (the lanes' counts added).
+//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite (adds, per
+//   lane of a U, 1 where m or v is not finite), count_sum (the lanes' counts added).
 #include <cfloat>
 #include <cstdint>
 

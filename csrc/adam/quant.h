@@ -39,7 +39,7 @@ constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
 constexpr int kRegionBinades = 32;
 constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
-constexpr int kPosBits = 12;  // P counts 2^-12 code steps: far finer than the float rounding of P (< 2^20) near a midpoint
+constexpr int kPosBits = 12;  // P counts 2^-12 code steps: far finer than P's float rounding (P < 2^20)
 constexpr int32_t kPosUnit = 1 << kPosBits;
 
 struct QuantMap {
@@ -68,8 +68,8 @@ const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
 // True when every bucket holds at most one midpoint, every binade at most one region midpoint, every inner
-// midpoint's P rounds to its multiple of kPosUnit and no P in a decade lies below its first code's (checked when the maps are
-// built; tests assert it).
+// midpoint's P rounds to its multiple of kPosUnit and no P in a decade lies below its first code's (checked when
+// the maps are built; tests assert it).
 bool quant_maps_valid();
 
 }  // namespace adam
