@@ -276,11 +276,9 @@ struct V {
     return _mm256_add_epi32(n, _mm256_add_epi32(_mm256_castps_si256(fin), _mm256_set1_epi32(1)));  // -1 finite
   }
   static SWAPIO_INLINE int64_t count_sum(U n) {
-    alignas(32) uint32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), n);
-    int64_t sum = 0;
-    for (uint32_t x : lanes) sum += x;
-    return sum;
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
   }
 };
 

@@ -330,13 +330,7 @@ struct V {
     const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);
     return _mm512_mask_sub_epi32(n, bad, n, _mm512_set1_epi32(-1));
   }
-  static SWAPIO_INLINE int64_t count_sum(U n) {
-    alignas(64) uint32_t lanes[16];
-    _mm512_store_si512(lanes, n);
-    int64_t sum = 0;
-    for (uint32_t x : lanes) sum += x;
-    return sum;
-  }
+  static SWAPIO_INLINE int64_t count_sum(U n) { return _mm512_reduce_add_epi32(n); }  // a block's: at most 256
 };
 
 #undef SWAPIO_ROUNDED

@@ -176,7 +176,7 @@ struct Loops {
     Slot slots[3];
     const int64_t blocks = (e - b + kQuantBlock - 1) / kQuantBlock;
     int64_t total_nonfinite = 0;
-    U nonfinite{};  // per-lane counts, added up every 2^16 blocks (a lane counts at most 16 elements a block)
+    U nonfinite{};  // per-lane counts of the block being stepped, added up with its scales
     for (int64_t n = -1; n <= blocks; ++n) {  // n: the block stepped in this iteration
       const bool dec = n + 1 < blocks, stp = n >= 0 && n < blocks, enc = n >= 1;
       const int64_t b_dec = b + (n + 1) * kQuantBlock, b_stp = b_dec - kQuantBlock, b_enc = b_stp - kQuantBlock;
@@ -207,8 +207,6 @@ struct Loops {
         const int64_t blk = b_stp / kQuantBlock;
         ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
         if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
-      }
-      if ((n & 0xFFFF) == 0xFFFF || n == blocks) {
         total_nonfinite += V::count_sum(nonfinite);
         nonfinite = U{};
       }
