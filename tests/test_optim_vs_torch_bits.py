@@ -1,4 +1,4 @@
-"""What the README says about agreement with torch, checked bit for bit: OffloadAdamW's parameters equal those of
+"""What docs/kernel.md says about agreement with torch, checked bit for bit: OffloadAdamW's parameters equal those of
 torch.optim.AdamW(fused=True) (torch's fused CPU kernel); its moments equal those of torch's default single-tensor
 AdamW, whose parameters differ from ours in a few elements per thousand or per million per step (the CPU decides),
 by float32 rounding."""
