@@ -38,15 +38,18 @@ def finish_all(calls):
 class Work:
     """One parameter that has a gradient in this step: its state `fields` (rule.fields), the rule's `update`
     and the group's `hyper` (rule.hyper). seed: the parameter's seed of bf16 stochastic rounding (its index
-    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments."""
+    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments. The backend sets `done` once the parameter is
+fully stepped (its state stored where it lives) and, for a parameter's first step, puts its new state tensors in
+`created` (cpu mode); the optimizer then advances the count (see OffloadAdam.step)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted", "seed", "nonfinite")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created")
 
     def __init__(self, p, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
         t = shard(p)  # p: the parameter (the state's key); t: the tensor stepped
         self.p, self.t, self.numel, self.step, self.new = p, t, t.numel(), step, new
         self.seed, self.nonfinite = seed, nonfinite
+        self.done, self.created = False, None
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper

@@ -17,6 +17,7 @@ from ..handle import AioHandle
 from . import checkpoint, state_dict_hooks
 from ._common import FP32, MASTER, PARAM_DTYPES, Work, shard
 from .cpu_state import CpuState
+from .ctrl_c import DeferredSigint
 from .functional import AdamRule
 from .nvme_state import NvmeState
 
@@ -223,7 +224,11 @@ class OffloadAdam(Optimizer):
                                   edited=not new and self._edited_outside(p), seed=index, nonfinite=nonfinite))
         if not works:
             return loss
-        self._backend.step(works, self.cpu_threads)
+        with DeferredSigint() as ctrl_c:
+            try:
+                self._backend.step(works, self.cpu_threads, ctrl_c)
+            finally:  # also when interrupted: the parameters fully stepped get their new count
+                self._commit(works)
         if nonfinite is not None and int(nonfinite) > 0:
             warnings.warn(f"{int(nonfinite)} moment value(s) of this step were NaN or infinite (from non-finite "
                           "gradients); int8 state stores them as 0 and keeps them out of their block's scale, so "
@@ -235,15 +240,22 @@ class OffloadAdam(Optimizer):
                           "model.load_state_dict, an in-place clamp or copy); the changed elements were adopted into "
                           "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
                           stacklevel=2)
+        return loss
+
+    def _commit(self, works):
+        """Advances the step count of every parameter the backend fully stepped (w.done), with the state it
+        created for a first step; the others keep their count and state, untouched."""
         for w in works:
+            if not w.done:
+                continue
             st = self.state[w.p]
             if "step" in st:
                 st["step"].fill_(float(w.step))
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
+            st.update(w.created or {})
             if w.master:
                 self._written[w.p] = (w.t._version, w.t.data_ptr())
-        return loss
 
     def _edited_outside(self, p):
         """Whether p was written by someone else since this optimizer last wrote it: its version counter (bumped by
