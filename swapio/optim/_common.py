@@ -128,13 +128,13 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
 
 
 def decoded_tensors(backend, fmt, params, fields_of):
-    """{p: {field: new fp32 tensor shaped like p}} of the fields_of(p) of each parameter, decoded from the stored
-    state through backend.dump (the whole of it in RAM: save() streams instead)."""
-    out = {p: {name: torch.empty(shard(p).shape, dtype=FP32) for name in fields_of(p)} for p in params}
+    """{p: {field: new fp32 tensor}} of the fields_of(p) of each parameter, decoded from the stored state through
+    backend.dump (the whole of it in RAM: save() streams instead); shaped like p, int8 scales flat."""
+    out = {p: {name: fmt.empty(name, p, FP32) for name in fields_of(p)} for p in params}
 
     def sink(p, a, b, views):
         for name, t in out[p].items():
-            t.view(-1)[a:b].copy_(fmt.decode(views, name))
+            fmt.part(name, t.view(-1), a, b).copy_(fmt.decode(views, name))
 
     backend.dump(params, sink)
     return out

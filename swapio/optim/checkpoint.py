@@ -48,7 +48,7 @@ def save(opt, path):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     groups, index = opt._pack_groups()
-    fields_of = opt._fields_of(saved=True)
+    fields_of = opt._fields_of()
     fmt = opt._rule.format
     stateful, seen, entries, offsets = [], set(), {}, {}
     end = 0

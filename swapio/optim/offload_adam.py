@@ -285,14 +285,10 @@ class OffloadAdam(Optimizer):
             packed_groups.append(packed)
         return packed_groups, index
 
-    def _fields_of(self, saved=False):
-        """A function p -> the fields state_dict() carries for p (fp32 values), or with `saved` those save()
-        carries (as stored: the exported ones and the int8 scales)."""
+    def _fields_of(self):
+        """A function p -> the fields state_dict() (decoded to fp32) and save() (as stored) carry for p."""
         group_of = {p: g for g in self.param_groups for p in g["params"]}
-        rule = self._rule
-        if saved:
-            return lambda p: rule.exported(p, group_of[p]) + rule.format.scales_of(rule.moments(group_of[p]))
-        return lambda p: rule.exported(p, group_of[p])
+        return lambda p: self._rule.exported(p, group_of[p])
 
     def _remap_groups(self, saved_groups):
         """torch's checks: same number of groups and of parameters per group. Returns (id -> parameter,

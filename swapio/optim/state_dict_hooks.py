@@ -17,6 +17,7 @@ from itertools import chain
 import torch
 
 from ._common import shard
+from .state_format import SCALE
 
 _TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
 
@@ -61,9 +62,10 @@ def _take_state(opt, state_dict):
         cast = {key: policy(p, val, k, state_dict["param_groups"], key) for key, val in entry.items()
                 if key == "step" or key in opt._rule.STATE_KEYS}
         for key, val in cast.items():
-            if key != "step" and val.numel() != shard(p).numel():
+            want = opt._rule.format.count(key, shard(p).numel())
+            if key != "step" and val.numel() != want:
                 raise ValueError(f"state '{key}' of parameter {k} has {val.numel()} elements; the parameter has "
-                                 f"{shard(p).numel()}")
+                                 f"{shard(p).numel()}, so it needs {want}")
         steps[p] = cast.pop("step").reshape(())
         values[p] = {key: val.reshape(-1) for key, val in cast.items()}
         opt._check_loaded_fields(p, opt._rule.fields(p, {**opt.defaults, **saved_group[k]}), values[p])
@@ -79,7 +81,9 @@ def _install_state(opt):
     def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
         for name in views:
             if not fmt.is_scale(name):
-                fmt.encode(views, name, values[p][name][a:b])
+                scale = values[p].get(name + SCALE)  # from an int8 optimizer's state_dict: an exact re-import
+                fmt.encode(views, name, values[p][name][a:b], None if scale is None else fmt.part(name + SCALE,
+                                                                                                 scale, a, b))
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
