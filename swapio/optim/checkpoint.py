@@ -29,6 +29,7 @@ import secrets
 import torch
 
 from .. import _checksum, _durable
+from . import validate
 from ._common import shard
 from .state_format import StateFormat
 
@@ -119,14 +120,19 @@ def save(opt, path):
 
 
 def read_meta(path):
+    """The checkpoint's metadata, validated (swapio.optim.validate): ValueError naming the first problem."""
     meta_path = os.path.join(os.fspath(path), META)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({META} is missing)")
-    meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    try:
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of a damaged file
+        raise ValueError(f"{meta_path} is not a readable swapio optimizer checkpoint: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path} is not a swapio optimizer checkpoint")
-    if meta.get("version", 0) > VERSION:
-        raise ValueError(f"{meta_path} has format version {meta['version']}; this swapio reads up to {VERSION}")
+    validate.checkpoint_meta(meta, meta_path, VERSION, _checksum.ALGORITHM)
     return meta
 
 
@@ -143,29 +149,33 @@ def load(opt, path):
     id_map, new_groups = opt._remap_groups(meta["param_groups"])
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
-        p = id_map.get(k)
-        if p is None:
-            continue
-        numel = shard(p).numel()
-        if entry["numel"] != numel:
-            raise ValueError(f"parameter {k} has {numel} elements; its checkpointed state has {entry['numel']}")
-        for name, off in entry["fields"].items():
-            nbytes = saved_fmt.count(name, numel) * saved_fmt.dtype(name).itemsize
-            if off < 0 or off + nbytes > meta["data_bytes"]:
-                raise ValueError(f"{data_path}: field {name!r} of parameter {k} lies outside the data file")
-        steps[p] = entry["step"].to(torch.float32).reshape(()).clone()
+        p = id_map[k]
+        t = shard(p)
+        if tuple(entry["shape"]) != tuple(t.shape):
+            raise ValueError(f"{path}: parameter {k} has shape {tuple(t.shape)}; its checkpointed state is for "
+                             f"shape {tuple(entry['shape'])}")
+        steps[p] = validate.step_count(entry["step"], f"{path}: parameter {k}")
         fields[p] = {name for name in entry["fields"] if not saved_fmt.is_scale(name)}
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
-    sums = {}
+    sums, bad = {}, []
     rh, wh, owned = opt._io_handle()
     try:
         def read(p, name, a, view):
-            """Reads the stored elements of `name` for parameter elements from a into view (a future)."""
+            """Reads the stored elements of `name` for parameter elements from a into view (a future), feeding
+            the checksum and checking the values once they are in."""
             first = saved_fmt.first(name, a)
             stream = sums.setdefault(p, {}).setdefault(name, _checksum.Stream())
-            read = rh.pread(view, data_path, offsets[p][name] + first * view.element_size())
-            return read._chain(lambda n: stream.update(first, view))
+
+            def arrived(n):
+                stream.update(first, view)
+                try:
+                    validate.values(name, view, f"{data_path}: parameter {expected[p][0]}")
+                except ValueError as exc:
+                    bad.append(exc)
+                return n
+
+            return rh.pread(view, data_path, offsets[p][name] + first * view.element_size())._chain(arrived)
 
         def source(p, a, b, views):
             if saved_fmt.name == fmt.name:  # as stored: straight into the views
@@ -180,6 +190,8 @@ def load(opt, path):
             return []
 
         def check():
+            if bad:
+                raise bad[0]
             for p, (k, checksums) in expected.items():
                 for name, want in (checksums or {}).items():
                     got = sums.get(p, {}).get(name, _checksum.Stream()).intdigest()
