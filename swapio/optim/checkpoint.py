@@ -31,7 +31,7 @@ import torch
 from .. import _checksum, _durable
 from . import validate
 from ._common import shard
-from .state_format import StateFormat
+from .state_format import SCALE, StateFormat
 
 META = "swapio-optim.pt"
 DATA_PREFIX = "swapio-optim-"
@@ -180,10 +180,12 @@ def load(opt, path):
         def source(p, a, b, views):
             if saved_fmt.name == fmt.name:  # as stored: straight into the views
                 return [read(p, name, a, view) for name, view in views.items()]
-            saved = {}  # another format: read, decode to fp32, store in ours
-            for name in offsets[p]:
-                saved[name] = torch.empty(saved_fmt.count(name, b - a), dtype=saved_fmt.dtype(name))
-                read(p, name, a, saved[name]).wait()
+            saved = {}  # another format: read what the views need, decode to fp32, store in ours
+            for name in views:
+                for stored in (name, name + SCALE):
+                    if stored in offsets[p] and not fmt.is_scale(name):
+                        saved[stored] = torch.empty(saved_fmt.count(stored, b - a), dtype=saved_fmt.dtype(stored))
+                        read(p, stored, a, saved[stored]).wait()
             for name in views:
                 if not fmt.is_scale(name):
                     fmt.encode(views, name, saved_fmt.decode(saved, name))
@@ -193,9 +195,9 @@ def load(opt, path):
             if bad:
                 raise bad[0]
             for p, (k, checksums) in expected.items():
-                for name, want in (checksums or {}).items():
-                    got = sums.get(p, {}).get(name, _checksum.Stream()).intdigest()
-                    if got != want:
+                for name, stream in sums.get(p, {}).items():  # the arrays read: others were not used
+                    want, got = (checksums or {}).get(name), stream.intdigest()
+                    if want is not None and got != want:
                         raise ValueError(f"{data_path}: checksum mismatch in {name!r} of parameter {k} "
                                          f"({_checksum.ALGORITHM} {got:016x}, saved {want:016x}): the file is "
                                          "corrupted; the optimizer state was left as it was")
