@@ -11,8 +11,10 @@ A checkpoint is a directory holding two files:
 The data go to "<name>.bin.tmp", are fsynced and renamed; then the metadata go to a temporary name, are fsynced
 and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash or a signal at any
 moment leaves either the previous checkpoint or the new one under swapio-optim.pt: once the rename is done,
-nothing the new metadata names is ever deleted, whatever fails after it. Data files no metadata names are
-removed by the next save. One writer per directory at a time.
+nothing the new metadata names is ever deleted, whatever fails after it. A save holds the directory's flock
+(swapio.optim.dir_lock) exclusively, a load shared: a save while another live process saves or loads there
+raises OSError(EBUSY), and a save that holds it removes what earlier saves left behind (data files no metadata
+names, temporary data and metadata files of saves that were killed).
 
 load() is all or nothing: it validates the metadata, reads every array into new storage (new tensors in cpu
 mode, a new swap file in nvme mode: the disk briefly holds both), verifies the checksums, and only then swaps
@@ -23,17 +25,19 @@ state tensors (cpu mode), so saving or loading never holds more than a chunk bey
 from either mode loads into either mode; the layout does not depend on buffer sizes. A checkpoint of another
 state_dtype loads too: its moments are decoded to fp32 and stored in this optimizer's format.
 """
+import errno
 import os
 import secrets
 
 import torch
 
 from .. import _checksum, _durable
-from . import validate
+from . import dir_lock, validate
 from ._common import shard
 from .state_format import SCALE, StateFormat
 
 META = "swapio-optim.pt"
+META_TMP_PREFIX = f".{META}."  # + <hex>.tmp: metadata being written
 DATA_PREFIX = "swapio-optim-"
 DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
@@ -48,6 +52,11 @@ def _round_up(x):
 def save(opt, path):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    with dir_lock.locked(path, exclusive=True):
+        _save(opt, path)
+
+
+def _save(opt, path):
     groups, index = opt._pack_groups()
     fields_of = opt._fields_of()
     fmt = opt._rule.format
@@ -76,7 +85,7 @@ def save(opt, path):
         os.ftruncate(fd, end)
     finally:
         os.close(fd)
-    tmp_meta = os.path.join(path, f".{META}.{secrets.token_hex(4)}.tmp")
+    tmp_meta = os.path.join(path, f"{META_TMP_PREFIX}{secrets.token_hex(4)}.tmp")
     meta_path = os.path.join(path, META)
     sums, written = {}, []
     try:
@@ -115,8 +124,10 @@ def save(opt, path):
             except FileNotFoundError:
                 pass
         raise
-    # data of earlier checkpoints and of interrupted saves
+    # Data of earlier checkpoints, and whatever interrupted saves left (this save holds the directory's lock, so
+    # no other save is under way: their temporary files are leftovers).
     _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
+    _durable.remove_others(path, META_TMP_PREFIX, (".tmp",), keep=None)
 
 
 def read_meta(path):
@@ -138,6 +149,13 @@ def read_meta(path):
 
 def load(opt, path):
     path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
+    with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read
+        _load(opt, path)
+
+
+def _load(opt, path):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
     fmt = opt._rule.format
