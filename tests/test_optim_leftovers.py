@@ -1,6 +1,7 @@
 """Whatever a killed swapio optimizer leaves in a directory, the next swapio user of that directory reclaims,
 never touching what a live process is using: temporary files of a save killed while writing its metadata
 (checkpoint directory), the private directory of an optimizer that ran out of file descriptors (swap_dir)."""
+import json
 import os
 import signal
 import subprocess
@@ -87,3 +88,44 @@ def test_save_never_touches_the_files_of_a_live_save(tmp_path):
     opt.save(ckpt)  # now it may: the other save is over
     assert sorted(os.listdir(ckpt)) == sorted([checkpoint.META, checkpoint.read_meta(ckpt)["data"]])
     opt.close()
+
+
+# A child that builds nvme optimizers with ever fewer file descriptors left, each failing (EMFILE) at another
+# point of its setup, then one with enough, and prints what its swap_dir holds after that one is closed.
+OUT_OF_DESCRIPTORS = textwrap.dedent("""
+    import errno, json, os, resource, sys, warnings
+    sys.path[:0] = [{repo!r}, os.path.join({repo!r}, "tests")]
+    import torch
+    import swapio.optim as so
+    warnings.simplefilter("ignore")
+    swap_dir = sys.argv[1]
+    p = torch.zeros(5000, requires_grad=True)
+    p.grad = torch.ones(5000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    failed, left = 0, []
+    for engine in ("uring", "aio", "psync"):
+        for extra in range(-3, 3):
+            used = len(os.listdir("/proc/self/fd")) - 1
+            resource.setrlimit(resource.RLIMIT_NOFILE, (used + extra, hard))
+            try:
+                with so.OffloadAdamW([p], offload="nvme", swap_dir=swap_dir, engine=engine) as opt:
+                    opt.step()
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE, exc
+                failed += 1
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            left += os.listdir(swap_dir)
+    with so.OffloadAdamW([p], offload="nvme", swap_dir=swap_dir) as opt:
+        opt.step()
+    print(json.dumps({{"failed": failed, "left_on_the_way": len(left), "left": os.listdir(swap_dir)}}))
+""")
+
+
+def test_nvme_optimizers_out_of_descriptors_leave_nothing_the_next_one_keeps(tmp_path):
+    r = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS.format(repo=REPO), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["failed"] >= 6  # setups did fail, at several points
+    assert out["left"] == []
