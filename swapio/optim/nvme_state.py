@@ -160,7 +160,10 @@ class NvmeState:
             kinds.setdefault((fields, cuda), []).append(p)
         align = self.format.align
         for (fields, cuda), params in kinds.items():
-            cap = self.capacity(fields, cuda)
+            # Chunks of about 1/buffer_count of the state placed now, up to what a slot holds: a state smaller
+            # than buffer_bytes pins about its own size (buffer_count slots of its largest record), not more.
+            share = -(-sum(shard(p).numel() for p in params) // self.buffer_count)
+            cap = min(self.capacity(fields, cuda), max(1024, -(-share // 1024) * 1024))
             chunk = None
             for p in params:
                 segs = []
