@@ -6,7 +6,6 @@ Each parameter's count in the checkpoint says how far it got (a Ctrl-C inside st
 untouched); the new process takes each parameter's value at that count from the model checkpoint a user would
 keep beside the optimizer's (here: the reference run's values, checked against what the child held when it
 could say), and gives the rest of the step only to the parameters that had not taken it."""
-import multiprocessing
 import os
 import signal
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from swapio.optim import checkpoint
-from conftest import REPO
+from fork_helpers import forkserver, run_child  # noqa: F401
 from optim_helpers import one_thread  # noqa: F401
 from resume_helpers import assert_same, make_opt, make_params, set_grads, snapshot, train
 
@@ -37,21 +36,6 @@ def reference():
     return at, snapshot(opt, params)
 
 
-@pytest.fixture(scope="module")
-def forkserver():
-    """Children fork from a server that imported matrix_child once (Python 3.11's fork server ignores sys.path:
-    it gets the path through the environment, when this starts it)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["matrix_child"])
-    yield ctx
-    if before is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = before
-
-
 @pytest.mark.parametrize("mode, phase, point, at, sig", CASES)
 def test_signal_then_a_new_process_resumes_bit_identically(mode, phase, point, at, sig, reference, forkserver,
                                                            tmp_path):
@@ -59,12 +43,9 @@ def test_signal_then_a_new_process_resumes_bit_identically(mode, phase, point, a
 
     ckpt, swap_dir, dump = tmp_path / "ckpt", tmp_path / "swap", tmp_path / "params.pt"
     swap_dir.mkdir()
-    proc = forkserver.Process(target=matrix_child.child, daemon=True,
-                              args=(mode, str(swap_dir), str(ckpt), str(dump), phase, point, at,
-                                    getattr(signal, sig)))
-    proc.start()
-    proc.join(120)
-    assert proc.exitcode == (-signal.SIGKILL if sig == "SIGKILL" else 130), proc.exitcode
+    code = run_child(forkserver, matrix_child.child, mode, str(swap_dir), str(ckpt), str(dump), phase, point, at,
+                     getattr(signal, sig))
+    assert code == (-signal.SIGKILL if sig == "SIGKILL" else 130), code
     values, final = reference
     counts = [int(st["step"].item()) for _, st in sorted(checkpoint.read_meta(ckpt)["state"].items())]
     assert set(counts) <= {2, 3}, counts
