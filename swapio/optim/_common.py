@@ -38,9 +38,9 @@ def finish_all(calls):
 class Work:
     """One parameter that has a gradient in this step: its state `fields` (rule.fields), the rule's `update`
     and the group's `hyper` (rule.hyper). seed: the parameter's seed of bf16 stochastic rounding (its index
-    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments. The backend sets `done` once the parameter is
-fully stepped (its state stored where it lives) and, for a parameter's first step, puts its new state tensors in
-`created` (cpu mode); the optimizer then advances the count (see OffloadAdam.step)."""
+    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments. The backend sets `done`
+    once the parameter is fully stepped (its state stored where it lives) and, for a parameter's first step,
+    puts its new state tensors in `created` (cpu mode); the optimizer then advances the count (OffloadAdam._commit)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
                  "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created")

@@ -268,10 +268,11 @@ class OffloadAdam(Optimizer):
         """torch's format: {"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}},
         "param_groups": [...]}; tensors fp32 on the CPU, shaped like the parameter. "master" (the fp32 master
         weights) appears only for bf16/fp16 parameters; with int8 state the moments' block scales
-        ("exp_avg_scale", "exp_avg_sq_scale", flat) come too, so that load_state_dict() restores them exactly. In cpu mode the tensors are the live state (as with torch);
-        in nvme mode they are read from the swap file into new tensors, so the whole state is materialised in
-        RAM: for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
-        included); a post-hook of ours fills in the state from the backend first."""
+        ("exp_avg_scale", "exp_avg_sq_scale", flat) come too, so that load_state_dict() restores them exactly.
+        In cpu mode the tensors are the live state (as with torch); in nvme mode they are read from the swap file
+        into new tensors, so the whole state is materialised in RAM: for states larger than RAM use
+        save()/load(). torch's Optimizer.state_dict() builds it (its hooks included); a post-hook of ours fills
+        in the state from the backend first."""
         self._check_open()
         return super().state_dict()
 
