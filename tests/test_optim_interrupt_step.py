@@ -125,3 +125,43 @@ def test_exception_from_the_kernel_leaves_each_parameter_stepped_or_untouched(at
     """An exception raised in place of a kernel call (cpu mode, one call a parameter) stops the step there."""
     opt, params, before = _interrupted_run("adamw", "cpu", "fp32", "kernel", at, "raise", tmp_path, monkeypatch)
     assert _check_resume("adamw", "cpu", "fp32", opt, params, before, tmp_path) == list(range(at, len(params)))
+
+
+def test_a_parameter_torn_by_an_io_error_refuses_use_until_a_checkpoint_is_loaded(tmp_path, monkeypatch):
+    """An I/O error between two chunks of a parameter that spans several (nvme) leaves it half-stepped: the
+    optimizer then refuses to step, export or save until a checkpoint is loaded, rather than spread the damage."""
+    import errno
+
+    params = make_params()
+    opt = make_opt("adamw", params, "nvme", tmp_path)
+    train(opt, params, 1, 2)
+    opt.save(tmp_path / "ckpt")
+    before = [p.detach().clone() for p in params]
+    real, calls = swapio.AioHandle.pread, {"n": 0}
+
+    def pread(self, tensor, path, offset=0, **kw):
+        if os.path.dirname(os.fspath(path)) == opt.swap_path:
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third chunk's read: the first chunk, where parameter 2 starts, is done
+                raise OSError(errno.EIO, "injected read error", os.fspath(path))
+        return real(self, tensor, path, offset, **kw)
+
+    monkeypatch.setattr(swapio.AioHandle, "pread", pread)
+    set_grads(params, 3)
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+    monkeypatch.undo()
+    assert [opt.state[p]["step"].item() for p in params] == [3.0, 3.0, 2.0, 2.0, 2.0]
+    for use in (opt.step, opt.state_dict, lambda: opt.save(tmp_path / "other")):
+        with pytest.raises(RuntimeError, match=r"parameter\(s\) \[2\].*half-stepped"):
+            use()
+    with torch.no_grad():  # the model's weights from its checkpoint, the optimizer's from its own
+        for p, b in zip(params, before):
+            p.copy_(b)
+    opt.load(tmp_path / "ckpt")
+    train(opt, params, 3, 5)
+    ref_params = make_params()
+    ref = make_opt("adamw", ref_params, "cpu", tmp_path)
+    train(ref, ref_params, 1, 5)
+    assert_same(snapshot(opt, params), snapshot(ref, ref_params))
+    opt.close()

@@ -43,13 +43,14 @@ class Work:
     puts its new state tensors in `created` (cpu mode); the optimizer then advances the count (OffloadAdam._commit)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started")
 
     def __init__(self, p, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
         t = shard(p)  # p: the parameter (the state's key); t: the tensor stepped
         self.p, self.t, self.numel, self.step, self.new = p, t, t.numel(), step, new
         self.seed, self.nonfinite = seed, nonfinite
         self.done, self.created = False, None
+        self.started = False  # some segment was updated (run_segment): with done False, the parameter is torn
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
@@ -114,6 +115,7 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
             out = stage_o[:n * w.t.element_size()].view(w.t.dtype) if w.cuda else w.dst[a:b]
     w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
              nonfinite=w.nonfinite, **w.hyper)
+    w.started = True
     if master is not None:
         if w.cuda:
             src = out

@@ -116,6 +116,7 @@ class OffloadAdam(Optimizer):
         self._backend = None
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
+        self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         if offload == "nvme":
@@ -191,10 +192,22 @@ class OffloadAdam(Optimizer):
         if self._backend is None:
             raise RuntimeError(f"this {type(self).__name__} is closed")
 
+    def _check_whole(self):
+        """RuntimeError while an error inside step() has left a parameter half-stepped (one spanning several nvme
+        chunks, stopped between them): its state is neither the old nor the new, so stepping, exporting or
+        saving it would spread the damage. load() or load_state_dict() of a checkpoint makes it whole again."""
+        self._check_open()
+        if self._torn:
+            index = {id(p): i for i, (p, _) in enumerate(self.param_fields())}
+            torn = sorted(index.get(id(p), -1) for p in self._torn)
+            raise RuntimeError(f"parameter(s) {torn} of this {type(self).__name__} were left half-stepped by an "
+                               "error inside step() (their state is neither the old nor the new one): load a "
+                               "checkpoint with load() or load_state_dict() before stepping, exporting or saving")
+
     @torch.no_grad()
     def step(self, closure=None):
         """One Adam step for every parameter with a gradient; returns closure's loss when given."""
-        self._check_open()
+        self._check_whole()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -247,6 +260,8 @@ class OffloadAdam(Optimizer):
         created for a first step; the others keep their count and state, untouched."""
         for w in works:
             if not w.done:
+                if w.started:
+                    self._torn.add(w.p)
                 continue
             st = self.state[w.p]
             if "step" in st:
@@ -273,7 +288,7 @@ class OffloadAdam(Optimizer):
         into new tensors, so the whole state is materialised in RAM: for states larger than RAM use
         save()/load(). torch's Optimizer.state_dict() builds it (its hooks included); a post-hook of ours fills
         in the state from the backend first."""
-        self._check_open()
+        self._check_whole()
         return super().state_dict()
 
     def _pack_groups(self):
@@ -338,6 +353,7 @@ class OffloadAdam(Optimizer):
 
         def commit():
             self.__setstate__({"state": state, "param_groups": new_groups})
+            self._torn = set()
 
         def filled(p, a, b, views):
             if MASTER in views and MASTER not in fields[p]:
@@ -369,7 +385,7 @@ class OffloadAdam(Optimizer):
         """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
         time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
         place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
-        self._check_open()
+        self._check_whole()
         checkpoint.save(self, path)
 
     def load(self, path):
