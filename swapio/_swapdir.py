@@ -22,6 +22,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 
 from . import _durable
 from ._errors import warn_once
@@ -104,16 +105,16 @@ class Owner:
             _live[id(self)] = self
         _install_sigterm_handler()
 
-    def release(self):
-        """Removes the lock file and gives up the lock (the caller removed the rest). Idempotent. In a forked
-        child the parent's claim is left alone."""
+    def release(self, keep_lock_file=False):
+        """Removes the lock file (unless keep_lock_file) and gives up the lock (the caller removed the rest).
+        Idempotent. In a forked child the parent's claim is left alone."""
         with _live_lock:
             _live.pop(id(self), None)
         fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
-            if os.getpid() == self.pid:
+            if os.getpid() == self.pid and not keep_lock_file:
                 try:
                     os.unlink(os.path.join(self.directory, LOCK_NAME))
                 except FileNotFoundError:
@@ -127,6 +128,13 @@ class Owner:
             return
         if self.private:
             shutil.rmtree(self.directory, ignore_errors=True)
+            if os.path.lexists(self.directory):
+                # Not removed (out of file descriptors, EMFILE, say): give up the lock but keep its file, which
+                # names this process, so that what is left counts as a dead owner's and the next swapio user of
+                # the parent reclaims it; then try again with the lock's descriptor free.
+                self.release(keep_lock_file=True)
+                shutil.rmtree(self.directory, ignore_errors=True)
+                return
         else:
             _durable.discard(*self.files)
         self.release()
@@ -170,13 +178,20 @@ def private_directory(parent):
     """A new private directory (mode 0700) under parent, claimed by this process; first removes the private
     directories of owners that died."""
     reclaim(parent)
-    directory = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=parent)
-    try:
-        fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
-        return Owner(directory, fd, private=True, created=True)
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
+    while True:
+        directory = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=parent)
+        try:
+            fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
+            while fd is None:  # a reclaimer is looking at the new, empty lock file: it lets go at once
+                time.sleep(0.001)
+                fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
+            return Owner(directory, fd, private=True, created=True)
+        except FileNotFoundError:
+            continue  # a reclaimer removed the directory while it was still empty (see reclaim): another one
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            _durable.discard(directory)  # rmdir needs no descriptor: still works when out of them (EMFILE)
+            raise
 
 
 def reclaim(parent):
@@ -188,8 +203,15 @@ def reclaim(parent):
     for name in names:
         directory = os.path.join(parent, name)
         lock = os.path.join(directory, LOCK_NAME)
-        if os.path.islink(directory) or not os.path.isdir(directory) or not os.path.isfile(lock):
-            continue  # not ours, or being set up right now
+        if os.path.islink(directory) or not os.path.isdir(directory):
+            continue  # not ours
+        if not os.path.lexists(lock):
+            # Empty: left by a process that failed before it made its lock file (EMFILE), or one making it right
+            # now, which then takes another directory (private_directory). rmdir removes only an empty one.
+            _durable.discard(directory)
+            continue
+        if not os.path.isfile(lock):
+            continue
         try:
             fd, content = _lock_file(lock)
         except OSError:

@@ -1,6 +1,6 @@
-"""nvme mode pins no more than the state needs: slots shrink to the largest record when the whole state is
-smaller than buffer_bytes, grow (within the budget) when larger parameters arrive, and stay at buffer_bytes /
-buffer_count for states larger than the budget."""
+"""nvme mode pins no more than the state needs: a state smaller than buffer_bytes is cut into chunks of about
+1/buffer_count of it and the slots shrink to the largest record, grow (within the budget) when larger parameters
+arrive, and stay at buffer_bytes / buffer_count for states larger than the budget."""
 import torch
 
 import swapio.optim as so
@@ -35,7 +35,8 @@ def test_slots_grow_for_a_larger_group_and_keep_the_state(tmp_path):
         ref.add_param_group({"params": [ref_big]})
         _step(opt, [small, big])
         _step(ref, [ref_small, ref_big])
-        assert _slot_bytes(opt) == [2 * ((400_000 + 4095) // 4096 * 4096)] * 4  # exp_avg, exp_avg_sq of big
+        # big is cut into chunks of a quarter of it (25 600 elements, a multiple of 1024): 4 slots pin its size
+        assert _slot_bytes(opt) == [2 * ((25_600 * 4 + 4095) // 4096 * 4096)] * 4  # exp_avg, exp_avg_sq
         torch.testing.assert_close(small, ref_small, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(big, ref_big, rtol=1e-6, atol=1e-7)
 

@@ -38,15 +38,19 @@ def finish_all(calls):
 class Work:
     """One parameter that has a gradient in this step: its state `fields` (rule.fields), the rule's `update`
     and the group's `hyper` (rule.hyper). seed: the parameter's seed of bf16 stochastic rounding (its index
-    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments."""
+    in the optimizer); nonfinite: the step's int64 counter of non-finite int8 moments. The backend sets `done`
+    once the parameter is fully stepped (its state stored where it lives) and, for a parameter's first step,
+    puts its new state tensors in `created` (cpu mode); the optimizer then advances the count (OffloadAdam._commit)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted", "seed", "nonfinite")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started")
 
     def __init__(self, p, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
         t = shard(p)  # p: the parameter (the state's key); t: the tensor stepped
         self.p, self.t, self.numel, self.step, self.new = p, t, t.numel(), step, new
         self.seed, self.nonfinite = seed, nonfinite
+        self.done, self.created = False, None
+        self.started = False  # some segment was updated (run_segment): with done False, the parameter is torn
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
@@ -111,6 +115,7 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
             out = stage_o[:n * w.t.element_size()].view(w.t.dtype) if w.cuda else w.dst[a:b]
     w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
              nonfinite=w.nonfinite, **w.hyper)
+    w.started = True
     if master is not None:
         if w.cuda:
             src = out
@@ -125,13 +130,13 @@ def run_segment(w, a, b, fields, stage_g, stage_o, threads):
 
 
 def decoded_tensors(backend, fmt, params, fields_of):
-    """{p: {field: new fp32 tensor shaped like p}} of the fields_of(p) of each parameter, decoded from the stored
-    state through backend.dump (the whole of it in RAM: save() streams instead)."""
-    out = {p: {name: torch.empty(shard(p).shape, dtype=FP32) for name in fields_of(p)} for p in params}
+    """{p: {field: new fp32 tensor}} of the fields_of(p) of each parameter, decoded from the stored state through
+    backend.dump (the whole of it in RAM: save() streams instead); shaped like p, int8 scales flat."""
+    out = {p: {name: fmt.empty(name, p, FP32) for name in fields_of(p)} for p in params}
 
     def sink(p, a, b, views):
         for name, t in out[p].items():
-            t.view(-1)[a:b].copy_(fmt.decode(views, name))
+            fmt.part(name, t.view(-1), a, b).copy_(fmt.decode(views, name))
 
     backend.dump(params, sink)
     return out

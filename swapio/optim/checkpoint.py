@@ -11,8 +11,10 @@ A checkpoint is a directory holding two files:
 The data go to "<name>.bin.tmp", are fsynced and renamed; then the metadata go to a temporary name, are fsynced
 and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash or a signal at any
 moment leaves either the previous checkpoint or the new one under swapio-optim.pt: once the rename is done,
-nothing the new metadata names is ever deleted, whatever fails after it. Data files no metadata names are
-removed by the next save. One writer per directory at a time.
+nothing the new metadata names is ever deleted, whatever fails after it. A save holds the directory's flock
+(swapio.optim.dir_lock) exclusively, a load shared: a save while another live process saves or loads there
+raises OSError(EBUSY), and a save that holds it removes what earlier saves left behind (data files no metadata
+names, temporary data and metadata files of saves that were killed).
 
 load() is all or nothing: it validates the metadata, reads every array into new storage (new tensors in cpu
 mode, a new swap file in nvme mode: the disk briefly holds both), verifies the checksums, and only then swaps
@@ -23,16 +25,19 @@ state tensors (cpu mode), so saving or loading never holds more than a chunk bey
 from either mode loads into either mode; the layout does not depend on buffer sizes. A checkpoint of another
 state_dtype loads too: its moments are decoded to fp32 and stored in this optimizer's format.
 """
+import errno
 import os
 import secrets
 
 import torch
 
 from .. import _checksum, _durable
+from . import dir_lock, validate
 from ._common import shard
-from .state_format import StateFormat
+from .state_format import SCALE, StateFormat
 
 META = "swapio-optim.pt"
+META_TMP_PREFIX = f".{META}."  # + <hex>.tmp: metadata being written
 DATA_PREFIX = "swapio-optim-"
 DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
@@ -47,8 +52,13 @@ def _round_up(x):
 def save(opt, path):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    with dir_lock.locked(path, exclusive=True):
+        _save(opt, path)
+
+
+def _save(opt, path):
     groups, index = opt._pack_groups()
-    fields_of = opt._fields_of(saved=True)
+    fields_of = opt._fields_of()
     fmt = opt._rule.format
     stateful, seen, entries, offsets = [], set(), {}, {}
     end = 0
@@ -75,7 +85,7 @@ def save(opt, path):
         os.ftruncate(fd, end)
     finally:
         os.close(fd)
-    tmp_meta = os.path.join(path, f".{META}.{secrets.token_hex(4)}.tmp")
+    tmp_meta = os.path.join(path, f"{META_TMP_PREFIX}{secrets.token_hex(4)}.tmp")
     meta_path = os.path.join(path, META)
     sums, written = {}, []
     try:
@@ -114,24 +124,38 @@ def save(opt, path):
             except FileNotFoundError:
                 pass
         raise
-    # data of earlier checkpoints and of interrupted saves
+    # Data of earlier checkpoints, and whatever interrupted saves left (this save holds the directory's lock, so
+    # no other save is under way: their temporary files are leftovers).
     _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
+    _durable.remove_others(path, META_TMP_PREFIX, (".tmp",), keep=None)
 
 
 def read_meta(path):
+    """The checkpoint's metadata, validated (swapio.optim.validate): ValueError naming the first problem."""
     meta_path = os.path.join(os.fspath(path), META)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({META} is missing)")
-    meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    try:
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of a damaged file
+        raise ValueError(f"{meta_path} is not a readable swapio optimizer checkpoint: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path} is not a swapio optimizer checkpoint")
-    if meta.get("version", 0) > VERSION:
-        raise ValueError(f"{meta_path} has format version {meta['version']}; this swapio reads up to {VERSION}")
+    validate.checkpoint_meta(meta, meta_path, VERSION, _checksum.ALGORITHM)
     return meta
 
 
 def load(opt, path):
     path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
+    with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read
+        _load(opt, path)
+
+
+def _load(opt, path):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
     fmt = opt._rule.format
@@ -143,47 +167,55 @@ def load(opt, path):
     id_map, new_groups = opt._remap_groups(meta["param_groups"])
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
-        p = id_map.get(k)
-        if p is None:
-            continue
-        numel = shard(p).numel()
-        if entry["numel"] != numel:
-            raise ValueError(f"parameter {k} has {numel} elements; its checkpointed state has {entry['numel']}")
-        for name, off in entry["fields"].items():
-            nbytes = saved_fmt.count(name, numel) * saved_fmt.dtype(name).itemsize
-            if off < 0 or off + nbytes > meta["data_bytes"]:
-                raise ValueError(f"{data_path}: field {name!r} of parameter {k} lies outside the data file")
-        steps[p] = entry["step"].to(torch.float32).reshape(()).clone()
+        p = id_map[k]
+        t = shard(p)
+        if tuple(entry["shape"]) != tuple(t.shape):
+            raise ValueError(f"{path}: parameter {k} has shape {tuple(t.shape)}; its checkpointed state is for "
+                             f"shape {tuple(entry['shape'])}")
+        steps[p] = validate.step_count(entry["step"], f"{path}: parameter {k}")
         fields[p] = {name for name in entry["fields"] if not saved_fmt.is_scale(name)}
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
-    sums = {}
+    sums, bad = {}, []
     rh, wh, owned = opt._io_handle()
     try:
         def read(p, name, a, view):
-            """Reads the stored elements of `name` for parameter elements from a into view (a future)."""
+            """Reads the stored elements of `name` for parameter elements from a into view (a future), feeding
+            the checksum and checking the values once they are in."""
             first = saved_fmt.first(name, a)
             stream = sums.setdefault(p, {}).setdefault(name, _checksum.Stream())
-            read = rh.pread(view, data_path, offsets[p][name] + first * view.element_size())
-            return read._chain(lambda n: stream.update(first, view))
+
+            def arrived(n):
+                stream.update(first, view)
+                try:
+                    validate.values(name, view, f"{data_path}: parameter {expected[p][0]}")
+                except ValueError as exc:
+                    bad.append(exc)
+                return n
+
+            return rh.pread(view, data_path, offsets[p][name] + first * view.element_size())._chain(arrived)
 
         def source(p, a, b, views):
             if saved_fmt.name == fmt.name:  # as stored: straight into the views
                 return [read(p, name, a, view) for name, view in views.items()]
-            saved = {}  # another format: read, decode to fp32, store in ours
-            for name in offsets[p]:
-                saved[name] = torch.empty(saved_fmt.count(name, b - a), dtype=saved_fmt.dtype(name))
-                read(p, name, a, saved[name]).wait()
+            saved = {}  # another format: read what the views need, decode to fp32, store in ours
+            for name in views:
+                for stored in (name, name + SCALE):
+                    if stored in offsets[p] and not fmt.is_scale(name):
+                        saved[stored] = torch.empty(saved_fmt.count(stored, b - a), dtype=saved_fmt.dtype(stored))
+                        read(p, stored, a, saved[stored]).wait()
             for name in views:
                 if not fmt.is_scale(name):
                     fmt.encode(views, name, saved_fmt.decode(saved, name))
             return []
 
         def check():
+            if bad:
+                raise bad[0]
             for p, (k, checksums) in expected.items():
-                for name, want in (checksums or {}).items():
-                    got = sums.get(p, {}).get(name, _checksum.Stream()).intdigest()
-                    if got != want:
+                for name, stream in sums.get(p, {}).items():  # the arrays read: others were not used
+                    want, got = (checksums or {}).get(name), stream.intdigest()
+                    if want is not None and got != want:
                         raise ValueError(f"{data_path}: checksum mismatch in {name!r} of parameter {k} "
                                          f"({_checksum.ALGORITHM} {got:016x}, saved {want:016x}): the file is "
                                          "corrupted; the optimizer state was left as it was")

@@ -57,31 +57,37 @@ class CpuState:
         self.staging = CudaStaging(slot_bytes)
         self.io_settings = io_settings
 
-    def step(self, works, threads):
+    def step(self, works, threads, ctrl_c):
+        """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
+        untouched. A first step's state tensors go to w.created, installed with the count (OffloadAdam._commit)."""
         state, fmt = self.opt.state, self.format
-        for w in works:
-            st = state[w.p]
-            if w.new:
-                for name in w.fields:
-                    st[name] = fmt.empty(name, w.p)
-            else:
-                missing = [name for name in w.fields if name not in st]
-                if missing:
-                    raise RuntimeError(f"the state of a parameter has no {missing}: its group's options (amsgrad) "
-                                       "changed after its first step")
-            fields = {name: st[name].view(-1) for name in w.fields}
-            if w.new:
-                init_segment(w, 0, w.numel, fields)
-            if not w.cuda:
-                run_segment(w, 0, w.numel, fields, None, None, threads)
-                continue
-            cap = self.staging.capacity  # a multiple of the int8 block
-            for a in range(0, w.numel, cap):
-                b = min(a + cap, w.numel)
-                i, sg, so = self.staging.acquire()
-                run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so, threads)
-                self.staging.record(i, w.t.device)
-        self.staging.sync()
+        try:
+            for w in works:
+                if w.new:
+                    stored = {name: fmt.empty(name, w.p) for name in w.fields}
+                else:
+                    st = state[w.p]
+                    missing = [name for name in w.fields if name not in st]
+                    if missing:
+                        raise RuntimeError(f"the state of a parameter has no {missing}: its group's options "
+                                           "(amsgrad) changed after its first step")
+                    stored = {name: st[name] for name in w.fields}
+                fields = {name: t.view(-1) for name, t in stored.items()}
+                if w.new:
+                    init_segment(w, 0, w.numel, fields)
+                if w.cuda:
+                    cap = self.staging.capacity  # a multiple of the int8 block
+                    for a in range(0, w.numel, cap):
+                        b = min(a + cap, w.numel)
+                        i, sg, so = self.staging.acquire()
+                        run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so, threads)
+                        self.staging.record(i, w.t.device)
+                else:
+                    run_segment(w, 0, w.numel, fields, None, None, threads)
+                w.done, w.created = True, stored if w.new else None
+                ctrl_c.poll()
+        finally:
+            self.staging.sync()
 
     def tensors(self, params, fields_of):
         """{p: {field: tensor}} of the exported fields: with fp32 state the live state tensors, as torch's

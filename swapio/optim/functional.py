@@ -7,7 +7,9 @@ update rule. A rule is the small interface between an optimizer and the backends
     rule.fields(p, group)     the state arrays kept for p, in storage order ("master" first when the
                               parameter needs an fp32 copy, see needs_master; then the moments; then, with
                               int8 state, one fp32 scale array per moment): what save() and load() carry
-    rule.exported(p, group)   the fp32 arrays that state_dict() carries (moments decoded), in that order
+    rule.exported(p, group)   the arrays that state_dict() and save() carry, in that order: the moments (fp32
+                              in state_dict, decoded; as stored in save), the master of bf16/fp16 parameters,
+                              and with int8 state the scales, which make an export and re-import exact
     rule.STATE_KEYS           every exported name it may keep (what load_state_dict() reads from a state dict)
     rule.hyper(group)         keyword arguments for update(), validated (tensors become floats); the
                               optimizer calls it on its defaults at construction, so bad values raise there
@@ -58,16 +60,19 @@ class _Rule:
         return ((MASTER,) if needs_master(p) else ()) + moments + self.format.scales_of(moments)
 
     def exported(self, p, group):
-        """The moments, and the master only for bf16/fp16 parameters (for fp32 parameters the master equals
-        the parameter bit for bit)."""
-        return self.moments(group) + ((MASTER,) if shard(p).dtype in LOW_PRECISION else ())
+        """The moments, the master only for bf16/fp16 parameters (for fp32 parameters the master equals the
+        parameter bit for bit), and with int8 state the moments' block scales: re-quantising decoded moments
+        alone could pick other scales (the signed map has no -1, so a block whose largest magnitude is negative
+        decodes to 0.993 of its scale), while with the scales the codes are found again exactly."""
+        moments = self.moments(group)
+        return moments + ((MASTER,) if shard(p).dtype in LOW_PRECISION else ()) + self.format.scales_of(moments)
 
 
 class AdamRule(_Rule):
     """Adam/AdamW: exp_avg, exp_avg_sq, and max_exp_avg_sq (fp32 state only) with amsgrad."""
 
     MOMENTS = ("exp_avg", "exp_avg_sq")
-    STATE_KEYS = (MASTER, *MOMENTS, "max_exp_avg_sq")  # every exported field: what load_state_dict reads
+    STATE_KEYS = (MASTER, *MOMENTS, "max_exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")  # load_state_dict reads
     update = staticmethod(adam)
 
     def moments(self, group):
@@ -107,7 +112,7 @@ class LionRule(_Rule):
     """Lion: one moment (exp_avg)."""
 
     MOMENTS = ("exp_avg",)
-    STATE_KEYS = (MASTER, *MOMENTS)
+    STATE_KEYS = (MASTER, *MOMENTS, "exp_avg_scale")
     update = staticmethod(lion)
 
     def hyper(self, group):

@@ -123,6 +123,7 @@ class NvmeState:
         self._slots = None
         self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
         self._events = [[] for _ in range(buffer_count)]   # per slot: CUDA events of copies out of it
+        self.writes_lost = False  # the last run() failed with a write that may not have reached the file
 
     # ---- layout -------------------------------------------------------------------------------------------
     def capacity(self, fields, cuda):
@@ -159,7 +160,10 @@ class NvmeState:
             kinds.setdefault((fields, cuda), []).append(p)
         align = self.format.align
         for (fields, cuda), params in kinds.items():
-            cap = self.capacity(fields, cuda)
+            # Chunks of about 1/buffer_count of the state placed now, up to what a slot holds: a state smaller
+            # than buffer_bytes pins about its own size (buffer_count slots of its largest record), not more.
+            share = -(-sum(shard(p).numel() for p in params) // self.buffer_count)
+            cap = min(self.capacity(fields, cuda), max(1024, -(-share // 1024) * 1024))
             chunk = None
             for p in params:
                 segs = []
@@ -239,10 +243,13 @@ class NvmeState:
     def wait_all(self):
         finish_all(lambda s=s: self._drain(s) for s in range(self.buffer_count))
 
-    def run(self, chunks, read, work, write):
+    def run(self, chunks, read, work, write, between=None):
         """For each chunk: read its record (if read(chunk)) into a slot, call work(chunk, views, slot) in this
         thread (it may return futures that must finish before the slot is reused), then write the record back
-        (if write). Reads run up to buffer_count-2 chunks ahead; writes drain behind."""
+        (if write; also when work raised, so that what it changed is not lost). Reads run up to buffer_count-2
+        chunks ahead; writes drain behind. between(i), if given, runs before chunk i > 0 is computed. When the run
+        fails and a write of it may not have reached the file, sets self.writes_lost."""
+        self.writes_lost = False
         n = len(chunks)
         count = self.buffer_count
         ahead = max(1, count - 2)
@@ -260,6 +267,8 @@ class NvmeState:
             for j in range(min(ahead, n)):
                 prepare(j)
             for i in range(n):
+                if i and between is not None:
+                    between(i)
                 if i + ahead < n:
                     prepare(i + ahead)
                 f = reads.pop(i, None)
@@ -267,10 +276,13 @@ class NvmeState:
                     f.wait()
                 s = i % count
                 record, views = self._views(s, chunks[i])
-                futures = list(work(chunks[i], views, s) or ())
-                if write:
-                    futures.append(self.wh.pwrite(record, self.path, chunks[i].offset, identity=self.identity))
-                self._pending[s] = futures
+                futures = []
+                try:
+                    futures.extend(work(chunks[i], views, s) or ())
+                finally:
+                    if write:
+                        futures.append(self.wh.pwrite(record, self.path, chunks[i].offset, identity=self.identity))
+                    self._pending[s] = futures
             ok = True
         finally:
             for f in reads.values():
@@ -284,15 +296,20 @@ class NvmeState:
                 try:
                     self.wait_all()
                 except BaseException:  # noqa: BLE001 - the first error is already propagating
-                    pass
+                    self.writes_lost = True
 
     # ---- operations ---------------------------------------------------------------------------------------
-    def step(self, works, threads):
+    def step(self, works, threads, ctrl_c):
+        """Steps the chunks that hold parameters with gradients. A parameter is done (w.done) once its last
+        segment is computed and every record written; ctrl_c.poll() runs at chunk boundaries that no stepped
+        parameter spans, after the writes before it are finished, where each parameter is fully stepped or
+        untouched."""
         self.place(self.opt.param_fields())
         state = self.opt.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
         chunks = [c for c in self.chunks if any(seg.p in by_param for seg in c.segments)]
+        finished = []  # works whose last segment was computed, in order
 
         def work(chunk, views, s):
             for seg in chunk.segments:
@@ -307,8 +324,24 @@ class NvmeState:
                     ev = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(w.t.device))
                     self._events[s].append(ev)
+                if seg.b == w.numel:
+                    finished.append(w)
 
-        self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True)
+        def between(i):
+            if not ctrl_c.pending or any(seg.p in by_param and seg.b < by_param[seg.p].numel
+                                         for seg in chunks[i - 1].segments):
+                return  # no Ctrl-C, or a parameter goes on in chunk i: not a consistent point
+            self.wait_all()
+            for w in finished:
+                w.done = True
+            ctrl_c.poll()
+
+        try:
+            self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True, between)
+        finally:
+            if not self.writes_lost:  # the records of every finished parameter are in the file
+                for w in finished:
+                    w.done = True
 
     def dump(self, params, sink):
         """sink(p, first_element, end_element, {field: view of every stored field}) for each piece of each

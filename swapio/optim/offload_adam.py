@@ -17,6 +17,7 @@ from ..handle import AioHandle
 from . import checkpoint, state_dict_hooks
 from ._common import FP32, MASTER, PARAM_DTYPES, Work, shard
 from .cpu_state import CpuState
+from .ctrl_c import DeferredSigint
 from .functional import AdamRule
 from .nvme_state import NvmeState
 
@@ -115,6 +116,7 @@ class OffloadAdam(Optimizer):
         self._backend = None
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
+        self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         if offload == "nvme":
@@ -190,10 +192,22 @@ class OffloadAdam(Optimizer):
         if self._backend is None:
             raise RuntimeError(f"this {type(self).__name__} is closed")
 
+    def _check_whole(self):
+        """RuntimeError while an error inside step() has left a parameter half-stepped (one spanning several nvme
+        chunks, stopped between them): its state is neither the old nor the new, so stepping, exporting or
+        saving it would spread the damage. load() or load_state_dict() of a checkpoint makes it whole again."""
+        self._check_open()
+        if self._torn:
+            index = {id(p): i for i, (p, _) in enumerate(self.param_fields())}
+            torn = sorted(index.get(id(p), -1) for p in self._torn)
+            raise RuntimeError(f"parameter(s) {torn} of this {type(self).__name__} were left half-stepped by an "
+                               "error inside step() (their state is neither the old nor the new one): load a "
+                               "checkpoint with load() or load_state_dict() before stepping, exporting or saving")
+
     @torch.no_grad()
     def step(self, closure=None):
         """One Adam step for every parameter with a gradient; returns closure's loss when given."""
-        self._check_open()
+        self._check_whole()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -223,7 +237,11 @@ class OffloadAdam(Optimizer):
                                   edited=not new and self._edited_outside(p), seed=index, nonfinite=nonfinite))
         if not works:
             return loss
-        self._backend.step(works, self.cpu_threads)
+        with DeferredSigint() as ctrl_c:
+            try:
+                self._backend.step(works, self.cpu_threads, ctrl_c)
+            finally:  # also when interrupted: the parameters fully stepped get their new count
+                self._commit(works)
         if nonfinite is not None and int(nonfinite) > 0:
             warnings.warn(f"{int(nonfinite)} moment value(s) of this step were NaN or infinite (from non-finite "
                           "gradients); int8 state stores them as 0 and keeps them out of their block's scale, so "
@@ -235,15 +253,24 @@ class OffloadAdam(Optimizer):
                           "model.load_state_dict, an in-place clamp or copy); the changed elements were adopted into "
                           "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
                           stacklevel=2)
+        return loss
+
+    def _commit(self, works):
+        """Advances the step count of every parameter the backend fully stepped (w.done), with the state it
+        created for a first step; the others keep their count and state, untouched."""
         for w in works:
+            if not w.done:
+                if w.started:
+                    self._torn.add(w.p)
+                continue
             st = self.state[w.p]
             if "step" in st:
                 st["step"].fill_(float(w.step))
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
+            st.update(w.created or {})
             if w.master:
                 self._written[w.p] = (w.t._version, w.t.data_ptr())
-        return loss
 
     def _edited_outside(self, p):
         """Whether p was written by someone else since this optimizer last wrote it: its version counter (bumped by
@@ -255,11 +282,13 @@ class OffloadAdam(Optimizer):
     def state_dict(self):
         """torch's format: {"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}},
         "param_groups": [...]}; tensors fp32 on the CPU, shaped like the parameter. "master" (the fp32 master
-        weights) appears only for bf16/fp16 parameters. In cpu mode the tensors are the live state (as with torch);
-        in nvme mode they are read from the swap file into new tensors, so the whole state is materialised in
-        RAM: for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
-        included); a post-hook of ours fills in the state from the backend first."""
-        self._check_open()
+        weights) appears only for bf16/fp16 parameters; with int8 state the moments' block scales
+        ("exp_avg_scale", "exp_avg_sq_scale", flat) come too, so that load_state_dict() restores them exactly.
+        In cpu mode the tensors are the live state (as with torch); in nvme mode they are read from the swap file
+        into new tensors, so the whole state is materialised in RAM: for states larger than RAM use
+        save()/load(). torch's Optimizer.state_dict() builds it (its hooks included); a post-hook of ours fills
+        in the state from the backend first."""
+        self._check_whole()
         return super().state_dict()
 
     def _pack_groups(self):
@@ -273,14 +302,10 @@ class OffloadAdam(Optimizer):
             packed_groups.append(packed)
         return packed_groups, index
 
-    def _fields_of(self, saved=False):
-        """A function p -> the fields state_dict() carries for p (fp32 values), or with `saved` those save()
-        carries (as stored: the exported ones and the int8 scales)."""
+    def _fields_of(self):
+        """A function p -> the fields state_dict() (decoded to fp32) and save() (as stored) carry for p."""
         group_of = {p: g for g in self.param_groups for p in g["params"]}
-        rule = self._rule
-        if saved:
-            return lambda p: rule.exported(p, group_of[p]) + rule.format.scales_of(rule.moments(group_of[p]))
-        return lambda p: rule.exported(p, group_of[p])
+        return lambda p: self._rule.exported(p, group_of[p])
 
     def _remap_groups(self, saved_groups):
         """torch's checks: same number of groups and of parameters per group. Returns (id -> parameter,
@@ -328,6 +353,7 @@ class OffloadAdam(Optimizer):
 
         def commit():
             self.__setstate__({"state": state, "param_groups": new_groups})
+            self._torn = set()
 
         def filled(p, a, b, views):
             if MASTER in views and MASTER not in fields[p]:
@@ -359,7 +385,7 @@ class OffloadAdam(Optimizer):
         """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
         time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
         place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
-        self._check_open()
+        self._check_whole()
         checkpoint.save(self, path)
 
     def load(self, path):

@@ -16,7 +16,9 @@ from itertools import chain
 
 import torch
 
+from . import validate
 from ._common import shard
+from .state_format import SCALE
 
 _TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
 
@@ -41,6 +43,11 @@ def _export_state(opt, state_dict):
 
 
 def _take_state(opt, state_dict):
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state_dict["param_groups"])):
+        raise ValueError("a state dict must be a dict with a dict 'state' and a list 'param_groups' of dicts, each "
+                         "with a list 'params'")
     saved_params = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
     params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
     if len(saved_params) != len(params):
@@ -54,18 +61,19 @@ def _take_state(opt, state_dict):
         if p is None:
             rest[k] = entry
             continue
+        where = f"the loaded state of parameter {k}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be a dict, got {type(entry).__name__}")
         if not entry:
             continue
         if "step" not in entry:
-            raise ValueError(f"the loaded state of parameter {k} has no 'step'")
-        cast = {key: policy(p, val, k, state_dict["param_groups"], key) for key, val in entry.items()
-                if key == "step" or key in opt._rule.STATE_KEYS}
-        for key, val in cast.items():
-            if key != "step" and val.numel() != shard(p).numel():
-                raise ValueError(f"state '{key}' of parameter {k} has {val.numel()} elements; the parameter has "
-                                 f"{shard(p).numel()}")
-        steps[p] = cast.pop("step").reshape(())
-        values[p] = {key: val.reshape(-1) for key, val in cast.items()}
+            raise ValueError(f"{where} has no 'step'")
+        steps[p] = validate.step_count(entry["step"], where)
+        values[p] = {}
+        for key, val in entry.items():
+            if key in opt._rule.STATE_KEYS:
+                validate.state_tensor(key, val, opt._rule.format.count(key, shard(p).numel()), where)
+                values[p][key] = policy(p, val, k, state_dict["param_groups"], key).reshape(-1)
         opt._check_loaded_fields(p, opt._rule.fields(p, {**opt.defaults, **saved_group[k]}), values[p])
     setattr(opt, _TAKEN, (steps, values))
     return {**state_dict, "state": rest}
@@ -79,7 +87,9 @@ def _install_state(opt):
     def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
         for name in views:
             if not fmt.is_scale(name):
-                fmt.encode(views, name, values[p][name][a:b])
+                scale = values[p].get(name + SCALE)  # from an int8 optimizer's state_dict: an exact re-import
+                fmt.encode(views, name, values[p][name][a:b], None if scale is None else fmt.part(name + SCALE,
+                                                                                                 scale, a, b))
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)

@@ -63,11 +63,11 @@ class StateFormat:
         first = self.first(name, a)
         return view[first:first + self.count(name, b - a)]
 
-    def empty(self, name, p):
-        """A new array for the whole of parameter p (shaped like p, but flat scales)."""
+    def empty(self, name, p, dtype=None):
+        """A new array for the whole of parameter p (shaped like p, but flat scales), of the stored dtype."""
         p = shard(p)
         shape = (self.count(name, p.numel()),) if self.is_scale(name) else p.shape
-        return torch.empty(shape, dtype=self.dtype(name))
+        return torch.empty(shape, dtype=dtype or self.dtype(name))
 
     def decode(self, views, name):
         """fp32 values of an exported field from the stored views of one slice ({field: view})."""
@@ -76,12 +76,35 @@ class StateFormat:
             return quant.dequantize(view, views[name + SCALE], signed=name not in _UNSIGNED)
         return view.float()  # the view itself when it is fp32
 
-    def encode(self, views, name, values):
-        """Stores fp32 values of an exported field into the views of one slice."""
+    def encode(self, views, name, values, scale=None):
+        """Stores fp32 values of an exported field into the views of one slice. scale: None, or the block scales
+        the values were decoded with (state_dict() exports them): where the values are exactly codes times
+        those scales, those codes and scales are stored, so an export and re-import is exact; else (values
+        changed, or from an fp32 state) they are quantised afresh."""
         view = views[name]
         if view.dtype == torch.uint8:
-            codes, scale = quant.quantize(values, signed=name not in _UNSIGNED)
+            signed = name not in _UNSIGNED
+            codes = None if scale is None else _codes_at(values, scale, signed)
+            if codes is None:
+                codes, scale = quant.quantize(values, signed=signed)
             view.copy_(codes)
             views[name + SCALE].copy_(scale)
         else:
             view.copy_(values.reshape(-1))
+
+
+def _codes_at(values, scale, signed):
+    """The codes that decode to exactly `values` with block scales `scale`, or None if there are none."""
+    table = quant.code_values(signed)  # ascending; a code is its index
+    n = values.numel()
+    scale = scale.reshape(-1).float()
+    if scale.numel() != quant.num_blocks(n) or not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        return None
+    pad = quant.num_blocks(n) * quant.BLOCK - n
+    blocks = torch.nn.functional.pad(values.reshape(-1).float(), (0, pad)).view(-1, quant.BLOCK)
+    s = scale[:, None]
+    y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0)
+    codes = torch.bucketize(y, (table[:-1] + table[1:]) / 2).clamp_(0, 255).to(torch.uint8).reshape(-1)[:n]
+    if not torch.equal(quant.dequantize(codes, scale, signed), values.reshape(-1).float()):
+        return None
+    return codes

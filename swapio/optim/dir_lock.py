@@ -1,0 +1,32 @@
+"""Who is using a checkpoint directory: an flock on the directory itself (no lock file to leave behind), shared
+by load() and exclusive for save(). The kernel drops it when its holder dies, however it dies, so a save that
+holds it knows every temporary file in the directory was left by a save that is over (killed, or failed), and
+removes them; while another live process saves or loads there, a save refuses (EBUSY) rather than touch its
+files."""
+import contextlib
+import errno
+import fcntl
+import os
+
+_UNSUPPORTED = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. some network file systems
+
+
+@contextlib.contextmanager
+def locked(path, exclusive):
+    """Holds the directory's lock for the block: exclusive (save) or shared (load). OSError(EBUSY) when a live
+    process holds it the other way (or, for exclusive, at all). Where the file system has no flock, runs
+    unlocked (one writer per directory is then up to the caller)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EBUSY, f"another live process is {'using' if exclusive else 'saving into'} this "
+                          "optimizer checkpoint directory; a save there now would overwrite or delete its files: "
+                          "wait for it, or save elsewhere", path) from None
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise
+        yield
+    finally:
+        os.close(fd)  # drops the lock

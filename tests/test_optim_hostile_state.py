@@ -1,0 +1,173 @@
+"""State from outside is validated before anything is installed: a checkpoint whose metadata was damaged or
+forged, or a state dict with bad fields, raises ValueError naming the problem, and the optimizer goes on
+exactly as if the load had not been tried (cpu and nvme)."""
+import math
+
+import pytest
+import torch
+
+from swapio.optim import checkpoint
+from optim_helpers import one_thread  # noqa: F401
+from resume_helpers import assert_same, make_opt, make_params, snapshot, train
+
+
+def _meta_path(ckpt):
+    return ckpt / checkpoint.META
+
+
+def _edit_meta(ckpt, edit):
+    meta = torch.load(_meta_path(ckpt), weights_only=True)
+    edit(meta)
+    torch.save(meta, _meta_path(ckpt))
+
+
+def _set(*keys, value):
+    def edit(meta):
+        d = meta
+        for key in keys[:-1]:
+            d = d[key]
+        d[keys[-1]] = value
+    return edit
+
+
+def _drop(*keys):
+    def edit(meta):
+        d = meta
+        for key in keys[:-1]:
+            d = d[key]
+        del d[keys[-1]]
+    return edit
+
+
+def _swap_offsets(meta):
+    fields = meta["state"][0]["fields"]
+    fields["exp_avg"] = fields["exp_avg_sq"]  # two arrays at one place
+
+
+def _two_params_one_id(meta):
+    meta["param_groups"][0]["params"][1] = meta["param_groups"][0]["params"][0]
+
+
+META_DAMAGE = {
+    "nan step": (_set("state", 0, "step", value=torch.tensor(math.nan)), "step"),
+    "negative step": (_set("state", 0, "step", value=torch.tensor(-3.0)), "step"),
+    "fractional step": (_set("state", 1, "step", value=torch.tensor(2.5)), "step"),
+    "step not a number": (_set("state", 1, "step", value="3"), "step"),
+    "step of several elements": (_set("state", 1, "step", value=torch.ones(2)), "step"),
+    "missing int8 scale": (_drop("state", 0, "fields", "exp_avg_scale"), "exp_avg_scale"),
+    "unknown field": (_set("state", 0, "fields", "exp_avg_cube", value=0), "exp_avg_cube"),
+    "negative offset": (_set("state", 0, "fields", "exp_avg", value=-4096), "offset"),
+    "offset past the end": (_set("state", 2, "fields", "exp_avg", value=1 << 40), "outside"),
+    "overlapping arrays": (_swap_offsets, "overlap"),
+    "data outside the directory": (_set("data", value="../swapio-optim-00.bin"), "data"),
+    "data_bytes not an integer": (_set("data_bytes", value=1.5), "data_bytes"),
+    "shape of another parameter": (_set("state", 1, "shape", value=(33, 17)), "shape"),
+    "numel unlike shape": (_set("state", 1, "numel", value=7), "numel"),
+    "parameter dtype": (_set("state", 0, "dtype", value="int64"), "dtype"),
+    "checksum not an integer": (_set("state", 0, "checksums", "exp_avg", value="x"), "checksums"),
+    "state of no parameter": (_set("state", 99, value={}), "99"),
+    "one id twice": (_two_params_one_id, "distinct"),
+    "state_dtype": (_set("state_dtype", value="int4"), "state_dtype"),
+    "version": (_set("version", value="3"), "version"),
+    "param_groups": (_set("param_groups", value={"params": []}), "param_groups"),
+    "lr": (_set("param_groups", 0, "lr", value=math.nan), "learning rate"),
+}
+
+
+def _intact_after(opt, params, failing_load, tmp_path, state_dtype):
+    before = snapshot(opt, params)
+    failing_load()
+    assert_same(snapshot(opt, params), before)
+    ref_params = make_params()
+    ref = make_opt("adamw", ref_params, "cpu", tmp_path, state_dtype)
+    train(ref, ref_params, 1, 4)
+    train(opt, params, 3, 4)  # training goes on as if the load had not been tried
+    assert_same(snapshot(opt, params), snapshot(ref, ref_params))
+    ref.close()
+
+
+@pytest.mark.parametrize("damage", sorted(META_DAMAGE))
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_damaged_checkpoint_metadata_is_refused_and_the_state_kept(mode, damage, tmp_path):
+    edit, named = META_DAMAGE[damage]
+    params = make_params()
+    opt = make_opt("adamw", params, mode, tmp_path, "int8")
+    train(opt, params, 1, 2)
+    ckpt = tmp_path / "ckpt"
+    opt.save(ckpt)
+    _edit_meta(ckpt, edit)
+
+    def failing_load():
+        with pytest.raises(ValueError, match=named):
+            opt.load(ckpt)
+
+    _intact_after(opt, params, failing_load, tmp_path, "int8")
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_integer_steps_load_as_torch_accepts_them(mode, tmp_path):
+    """Older torch wrote steps as ints; load() and load_state_dict() take them."""
+    params = make_params()
+    opt = make_opt("adamw", params, mode, tmp_path)
+    train(opt, params, 1, 2)
+    ckpt = tmp_path / "ckpt"
+    opt.save(ckpt)
+    sd = opt.state_dict()
+    _edit_meta(ckpt, lambda meta: [st.__setitem__("step", 2) for st in meta["state"].values()])
+    opt.load(ckpt)
+    sd = {"param_groups": sd["param_groups"], "state": {k: {**st, "step": 2} for k, st in sd["state"].items()}}
+    opt.load_state_dict(sd)
+    ref_params = make_params()
+    ref = make_opt("adamw", ref_params, "cpu", tmp_path)
+    train(ref, ref_params, 1, 4)
+    train(opt, params, 3, 4)
+    assert_same(snapshot(opt, params), snapshot(ref, ref_params))
+    opt.close()
+
+
+def _nan_at(name):
+    def edit(states):
+        states[0][name] = states[0][name].clone()
+        states[0][name].view(-1)[5] = math.nan
+    return edit
+
+
+def _entry_set(name, value):
+    return lambda states: states[0].__setitem__(name, value)
+
+
+STATE_DICT_DAMAGE = {
+    "nan step": (_entry_set("step", torch.tensor(math.nan)), "step"),
+    "negative step": (_entry_set("step", torch.tensor(-1.0)), "step"),
+    "step None": (_entry_set("step", None), "step"),
+    "nan moment": (_nan_at("exp_avg"), "exp_avg"),
+    "negative second moment": (_entry_set("exp_avg_sq", -torch.ones(3000)), "exp_avg_sq"),
+    "moment of another size": (_entry_set("exp_avg", torch.zeros(2999)), "exp_avg"),
+    "moment not a tensor": (_entry_set("exp_avg", [0.0] * 3000), "exp_avg"),
+    "integer moment": (_entry_set("exp_avg", torch.zeros(3000, dtype=torch.int32)), "exp_avg"),
+    "nan scale": (_nan_at("exp_avg_scale"), "exp_avg_scale"),
+    "negative scale": (_entry_set("exp_avg_sq_scale", -torch.ones(12)), "exp_avg_sq_scale"),
+    "scale of another size": (_entry_set("exp_avg_scale", torch.ones(11)), "exp_avg_scale"),
+    "entry not a dict": (lambda states: states.__setitem__(0, [1.0]), "dict"),
+    "no step": (lambda states: states[0].pop("step"), "step"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(STATE_DICT_DAMAGE))
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_bad_state_dict_is_refused_and_the_state_kept(mode, damage, tmp_path):
+    edit, named = STATE_DICT_DAMAGE[damage]
+    params = make_params()
+    opt = make_opt("adamw", params, mode, tmp_path, "int8")
+    train(opt, params, 1, 2)
+    sd = opt.state_dict()
+    sd = {"param_groups": sd["param_groups"], "state": {k: dict(st) for k, st in sd["state"].items()}}
+    edit(sd["state"])
+
+    def failing_load():
+        with pytest.raises(ValueError, match=named):
+            opt.load_state_dict(sd)
+
+    _intact_after(opt, params, failing_load, tmp_path, "int8")
+    opt.close()
