@@ -77,6 +77,15 @@ class CpuOffloadHook:
             t.data = host
         self.on_device = False
 
+    def __reduce_ex__(self, protocol):
+        # deepcopy of the model copies its hooks: the copy would move (and offload) the original's tensors, and
+        # copy the previous models of its chain through prev_module_hook
+        raise TypeError("a model with swapio's cpu_offload_with_hook cannot be copied or pickled (copy.deepcopy, "
+                        "pickle, torch.save of the model object): call hook.remove() first, copy it, and hook each "
+                        "copy")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
+
     def remove(self):
         """Detaches the hook; the model stays where it is now."""
         if self._handle is not None:

@@ -1,10 +1,11 @@
-"""OffloadEngine: the hooks that put a unit's weights in place just before its forward and take them away after.
+"""OffloadEngine: puts a unit's weights in place just before its forward and takes them away after.
 
-Pre-forward: fetch the unit's records (already on their way if predicted), start the next `prefetch` units'
-fetches, and point the module's attributes at the fetched tensors. Post-forward (also after an exception): point
-them back at the meta placeholders and release the records, so their memory is reused for the next fetches.
-Weights are only reachable while their module's forward runs; outputs that are views of them are copied out
-first, and autograd saves them as tokens that fetch them again in backward (see saved_tensors.py).
+Entering (OffloadedForward wraps the module's forward): fetch the unit's records (already on their way if
+predicted), start the next `prefetch` units' fetches, and point the module's attributes at the fetched tensors.
+Leaving (however the forward ended, Ctrl-C included): point them back at the meta placeholders and release the
+records, so their memory is reused for the next fetches. Weights are only reachable while their module's forward
+runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
+again in backward (see saved_tensors.py).
 """
 import torch
 
@@ -14,6 +15,40 @@ from .schedule import Schedule
 from .units import install_placeholders, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
+_NONE = object()  # a module without a forward of its own in its __dict__ (the usual case)
+
+
+class OffloadedForward:
+    """An offloaded module's forward: its weights are put in place, the module's own forward runs, and they are
+    taken away again, whatever ends the call. A wrapper rather than forward hooks, because torch runs
+    always_call hooks after an Exception only: a KeyboardInterrupt would leave the module holding its ring
+    region and the saved-tensor hooks installed. The unit's lock lets one thread at a time run the module
+    (a module's weights are attributes shared by every caller); threads pipeline through the model module by
+    module. A copy of the model would run the original's hooks on meta tensors, so copying is refused."""
+
+    __slots__ = ("engine", "unit", "inner", "__weakref__")
+
+    def __init__(self, engine, unit, inner):
+        self.engine, self.unit, self.inner = engine, unit, inner
+
+    def __call__(self, *args, **kwargs):
+        with self.unit.lock:
+            self.engine.enter(self.unit)
+            try:
+                output = self.inner(*args, **kwargs)
+            except BaseException:
+                self.engine.leave(self.unit, None)
+                raise
+            return self.engine.leave(self.unit, output)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
+                        "of the model object): the copy would read the original's weights through the original's "
+                        "hooks. Copy it before offloading, or remove_offload(model), copy it, and offload each "
+                        "copy (each to its own offload_dir)")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
+
 
 
 def _gradient_error(name):
@@ -36,27 +71,23 @@ class OffloadEngine:
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def attach(self):
-        for unit in self.units:
-            self.handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            self.handles.append(unit.module.register_forward_hook(self._post_hook(unit), always_call=True))
-        if self.device.type != "cpu":
-            self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
-        install_placeholders(self.units)
-        self.fetcher.prepare(self.records)
+        """Allocates the ring, wraps each unit's forward and installs the placeholders. On any failure (Ctrl-C
+        included) the model is left as it was: no wrapper, its own tensors in place (the caller's `current`)."""
+        try:
+            self.fetcher.prepare(self.records)
+            for unit in self.units:
+                unit.own_forward = unit.module.__dict__.get("forward", _NONE)
+                unit.module.forward = OffloadedForward(self, unit, unit.module.forward)
+            if self.device.type != "cpu":
+                self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
+            install_placeholders(self.units)
+        except BaseException:
+            self.detach()
+            raise
 
     def _move_inputs(self, module, args, kwargs):
         move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
-
-    def _pre_hook(self, unit):
-        def pre(module, args):
-            self.enter(unit)
-        return pre
-
-    def _post_hook(self, unit):
-        def post(module, args, output):
-            return self.leave(unit, output)
-        return post
 
     def enter(self, unit):
         unit.depth += 1
@@ -78,8 +109,9 @@ class OffloadEngine:
                 t = view(fetch, slot)
                 if fetch.transient:
                     start = t.data_ptr()
-                    self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
-                        (start, start + slot.nbytes, slot, unit))
+                    with self.fetcher.lock:  # shared by the threads running other modules
+                        self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
+                            (start, start + slot.nbytes, slot, unit))
                 if kind == "param":
                     t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
                     if slot.requires_grad and grad:
@@ -131,12 +163,13 @@ class OffloadEngine:
             output = self._copy_escaping(output, fetches)
         for attr, kind, slot in unit.entries:
             set_entry(unit.module, attr, kind, slot.placeholder)
-        for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
-            kept = [e for e in self.live[key] if e[3] is not unit]
-            if kept:
-                self.live[key] = kept
-            else:
-                del self.live[key]
+        with self.fetcher.lock:
+            for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
+                kept = [e for e in self.live[key] if e[3] is not unit]
+                if kept:
+                    self.live[key] = kept
+                else:
+                    del self.live[key]
         for fetch in fetches:
             self.fetcher.release(fetch)
         self.fetcher.pump()
@@ -167,6 +200,16 @@ class OffloadEngine:
 
     # ---- teardown -------------------------------------------------------------------------------------------
     def detach(self):
+        """Removes swapio's wrappers and hooks (idempotent); the module's own forward is back."""
+        for unit in self.units:
+            own = getattr(unit, "own_forward", None)
+            if own is None:
+                continue
+            if own is _NONE:
+                unit.module.__dict__.pop("forward", None)
+            else:
+                unit.module.forward = own
+            unit.own_forward = None
         for h in self.handles:
             h.remove()
         self.handles = []
