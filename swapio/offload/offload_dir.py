@@ -20,8 +20,7 @@ from ..pinned import empty_pinned
 from .layout import ALIGN, round_up
 from .safetensors_format import Location
 
-INDEX = "swapio-weights.json"
-DATA_PREFIX, DATA_SUFFIX = "swapio-weights-", ".bin"
+from .dir_owner import DATA_PREFIX, DATA_SUFFIX, INDEX, remove_leftovers
 FORMAT, VERSION = "swapio.offload", 1
 CHUNK = 64 << 20
 
@@ -84,11 +83,11 @@ def _stream(handle, path, pieces, total, chunk):
             raise error
 
 
-def write(directory, records, source_of, handle, chunk=CHUNK):
-    """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device.
-    Returns {slot: (path, offset, nbytes)}."""
+def write(directory, records, source_of, handle, chunk=CHUNK, owner=None):
+    """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device, into
+    `directory`, which the caller claimed (dir_owner.claim; `owner`: its claim, told which files a SIGTERM
+    should remove). Returns {slot: (path, offset, nbytes)}."""
     directory = os.path.abspath(os.fspath(directory))
-    created = not os.path.exists(directory)
     token = secrets.token_hex(8)
     data_name = f"{DATA_PREFIX}{token}{DATA_SUFFIX}"
     data_path = os.path.join(directory, data_name)
@@ -102,11 +101,10 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
             entries[slot.name] = {"names": slot.names, "offset": offset, "nbytes": slot.nbytes,
                                   "dtype": _dtype_name(slot.dtype), "shape": list(slot.shape)}
         end += record.nbytes
+    temporary = (tmp_data, tmp_index)
+    if owner is not None:
+        owner.files.update(temporary)
     try:
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create offload_dir: {exc.strerror}", directory) from None
         _reserve(tmp_data, end)
         for slot, (_, offset, _) in sorted(locations.items(), key=lambda kv: kv[1][1]):
             if slot.nbytes:
@@ -119,9 +117,12 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
         _durable.write_and_replace(tmp_index, os.path.join(directory, INDEX), lambda f: json.dump(index, f),
                                    mode="w")
     except BaseException:
-        _durable.discard(tmp_data, tmp_index, data_path, *([directory] if created else []))
+        _durable.discard(tmp_data, tmp_index, data_path)
         raise
-    _durable.remove_others(directory, DATA_PREFIX, (DATA_SUFFIX,), keep=data_name)  # earlier offloads' data
+    finally:
+        if owner is not None:
+            owner.files.difference_update(temporary)
+    remove_leftovers(directory, keep=data_name)  # earlier offloads' data
     return locations
 
 
