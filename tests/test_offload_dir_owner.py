@@ -135,6 +135,6 @@ def test_an_unreadable_index_keeps_every_data_file(tmp_path):
     remove_offload(disk_offload(resident_model(), directory))
     committed = data_files(directory)
     (directory / "swapio-weights.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not a swapio offload index"):
+    with pytest.raises(ValueError, match="swapio-weights.json: not valid JSON"):
         disk_offload(meta_model(), directory)
     assert data_files(directory) == committed  # which data the index meant cannot be told: nothing removed

@@ -74,7 +74,9 @@ def committed_data(directory):
             name = json.load(f).get("data")
     except (OSError, ValueError, AttributeError):
         return None
-    return name if isinstance(name, str) else None
+    plain = isinstance(name, str) and os.path.basename(name) == name and name.startswith(DATA_PREFIX) \
+        and name.endswith(DATA_SUFFIX)
+    return name if plain else None
 
 
 def remove_leftovers(directory, keep=None):
