@@ -91,3 +91,27 @@ def test_load_file_to_cuda(tmp_path):
     assert cpu.keys() == gpu.keys()
     for k in cpu:
         assert gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), cpu[k])
+
+
+class EndsEmpty(torch.nn.Module):
+    """A large weight, then an empty buffer: the model's last tensor has no copy (issue 21, item 19)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("empty", torch.empty(0))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_cpu_offload_with_hook_waits_for_the_copies_when_the_last_tensor_is_empty():
+    model = EndsEmpty()
+    x = torch.randn(8, 4096)
+    want = model(x)
+    model, hook = cpu_offload_with_hook(model, execution_device="cuda")
+    for _ in range(3):  # the compute stream must wait for the 64 MiB copy, not for the empty tensor's nothing
+        got = model(x)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+        hook.offload()
+    hook.remove()

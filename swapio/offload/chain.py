@@ -11,6 +11,12 @@ from .. import cuda_copy
 from ..pinned import empty_pinned
 
 
+def last_copy(events):
+    """The event of the last copy issued (None: nothing was copied). Empty tensors are not copied and have no
+    event, so the last tensor's entry may be None while copies before it are still running."""
+    return next((e for e in reversed(events) if e is not None), None)
+
+
 class CpuOffloadHook:
     """Returned by cpu_offload_with_hook: offload() sends the model back to host memory, remove() detaches the
     hook (the model stays where it is)."""
@@ -60,8 +66,9 @@ class CpuOffloadHook:
             events.append(cuda_copy.copy_async(dev, host, stream) if host.numel() else None)
             t.data = dev
         current = torch.cuda.current_stream(device)
-        if events and events[-1] is not None:
-            current.wait_event(events[-1])  # copies on one stream complete in order
+        last = last_copy(events)
+        if last is not None:
+            current.wait_event(last)  # copies on one stream complete in order: the last one covers them all
         for t in self._host:
             t.data.record_stream(current)
         self.on_device = True
