@@ -210,3 +210,19 @@ def test_copying_an_offloaded_model_is_a_type_error(tmp_path, kind):
     assert_same_outputs(model)  # the original is unharmed
     remove_offload(model)
     assert_same_outputs(copy.deepcopy(model))  # and can be copied once it is back to normal
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), MemoryError("pinned memory")], ids=["ctrl-c", "error"])
+def test_a_failure_in_cpu_offload_with_hook_leaves_the_model_as_it_was(monkeypatch, exc):
+    model = resident_model()
+    params = list(model.parameters())
+    with monkeypatch.context() as m:
+        m.setattr(offload_api, "_register", lambda *a: (_ for _ in ()).throw(exc))
+        with pytest.raises(type(exc)):
+            cpu_offload_with_hook(model)
+    assert not model._forward_pre_hooks and model not in _offloaded
+    assert list(model.parameters()) == params
+    assert_same_outputs(model)
+    _, hook = cpu_offload_with_hook(model)
+    assert len(model._forward_pre_hooks) == 1
+    hook.remove()

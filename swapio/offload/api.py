@@ -213,7 +213,13 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
     _check_model(model)
     device = _execution_device(model, execution_device)
     hook = CpuOffloadHook(model, device, prev_module_hook)
-    _register(model, hook)
+    try:
+        _register(model, hook)
+    except BaseException:
+        _unregister(model, hook)
+        hook.undo()
+        raise
+    hook.settle()
     return model, hook
 
 

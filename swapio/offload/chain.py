@@ -27,14 +27,36 @@ class CpuOffloadHook:
         self.model, self.execution_device, self.prev_module_hook = model, execution_device, prev_module_hook
         self.on_device = execution_device.type == "cpu"
         self._host = {}  # tensor -> pinned host copy, for a GPU execution device
-        if execution_device.type != "cpu":
-            for t in self._tensors():
-                host = empty_pinned(tuple(t.shape), t.dtype) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
-                with torch.no_grad():
-                    host.copy_(t.detach())
-                t.data = host
-                self._host[t] = host
-        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        self._handle = None
+        self._before = {}  # tensor -> its data before this hook moved it (put back if the constructor fails)
+        try:
+            if execution_device.type != "cpu":
+                for t in self._tensors():
+                    host = empty_pinned(tuple(t.shape), t.dtype) if t.numel() else torch.empty(t.shape,
+                                                                                                dtype=t.dtype)
+                    with torch.no_grad():
+                        host.copy_(t.detach())
+                    self._before[t] = t.data
+                    t.data = host
+                    self._host[t] = host
+            self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        except BaseException:
+            self.undo()
+            raise
+
+    def settle(self):
+        """The hook is in place for good: the tensors' earlier data is no longer kept for undo()."""
+        self._before = {}
+
+    def undo(self):
+        """Detaches the hook and puts every tensor back where it was before the hook was made (a failed or
+        interrupted cpu_offload_with_hook leaves the model as it was)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for t, data in self._before.items():
+            t.data = data
+        self._before = {}
 
     def _tensors(self):
         seen = set()
