@@ -226,3 +226,20 @@ def test_a_failure_in_cpu_offload_with_hook_leaves_the_model_as_it_was(monkeypat
     _, hook = cpu_offload_with_hook(model)
     assert len(model._forward_pre_hooks) == 1
     hook.remove()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_state_left_by_a_ctrl_c_inside_swapio_itself_is_healed_by_the_next_call(tmp_path, grad):
+    """Python delivers Ctrl-C between any two bytecodes, also inside swapio's own enter/leave; whatever a call
+    left there, nobody runs the module when the next call starts, so that call cleans it up first."""
+    model = stack()
+    x = torch.randn(3, 64)
+    want = model(x)
+    disk_offload(model, tmp_path / "od", buffer_bytes=64 << 10)
+    engine = _offloaded[model]
+    with torch.set_grad_enabled(grad):
+        engine.enter(engine.units[1])  # as if Ctrl-C landed just after enter(), before the forward ran
+        engine.units[2].depth = 1      # or just after the depth count went up
+    assert torch.equal(model(x), want)
+    assert_nothing_held(model)
+    remove_offload(model)

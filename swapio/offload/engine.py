@@ -32,14 +32,21 @@ class OffloadedForward:
         self.engine, self.unit, self.inner = engine, unit, inner
 
     def __call__(self, *args, **kwargs):
-        with self.unit.lock:
-            self.engine.enter(self.unit)
+        unit, engine = self.unit, self.engine
+        nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
+        with unit.lock:
+            if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
+                # a Ctrl-C that landed inside enter() or leave() themselves left some of the last call's state
+                # behind: nobody runs the module now, so it is stale
+                unit.depth = 1
+                engine.leave(unit, None)
             try:
+                engine.enter(unit)
                 output = self.inner(*args, **kwargs)
             except BaseException:
-                self.engine.leave(self.unit, None)
+                engine.leave(unit, None)
                 raise
-            return self.engine.leave(self.unit, output)
+            return engine.leave(unit, output)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
@@ -90,38 +97,35 @@ class OffloadEngine:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     def enter(self, unit):
+        """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
         unit.depth += 1
         if unit.depth > 1:
             return
-        try:
-            self.schedule.observe(unit)
-            fetcher = self.fetcher
-            for record in unit.records:
-                fetcher.start(record, required=True)
-            self._prefetch(self.schedule.ahead, unit)
-            fetcher.pump()
-            for record in unit.records:
-                unit.fetches.append(fetcher.acquire(record))
-            by_record = {f.record: f for f in unit.fetches}
-            grad = torch.is_grad_enabled()
-            for attr, kind, slot in unit.entries:
-                fetch = by_record[slot.record]
-                t = view(fetch, slot)
-                if fetch.transient:
-                    start = t.data_ptr()
-                    with self.fetcher.lock:  # shared by the threads running other modules
-                        self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
-                            (start, start + slot.nbytes, slot, unit))
-                if kind == "param":
-                    t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
-                    if slot.requires_grad and grad:
-                        t.register_hook(_gradient_error(slot.name))
-                set_entry(unit.module, attr, kind, t)
-            if grad:
-                unit.hooks_entered.append(self.saved.enter())
-        except BaseException:
-            self.leave(unit, None)
-            raise
+        self.schedule.observe(unit)
+        fetcher = self.fetcher
+        for record in unit.records:
+            fetcher.start(record, required=True)
+        self._prefetch(self.schedule.ahead, unit)
+        fetcher.pump()
+        for record in unit.records:
+            unit.fetches.append(fetcher.acquire(record))
+        by_record = {f.record: f for f in unit.fetches}
+        grad = torch.is_grad_enabled()
+        for attr, kind, slot in unit.entries:
+            fetch = by_record[slot.record]
+            t = view(fetch, slot)
+            if fetch.transient:
+                start = t.data_ptr()
+                with self.fetcher.lock:  # shared by the threads running other modules
+                    self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
+                        (start, start + slot.nbytes, slot, unit))
+            if kind == "param":
+                t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
+                if slot.requires_grad and grad:
+                    t.register_hook(_gradient_error(slot.name))
+            set_entry(unit.module, attr, kind, t)
+        if grad:
+            unit.hooks_entered.append(self.saved.enter())
 
     def _prefetch(self, walk, unit):
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
@@ -158,9 +162,8 @@ class OffloadEngine:
             return output
         while unit.hooks_entered:
             unit.hooks_entered.pop().__exit__(None, None, None)
-        fetches, unit.fetches = unit.fetches, []
-        if output is not None and any(f.transient and f.device is None for f in fetches):
-            output = self._copy_escaping(output, fetches)
+        if output is not None and any(f.transient and f.device is None for f in unit.fetches):
+            output = self._copy_escaping(output, unit.fetches)
         for attr, kind, slot in unit.entries:
             set_entry(unit.module, attr, kind, slot.placeholder)
         with self.fetcher.lock:
@@ -170,8 +173,8 @@ class OffloadEngine:
                     self.live[key] = kept
                 else:
                     del self.live[key]
-        for fetch in fetches:
-            self.fetcher.release(fetch)
+        while unit.fetches:  # one at a time: an interrupted leave() leaves the rest for the next call to release
+            self.fetcher.release(unit.fetches.pop())
         self.fetcher.pump()
         return output
 
