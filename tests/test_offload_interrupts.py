@@ -243,3 +243,27 @@ def test_state_left_by_a_ctrl_c_inside_swapio_itself_is_healed_by_the_next_call(
     assert torch.equal(model(x), want)
     assert_nothing_held(model)
     remove_offload(model)
+
+
+def test_ctrl_c_inside_remove_offload_leaves_the_model_offloaded_and_working(tmp_path, monkeypatch):
+    model = stack()
+    x = torch.randn(3, 64)
+    want = model(x)
+    disk_offload(model, tmp_path / "od", buffer_bytes=64 << 10)
+    engine = _offloaded[model]
+    real, calls = engine.fetcher.acquire, []
+
+    def acquire(record):  # Ctrl-C while remove_offload reads the third record
+        calls.append(record)
+        if len(calls) == 3:
+            ctrl_c()
+        return real(record)
+    monkeypatch.setattr(engine.fetcher, "acquire", acquire)
+    with pytest.raises(KeyboardInterrupt):
+        remove_offload(model)
+    monkeypatch.undo()
+    assert model in _offloaded
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    remove_offload(model)
+    assert torch.equal(model(x), want)

@@ -296,10 +296,11 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
-    owner.detach()
+    resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:
-        owner.materialize()
+        owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back
     finally:
+        owner.detach()
         _unregister(model, owner)
         owner.close()
     return model

@@ -218,7 +218,8 @@ class OffloadEngine:
         self.handles = []
 
     def materialize(self):
-        """Resident copies of every offloaded tensor on the execution device, ties kept; installs them."""
+        """{slot: resident copy on the execution device} of every offloaded tensor; installs nothing, so that an
+        interrupted or failing remove_offload leaves the model offloaded and working."""
         resident = {}
         for i, record in enumerate(self.records):
             for later in self.records[i + 1:i + 1 + self.prefetch]:
@@ -232,6 +233,10 @@ class OffloadEngine:
                     resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
             finally:
                 self.fetcher.release(fetch)
+        return resident
+
+    def install(self, resident):
+        """Points every offloaded attribute at resident[slot] (ties kept: one object per slot)."""
         for unit in self.units:
             for attr, kind, slot in unit.entries:
                 set_entry(unit.module, attr, kind, resident[slot])
