@@ -267,3 +267,13 @@ def test_ctrl_c_inside_remove_offload_leaves_the_model_offloaded_and_working(tmp
         assert torch.equal(model(x), want)
     remove_offload(model)
     assert torch.equal(model(x), want)
+
+
+def test_an_offloaded_modules_forward_keeps_its_signature(tmp_path):
+    """transformers inspects forward's signature (generate() checks which inputs a model takes)."""
+    import inspect
+    model = torch.nn.Linear(8, 8)
+    want = inspect.signature(model.forward)
+    disk_offload(model, tmp_path / "od")
+    assert inspect.signature(model.forward) == want
+    remove_offload(model)

@@ -31,6 +31,10 @@ class OffloadedForward:
     def __init__(self, engine, unit, inner):
         self.engine, self.unit, self.inner = engine, unit, inner
 
+    @property
+    def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
+        return self.inner
+
     def __call__(self, *args, **kwargs):
         unit, engine = self.unit, self.engine
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
