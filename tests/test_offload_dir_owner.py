@@ -1,6 +1,7 @@
 """An offload_dir belongs to one live model (issue 21, item 1), and what a killed offload left there is reclaimed by
 the next user of the directory (item 10), never while a live model uses it."""
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, resident_model
+from offload_helpers import assert_same_outputs, meta_model, reference, resident_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,13 @@ def test_a_second_offload_into_a_live_directory_is_refused(tmp_path):
 
 
 def test_a_model_dropped_without_remove_offload_frees_its_directory(tmp_path):
-    disk_offload(resident_model(), tmp_path / "od")  # the model is dropped at once
+    dropped = disk_offload(resident_model(), tmp_path / "od")
+    with torch.no_grad():
+        dropped(reference()[0][:, :3])  # reads ahead for the next forward are in flight when it is dropped
+    fetcher = _offloaded[dropped].fetcher
+    del dropped
+    gc.collect()
+    assert fetcher.ring._arena is None and not fetcher.fetches  # reads waited for, then the ring freed
     model = disk_offload(meta_model(), tmp_path / "od")  # reuses the weights it wrote
     assert_same_outputs(model)
     remove_offload(model)

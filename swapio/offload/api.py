@@ -1,4 +1,5 @@
 """cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload: accelerate's names and arguments."""
+import functools
 import itertools
 import os
 import weakref
@@ -274,7 +275,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         if own:
             engine.extra_close.append(handle.close)
         if owner is not None:  # given up by remove_offload, or when the model is collected
-            engine.extra_close.append(weakref.finalize(engine, dir_owner.release, owner))
+            engine.extra_close.append(functools.partial(dir_owner.release, owner))
     except BaseException:
         if owner is not None:
             dir_owner.release(owner, remove_directory=created)

@@ -7,6 +7,8 @@ records, so their memory is reused for the next fetches. Weights are only reacha
 runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
 again in backward (see saved_tensors.py).
 """
+import weakref
+
 import torch
 
 from . import saved_tensors
@@ -78,7 +80,8 @@ class OffloadEngine:
         self.handles = []
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
-        self.extra_close = []  # callables run by close() (handles to close, directories to remove)
+        self.extra_close = []  # callables run by close() (handles to close, directories to give up)
+        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def attach(self):
@@ -246,13 +249,20 @@ class OffloadEngine:
                 set_entry(unit.module, attr, kind, resident[slot])
 
     def close(self):
-        self.fetcher.drain()
-        errors = []
-        for fn in self.extra_close:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
-                errors.append(exc)
-        self.extra_close = []
-        if errors:
-            raise errors[0]
+        """Waits for every read and copy in flight, frees the buffers and runs extra_close (once)."""
+        self._finalizer()
+
+
+def _close(fetcher, extra_close):
+    """engine.close(), also run when an engine is collected without remove_offload: reads still in flight into
+    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
+    fetcher.drain()
+    errors = []
+    for fn in extra_close:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
+            errors.append(exc)
+    extra_close.clear()
+    if errors:
+        raise errors[0]
