@@ -70,6 +70,8 @@ class CpuOffloadHook:
     def _pre_forward(self, module, args, kwargs):
         if self.prev_module_hook is not None:
             self.prev_module_hook.offload()
+        if self.on_device and any(t.device.type == "cpu" for t in self._host):
+            self.offload()  # an offload() that Ctrl-C interrupted: finish it, so that every host copy is current
         if not self.on_device:
             self.load()
         if self.execution_device.type == "cpu":
@@ -100,6 +102,8 @@ class CpuOffloadHook:
         if not self.on_device or self.execution_device.type == "cpu":
             return
         for t, host in self._host.items():
+            if t.device.type == "cpu":
+                continue  # moved back by an earlier, interrupted offload(): its host copy is the current one
             if host.numel():
                 with torch.no_grad():
                     host.copy_(t.data)  # synchronous: the values are in host memory when this returns
