@@ -40,18 +40,20 @@ def claim(directory):
             fd, content = _swapdir._lock_file(lock)
         if fd is None:
             pid = _swapdir._pid_of(content)
-            raise OSError(errno.EBUSY, "a live offloaded model"
-                          f"{' of this process' if pid == os.getpid() else f' (pid {pid})' if pid else ''} uses "
-                          "this offload_dir: writing into it would delete the weights that model reads. Call "
-                          "remove_offload on it first, or give each model its own offload_dir", directory)
+            who = " of this process" if pid == os.getpid() else f" (pid {pid})" if pid else ""
+            raise OSError(errno.EBUSY, f"a live offloaded model (or SwapStore){who} uses this offload_dir: "
+                          "writing into it would delete the weights that model reads. Call remove_offload on it "
+                          "first, or give each model its own offload_dir", directory)
         try:
             owner = _swapdir.Owner(directory, fd, private=False, created=created)
         except BaseException:
+            if created:  # ours alone: nobody else could have locked it yet
+                _durable.discard(lock)
             os.close(fd)
             raise
     except BaseException:
         if created:
-            _durable.discard(os.path.join(directory, _swapdir.LOCK_NAME), directory)
+            _durable.discard(directory)  # only if empty
         raise
     return owner, created
 
