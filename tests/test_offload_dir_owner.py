@@ -145,3 +145,20 @@ def test_an_unreadable_index_keeps_every_data_file(tmp_path):
     with pytest.raises(ValueError, match="swapio-weights.json: not valid JSON"):
         disk_offload(meta_model(), directory)
     assert data_files(directory) == committed  # which data the index meant cannot be told: nothing removed
+
+
+def test_a_claim_dropped_by_a_ctrl_c_before_the_model_holds_it_is_given_up(tmp_path, monkeypatch):
+    """Ctrl-C can land between taking the directory's claim and storing it anywhere."""
+    from swapio.offload import dir_owner
+    real = dir_owner.claim
+
+    def claim_then_ctrl_c(directory):
+        real(directory)  # taken, and dropped at once
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(dir_owner, "claim", claim_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            disk_offload(resident_model(), tmp_path / "od")
+    model = disk_offload(resident_model(), tmp_path / "od")
+    assert_same_outputs(model)
+    remove_offload(model)

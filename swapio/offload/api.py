@@ -1,5 +1,4 @@
 """cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload: accelerate's names and arguments."""
-import functools
 import itertools
 import os
 import weakref
@@ -245,14 +244,13 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle
-    owner = created = None
+    dir_claim = None  # ours until remove_offload: a second model writing there would delete our data
     try:
         current = _current(units)
         origin, by_name = None, None
         if offload_dir is not None:
-            # the directory is ours until remove_offload: a second model writing there would delete our data
             offload_dir = os.path.abspath(os.fspath(offload_dir))
-            owner, created = dir_owner.claim(offload_dir)
+            dir_claim = dir_owner.claim(offload_dir)
             dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
             origin, by_name = os.fspath(checkpoint), open_checkpoint(checkpoint)
@@ -266,7 +264,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             locations = {s: check_against(by_name, s.names, s.shape, s.dtype, origin).as_tuple() for s in slots}
         else:
             pack(records)
-            locations = odir.write(offload_dir, records, current.__getitem__, handle, owner=owner)
+            locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim)
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
@@ -274,11 +272,11 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                                Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes), device, prefetch)
         if own:
             engine.extra_close.append(handle.close)
-        if owner is not None:  # given up by remove_offload, or when the model is collected
-            engine.extra_close.append(functools.partial(dir_owner.release, owner))
+        if dir_claim is not None:  # given up by remove_offload, or when the model is collected
+            engine.extra_close.append(dir_claim.release)
     except BaseException:
-        if owner is not None:
-            dir_owner.release(owner, remove_directory=created)
+        if dir_claim is not None:
+            dir_claim.release(remove_directory=dir_claim.created)
         if own:
             handle.close()
         raise

@@ -23,8 +23,34 @@ DATA_PREFIX, DATA_SUFFIX = "swapio-weights-", ".bin"
 TMP_PREFIXES = (f".{DATA_PREFIX}", f".{INDEX}.")  # what offload_dir.write names its files until they commit
 
 
+class Claim:
+    """This process's claim on an offload_dir (a _swapdir.Owner). Given up by release(), and also when it is
+    dropped: a Ctrl-C that lands between taking the claim and handing it to the model must not leave the lock
+    held for the rest of the process."""
+
+    def __init__(self, owner, created):
+        self.owner, self.created = owner, created
+
+    @property
+    def files(self):
+        """Paths a SIGTERM removes (the temporary files while they are written)."""
+        return self.owner.files
+
+    def release(self, remove_directory=False):
+        """Gives the directory up (idempotent), removing it too when asked and empty."""
+        self.owner.release()
+        if remove_directory:
+            _durable.discard(self.owner.directory)
+
+    def __del__(self):
+        try:
+            self.owner.release()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
 def claim(directory):
-    """(Owner, created) for directory, made if missing. OSError(EBUSY) while a live model uses it."""
+    """A Claim on directory, made if missing (claim.created says so). OSError(EBUSY) while a live model uses it."""
     created = not os.path.exists(directory)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -45,7 +71,7 @@ def claim(directory):
                           "writing into it would delete the weights that model reads. Call remove_offload on it "
                           "first, or give each model its own offload_dir", directory)
         try:
-            owner = _swapdir.Owner(directory, fd, private=False, created=created)
+            return Claim(_swapdir.Owner(directory, fd, private=False, created=created), created)
         except BaseException:
             if created:  # ours alone: nobody else could have locked it yet
                 _durable.discard(lock)
@@ -55,14 +81,6 @@ def claim(directory):
         if created:
             _durable.discard(directory)  # only if empty
         raise
-    return owner, created
-
-
-def release(owner, remove_directory=False):
-    """Gives the directory up (removing it too when asked and empty)."""
-    owner.release()
-    if remove_directory:
-        _durable.discard(owner.directory)
 
 
 def committed_data(directory):

@@ -84,9 +84,9 @@ def _stream(handle, path, pieces, total, chunk):
             raise error
 
 
-def write(directory, records, source_of, handle, chunk=CHUNK, owner=None):
+def write(directory, records, source_of, handle, chunk=CHUNK, claim=None):
     """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device, into
-    `directory`, which the caller claimed (dir_owner.claim; `owner`: its claim, told which files a SIGTERM
+    `directory`, which the caller claimed (dir_owner.claim; `claim`: that claim, told which files a SIGTERM
     should remove). Returns {slot: (path, offset, nbytes)}."""
     directory = os.path.abspath(os.fspath(directory))
     token = secrets.token_hex(8)
@@ -103,8 +103,8 @@ def write(directory, records, source_of, handle, chunk=CHUNK, owner=None):
                                   "dtype": _dtype_name(slot.dtype), "shape": list(slot.shape)}
         end += record.nbytes
     temporary = (tmp_data, tmp_index)
-    if owner is not None:
-        owner.files.update(temporary)
+    if claim is not None:
+        claim.files.update(temporary)
     try:
         _reserve(tmp_data, end)
         for slot, (_, offset, _) in sorted(locations.items(), key=lambda kv: kv[1][1]):
@@ -121,8 +121,8 @@ def write(directory, records, source_of, handle, chunk=CHUNK, owner=None):
         _durable.discard(tmp_data, tmp_index, data_path)
         raise
     finally:
-        if owner is not None:
-            owner.files.difference_update(temporary)
+        if claim is not None:
+            claim.files.difference_update(temporary)
     remove_leftovers(directory, keep=data_name)  # earlier offloads' data
     return locations
 
