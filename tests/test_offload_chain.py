@@ -23,3 +23,12 @@ def test_chain_offloads_the_previous_model_when_the_next_runs():
     assert a not in _offloaded
     with torch.no_grad():
         b(torch.zeros(1, 3, dtype=torch.long))  # runs without the hook
+
+
+def test_the_compute_stream_waits_on_the_last_copy_issued_not_on_the_last_tensor():
+    """cpu_offload_with_hook's load(): empty tensors are not copied and have no event (issue 21, item 19)."""
+    from swapio.offload.chain import last_copy
+    first, second = object(), object()
+    assert last_copy([first, second, None]) is second
+    assert last_copy([first, None, None]) is first
+    assert last_copy([None, None]) is None and last_copy([]) is None

@@ -91,3 +91,46 @@ def test_load_file_to_cuda(tmp_path):
     assert cpu.keys() == gpu.keys()
     for k in cpu:
         assert gpu[k].device.type == "cuda" and torch.equal(gpu[k].cpu(), cpu[k])
+
+
+class EndsEmpty(torch.nn.Module):
+    """A large weight, then an empty buffer: the model's last tensor has no copy (issue 21, item 19)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("empty", torch.empty(0))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_cpu_offload_with_hook_waits_for_the_copies_when_the_last_tensor_is_empty():
+    model = EndsEmpty()
+    x = torch.randn(8, 4096)
+    want = model(x)
+    model, hook = cpu_offload_with_hook(model, execution_device="cuda")
+    for _ in range(3):  # the compute stream must wait for the 64 MiB copy, not for the empty tensor's nothing
+        got = model(x)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+        hook.offload()
+    hook.remove()
+
+
+def test_a_forward_after_an_interrupted_hook_offload_works_and_keeps_device_changes():
+    """Ctrl-C inside hook.offload() leaves some tensors back in host memory and some on the device (issue 21,
+    item 6 on the cpu_offload_with_hook path): the next forward finishes the offload, then loads them all."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    x = torch.randn(4, 64)
+    model, hook = cpu_offload_with_hook(model, execution_device="cuda")
+    model(x)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)  # a change made on the device, which offload() must keep
+    want = torch.nn.functional.linear(model[0](x.cuda()), model[1].weight, model[1].bias).cpu()
+    host = hook._host[model[0].weight]
+    with torch.no_grad():
+        host.copy_(model[0].weight.data)
+    model[0].weight.data = host  # what offload() had done for this tensor when Ctrl-C arrived
+    torch.testing.assert_close(model(x).cpu(), want)
+    hook.remove()

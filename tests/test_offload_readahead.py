@@ -83,20 +83,26 @@ WIDTH = 512
 LAYER = WIDTH * WIDTH * 4  # one Linear(512, 512, bias=False) in fp32: 1 MiB, large enough to count for prefetch
 
 
+def observe_in_forward(layer, fn):
+    """Calls fn() inside layer's forward, once swapio put its weights in place (set before offloading)."""
+    own = type(layer).forward
+    layer.forward = lambda *args, **kwargs: (fn(), own(layer, *args, **kwargs))[1]
+
+
 def test_reads_run_ahead_as_far_as_the_ring_holds(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(12)])
     x = torch.randn(3, WIDTH)
     with torch.no_grad():
         want = model(x)
-    disk_offload(model, tmp_path / "od", buffer_bytes=5 * LAYER, prefetch=1)
-    fetcher = _offloaded[model].fetcher
     seen = []
 
-    def look(module, args):  # runs after swapio's pre-hook: the module's own fetch and the read-ahead started
+    def look():  # the module's own fetch and the read-ahead started
         seen.append((sorted(f.record.index for f in fetcher.fetches.values()), fetcher.ring.in_use))
     for layer in model:
-        layer.register_forward_pre_hook(look)
+        observe_in_forward(layer, look)
+    disk_offload(model, tmp_path / "od", buffer_bytes=5 * LAYER, prefetch=1)
+    fetcher = _offloaded[model].fetcher
     with torch.no_grad():
         assert torch.equal(model(x), want)
     # one layer running and four read ahead, though prefetch=1: the ring's 5 layers, never more
@@ -108,11 +114,11 @@ def test_reads_run_ahead_as_far_as_the_ring_holds(tmp_path):
 
 def test_prefetch_zero_reads_nothing_ahead(tmp_path):
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
-    disk_offload(model, tmp_path / "od", buffer_bytes=4 * LAYER, prefetch=0)
-    fetcher = _offloaded[model].fetcher
     seen = []
     for layer in model:
-        layer.register_forward_pre_hook(lambda m, a: seen.append(len(fetcher.fetches)))
+        observe_in_forward(layer, lambda: seen.append(len(fetcher.fetches)))
+    disk_offload(model, tmp_path / "od", buffer_bytes=4 * LAYER, prefetch=0)
+    fetcher = _offloaded[model].fetcher
     with torch.no_grad():
         model(torch.randn(1, 64))
     assert seen == [1, 1, 1, 1]

@@ -9,15 +9,38 @@ from .._errors import check_int
 from ..cuda_copy import normalize_device
 from ..handle import AioHandle
 from ..pinned import empty_pinned
+from . import dir_owner
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .engine import OffloadEngine
 from .fetch import Fetcher
 from .layout import group_records, pack, place_on_disk
 from .safetensors_format import check_against, open_checkpoint
-from .units import collect
+from .units import collect, set_entry
 
-_offloaded = weakref.WeakKeyDictionary()  # every module of an offloaded model -> its engine or hook
+
+class _Registry(weakref.WeakKeyDictionary):
+    """Every module of an offloaded model -> its engine or hook, both held weakly. The owner lives as long as the
+    model does (the model's forward wrappers and hooks hold it), so a model dropped without remove_offload is
+    collected, and its pinned buffers, handle and offload_dir claim go with it."""
+
+    def __setitem__(self, module, owner):
+        super().__setitem__(module, weakref.ref(owner))
+
+    def __getitem__(self, module):
+        owner = super().__getitem__(module)()
+        if owner is None:
+            raise KeyError(module)
+        return owner
+
+    def get(self, module, default=None):
+        try:
+            return self[module]
+        except KeyError:
+            return default
+
+
+_offloaded = _Registry()
 
 
 def _check_model(model):
@@ -41,6 +64,30 @@ def _unregister(model, owner):
     for m in model.modules():
         if _offloaded.get(m) is owner:
             del _offloaded[m]
+
+
+def _attach(model, engine, original):
+    """Attaches the engine and registers the model; on any failure, Ctrl-C included, the model is left as it was
+    (no wrappers, original(slot) in every offloaded attribute) and the engine closed, so that remove_offload's
+    "not offloaded" is true and offloading again starts clean."""
+    try:
+        engine.attach()
+        _register(model, engine)
+    except BaseException:
+        _unregister(model, engine)
+        engine.detach()
+        _put_back(engine.units, original)
+        engine.close()
+        raise
+
+
+def _put_back(units, original):
+    values = {}
+    for unit in units:
+        for attr, kind, slot in unit.entries:
+            if slot not in values:
+                values[slot] = original(slot)
+            set_entry(unit.module, attr, kind, values[slot])
 
 
 def _execution_device(model, execution_device):
@@ -126,24 +173,37 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
                              "disk_offload(model, checkpoint=...) for a model built on meta)")
     records = group_records(units)
     pack(records)
-    hosts = {}
-    for record in records:  # one record at a time: at most one record exists twice
-        host = empty_pinned(record.nbytes, torch.uint8) if device.type == "cuda" else \
-            torch.empty(record.nbytes, dtype=torch.uint8)
-        for slot in record.slots:
-            off = record.offsets[slot]
-            src = current.pop(slot).detach().contiguous().reshape(-1).view(torch.uint8)
-            host[off:off + slot.nbytes].copy_(src)
-            for unit in record.units:
-                for attr, kind, s in unit.entries:
-                    if s is slot:
-                        getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr] = \
-                            slot.placeholder
-        hosts[record] = host
-    _place_resident(resident, device)
-    engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device, prefetch)
-    engine.attach()
-    _register(model, engine)
+    hosts, devices = {}, {slot: t.device for slot, t in current.items()}
+
+    def original(slot):  # the tensor as it was: still the model's own, or rebuilt from its host copy
+        if slot in current:
+            return current[slot]
+        record = slot.record
+        off = record.offsets[slot]
+        t = hosts[record][off:off + slot.nbytes].view(slot.dtype).view(slot.shape).to(devices[slot], copy=True)
+        return torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
+
+    try:
+        for record in records:  # one record at a time: at most one record exists twice
+            host = empty_pinned(record.nbytes, torch.uint8) if device.type == "cuda" else \
+                torch.empty(record.nbytes, dtype=torch.uint8)
+            for slot in record.slots:
+                off = record.offsets[slot]
+                host[off:off + slot.nbytes].copy_(current[slot].detach().contiguous().reshape(-1).view(torch.uint8))
+            hosts[record] = host
+            for slot in record.slots:  # the model's own copy goes now that the host copy is complete
+                for unit in record.units:
+                    for attr, kind, s in unit.entries:
+                        if s is slot:
+                            set_entry(unit.module, attr, kind, slot.placeholder)
+                del current[slot]
+        _place_resident(resident, device)
+        engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device,
+                               prefetch)
+    except BaseException:
+        _put_back(units, original)
+        raise
+    _attach(model, engine, original)
     return model
 
 
@@ -153,7 +213,13 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
     _check_model(model)
     device = _execution_device(model, execution_device)
     hook = CpuOffloadHook(model, device, prev_module_hook)
-    _register(model, hook)
+    try:
+        _register(model, hook)
+    except BaseException:
+        _unregister(model, hook)
+        hook.undo()
+        raise
+    hook.settle()
     return model, hook
 
 
@@ -178,9 +244,14 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle
+    dir_claim = None  # ours until remove_offload: a second model writing there would delete our data
     try:
         current = _current(units)
         origin, by_name = None, None
+        if offload_dir is not None:
+            offload_dir = os.path.abspath(os.fspath(offload_dir))
+            dir_claim = dir_owner.claim(offload_dir)
+            dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
             origin, by_name = os.fspath(checkpoint), open_checkpoint(checkpoint)
         elif any(t.device.type == "meta" for t in current.values()):
@@ -193,21 +264,23 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             locations = {s: check_against(by_name, s.names, s.shape, s.dtype, origin).as_tuple() for s in slots}
         else:
             pack(records)
-            locations = odir.write(offload_dir, records, current.__getitem__, handle)
-        del current
+            locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim)
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
         engine = OffloadEngine(model, units, slots, records,
                                Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes), device, prefetch)
+        if own:
+            engine.extra_close.append(handle.close)
+        if dir_claim is not None:  # given up by remove_offload, or when the model is collected
+            engine.extra_close.append(dir_claim.release)
     except BaseException:
+        if dir_claim is not None:
+            dir_claim.release(remove_directory=dir_claim.created)
         if own:
             handle.close()
         raise
-    if own:
-        engine.extra_close.append(handle.close)
-    engine.attach()
-    _register(model, engine)
+    _attach(model, engine, current.__getitem__)  # on failure, engine.close() gives up the handle and the claim
     return model
 
 
@@ -222,10 +295,11 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
-    owner.detach()
+    resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:
-        owner.materialize()
+        owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back
     finally:
+        owner.detach()
         _unregister(model, owner)
         owner.close()
     return model

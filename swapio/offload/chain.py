@@ -11,6 +11,12 @@ from .. import cuda_copy
 from ..pinned import empty_pinned
 
 
+def last_copy(events):
+    """The event of the last copy issued (None: nothing was copied). Empty tensors are not copied and have no
+    event, so the last tensor's entry may be None while copies before it are still running."""
+    return next((e for e in reversed(events) if e is not None), None)
+
+
 class CpuOffloadHook:
     """Returned by cpu_offload_with_hook: offload() sends the model back to host memory, remove() detaches the
     hook (the model stays where it is)."""
@@ -21,14 +27,36 @@ class CpuOffloadHook:
         self.model, self.execution_device, self.prev_module_hook = model, execution_device, prev_module_hook
         self.on_device = execution_device.type == "cpu"
         self._host = {}  # tensor -> pinned host copy, for a GPU execution device
-        if execution_device.type != "cpu":
-            for t in self._tensors():
-                host = empty_pinned(tuple(t.shape), t.dtype) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
-                with torch.no_grad():
-                    host.copy_(t.detach())
-                t.data = host
-                self._host[t] = host
-        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        self._handle = None
+        self._before = {}  # tensor -> its data before this hook moved it (put back if the constructor fails)
+        try:
+            if execution_device.type != "cpu":
+                for t in self._tensors():
+                    host = empty_pinned(tuple(t.shape), t.dtype) if t.numel() else torch.empty(t.shape,
+                                                                                                dtype=t.dtype)
+                    with torch.no_grad():
+                        host.copy_(t.detach())
+                    self._before[t] = t.data
+                    t.data = host
+                    self._host[t] = host
+            self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        except BaseException:
+            self.undo()
+            raise
+
+    def settle(self):
+        """The hook is in place for good: the tensors' earlier data is no longer kept for undo()."""
+        self._before = {}
+
+    def undo(self):
+        """Detaches the hook and puts every tensor back where it was before the hook was made (a failed or
+        interrupted cpu_offload_with_hook leaves the model as it was)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for t, data in self._before.items():
+            t.data = data
+        self._before = {}
 
     def _tensors(self):
         seen = set()
@@ -42,6 +70,8 @@ class CpuOffloadHook:
     def _pre_forward(self, module, args, kwargs):
         if self.prev_module_hook is not None:
             self.prev_module_hook.offload()
+        if self.on_device and any(t.device.type == "cpu" for t in self._host):
+            self.offload()  # an offload() that Ctrl-C interrupted: finish it, so that every host copy is current
         if not self.on_device:
             self.load()
         if self.execution_device.type == "cpu":
@@ -60,8 +90,9 @@ class CpuOffloadHook:
             events.append(cuda_copy.copy_async(dev, host, stream) if host.numel() else None)
             t.data = dev
         current = torch.cuda.current_stream(device)
-        if events and events[-1] is not None:
-            current.wait_event(events[-1])  # copies on one stream complete in order
+        last = last_copy(events)
+        if last is not None:
+            current.wait_event(last)  # copies on one stream complete in order: the last one covers them all
         for t in self._host:
             t.data.record_stream(current)
         self.on_device = True
@@ -71,11 +102,22 @@ class CpuOffloadHook:
         if not self.on_device or self.execution_device.type == "cpu":
             return
         for t, host in self._host.items():
+            if t.device.type == "cpu":
+                continue  # moved back by an earlier, interrupted offload(): its host copy is the current one
             if host.numel():
                 with torch.no_grad():
                     host.copy_(t.data)  # synchronous: the values are in host memory when this returns
             t.data = host
         self.on_device = False
+
+    def __reduce_ex__(self, protocol):
+        # deepcopy of the model copies its hooks: the copy would move (and offload) the original's tensors, and
+        # copy the previous models of its chain through prev_module_hook
+        raise TypeError("a model with swapio's cpu_offload_with_hook cannot be copied or pickled (copy.deepcopy, "
+                        "pickle, torch.save of the model object): call hook.remove() first, copy it, and hook each "
+                        "copy")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
 
     def remove(self):
         """Detaches the hook; the model stays where it is now."""

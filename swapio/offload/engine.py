@@ -1,11 +1,14 @@
-"""OffloadEngine: the hooks that put a unit's weights in place just before its forward and take them away after.
+"""OffloadEngine: puts a unit's weights in place just before its forward and takes them away after.
 
-Pre-forward: fetch the unit's records (already on their way if predicted), start the next `prefetch` units'
-fetches, and point the module's attributes at the fetched tensors. Post-forward (also after an exception): point
-them back at the meta placeholders and release the records, so their memory is reused for the next fetches.
-Weights are only reachable while their module's forward runs; outputs that are views of them are copied out
-first, and autograd saves them as tokens that fetch them again in backward (see saved_tensors.py).
+Entering (OffloadedForward wraps the module's forward): fetch the unit's records (already on their way if
+predicted), start the next `prefetch` units' fetches, and point the module's attributes at the fetched tensors.
+Leaving (however the forward ended, Ctrl-C included): point them back at the meta placeholders and release the
+records, so their memory is reused for the next fetches. Weights are only reachable while their module's forward
+runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
+again in backward (see saved_tensors.py).
 """
+import weakref
+
 import torch
 
 from . import saved_tensors
@@ -14,6 +17,51 @@ from .schedule import Schedule
 from .units import install_placeholders, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
+_NONE = object()  # a module without a forward of its own in its __dict__ (the usual case)
+
+
+class OffloadedForward:
+    """An offloaded module's forward: its weights are put in place, the module's own forward runs, and they are
+    taken away again, whatever ends the call. A wrapper rather than forward hooks, because torch runs
+    always_call hooks after an Exception only: a KeyboardInterrupt would leave the module holding its ring
+    region and the saved-tensor hooks installed. The unit's lock lets one thread at a time run the module
+    (a module's weights are attributes shared by every caller); threads pipeline through the model module by
+    module. A copy of the model would run the original's hooks on meta tensors, so copying is refused."""
+
+    __slots__ = ("engine", "unit", "inner", "__weakref__")
+
+    def __init__(self, engine, unit, inner):
+        self.engine, self.unit, self.inner = engine, unit, inner
+
+    @property
+    def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
+        return self.inner
+
+    def __call__(self, *args, **kwargs):
+        unit, engine = self.unit, self.engine
+        nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
+        with unit.lock:
+            if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
+                # a Ctrl-C that landed inside enter() or leave() themselves left some of the last call's state
+                # behind: nobody runs the module now, so it is stale
+                unit.depth = 1
+                engine.leave(unit, None)
+            try:
+                engine.enter(unit)
+                output = self.inner(*args, **kwargs)
+            except BaseException:
+                engine.leave(unit, None)
+                raise
+            return engine.leave(unit, output)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
+                        "of the model object): the copy would read the original's weights through the original's "
+                        "hooks. Copy it before offloading, or remove_offload(model), copy it, and offload each "
+                        "copy (each to its own offload_dir)")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
+
 
 
 def _gradient_error(name):
@@ -32,64 +80,59 @@ class OffloadEngine:
         self.handles = []
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
-        self.extra_close = []  # callables run by close() (handles to close, directories to remove)
+        self.extra_close = []  # callables run by close() (handles to close, directories to give up)
+        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def attach(self):
-        for unit in self.units:
-            self.handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            self.handles.append(unit.module.register_forward_hook(self._post_hook(unit), always_call=True))
-        if self.device.type != "cpu":
-            self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
-        install_placeholders(self.units)
-        self.fetcher.prepare(self.records)
+        """Allocates the ring, wraps each unit's forward and installs the placeholders. On any failure (Ctrl-C
+        included) the model is left as it was: no wrapper, its own tensors in place (the caller's `current`)."""
+        try:
+            self.fetcher.prepare(self.records)
+            for unit in self.units:
+                unit.own_forward = unit.module.__dict__.get("forward", _NONE)
+                unit.module.forward = OffloadedForward(self, unit, unit.module.forward)
+            if self.device.type != "cpu":
+                self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
+            install_placeholders(self.units)
+        except BaseException:
+            self.detach()
+            raise
 
     def _move_inputs(self, module, args, kwargs):
         move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
-    def _pre_hook(self, unit):
-        def pre(module, args):
-            self.enter(unit)
-        return pre
-
-    def _post_hook(self, unit):
-        def post(module, args, output):
-            return self.leave(unit, output)
-        return post
-
     def enter(self, unit):
+        """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
         unit.depth += 1
         if unit.depth > 1:
             return
-        try:
-            self.schedule.observe(unit)
-            fetcher = self.fetcher
-            for record in unit.records:
-                fetcher.start(record, required=True)
-            self._prefetch(self.schedule.ahead, unit)
-            fetcher.pump()
-            for record in unit.records:
-                unit.fetches.append(fetcher.acquire(record))
-            by_record = {f.record: f for f in unit.fetches}
-            grad = torch.is_grad_enabled()
-            for attr, kind, slot in unit.entries:
-                fetch = by_record[slot.record]
-                t = view(fetch, slot)
-                if fetch.transient:
-                    start = t.data_ptr()
+        self.schedule.observe(unit)
+        fetcher = self.fetcher
+        for record in unit.records:
+            fetcher.start(record, required=True)
+        self._prefetch(self.schedule.ahead, unit)
+        fetcher.pump()
+        for record in unit.records:
+            unit.fetches.append(fetcher.acquire(record))
+        by_record = {f.record: f for f in unit.fetches}
+        grad = torch.is_grad_enabled()
+        for attr, kind, slot in unit.entries:
+            fetch = by_record[slot.record]
+            t = view(fetch, slot)
+            if fetch.transient:
+                start = t.data_ptr()
+                with self.fetcher.lock:  # shared by the threads running other modules
                     self.live.setdefault(t.untyped_storage().data_ptr(), []).append(
                         (start, start + slot.nbytes, slot, unit))
-                if kind == "param":
-                    t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
-                    if slot.requires_grad and grad:
-                        t.register_hook(_gradient_error(slot.name))
-                set_entry(unit.module, attr, kind, t)
-            if grad:
-                unit.hooks_entered.append(self.saved.enter())
-        except BaseException:
-            self.leave(unit, None)
-            raise
+            if kind == "param":
+                t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
+                if slot.requires_grad and grad:
+                    t.register_hook(_gradient_error(slot.name))
+            set_entry(unit.module, attr, kind, t)
+        if grad:
+            unit.hooks_entered.append(self.saved.enter())
 
     def _prefetch(self, walk, unit):
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
@@ -126,19 +169,19 @@ class OffloadEngine:
             return output
         while unit.hooks_entered:
             unit.hooks_entered.pop().__exit__(None, None, None)
-        fetches, unit.fetches = unit.fetches, []
-        if output is not None and any(f.transient and f.device is None for f in fetches):
-            output = self._copy_escaping(output, fetches)
+        if output is not None and any(f.transient and f.device is None for f in unit.fetches):
+            output = self._copy_escaping(output, unit.fetches)
         for attr, kind, slot in unit.entries:
             set_entry(unit.module, attr, kind, slot.placeholder)
-        for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
-            kept = [e for e in self.live[key] if e[3] is not unit]
-            if kept:
-                self.live[key] = kept
-            else:
-                del self.live[key]
-        for fetch in fetches:
-            self.fetcher.release(fetch)
+        with self.fetcher.lock:
+            for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
+                kept = [e for e in self.live[key] if e[3] is not unit]
+                if kept:
+                    self.live[key] = kept
+                else:
+                    del self.live[key]
+        while unit.fetches:  # one at a time: an interrupted leave() leaves the rest for the next call to release
+            self.fetcher.release(unit.fetches.pop())
         self.fetcher.pump()
         return output
 
@@ -167,12 +210,23 @@ class OffloadEngine:
 
     # ---- teardown -------------------------------------------------------------------------------------------
     def detach(self):
+        """Removes swapio's wrappers and hooks (idempotent); the module's own forward is back."""
+        for unit in self.units:
+            own = getattr(unit, "own_forward", None)
+            if own is None:
+                continue
+            if own is _NONE:
+                unit.module.__dict__.pop("forward", None)
+            else:
+                unit.module.forward = own
+            unit.own_forward = None
         for h in self.handles:
             h.remove()
         self.handles = []
 
     def materialize(self):
-        """Resident copies of every offloaded tensor on the execution device, ties kept; installs them."""
+        """{slot: resident copy on the execution device} of every offloaded tensor; installs nothing, so that an
+        interrupted or failing remove_offload leaves the model offloaded and working."""
         resident = {}
         for i, record in enumerate(self.records):
             for later in self.records[i + 1:i + 1 + self.prefetch]:
@@ -186,18 +240,29 @@ class OffloadEngine:
                     resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
             finally:
                 self.fetcher.release(fetch)
+        return resident
+
+    def install(self, resident):
+        """Points every offloaded attribute at resident[slot] (ties kept: one object per slot)."""
         for unit in self.units:
             for attr, kind, slot in unit.entries:
                 set_entry(unit.module, attr, kind, resident[slot])
 
     def close(self):
-        self.fetcher.drain()
-        errors = []
-        for fn in self.extra_close:
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
-                errors.append(exc)
-        self.extra_close = []
-        if errors:
-            raise errors[0]
+        """Waits for every read and copy in flight, frees the buffers and runs extra_close (once)."""
+        self._finalizer()
+
+
+def _close(fetcher, extra_close):
+    """engine.close(), also run when an engine is collected without remove_offload: reads still in flight into
+    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
+    fetcher.drain()
+    errors = []
+    for fn in extra_close:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
+            errors.append(exc)
+    extra_close.clear()
+    if errors:
+        raise errors[0]

@@ -14,6 +14,13 @@ def round_up(x, a=ALIGN):
     return (x + a - 1) // a * a
 
 
+def read_end(data_end, file_size):
+    """Where an aligned read of bytes up to data_end stops: data_end rounded up to 4 KiB, but not past the end of
+    the file; never before data_end, so a file that shrank since its header was read makes the read fail
+    (ENODATA) instead of leaving bytes unread."""
+    return max(data_end, min(round_up(data_end), file_size))
+
+
 class Record:
     """Slots fetched together. `offsets`: slot -> byte offset in the record's region; `nbytes`: region size
     (a multiple of 4 KiB); `spans`: (path, file offset, length, region offset) to read, for disk records."""
@@ -78,7 +85,7 @@ def place_on_disk(records, locations, file_sizes):
                 end = max(end, ranges[j][2])
                 j += 1
             first = start // ALIGN * ALIGN
-            last = min(round_up(end), file_sizes[path])
+            last = read_end(end, file_sizes[path])
             for _, offset, _, slot in ranges[i:j]:
                 record.offsets[slot] = region + offset - first
             spans.append((path, first, last - first, region))

@@ -13,7 +13,7 @@ import torch
 from .. import cuda_copy
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from .layout import ALIGN, round_up
+from .layout import ALIGN, read_end
 from .safetensors_format import open_checkpoint
 
 
@@ -49,7 +49,7 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
         for path, items in by_file.items():
             items.sort(key=lambda x: x[1].offset)
             first = items[0][1].offset // ALIGN * ALIGN
-            last = min(round_up(max(loc.offset + loc.nbytes for _, loc in items)), os.path.getsize(path))
+            last = read_end(max(loc.offset + loc.nbytes for _, loc in items), os.path.getsize(path))
             starts = list(range(first, last, window))
 
             def submit(k):

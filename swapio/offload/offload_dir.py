@@ -10,6 +10,7 @@ old one (the commit point). Any failure removes everything this call created: no
 """
 import errno
 import json
+import math
 import os
 import secrets
 
@@ -18,10 +19,9 @@ import torch
 from .. import _durable
 from ..pinned import empty_pinned
 from .layout import ALIGN, round_up
-from .safetensors_format import Location
+from .safetensors_header import MAX_HEADER, Location, strict_json
 
-INDEX = "swapio-weights.json"
-DATA_PREFIX, DATA_SUFFIX = "swapio-weights-", ".bin"
+from .dir_owner import DATA_PREFIX, DATA_SUFFIX, INDEX, remove_leftovers
 FORMAT, VERSION = "swapio.offload", 1
 CHUNK = 64 << 20
 
@@ -84,11 +84,11 @@ def _stream(handle, path, pieces, total, chunk):
             raise error
 
 
-def write(directory, records, source_of, handle, chunk=CHUNK):
-    """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device.
-    Returns {slot: (path, offset, nbytes)}."""
+def write(directory, records, source_of, handle, chunk=CHUNK, claim=None):
+    """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device, into
+    `directory`, which the caller claimed (dir_owner.claim; `claim`: that claim, told which files a SIGTERM
+    should remove). Returns {slot: (path, offset, nbytes)}."""
     directory = os.path.abspath(os.fspath(directory))
-    created = not os.path.exists(directory)
     token = secrets.token_hex(8)
     data_name = f"{DATA_PREFIX}{token}{DATA_SUFFIX}"
     data_path = os.path.join(directory, data_name)
@@ -102,11 +102,10 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
             entries[slot.name] = {"names": slot.names, "offset": offset, "nbytes": slot.nbytes,
                                   "dtype": _dtype_name(slot.dtype), "shape": list(slot.shape)}
         end += record.nbytes
+    temporary = (tmp_data, tmp_index)
+    if claim is not None:
+        claim.files.update(temporary)
     try:
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create offload_dir: {exc.strerror}", directory) from None
         _reserve(tmp_data, end)
         for slot, (_, offset, _) in sorted(locations.items(), key=lambda kv: kv[1][1]):
             if slot.nbytes:
@@ -119,9 +118,12 @@ def write(directory, records, source_of, handle, chunk=CHUNK):
         _durable.write_and_replace(tmp_index, os.path.join(directory, INDEX), lambda f: json.dump(index, f),
                                    mode="w")
     except BaseException:
-        _durable.discard(tmp_data, tmp_index, data_path, *([directory] if created else []))
+        _durable.discard(tmp_data, tmp_index, data_path)
         raise
-    _durable.remove_others(directory, DATA_PREFIX, (DATA_SUFFIX,), keep=data_name)  # earlier offloads' data
+    finally:
+        if claim is not None:
+            claim.files.difference_update(temporary)
+    remove_leftovers(directory, keep=data_name)  # earlier offloads' data
     return locations
 
 
@@ -129,28 +131,65 @@ def has_index(directory):
     return os.path.isfile(os.path.join(os.fspath(directory), INDEX))
 
 
+_TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
 def read_index(directory):
-    """{tensor name: Location} of an offload_dir written by swapio; ValueError naming the file on defects."""
+    """{tensor name: Location} of an offload_dir written by swapio; ValueError naming the file on any defect (the
+    index is a file from outside like any other: every field is checked before it is used)."""
     path = os.path.join(os.fspath(directory), INDEX)
     try:
-        with open(path) as f:
-            index = json.load(f)
-        if index.get("format") != FORMAT:
-            raise ValueError
-        data_path = os.path.join(os.fspath(directory), index["data"])
-        tensors = index["tensors"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{path} is not a swapio offload index") from None
-    if index.get("version", 0) > VERSION:
-        raise ValueError(f"{path} has format version {index['version']}; this swapio reads up to {VERSION}")
-    size = os.path.getsize(data_path) if os.path.isfile(data_path) else -1
+        with open(path, "rb") as f:
+            index = strict_json(f.read(MAX_HEADER + 1), path)
+    except OSError as exc:
+        raise ValueError(f"{path} is not a swapio offload index (cannot read it: {exc.strerror})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a swapio offload index")
+    version = index.get("version")
+    if type(version) is not int or version < 1:
+        raise ValueError(f"{path}: version must be a positive int, got {version!r}")
+    if version > VERSION:
+        raise ValueError(f"{path} has format version {version}; this swapio reads up to {VERSION}")
+    data, tensors = index.get("data"), index.get("tensors")
+    if not isinstance(data, str) or not data.startswith(DATA_PREFIX) or not data.endswith(DATA_SUFFIX) \
+            or os.path.basename(data) != data:
+        raise ValueError(f"{path}: 'data' must name a {DATA_PREFIX}*{DATA_SUFFIX} file in the directory, got "
+                         f"{data!r}")
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{path}: 'tensors' must be an object, got {type(tensors).__name__}")
+    data_path = os.path.join(os.fspath(directory), data)
+    size = os.path.getsize(data_path) if os.path.isfile(data_path) and not os.path.islink(data_path) else -1
     out = {}
     for name, e in tensors.items():
-        dtype = getattr(torch, e["dtype"])
-        if e["offset"] + e["nbytes"] > size:
-            raise ValueError(f"{data_path}: tensor {name!r} ends at byte {e['offset'] + e['nbytes']} but the file "
-                             f"has {max(size, 0)} bytes ({'missing' if size < 0 else 'truncated'})")
-        loc = Location(data_path, e["offset"], e["nbytes"], dtype, tuple(e["shape"]))
+        loc = _entry(path, data_path, size, name, e)
         for alias in e["names"]:
+            if alias in out:
+                raise ValueError(f"{path}: tensor name {alias!r} appears twice")
             out[alias] = loc
     return out
+
+
+def _entry(path, data_path, size, name, e):
+    """The Location of one tensor entry of the index, every field checked."""
+    def bad(why):
+        return ValueError(f"{path}: tensor {name!r}: {why}")
+    if not isinstance(e, dict):
+        raise bad(f"the entry must be an object, got {type(e).__name__}")
+    names, dtype, shape = e.get("names"), _TORCH_DTYPES.get(e.get("dtype")) if isinstance(e.get("dtype"), str) \
+        else None, e.get("shape")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise bad(f"'names' must be a non-empty list of strings, got {e.get('names')!r}")
+    if dtype is None:
+        raise bad(f"'dtype' must name a torch dtype, got {e.get('dtype')!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"'shape' must be a list of non-negative ints, got {shape!r}")
+    offset, nbytes = e.get("offset"), e.get("nbytes")
+    for field, value in (("offset", offset), ("nbytes", nbytes)):
+        if type(value) is not int or value < 0:
+            raise bad(f"{field!r} must be a non-negative int, got {value!r}")
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        raise bad(f"'nbytes' is {nbytes} but shape {shape} of {dtype} has {math.prod(shape) * dtype.itemsize}")
+    if offset + nbytes > size:
+        raise ValueError(f"{data_path}: tensor {name!r} ends at byte {offset + nbytes} but the file has "
+                         f"{max(size, 0)} bytes ({'missing' if size < 0 else 'truncated'})")
+    return Location(data_path, offset, nbytes, dtype, tuple(shape))

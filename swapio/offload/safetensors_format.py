@@ -7,76 +7,48 @@ sharded `model.safetensors.index.json` ({"weight_map": {name: shard file}}) that
 that index file itself. Every defect (bad header, a tensor past the end of a truncated file) is a ValueError
 naming the file and, where there is one, the tensor.
 """
-import json
-import math
 import os
 import struct
 
-import torch
+from .safetensors_header import DTYPES, MAX_HEADER, Location, parse, strict_json  # noqa: F401 - re-exported
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100 << 20
-
-DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-          "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-          "F64": torch.float64}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
-                     ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
-
-
-class Location:
-    """Where one tensor's bytes are: file, absolute offset, byte count, and what the file says it is."""
-
-    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
-
-    def __init__(self, path, offset, nbytes, dtype, shape):
-        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
-
-    def as_tuple(self):
-        return self.path, self.offset, self.nbytes
 
 
 def read_header(path):
     """{name: Location} for one .safetensors file; ValueError naming the file (and tensor) on any defect."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER, size - 8):
-                raise ValueError(f"{path}: not a safetensors file or truncated (header length {n}, file {size} "
-                                 "bytes)")
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: the safetensors header is not a JSON object")
-    data_start = 8 + n
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: tensor {name!r} has a malformed or unsupported header entry {entry!r}") \
-                from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
-            raise ValueError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but shape {list(shape)} of "
-                             f"{entry['dtype']} needs {nbytes}")
-        if data_start + end > size:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} "
-                             "bytes (truncated)")
-        out[name] = Location(path, data_start + begin, nbytes, dtype, shape)
-    return out
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER, size - 8):
+            raise ValueError(f"{path}: not a safetensors file or truncated (header length {n}, file {size} "
+                             "bytes)")
+        raw = f.read(n)
+    if len(raw) < n:
+        raise ValueError(f"{path}: the file shrank while its header was read ({len(raw)} of {n} bytes)")
+    return parse(path, raw, size)
+
+
+def _confined(base, shard, index_path):
+    """The path of shard `shard` named by the index at index_path, in directory base; ValueError unless it is a
+    relative name of a file inside base. A link is followed only to a file inside base or inside the directory
+    the index itself really lives in (the Hugging Face cache keeps a snapshot's files as links into blobs/)."""
+    if not isinstance(shard, str) or not shard or "\0" in shard:
+        raise ValueError(f"{index_path}: a weight_map entry must be a shard file name, got {shard!r}")
+    if os.path.isabs(shard) or os.pardir in shard.replace("\\", "/").split("/"):
+        raise ValueError(f"{index_path}: shard {shard!r} lies outside the checkpoint directory {base} (absolute, "
+                         "or with '..'): refused")
+    full = os.path.join(base, shard)
+    real = os.path.realpath(full)
+    allowed = {os.path.realpath(base), os.path.dirname(os.path.realpath(index_path))}
+    if not any(os.path.commonpath([real, d]) == d for d in allowed):
+        raise ValueError(f"{index_path}: shard {shard!r} is a link to {real}, outside the checkpoint directory "
+                         f"{base}: refused")
+    return full
 
 
 def checkpoint_files(checkpoint):
@@ -93,23 +65,18 @@ def checkpoint_files(checkpoint):
         raise ValueError(f"checkpoint {path} does not exist or is not a file")
     if not path.endswith(".json"):
         return [path], None
-    try:
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path}: not a safetensors index (needs a JSON object with a 'weight_map')") from None
+    with open(path, "rb") as f:
+        index = strict_json(f.read(MAX_HEADER + 1), path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path}: not a safetensors index (needs a JSON object with a 'weight_map')")
     base = os.path.dirname(path)
-    files = []
-    for shard in weight_map.values():
-        full = os.path.join(base, shard)
-        if full not in files:
-            files.append(full)
+    by_name = {name: _confined(base, shard, path) for name, shard in weight_map.items()}
+    files = list(dict.fromkeys(by_name.values()))
     for full in files:
         if not os.path.isfile(full):
             raise ValueError(f"{path} names shard {full}, which does not exist")
-    return files, {name: os.path.join(base, shard) for name, shard in weight_map.items()}
+    return files, by_name
 
 
 def open_checkpoint(checkpoint):

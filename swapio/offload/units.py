@@ -7,6 +7,9 @@ wte) is one Slot used by several units: stored once, fetched by each unit that r
 Tensors reached from a module named in keep_resident stay resident, and a tied tensor that any resident module
 uses stays resident for all of them.
 """
+import threading
+import weakref
+
 import torch
 
 
@@ -36,14 +39,23 @@ class Slot:
 class Unit:
     """A module and the offloaded tensors it owns directly: [(attribute, "param" | "buffer", Slot)]."""
 
-    __slots__ = ("index", "name", "module", "entries", "records", "depth", "fetches", "hooks_entered")
+    __slots__ = ("index", "name", "_module", "entries", "records", "depth", "fetches", "hooks_entered", "lock",
+                 "own_forward")
 
     def __init__(self, index, name, module):
-        self.index, self.name, self.module = index, name, module
+        # held weakly: the fetcher's records reach their units, and engine.close() runs from a finalizer holding
+        # the fetcher, which must not keep a model dropped without remove_offload alive
+        self.index, self.name, self._module = index, name, weakref.ref(module)
         self.entries, self.records = [], []
         self.depth = 0             # nesting of this module's forward calls in progress
         self.fetches = []          # the records' fetches while the forward runs
-        self.hooks_entered = []    # saved-tensor hook contexts entered by the pre-hook
+        self.hooks_entered = []    # saved-tensor hook contexts entered with the weights
+        self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
+        self.own_forward = None    # while offloaded: the module's own instance forward (or engine._NONE)
+
+    @property
+    def module(self):
+        return self._module()
 
     def __repr__(self):
         return f"<Unit {self.name or '<root>'} ({len(self.entries)} tensors)>"

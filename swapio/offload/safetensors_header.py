@@ -1,0 +1,146 @@
+"""The header of one .safetensors file, validated as strictly as the safetensors library validates it.
+
+A file is an 8-byte little-endian length N, N bytes of UTF-8 JSON ({name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {str: str}}), then the data. Files come from outside, so everything is checked
+before a byte of data is trusted: the JSON is strict (UTF-8 only, no duplicate keys, no NaN or Infinity, bounded
+nesting), shapes and offsets are JSON integers in int64 range, and the tensors' byte ranges tile the data exactly,
+from 0 to the end of the file, without gaps or overlaps (so a small file can never make a reader allocate more
+than its own size). Every defect is a ValueError naming the file, and the tensor where there is one.
+"""
+import json
+import math
+
+import torch
+
+MAX_HEADER = 100 << 20
+MAX_DEPTH = 8  # a valid header nests three deep (header, entry, shape); deeper is refused before parsing
+INT64_MAX = 2**63 - 1
+
+DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+          "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+          "F64": torch.float64}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
+                     ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+
+
+class Location:
+    """Where one tensor's bytes are: file, absolute offset, byte count, and what the file says it is."""
+
+    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
+
+    def __init__(self, path, offset, nbytes, dtype, shape):
+        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+
+    def as_tuple(self):
+        return self.path, self.offset, self.nbytes
+
+
+def _short(value, limit=200):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _max_depth(text):
+    """How deep brackets nest outside strings: a cheap scan, so deep nesting never reaches the recursive parser."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def strict_json(raw, what):
+    """Parses JSON bytes as the safetensors library does; ValueError starting with `what` on any defect."""
+    try:
+        text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16 and UTF-32
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what}: not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
+    if _max_depth(text) > MAX_DEPTH:
+        raise ValueError(f"{what}: the JSON nests deeper than {MAX_DEPTH} levels")
+
+    def no_duplicates(pairs):
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"{what}: the JSON has the key {_short(key)} twice")
+            out[key] = value
+        return out
+
+    def no_constant(name):
+        raise ValueError(f"{what}: the JSON holds {name}, which is not valid JSON")
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{what}: the JSON nests too deep") from None
+
+
+def _ints(value):
+    """value as a tuple of ints if it is a JSON list of integers in int64 range (not bools, floats or strings)."""
+    if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= INT64_MAX for v in value):
+        raise TypeError
+    return tuple(value)
+
+
+def parse(path, raw, file_size):
+    """{name: Location} from the header bytes `raw` of the file at path, which has file_size bytes."""
+    header = strict_json(raw, path)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path}: __metadata__ must map strings to strings, got {_short(metadata)}")
+    data_start = 8 + len(raw)
+    out, spans = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            if not isinstance(entry, dict):
+                raise TypeError
+            dtype = DTYPES[entry["dtype"]]
+            shape = _ints(entry["shape"])
+            begin, end = _ints(entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed or unsupported header entry "
+                             f"{_short(entry)}") from None
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if numel > INT64_MAX or nbytes > INT64_MAX or end < begin or end - begin != nbytes:
+            raise ValueError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but shape {list(shape)} of "
+                             f"{entry['dtype']} needs {nbytes}")
+        if data_start + end > file_size:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
+                             f"{file_size} bytes (truncated)")
+        spans.append((begin, end, name))
+        out[name] = Location(path, data_start + begin, nbytes, dtype, shape)
+    _check_tiling(path, spans, file_size - data_start)
+    return out
+
+
+def _check_tiling(path, spans, data_bytes):
+    """The tensors' ranges must cover [0, data_bytes) one after the other, as the safetensors library requires."""
+    at, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = f"overlaps tensor {previous!r}" if begin < at else f"leaves bytes [{at}, {begin}) unused"
+            raise ValueError(f"{path}: tensor {name!r} starts at data byte {begin}, which {what}")
+        at, previous = end, name
+    if at != data_bytes:
+        raise ValueError(f"{path}: the tensors end at data byte {at} but the file holds {data_bytes} bytes of data")
