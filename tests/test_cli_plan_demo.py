@@ -101,3 +101,10 @@ def test_demo_rejects_bad_sizes(capsys):
     rc, _, err = run_cli(capsys, "demo", "--width", "30", "--heads", "4")
     assert rc == 2
     assert_one_line_error(rc, err, "multiple of --heads")
+
+
+def test_demo_rejects_a_context_longer_than_its_corpus(capsys):
+    # It used to build the model first and fail allocating it: an "internal error", exit 1.
+    rc, _, err = run_cli(capsys, "demo", "--context", "100000000", "--steps", "1")
+    assert_one_line_error(rc, err, "--context must be below")
+    assert rc == 2

@@ -13,15 +13,9 @@ import warnings
 
 from .. import _C
 from . import memplan, report
-from .errors import PathError
+from .errors import PathError, UsageError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
-
-
-class UsageError(Exception):
-    def __init__(self, message, prog=None):
-        super().__init__(message)
-        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -351,6 +345,9 @@ def _run_info(args):
     from .info_text import info_text
     if args.path is not None and not os.path.exists(args.path):
         raise PathError(f"--path {args.path} does not exist")
+    if args.path is not None and os.path.isdir(args.path) and not os.access(args.path, os.W_OK | os.X_OK):
+        # the O_DIRECT probe of a directory creates a temporary file in it
+        raise PathError(f"--path {args.path} is a directory that is not writable; name a file in it instead")
     data = info(args.path)
     print(json.dumps(data, indent=2) if args.json else info_text(data))
     return 0
@@ -396,7 +393,7 @@ def main(argv=None):
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see {prog} --help)")
         return args.run(args)
-    except (UsageError, PathError) as e:
+    except UsageError as e:  # PathError included
         print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

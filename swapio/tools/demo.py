@@ -51,6 +51,9 @@ class DemoConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.buffer_bytes < 4 * (64 << 10):
             raise ValueError(f"--buffer must be at least 256K (4 pinned slots of 64 KiB), got {self.buffer_bytes}")
+        corpus = demo_model.corpus_bytes().numel()  # checked here, before a model of that context is built
+        if self.context >= corpus - 1:
+            raise ValueError(f"--context must be below {corpus - 1} (the corpus is {corpus} bytes), got {self.context}")
 
 
 @dataclasses.dataclass
