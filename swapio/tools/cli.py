@@ -35,6 +35,22 @@ def _arg_type(parse):
 
 
 _size = _arg_type(report.parse_size)
+
+
+def _memory_size(text):
+    """A memory capacity: positive, with a unit (a bare `--ram 64` would be 64 bytes, never what was meant)."""
+    n = _positive_size(text)
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"{text!r} has no unit: sizes are binary, with K, M, G or T (did you mean {text.strip()}G, "
+                         f"{text.strip()} GiB?)")
+    return n
+
+
+def _positive_size(text):
+    n = report.parse_size(text)
+    if n <= 0:
+        raise ValueError(f"{text!r}: the size must be positive")
+    return n
 _duration = _arg_type(report.parse_duration)
 _count = _arg_type(memplan.parse_count)
 
@@ -145,9 +161,11 @@ def _demo_parser(sub):
 def _plan_parser(sub):
     p = sub.add_parser("plan", help="memory arithmetic: where weights, gradients and optimizer state fit",
                        description="Bytes per parameter for weights, gradients and optimizer state; where they "
-                                   "sit with and without swapio's optimizer offload (GPU, RAM, disk), whether "
-                                   "that fits, and the expected nvme-mode step time on --disk. Memory sizes "
-                                   "are binary (24G = 24GiB); parameter counts decimal (7B = 7e9).",
+                                   "sit with and without swapio's optimizer offload (GPU, RAM, disk), with a GPU "
+                                   "and without one (training on the CPU), whether that fits, and the expected "
+                                   "nvme-mode step time on --disk. Memory sizes are binary, given and printed: "
+                                   "--ram 64G is 64 GiB (2^30 bytes) and prints as 64.0 GiB; --gpu-mem and --ram "
+                                   "need a unit (K, M, G, T). Parameter counts are decimal (7B = 7e9).",
                        allow_abbrev=False)
     p.add_argument("--params", required=True, type=_count, help="parameter count, e.g. 7B, 125M, 7e9")
     p.add_argument("--dtype", default="bf16", choices=list(memplan.WEIGHT_BYTES),
@@ -155,11 +173,12 @@ def _plan_parser(sub):
     p.add_argument("--optimizer", default="adamw", choices=list(memplan.MOMENT_COUNT), help="(default adamw)")
     p.add_argument("--state-dtype", default="fp32", choices=list(memplan.STATE_BYTES),
                    help="storage of the moments (default fp32); the master weights stay fp32")
-    p.add_argument("--gpu-mem", type=_size, help="GPU memory (default: the first CUDA device's, if any)")
-    p.add_argument("--ram", type=_size, help="host RAM (default: this machine's)")
+    p.add_argument("--gpu-mem", type=_arg_type(_memory_size), help="GPU memory, e.g. 24G (default: the first CUDA device's, "
+                   "if any)")
+    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's)")
     p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")
-    p.add_argument("--buffer-bytes", type=_size, default=fmt(memplan.DEFAULT_BUFFER_BYTES),
+    p.add_argument("--buffer-bytes", type=_arg_type(_positive_size), default=fmt(memplan.DEFAULT_BUFFER_BYTES),
                    help="OffloadAdamW's buffer_bytes in nvme mode (default 256M)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(run=_run_plan)
