@@ -3,13 +3,15 @@ import os
 import platform
 import resource
 import tempfile
+from typing import Any, Dict, Optional
 
 import torch
 
 from . import _C, __version__, ops
+from ._errors import StrPath
 
 
-def _probe_path(path):
+def _probe_path(path: "StrPath") -> Dict[str, Any]:
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
         return {"path": path, **_C.probe_file(path)}
@@ -25,7 +27,7 @@ def _probe_path(path):
 CAP_IPC_LOCK = 14  # linux/capability.h
 
 
-def cap_ipc_lock(status_text=None):
+def cap_ipc_lock(status_text: Optional[str] = None) -> bool:
     """Whether this process has CAP_IPC_LOCK in its effective capability set (root has it, unless a container
     drops it). With it, mlock ignores RLIMIT_MEMLOCK, so `ulimit -l` does not bound swapio's pinned buffers.
     `status_text`: the contents of /proc/self/status (read when None); False where it cannot be read."""
@@ -41,7 +43,7 @@ def cap_ipc_lock(status_text=None):
     return False
 
 
-def info(path=None):
+def info(path: "Optional[StrPath]" = None) -> Dict[str, Any]:
     """A dict: engines usable here (or why not), the engine "auto" picks, O_DIRECT support and alignment for
     `path` (a file or directory), the Adam kernel's SIMD level, threads, CUDA pinning, the memlock limit
     (`memlock_limit`: ulimit -l in bytes, None if unlimited; `cap_ipc_lock`: True when the process may lock

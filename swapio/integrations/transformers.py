@@ -22,6 +22,7 @@ dict goes to the original method unchanged. Other optimizers are left alone, and
 """
 import functools
 import os
+from typing import Any, Callable, Dict, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -30,40 +31,42 @@ from ..optim import OffloadAdam
 
 SUBDIR = "swapio-optim"
 REFERENCE_KEY = "swapio_checkpoint"
+_PENDING = "_swapio_pending_reference"  # attribute of a patched optimizer: the reference its state_dict returns
 
 
-def _offload_optimizer(optimizer):
+def _offload_optimizer(optimizer: Any) -> Optional[OffloadAdam]:
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
     return inner if isinstance(inner, OffloadAdam) else None
 
 
-def reference(path):
+def reference(path: str) -> Dict[str, Any]:
     """A state dict that points at the streaming checkpoint in `path` instead of holding the state. Its empty
     param_groups make any other optimizer's load_state_dict refuse it rather than load nothing."""
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt):
+def _install(opt: OffloadAdam) -> None:
     """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves)."""
-    if hasattr(opt, "_swapio_pending_reference"):
+    if hasattr(opt, _PENDING):
         return
     cls = type(opt)
-    pending = {}
+    pending: Dict[str, Dict[str, Any]] = {}
 
-    def state_dict():
+    def state_dict() -> Dict[str, Any]:
         ref = pending.pop("ref", None)
         return ref if ref is not None else cls.state_dict(opt)
 
-    opt.state_dict = state_dict
-    opt._swapio_pending_reference = pending
+    # instance attributes set with setattr: a patch of this one object, which type checkers cannot follow
+    setattr(opt, "state_dict", state_dict)
+    setattr(opt, _PENDING, pending)
 
 
-def _reference_aware(load_state_dict):
+def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps OffloadAdam.load_state_dict: a reference streams the checkpoint in with opt.load(); anything else
     goes to the wrapped method."""
 
     @functools.wraps(load_state_dict)
-    def load_reference_or_state_dict(self, state_dict):
+    def load_reference_or_state_dict(self: OffloadAdam, state_dict: Dict[str, Any]) -> Any:
         path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
         if path is None:
             return load_state_dict(self, state_dict)
@@ -72,40 +75,40 @@ def _reference_aware(load_state_dict):
                                     "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
         self.load(path)
 
-    load_reference_or_state_dict.swapio_reference_aware = True
+    setattr(load_reference_or_state_dict, "swapio_reference_aware", True)  # marks the wrapper: wrap once
     return load_reference_or_state_dict
 
 
-def _make_offload_optimizers_load_references():
+def _make_offload_optimizers_load_references() -> None:
     """Idempotent. The natural home of this is OffloadAdam.load_state_dict itself (swapio.optim); until it
     recognises references there, the integration wraps it once."""
     if not getattr(OffloadAdam.load_state_dict, "swapio_reference_aware", False):
-        OffloadAdam.load_state_dict = _reference_aware(OffloadAdam.load_state_dict)
+        setattr(OffloadAdam, "load_state_dict", _reference_aware(OffloadAdam.load_state_dict))
 
 
 class StreamingCheckpointCallback(TrainerCallback):
     """Checkpoints an OffloadAdam/OffloadAdamW given to Trainer with opt.save()/opt.load() (see the module)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         _make_offload_optimizers_load_references()
 
-    def _save(self, args, state, control, optimizer):
+    def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)
         if opt is None or not control.should_save or args.save_only_model:
             return
         _install(opt)  # here, not at on_init_end: an optimizer Trainer builds itself appears only in train()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", SUBDIR)
         opt.save(path)
-        opt._swapio_pending_reference["ref"] = reference(path)
+        getattr(opt, _PENDING)["ref"] = reference(path)
 
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._save(args, state, control, optimizer)
 
-    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._save(args, state, control, optimizer)
 
-    def on_save(self, args, state, control, optimizer=None, **kwargs):
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         opt = _offload_optimizer(optimizer)
-        if opt is not None and hasattr(opt, "_swapio_pending_reference"):
-            opt._swapio_pending_reference.pop("ref", None)  # Trainer did not ask for it: drop it
+        if opt is not None and hasattr(opt, _PENDING):
+            getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it

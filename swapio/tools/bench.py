@@ -5,6 +5,7 @@ for scripts; the command line is in swapio.tools.cli.
 """
 import contextlib
 import dataclasses
+from typing import Optional
 import os
 import time
 
@@ -49,10 +50,11 @@ class BenchConfig:
     threads: int = 1
     size: int = 1 << 30
     engine: str = "auto"
-    direct: bool = None        # None: O_DIRECT where the file system takes it; True: required; False: buffered
-    file: str = None           # a named file (kept afterwards, like fio), or
-    directory: str = None      # a temporary file in this directory (default: the working directory), removed
-    runtime: float = None      # seconds, time-based; else `loops` passes over the file
+    direct: Optional[bool] = None  # None: O_DIRECT where the file system takes it; True: required; False: buffered
+    file: Optional[str] = None  # a named file (kept afterwards, like fio), or
+    directory: Optional[str] = None  # a temporary file in this directory (default: the working directory),
+                                     # removed afterwards
+    runtime: Optional[float] = None  # seconds, time-based; else `loops` passes over the file
     loops: int = 1
     warmup: float = 0.0        # seconds of I/O before measuring (fio's ramp_time)
     verify: bool = False
@@ -117,8 +119,8 @@ class BenchResult:
     engine: str
     direct: bool
     phases: list
-    verify: str = None
-    fio: dict = None
+    verify: Optional[str] = None
+    fio: Optional[dict] = None
     started: float = dataclasses.field(default_factory=time.time)
 
     def phase(self, label):

@@ -173,8 +173,8 @@ def _plan_parser(sub):
     p.add_argument("--optimizer", default="adamw", choices=list(memplan.MOMENT_COUNT), help="(default adamw)")
     p.add_argument("--state-dtype", default="fp32", choices=list(memplan.STATE_BYTES),
                    help="storage of the moments (default fp32); the master weights stay fp32")
-    p.add_argument("--gpu-mem", type=_arg_type(_memory_size), help="GPU memory, e.g. 24G (default: the first CUDA device's, "
-                   "if any)")
+    p.add_argument("--gpu-mem", type=_arg_type(_memory_size),
+                   help="GPU memory, e.g. 24G (default: the first CUDA device's, if any)")
     p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's)")
     p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")

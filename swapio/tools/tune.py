@@ -12,6 +12,7 @@ over a thousand points):
 Each point is a short time-based run (swapio.tools.loadgen's pump: a few large requests outstanding, latency per piece).
 """
 import dataclasses
+from typing import Optional
 import datetime
 import json
 import math
@@ -56,17 +57,17 @@ class TuneUsageError(TuneError, UsageError):
 
 @dataclasses.dataclass
 class TuneConfig:
-    directory: str = None
+    directory: Optional[str] = None
     size: int = DEFAULT_SIZE
     ops: tuple = ("read", "write")
-    engines: tuple = None   # None: every usable engine
+    engines: Optional[tuple] = None  # None: every usable engine
     block_sizes: tuple = BLOCK_SIZES
     depths: tuple = DEPTHS
     threads: tuple = THREADS
     point_time: float = DEFAULT_POINT_TIME
     warmup: float = DEFAULT_WARMUP
     budget: float = DEFAULT_BUDGET
-    direct: bool = None
+    direct: Optional[bool] = None
     progress: bool = False
 
     def validate(self):
