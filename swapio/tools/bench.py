@@ -5,9 +5,9 @@ for scripts; the command line is in swapio.tools.cli.
 """
 import contextlib
 import dataclasses
-from typing import Optional
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -60,7 +60,7 @@ class BenchConfig:
     verify: bool = False
     compare_fio: bool = False
     fio_first: bool = False    # with compare_fio: fio's phases before swapio's (alternate to cancel drift)
-    progress: bool = False
+    progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
         if self.rw not in RW_PHASES:

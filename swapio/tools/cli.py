@@ -71,6 +71,15 @@ def _list(convert):
     return parse
 
 
+def _add_progress(p, quiet_help):
+    """-q and --progress: the one progress rule of every command (swapio._progress): a bar on stderr only when
+    it is a terminal, unless --progress (always) or -q (never); SWAPIO_PROGRESS=1/0 sets the default."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help=quiet_help)
+    g.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a "
+                   "terminal (default: only on a terminal; SWAPIO_PROGRESS=1 or 0 changes that default)")
+
+
 def _add_direct(p):
     g = p.add_mutually_exclusive_group()
     g.add_argument("--direct", dest="direct", action="store_const", const=True, default=None,
@@ -124,7 +133,7 @@ def _bench_parser(sub):
                    help="with --compare-fio: run fio's phases before swapio's (alternate runs to cancel drift)")
     p.add_argument("--json", action="store_true", help="fio-shaped JSON instead of the table")
     p.add_argument("--output", metavar="FILE", help="write the output to FILE instead of stdout")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no notes")
+    _add_progress(p, "no progress bar, no notes")
     p.set_defaults(run=_run_bench)
     return p
 
@@ -153,7 +162,7 @@ def _demo_parser(sub):
                    "(default: .)")
     p.add_argument("--seed", type=_int, default=d.seed, help="model and data seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the three loss curves (needs matplotlib)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_progress(p, "no progress bar")
     p.set_defaults(run=_run_demo)
     return p
 
@@ -210,7 +219,7 @@ def _tune_parser(sub):
     p.add_argument("-o", "--output", help="config file to write (default: swapio-io.json in --dir)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the sweep as heat maps (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_progress(p, "no progress bar, no notes")
     p.set_defaults(run=_run_tune)
     return p
 
@@ -243,8 +252,9 @@ def build_parser():
 
 
 # --- helpers shared by the commands
-def _progress_wanted(args):
-    return not args.quiet and sys.stderr.isatty()
+def _progress_choice(args):
+    """True (--progress), False (-q) or None (swapio._progress decides: stderr a terminal, SWAPIO_PROGRESS)."""
+    return True if args.progress else False if args.quiet else None
 
 
 def _note(args):
@@ -285,7 +295,7 @@ def _run_bench(args):
     cfg = bench.BenchConfig(rw=args.rw, bs=args.bs, iodepth=args.iodepth, threads=args.threads, size=args.size,
                             engine=args.engine, direct=args.direct, file=args.file, directory=args.directory,
                             runtime=args.runtime, loops=args.loops, warmup=args.warmup, verify=args.verify,
-                            compare_fio=args.compare_fio, fio_first=args.fio_first, progress=_progress_wanted(args))
+                            compare_fio=args.compare_fio, fio_first=args.fio_first, progress=_progress_choice(args))
     result = bench.run_bench(cfg, log=_note(args))
     text = json.dumps(result.json(), indent=2) if args.json else report.bench_table(result)
     _emit(text, args.output)
@@ -308,7 +318,7 @@ def _run_tune(args):
                           depths=tuple(args.depths) if args.depths else tune.DEPTHS,
                           threads=tuple(args.threads) if args.threads else tune.THREADS,
                           point_time=args.point_time, warmup=args.warmup, budget=args.budget, direct=args.direct,
-                          progress=not args.quiet)
+                          progress=_progress_choice(args))
     result = tune.run_tune(cfg, log=_note(args))
     tune.write_config(result, args.output)
     if args.plot:
@@ -331,7 +341,7 @@ def _run_demo(args):
     cfg = demo.DemoConfig(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads,
                           context=args.context, batch=args.batch, lr=args.lr, log_every=args.log_every,
                           buffer_bytes=args.buffer_bytes, directory=args.directory, seed=args.seed,
-                          progress=not args.quiet)
+                          progress=_progress_choice(args))
     try:
         cfg.validate()
     except ValueError as e:

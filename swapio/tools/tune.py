@@ -12,19 +12,17 @@ over a thousand points):
 Each point is a short time-based run (swapio.tools.loadgen's pump: a few large requests outstanding, latency per piece).
 """
 import dataclasses
-from typing import Optional
 import datetime
 import json
 import math
 import statistics
-import sys
 import time
+from typing import Optional
 
 import numpy as np
 
-from tqdm import tqdm
 
-from .. import __version__, _C
+from .. import __version__, _C, _progress
 from ..handle import AioHandle
 from . import loadgen, report
 from .errors import ToolError, UsageError
@@ -68,7 +66,7 @@ class TuneConfig:
     warmup: float = DEFAULT_WARMUP
     budget: float = DEFAULT_BUDGET
     direct: Optional[bool] = None
-    progress: bool = False
+    progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
         for op in self.ops:
@@ -313,8 +311,7 @@ def run_tune(cfg, log=None):
         target.check_free_space(cfg.size)
         with AioHandle(1 << 20, 32, 1, "auto", direct) as h:
             loadgen.sequential_pass(h, "write", target.path, cfg.size, None, False, "laying out")
-        if cfg.progress and sys.stderr.isatty():
-            bar = tqdm(desc="tune", unit=" points", leave=False, dynamic_ncols=True)
+        bar = _progress.bar(cfg.progress, desc="tune", unit=" points", leave=False, dynamic_ncols=True)
         sw = _Sweeper(cfg, target.path, direct, log, bar)
         for op in cfg.ops:
             sw.stage = "coarse"
