@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
@@ -76,8 +76,6 @@ class BuildExt(build_ext):
             compile_one(obj, src, ext, cc_args, list(extra_postargs) + isa_flags(src), pp_opts)
 
         self.compiler._compile = compile_changed
-        if self.parallel is None:
-            self.parallel = os.cpu_count() or 1
         super().build_extensions()
 
 
@@ -93,4 +91,10 @@ ext = Pybind11Extension(
     extra_link_args=["-pthread"] + extra,
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+# The sources compile in parallel, one job per CPU (SWAPIO_BUILD_JOBS=N to change it). build_ext's own
+# `parallel` option does not do this: it runs *extensions* in parallel, and there is only one. pybind11's
+# ParallelCompile replaces CCompiler.compile with one that compiles an extension's sources on a thread pool,
+# each through compiler._compile, so the incremental check above still decides per source. It applies to pip's
+# isolated builds too, which pass no -j.
+with ParallelCompile("SWAPIO_BUILD_JOBS", default=0):
+    setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

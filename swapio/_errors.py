@@ -2,33 +2,37 @@
 import numbers
 import os
 import warnings
+from typing import Hashable, Optional, Set, Union
+
+StrPath = Union[str, "os.PathLike[str]"]  # a path argument: str or pathlib.Path
 
 
 class SwapioWarning(UserWarning):
     """Something degraded (buffered I/O fallback, unlocked memory) but the call goes on."""
 
 
-_warned = set()
+_warned: Set[Hashable] = set()
 
 
-def warn_once(key, message):
+def warn_once(key: Hashable, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, SwapioWarning, stacklevel=3)
 
 
-def check_int(name, value, minimum=None, maximum=2**63 - 1):
+def check_int(name: str, value: object, minimum: Optional[int] = None,
+              maximum: Optional[int] = 2**63 - 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
+    number = int(value)
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+    return number
 
 
-def check_path(name, value):
+def check_path(name: str, value: StrPath) -> str:
     try:
         return os.fspath(value)
     except TypeError:

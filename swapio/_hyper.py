@@ -1,6 +1,7 @@
 """Hyperparameter checks: the one place the kernel (swapio.ops) and the optimizers (swapio.optim) validate them."""
 import math
 import numbers
+from typing import Tuple
 
 import torch
 
@@ -51,7 +52,7 @@ def _betas(beta1, beta2, closed):
     return betas
 
 
-def check_adam_hyper(lr, beta1, beta2, eps, weight_decay):
+def check_adam_hyper(lr, beta1, beta2, eps, weight_decay) -> Tuple[float, float, float, float, float]:
     """Adam's hyperparameters as Python floats, checked in torch's order with its messages (ValueError), or
     TypeError for a value that is not a real number."""
     lr = _finite_non_negative("lr", lr, "learning rate")
@@ -61,7 +62,7 @@ def check_adam_hyper(lr, beta1, beta2, eps, weight_decay):
     return lr, beta1, beta2, eps, weight_decay
 
 
-def check_lion_hyper(lr, beta1, beta2, weight_decay):
+def check_lion_hyper(lr, beta1, beta2, weight_decay) -> Tuple[float, float, float, float]:
     """Lion's hyperparameters as Python floats (betas may reach 1); ValueError or TypeError when one is bad."""
     lr = _finite_non_negative("lr", lr, "learning rate")
     beta1, beta2 = _betas(beta1, beta2, closed=True)

@@ -8,7 +8,7 @@ import glob
 import os
 
 
-def explain(package_dir, exc):
+def explain(package_dir: str, exc: BaseException) -> str:
     package_dir = os.path.abspath(package_dir)
     source_tree = os.path.dirname(package_dir)
     built = glob.glob(os.path.join(package_dir, "_C.*"))

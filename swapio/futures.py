@@ -1,5 +1,10 @@
 """swapio.Future: one request, one future (concurrent.futures spelling: result(), done())."""
+from __future__ import annotations
+
 import threading
+from typing import Any, Callable, Optional, Tuple
+
+_Outcome = Tuple[bool, Any]  # (True, value) or (False, exception)
 
 
 class Future:
@@ -12,32 +17,37 @@ class Future:
 
     __slots__ = ("_request", "_then", "_undo", "_keepalive", "_lock", "_outcome", "observed", "_on_observed")
 
-    def __init__(self, request=None, then=None, keepalive=None, undo=None, on_observed=None):
+    def __init__(self, request: Any = None, then: Optional[Callable[[Any], Any]] = None, keepalive: Any = None,
+                 undo: Optional[Callable[[BaseException], None]] = None,
+                 on_observed: Optional[Callable[[Future], None]] = None) -> None:
         self._request = request      # native request, or None for an already-finished future
         self._then = then            # runs once on success: bytes moved -> the future's value
         self._undo = undo            # runs once when the future fails (also when `then` raised)
         self._keepalive = keepalive  # memory the native I/O is touching
         self._lock = threading.Lock()
-        self._outcome = None         # (True, value) or (False, exception)
+        self._outcome: Optional[_Outcome] = None  # (True, value) or (False, exception)
         self.observed = False        # the caller has seen this future's outcome
         self._on_observed = on_observed  # called once with this future when its outcome is first seen
 
     @classmethod
-    def finished(cls, value):
+    def finished(cls, value: Any) -> Future:
+        """A future that is already done, with `value` as its result."""
         f = cls()
         f._outcome = (True, value)
         return f
 
-    def _chain(self, then, undo=None):
+    def _chain(self, then: Callable[[Any], Any], undo: Optional[Callable[[BaseException], None]] = None) -> Future:
         """A future of the same request whose value is then(bytes moved); undo(exception) runs if it fails.
         Seeing its outcome counts as seeing this future's."""
         return Future(self._request, then=then, keepalive=self._keepalive, undo=undo, on_observed=self._observe)
 
-    def done(self):
+    def done(self) -> bool:
+        """True once the operation has finished (successfully or not); never blocks."""
         return self._outcome is not None or self._request is None or self._request.done()
 
-    def wait(self, timeout=None):
-        """Blocks until done (or ``timeout`` seconds: TimeoutError) and returns the value or raises."""
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Blocks until done (or ``timeout`` seconds: TimeoutError) and returns the value (bytes moved for
+        pread/pwrite, the tensor for swap_in) or raises the operation's error (OSError for I/O)."""
         outcome = self._settle(timeout)
         self._observe()
         if outcome[0]:
@@ -46,19 +56,20 @@ class Future:
 
     result = wait
 
-    def exception(self, timeout=None):
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """Blocks like wait(), then returns the exception the operation raised, or None if it succeeded."""
         outcome = self._settle(timeout)
         self._observe()
         return None if outcome[0] else outcome[1]
 
-    def _observe(self, _=None):
+    def _observe(self, _: object = None) -> None:
         """Marks the outcome as seen and tells whoever tracks this future (once), so it can be let go."""
         self.observed = True
         notify, self._on_observed = self._on_observed, None
         if notify is not None:
             notify(self)
 
-    def _settle(self, timeout=None):
+    def _settle(self, timeout: Optional[float] = None) -> _Outcome:
         if self._outcome is None:
             if timeout is not None and not timeout >= 0:
                 raise ValueError(f"timeout must be None or >= 0, got {timeout}")
@@ -79,6 +90,6 @@ class Future:
                     self._then = self._undo = None
         return self._outcome
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<swapio.Future {state}>"

@@ -1,11 +1,16 @@
 """AioHandle: async pread/pwrite of CPU tensors to files, one swapio.Future per call."""
+from __future__ import annotations
+
 import json
 import os
 import threading
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
 
 from . import _C
 from ._closeable import Closeable
-from ._errors import check_int, check_path, warn_once
+from ._errors import StrPath, check_int, check_path, warn_once
 from .futures import Future
 from .tensors import cpu_memory
 
@@ -13,7 +18,7 @@ _PRUNE_MIN = 64
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct", "submit_batch")
 
 
-def _remove_if_empty(path):
+def _remove_if_empty(path: str) -> None:
     try:
         if os.lstat(path).st_size == 0:
             os.unlink(path)
@@ -31,8 +36,8 @@ class AioHandle(Closeable):
     iodepth_batch_submit, default 1 as in fio; 0: all that are ready, fewer system calls).
     """
 
-    def __init__(self, block_size=1 << 20, queue_depth=32, threads=1, engine="auto", direct=None,
-                 submit_batch=1):
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1, engine: str = "auto",
+                 direct: Optional[bool] = None, submit_batch: int = 1) -> None:
         block_size = check_int("block_size", block_size, 1)
         queue_depth = check_int("queue_depth", queue_depth, 1)
         threads = check_int("threads", threads, 1)
@@ -45,44 +50,50 @@ class AioHandle(Closeable):
         self.block_size, self.queue_depth, self.threads, self.direct = block_size, queue_depth, threads, direct
         self.submit_batch = submit_batch
         self._lock = threading.Lock()
-        self._pending = {}    # futures not yet accounted for by wait() (a dict as an ordered set)
+        self._pending: Dict[Future, None] = {}    # futures not yet accounted for by wait() (a dict as an ordered set)
         self._settled = 0     # bytes of finished futures let go of since the last wait()
         self._prune_at = _PRUNE_MIN  # prune finished futures when this many are tracked (doubling: O(1) amortised)
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: Union[StrPath, Dict[str, Any]]) -> AioHandle:
         """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
-        if not isinstance(config, dict):
+        if isinstance(config, dict):
+            doc = config
+        else:
             with open(check_path("config", config)) as f:
-                config = json.load(f)
-        settings = config.get("handle", config)
+                doc = json.load(f)
+        settings: Dict[str, Any] = doc.get("handle", doc)
         unknown = set(settings) - set(_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
         return cls(**settings)
 
     @property
-    def engine(self):
+    def engine(self) -> str:
         """The engine in use (what "auto" resolved to)."""
-        return self._native.engine
+        return str(self._native.engine)
 
-    def config(self):
+    def config(self) -> Dict[str, Any]:
+        """The settings, as from_config() takes them (the engine as resolved)."""
         return {"block_size": self.block_size, "queue_depth": self.queue_depth, "threads": self.threads,
                 "engine": self.engine, "direct": self.direct, "submit_batch": self.submit_batch}
 
-    def pwrite(self, tensor, path, offset=0, *, identity=None):
+    def pwrite(self, tensor: torch.Tensor, path: StrPath, offset: int = 0, *,
+               identity: Optional[Tuple[int, int]] = None) -> Future:
         """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written.
         identity: as for pread."""
         return self._submit("write", tensor, path, offset, identity=identity)
 
-    def pread(self, tensor, path, offset=0, *, identity=None):
+    def pread(self, tensor: torch.Tensor, path: StrPath, offset: int = 0, *,
+              identity: Optional[Tuple[int, int]] = None) -> Future:
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
         identity=(st_dev, st_ino): the file must still be that one (say, one the caller created): it is opened
         without following a symlink (nor created, for pwrite) and checked on each descriptor the I/O uses,
         else OSError here (ELOOP: a symlink, ESTALE: another file, ENOENT: none)."""
         return self._submit("read", tensor, path, offset, identity=identity)
 
-    def _submit(self, op, tensor, path, offset, record_latency=False, identity=None):
+    def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
+                identity: Optional[Tuple[int, int]] = None) -> Future:
         ptr, nbytes = cpu_memory(tensor)
         path = check_path("path", path)
         offset = check_int("offset", offset, 0)
@@ -104,7 +115,7 @@ class AioHandle(Closeable):
                       "(pass direct=False to silence this, direct=True to make it an error)")
         return self._track(Future(request, keepalive=tensor, on_observed=self._let_go))
 
-    def _track(self, future):
+    def _track(self, future: Future) -> Future:
         with self._lock:
             self._pending[future] = None
             if len(self._pending) >= self._prune_at:
@@ -117,7 +128,7 @@ class AioHandle(Closeable):
                 self._prune_at = max(_PRUNE_MIN, 2 * len(self._pending))
         return future
 
-    def _let_go(self, future):
+    def _let_go(self, future: Future) -> None:
         """A future whose outcome its caller has seen: counted (if it succeeded) and forgotten."""
         with self._lock:
             if self._pending.pop(future, False) is None:
@@ -125,14 +136,14 @@ class AioHandle(Closeable):
                 if ok:
                     self._settled += value
 
-    def wait(self):
+    def wait(self) -> int:
         """Waits for every outstanding request; returns the bytes they moved, raises the first error not
         already raised by its own future."""
         with self._lock:
             pending, self._pending = list(self._pending), {}
             total, self._settled = self._settled, 0
             self._prune_at = _PRUNE_MIN
-        first_error = None
+        first_error: Optional[BaseException] = None
         for i, f in enumerate(pending):
             try:
                 ok, value = f._settle()
@@ -152,7 +163,7 @@ class AioHandle(Closeable):
             raise first_error
         return total
 
-    def close(self):
+    def close(self) -> None:
         """Finishes every queued request, then stops the workers. Idempotent."""
         native = getattr(self, "_native", None)
         if native is not None and not native.closed:
@@ -162,10 +173,11 @@ class AioHandle(Closeable):
                     f._settle()  # every request is finished now: drop the memory they hold
 
     @property
-    def closed(self):
-        return self._native.closed
+    def closed(self) -> bool:
+        """True after close()."""
+        return bool(self._native.closed)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"AioHandle(block_size={self.block_size}, queue_depth={self.queue_depth}, "
                 f"threads={self.threads}, engine={self.engine!r}, direct={self.direct}, "
                 f"submit_batch={self.submit_batch})")

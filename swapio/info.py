@@ -3,13 +3,15 @@ import os
 import platform
 import resource
 import tempfile
+from typing import Any, Dict, Optional
 
 import torch
 
 from . import _C, __version__, ops
+from ._errors import StrPath
 
 
-def _probe_path(path):
+def _probe_path(path: "StrPath") -> Dict[str, Any]:
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
         return {"path": path, **_C.probe_file(path)}
@@ -22,9 +24,30 @@ def _probe_path(path):
         os.unlink(probe)
 
 
-def info(path=None):
+CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+def cap_ipc_lock(status_text: Optional[str] = None) -> bool:
+    """Whether this process has CAP_IPC_LOCK in its effective capability set (root has it, unless a container
+    drops it). With it, mlock ignores RLIMIT_MEMLOCK, so `ulimit -l` does not bound swapio's pinned buffers.
+    `status_text`: the contents of /proc/self/status (read when None); False where it cannot be read."""
+    if status_text is None:
+        try:
+            with open("/proc/self/status") as f:
+                status_text = f.read()
+        except OSError:
+            return False
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    return False
+
+
+def info(path: "Optional[StrPath]" = None) -> Dict[str, Any]:
     """A dict: engines usable here (or why not), the engine "auto" picks, O_DIRECT support and alignment for
-    `path` (a file or directory), the Adam kernel's SIMD level, threads, CUDA pinning, versions."""
+    `path` (a file or directory), the Adam kernel's SIMD level, threads, CUDA pinning, the memlock limit
+    (`memlock_limit`: ulimit -l in bytes, None if unlimited; `cap_ipc_lock`: True when the process may lock
+    memory past that limit, as root usually may), versions."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     result = {
         "version": __version__,
@@ -34,7 +57,8 @@ def info(path=None):
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cuda_pinning": torch.cuda.is_available(),
-        "memlock_limit": None if soft == resource.RLIM_INFINITY else soft,
+        "memlock_limit": None if soft == resource.RLIM_INFINITY else soft,  # ulimit -l, in bytes
+        "cap_ipc_lock": cap_ipc_lock(),  # True: memlock_limit does not apply to this process
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernel": platform.release(),

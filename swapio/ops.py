@@ -19,6 +19,7 @@ weight decay) with the same three state types. ``*_reference_`` are the same ste
 """
 import numbers
 import warnings
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -26,6 +27,10 @@ from . import _C
 from . import quant
 from ._errors import SwapioWarning
 from ._hyper import check_adam_hyper, check_lion_hyper, check_step
+
+Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a one-element tensor
+Step = Union[int, torch.Tensor]
+OptTensor = Optional[torch.Tensor]
 
 __all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "cpu_capability",
            "cpu_capabilities"]
@@ -39,7 +44,7 @@ _LEVELS = ("scalar", "avx2", "avx512")
 _warned_capability = False
 
 
-def cpu_capability():
+def cpu_capability() -> str:
     """SIMD level the Adam kernel uses: ``"avx512"``, ``"avx2"`` or ``"scalar"``.
 
     When ``SWAPIO_CPU_CAPABILITY`` names a level this CPU lacks (or no known level), the best available
@@ -53,10 +58,10 @@ def cpu_capability():
             f"SWAPIO_CPU_CAPABILITY={info['requested']!r} cannot be used here (levels supported: "
             f"{', '.join(info['supported'])}); the Adam kernel uses {info['active']!r}",
             SwapioWarning, stacklevel=2)
-    return info["active"]
+    return str(info["active"])
 
 
-def cpu_capabilities():
+def cpu_capabilities() -> List[str]:
     """SIMD levels this CPU supports, lowest first (each can be passed as ``capability=``)."""
     return list(_C.adam_capability_info()["supported"])
 
@@ -155,9 +160,13 @@ def _count(nonfinite, found):
         nonfinite.add_(found)
 
 
-def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw=True,
-               maximize=False, amsgrad=False, max_exp_avg_sq=None, param_out=None, threads=None,
-               capability=None, exp_avg_scale=None, exp_avg_sq_scale=None, seed=0, index_base=0, nonfinite=None):
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+               step: Step, lr: Number, beta1: Number, beta2: Number, eps: Number, weight_decay: Number,
+               adamw: bool = True, maximize: bool = False, amsgrad: bool = False,
+               max_exp_avg_sq: OptTensor = None, param_out: OptTensor = None, threads: Optional[int] = None,
+               capability: Optional[str] = None, exp_avg_scale: OptTensor = None,
+               exp_avg_sq_scale: OptTensor = None, seed: int = 0, index_base: int = 0,
+               nonfinite: OptTensor = None) -> torch.Tensor:
     """One Adam (``adamw=False``: L2 weight decay) or AdamW step, in place, with the native CPU kernel.
 
     param, exp_avg, exp_avg_sq (and max_exp_avg_sq with ``amsgrad``): contiguous fp32 CPU tensors of one
@@ -207,9 +216,11 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     return param
 
 
-def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False, step=1,
-               param_out=None, threads=None, capability=None, exp_avg_scale=None, seed=0, index_base=0,
-               nonfinite=None):
+def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: Number, beta1: Number = 0.9,
+               beta2: Number = 0.99, weight_decay: Number = 0.0, maximize: bool = False,
+               step: Step = 1, param_out: OptTensor = None, threads: Optional[int] = None,
+               capability: Optional[str] = None, exp_avg_scale: OptTensor = None, seed: int = 0,
+               index_base: int = 0, nonfinite: OptTensor = None) -> torch.Tensor:
     """One Lion step (Chen et al. 2023), in place, with the native CPU kernel:
     ``param *= 1 - lr*wd; param -= lr * sign(beta1*exp_avg + (1-beta1)*grad); exp_avg = beta2*exp_avg +
     (1-beta2)*grad``, in the float32 operation order of ``lion_step_reference_``.
@@ -263,9 +274,12 @@ class _Decoded:
 
 
 @torch.no_grad()
-def lion_step_reference_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False,
-                         step=1, param_out=None, threads=None, capability=None, exp_avg_scale=None, seed=0,
-                         index_base=0, nonfinite=None):
+def lion_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: Number,
+                         beta1: Number = 0.9, beta2: Number = 0.99, weight_decay: Number = 0.0,
+                         maximize: bool = False, step: Step = 1, param_out: OptTensor = None,
+                         threads: Optional[int] = None, capability: Optional[str] = None,
+                         exp_avg_scale: OptTensor = None, seed: int = 0, index_base: int = 0,
+                         nonfinite: OptTensor = None) -> torch.Tensor:
     """``lion_step_`` in plain torch ops (the form of the Lion paper's pseudocode), on any device. exp_avg may be
     fp32, bf16 or uint8 codes (decoded, stepped and encoded with ``swapio.quant``). ``threads``,
     ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
@@ -289,10 +303,13 @@ def lion_step_reference_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, wei
 
 
 @torch.no_grad()
-def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-                         adamw=True, maximize=False, amsgrad=False, max_exp_avg_sq=None, param_out=None,
-                         threads=None, capability=None, exp_avg_scale=None, exp_avg_sq_scale=None, seed=0,
-                         index_base=0, nonfinite=None):
+def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         *, step: Step, lr: Number, beta1: Number, beta2: Number, eps: Number,
+                         weight_decay: Number, adamw: bool = True, maximize: bool = False, amsgrad: bool = False,
+                         max_exp_avg_sq: OptTensor = None, param_out: OptTensor = None, threads: Optional[int] = None,
+                         capability: Optional[str] = None, exp_avg_scale: OptTensor = None,
+                         exp_avg_sq_scale: OptTensor = None, seed: int = 0, index_base: int = 0,
+                         nonfinite: OptTensor = None) -> torch.Tensor:
     """``adam_step_`` in plain torch ops (torch's ``_single_tensor_adam``, op for op), on any device.
 
     The state tensors and param share a floating dtype (normally fp32); grad may be of any floating dtype
@@ -316,10 +333,12 @@ def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, b
     if param_out is not None:
         _check_tensor("param_out", param_out)
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-                    ("max_exp_avg_sq", max_exp_avg_sq if amsgrad else None), ("param_out", param_out)):
-        if t is not None and t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+    sized: Tuple[Tuple[str, OptTensor], ...] = (
+        ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+        ("max_exp_avg_sq", max_exp_avg_sq if amsgrad else None), ("param_out", param_out))
+    for name, given in sized:
+        if given is not None and given.numel() != n:
+            raise ValueError(f"{name} has {given.numel()} elements, param has {n}")
     step = check_step(step)
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
 
@@ -335,12 +354,13 @@ def adam_step_reference_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, b
             g = g.add(param, alpha=weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step = float(step)  # torch keeps the step in a float tensor
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    step_f = float(step)  # torch keeps the step in a float tensor
+    bias_correction1 = 1 - beta1 ** step_f
+    bias_correction2 = 1 - beta2 ** step_f
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
     if amsgrad:
+        assert max_exp_avg_sq is not None  # checked above
         torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
         denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     else:

@@ -4,6 +4,7 @@ import math
 import os
 import sys
 import threading
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -11,19 +12,19 @@ from . import _C
 from ._errors import check_int, warn_once
 
 _lock = threading.Lock()
-_starts = []   # sorted start addresses of live pinned blocks
-_ends = {}     # start -> end
-_cuda_registered = set()  # starts of blocks registered with CUDA
+_starts: List[int] = []   # sorted start addresses of live pinned blocks
+_ends: Dict[int, int] = {}     # start -> end
+_cuda_registered: Set[int] = set()  # starts of blocks registered with CUDA
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
 
 
-def _register(start, end):
+def _register(start: int, end: int) -> None:
     with _lock:
         bisect.insort(_starts, start)
         _ends[start] = end
 
 
-def _unregister(start):
+def _unregister(start: int) -> bool:
     with _lock:
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:
@@ -34,14 +35,14 @@ def _unregister(start):
     return registered
 
 
-def _cuda_in_use():
+def _cuda_in_use() -> bool:
     """True once this process has initialised CUDA. Checking never creates a context (is_available() would
     not either, but cudaHostRegister would, on the current device: GPU 0 for a rank that has not called
     set_device)."""
-    return torch.cuda.is_initialized()
+    return bool(torch.cuda.is_initialized())
 
 
-def _block_of(ptr):
+def _block_of(ptr: int) -> Optional[Tuple[int, int]]:
     with _lock:
         i = bisect.bisect_right(_starts, ptr) - 1
         if i >= 0 and ptr < _ends[_starts[i]]:
@@ -49,7 +50,7 @@ def _block_of(ptr):
     return None
 
 
-def _cuda_register_block(start, end, device=None):
+def _cuda_register_block(start: int, end: int, device: Optional[Union[int, torch.device]] = None) -> bool:
     """Registers a block with CUDA once; False (with a warning once) when CUDA refuses."""
     with _lock:
         if start in _cuda_registered:
@@ -67,7 +68,7 @@ def _cuda_register_block(start, end, device=None):
     return True
 
 
-def cuda_register(tensor, device=None):
+def cuda_register(tensor: torch.Tensor, device: Optional[Union[int, torch.device]] = None) -> bool:
     """Registers the swapio pinned block holding `tensor` with CUDA (no-op if it is not in one, or already is),
     so that non_blocking copies from it are asynchronous. Called right before the first copy to a GPU."""
     block = _block_of(tensor.data_ptr())
@@ -76,14 +77,14 @@ def cuda_register(tensor, device=None):
     return _cuda_register_block(block[0], block[1], device)
 
 
-def _release_hook(start):
-    def release(ptr):
+def _release_hook(start: int) -> Callable[[int], None]:
+    def release(ptr: int) -> None:
         if _unregister(start):
             torch.cuda.cudart().cudaHostUnregister(ptr)
     return release
 
 
-def empty_pinned(shape, dtype=torch.float32):
+def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised tensor in page-aligned, page-locked memory, registered with CUDA if CUDA is in use.
 
     While this process has not initialised CUDA, nothing CUDA is done (no context is created); the block is then
@@ -114,7 +115,7 @@ def empty_pinned(shape, dtype=torch.float32):
     return flat.view(dtype).view(shape)
 
 
-def is_pinned(tensor):
+def is_pinned(tensor: torch.Tensor) -> bool:
     """True if the tensor's memory lies in a swapio pinned block (views included) or torch says it is pinned."""
     if tensor.device.type != "cpu":
         return False

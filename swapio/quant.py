@@ -21,6 +21,8 @@ by (1 - beta2) = 0.001 of its distance to g^2 per step with beta2 = 0.999, so it
 of element i are a hash of (seed, step, i): deterministic, the same at every SIMD level and thread count, and
 reproduced on resume.
 """
+from typing import Optional, Tuple, Union
+
 import torch
 
 BLOCK = 256
@@ -62,12 +64,13 @@ class _Map:
 _MAPS = {True: _Map(True), False: _Map(False)}
 
 
-def code_values(signed):
+def code_values(signed: bool) -> torch.Tensor:
     """The 256 code values, ascending (signed: first moments; unsigned: second moments)."""
     return _MAPS[bool(signed)].codes.clone()
 
 
-def num_blocks(n):
+def num_blocks(n: int) -> int:
+    """Blocks of BLOCK elements (each with one fp32 scale) that hold n elements."""
     return -(-n // BLOCK)
 
 
@@ -77,7 +80,7 @@ def _blocks(x):
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
 
 
-def quantize(x, signed):
+def quantize(x: torch.Tensor, signed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 of x's numel, scales fp32 of one per BLOCK) of a tensor's values."""
     q = _MAPS[bool(signed)]
     n = x.numel()
@@ -96,7 +99,8 @@ def quantize(x, signed):
     return code.to(torch.uint8).reshape(-1)[:n].clone(), scale
 
 
-def dequantize(codes, scale, signed, out=None):
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 values of codes (uint8, n) with scales (fp32, one per BLOCK): code value * block scale."""
     n = codes.numel()
     values = _MAPS[bool(signed)].codes[codes.reshape(-1).long()]
@@ -121,20 +125,21 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def sr_key(seed, step):
+def sr_key(seed: int, step: Union[int, torch.Tensor]) -> int:
+    """The per-step key of the stochastic-rounding hash: (seed, step) mixed into 32 bits."""
     k = _fmix32(seed & _M32)
     k = _fmix32(k ^ ((seed >> 32) & _M32))
     return _fmix32(k ^ (int(step) & _M32))
 
 
-def sr_bits(seed, step, index_base, n):
+def sr_bits(seed: int, step: Union[int, torch.Tensor], index_base: int, n: int) -> torch.Tensor:
     """The 32 random bits of elements index_base .. index_base + n - 1 (int64 tensor): the first moment
     rounds with the low 16, the second with the high 16."""
     idx = (torch.arange(n, dtype=torch.int64) + index_base) & _M32
     return _fmix32((sr_key(seed, step) + _mul32(idx, 0x9E3779B9)) & _M32)
 
 
-def round_bf16_stochastic(x, random16):
+def round_bf16_stochastic(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
     """bf16 of fp32 x, rounded up with probability equal to the fraction dropped (random16: int64, 0..65535
     per element). NaN becomes 0xFFFF like the kernels' conversions."""
     bits = x.reshape(-1).view(torch.int32).to(torch.int64) & _M32
@@ -143,7 +148,7 @@ def round_bf16_stochastic(x, random16):
     return r.to(torch.int32).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
 
 
-def state_bytes_per_element(state_dtype):
+def state_bytes_per_element(state_dtype: str) -> float:
     """Bytes one moment element takes in RAM or on disk (int8 includes its share of the block scale)."""
     return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[state_dtype]
 

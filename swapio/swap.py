@@ -1,14 +1,18 @@
 """SwapStore / SwappedTensor: async swap-out of tensors to files and swap-in back, any dtype, size or device."""
+from __future__ import annotations
+
 import errno
 import os
 import re
 import threading
+from typing import Any, Dict, Optional, Union
 
 import torch
 
 from . import _checksum, _durable, _swapdir, cuda_copy
 from ._closeable import Closeable
-from ._errors import check_path
+from ._errors import StrPath, check_path
+from .futures import Future
 from .handle import AioHandle
 from .cuda_copy import normalize_device
 from .pinned import empty_pinned
@@ -35,11 +39,11 @@ class SwappedTensor:
         self._lock = threading.Lock()
 
     @property
-    def is_resident(self):
+    def is_resident(self) -> bool:
         """True while the tensor's memory still holds the data (not released after the swap-out)."""
         return not self._released
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> SwappedTensor:
         """Waits for the swap-out; raises its OSError. With release=True, frees the tensor's storage now."""
         with self._lock:
             write = self._write
@@ -52,7 +56,8 @@ class SwappedTensor:
                     self._released = True
         return self
 
-    def swap_in(self, device=None, out=None):
+    def swap_in(self, device: Union[None, str, int, torch.device] = None,
+                out: Optional[torch.Tensor] = None) -> Future:
         """Reads the bytes back; the Future's value is the tensor on `device` (default: where it came from).
 
         With out=None and a released source tensor on that device, the source tensor itself is refilled
@@ -62,28 +67,28 @@ class SwappedTensor:
         """
         self.store._check_open()
         self.wait()
-        device = normalize_device(device) if device is not None else self.device
+        dev: torch.device = normalize_device(device) if device is not None else self.device
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
             if out.shape != self.shape or out.dtype != self.dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(self.shape)} {self.dtype}")
-            device = out.device
-        if device.type == "meta":
+            dev = out.device
+        if dev.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
         with self._lock:
-            refill = out is None and self._released and device == self.device
+            refill = out is None and self._released and dev == self.device
             if refill and self._refill is not None:
                 return self._refill  # already being refilled: one read into the source, not two
             if refill:
                 target = self._source
-                with cuda_copy.allocating_on_side_stream(device):  # the copy writes it there, nothing waits
+                with cuda_copy.allocating_on_side_stream(dev):  # the copy writes it there, nothing waits
                     target.untyped_storage().resize_(self.nbytes)
             elif out is not None:
                 target = out
             else:
-                with cuda_copy.allocating_on_side_stream(device):
-                    target = torch.empty(self.shape, dtype=self.dtype, device=device)
+                with cuda_copy.allocating_on_side_stream(dev):
+                    target = torch.empty(self.shape, dtype=self.dtype, device=dev)
             try:
                 future = self._read_into(target, refill, caller_owned=out is not None)
             except BaseException:
@@ -150,7 +155,8 @@ class SwapStore(Closeable):
     back differ.
     """
 
-    def __init__(self, directory, handle=None, verify=False, **handle_kwargs):
+    def __init__(self, directory: StrPath, handle: Optional[AioHandle] = None, verify: bool = False,
+                 **handle_kwargs: Any) -> None:
         directory = os.path.abspath(check_path("directory", directory))
         if handle is not None and handle_kwargs:
             raise ValueError("pass either handle or AioHandle keyword arguments, not both")
@@ -172,10 +178,12 @@ class SwapStore(Closeable):
                 _durable.discard(directory)
             raise
         self.directory = directory
-        self.handle = handle if handle is not None else own_handle
+        chosen = handle if handle is not None else own_handle
+        assert chosen is not None
+        self.handle: AioHandle = chosen
         self._owns_handle = handle is None
         self.verify = verify
-        self._tensors = {}
+        self._tensors: Dict[str, SwappedTensor] = {}
         self._counter = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -184,7 +192,7 @@ class SwapStore(Closeable):
         if self._closed:
             raise ValueError("the SwapStore is closed (its swap files were removed)")
 
-    def swap_out(self, tensor, name=None, release=True):
+    def swap_out(self, tensor: torch.Tensor, name: Optional[str] = None, release: bool = True) -> SwappedTensor:
         """Starts writing `tensor` to ``<directory>/<name>.swap``; returns a SwappedTensor (``.wait()``).
 
         release=True frees the tensor's storage once the write is waited on; it needs a tensor that spans
@@ -238,7 +246,7 @@ class SwapStore(Closeable):
             raise
         return swapped
 
-    def remove(self, swapped):
+    def remove(self, swapped: SwappedTensor) -> None:
         """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised
         here only if nobody has seen it yet."""
         with self._lock:
@@ -255,16 +263,16 @@ class SwapStore(Closeable):
             _unlink(swapped.path)
             self._owner.files.discard(swapped.path)
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return name in self._tensors
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._tensors)
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> SwappedTensor:
         return self._tensors[name]
 
-    def close(self):
+    def close(self) -> None:
         """Waits for pending writes, removes every swap file (and the directory if the store made it). Raises
         the first write error nobody has seen yet."""
         if self._closed:

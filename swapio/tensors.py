@@ -1,15 +1,17 @@
 """Checks that turn a tensor into (pointer, byte count) for the native core."""
+from typing import Tuple
+
 import torch
 
 
-def check_dense(tensor, name="tensor"):
+def check_dense(tensor: torch.Tensor, name: str = "tensor") -> None:
     """ValueError for sparse (COO, CSR, ...) tensors, whose values are not one block of memory."""
     if tensor.layout != torch.strided:
         raise ValueError(f"{name} is a sparse tensor ({tensor.layout}); swapio moves dense (strided) tensors "
                          "only: call .to_dense() first")
 
 
-def cpu_memory(tensor, name="tensor"):
+def cpu_memory(tensor: object, name: str = "tensor") -> Tuple[int, int]:
     """(data_ptr, nbytes) of a contiguous CPU tensor; TypeError/ValueError naming the problem otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -26,9 +28,10 @@ def cpu_memory(tensor, name="tensor"):
     if nbytes and needed > held:
         raise ValueError(f"{name} spans {needed} bytes of its storage but the storage holds only {held} "
                          "(was the storage resized or released?)")
-    return tensor.data_ptr(), nbytes
+    return int(tensor.data_ptr()), nbytes
 
 
-def spans_whole_storage(tensor):
+def spans_whole_storage(tensor: torch.Tensor) -> bool:
+    """True if the tensor covers all of its storage (so releasing the storage releases nothing else)."""
     storage = tensor.untyped_storage()
-    return tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes()
+    return bool(tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes())

@@ -37,6 +37,10 @@ BAD_BENCH = [
     (["--verify", "--buffered", "--bs", "12", "--size", "1200"], "multiple of 8"),
     (["--fio-first"], "--compare-fio"),
     (["--output", "/nonexistent/dir/out.json"], "does not exist"),
+    (["--size", "0"], "--size"),
+    (["--bs", "0"], "--bs"),
+    (["--loops", "0"], "--loops"),
+    (["--warmup", "-1"], "--warmup"),
 ]
 
 
@@ -45,6 +49,7 @@ def test_bad_bench_input(capsys, tmp_path, argv, needle):
     rc, out, err = run_cli(capsys, "bench", "-q", *argv)
     assert_one_line_error(rc, err, needle)
     assert err.startswith("swapio bench: error:")
+    assert rc == 2  # bad usage, as docs/cli.md says (it was 1 for errors found after parsing)
     assert leftovers(tmp_path) == []
 
 
@@ -52,6 +57,7 @@ def test_file_that_is_a_directory(capsys, tmp_path):
     (tmp_path / "d").mkdir()
     rc, _, err = run_cli(capsys, "bench", "-q", "--file", str(tmp_path / "d"), "--size", "1M")
     assert_one_line_error(rc, err, "not a regular file")
+    assert rc == 2
 
 
 def test_reading_a_short_existing_file_leaves_it_alone(capsys, tmp_path):
@@ -59,6 +65,7 @@ def test_reading_a_short_existing_file_leaves_it_alone(capsys, tmp_path):
     f.write_bytes(b"x" * 4096)
     rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "read", "--file", str(f), "--size", "1M")
     assert_one_line_error(rc, err, "fewer than --size")
+    assert rc == 2
     assert f.read_bytes() == b"x" * 4096
 
 
@@ -80,6 +87,7 @@ def test_io_error_mid_run_cleans_up(capsys, tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert_one_line_error(rc, err, "swapio bench: error:", "too large")
+    assert rc == 1
     assert leftovers(tmp_path) == []
 
 
@@ -102,6 +110,7 @@ def test_not_enough_space(capsys, tmp_path):
     with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
         rc, _, err = run_cli(capsys, "bench", "-q", "--dir", str(d), "--size", "8M")
         assert_one_line_error(rc, err, "not enough free space")
+        assert rc == 1  # the disk's failure, not the command line's
         assert leftovers(d) == []
 
 
@@ -115,6 +124,10 @@ def test_directory_not_writable(capsys, tmp_path):
     with ctx as d:
         rc, _, err = run_cli(capsys, "bench", "-q", "--dir", str(d), "--size", "1M")
         assert_one_line_error(rc, err, "not writable")
+        assert rc == 2
+        rc, _, err = run_cli(capsys, "info", "--path", str(d))  # its probe needs to create a file there
+        assert_one_line_error(rc, err, "not writable")
+        assert rc == 2
 
 
 BAD_TUNE = [
@@ -124,6 +137,8 @@ BAD_TUNE = [
     (["--rw", "sideways"], "--rw"),
     (["--dir", "/nonexistent/swapio"], "does not exist"),
     (["--point-time", "0"], "--point-time"),
+    (["--size", "0"], "--size"),
+    (["--threads", "0"], "--threads"),
 ]
 
 
@@ -131,6 +146,7 @@ BAD_TUNE = [
 def test_bad_tune_input(capsys, tmp_path, argv, needle):
     rc, _, err = run_cli(capsys, "tune", "-q", "-o", str(tmp_path / "cfg.json"), *argv)
     assert_one_line_error(rc, err, needle)
+    assert rc == 2
     assert leftovers(tmp_path) == []
 
 

@@ -29,11 +29,40 @@ def test_plan_json_70b_fp16_adam(capsys):
 def test_plan_text_names_the_totals_and_verdicts(capsys):
     rc, out, _ = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "80G", "--ram", "64G")
     assert rc == 0
-    assert "weights 14.0 GB, gradients 14.0 GB, optimizer state 84.0 GB, all 112.0 GB" in out
-    rows = {line.split(" (")[0]: line for line in out.splitlines() if line.startswith(("no offload", "offload="))}
+    # binary out as in: 7e9 x 2 bytes = 13.0 GiB; --ram 64G is 64 GiB, printed as such (it was "68.7 GB")
+    assert "weights 13.0 GiB, gradients 13.0 GiB, optimizer state 78.2 GiB, all 104.3 GiB" in out
+    assert "(GPU 80.0 GiB, RAM 64.0 GiB)" in out and " GB" not in out
+    rows = {line.split(" (")[0]: line for line in out.splitlines()
+            if line.startswith(("no offload", "offload=", "no GPU"))}
     assert rows["no offload"].endswith("no: GPU too small")
     assert rows['offload="cpu"'].endswith("no: RAM too small")
     assert rows['offload="nvme"'].endswith("? (disk not given)")
+    # training on the CPU has its rows too: everything in RAM (104.3 GiB), or the state on disk
+    assert "104.3 GiB" in rows['no GPU, offload="cpu"'] and rows['no GPU, offload="cpu"'].endswith("no: RAM too small")
+    assert rows['no GPU, offload="nvme"'].endswith("? (disk not given)")
+    assert "Weights + gradients alone" not in out  # 26 GiB fit the 80 GiB GPU: no advice about that
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--ram", "64"], "'64' has no unit"),           # was taken as 64 bytes ("RAM 0.0 MiB")
+    (["--gpu-mem", "80"], "'80' has no unit"),
+    (["--ram", "0"], "must be positive"),            # was accepted
+    (["--ram", "0G"], "must be positive"),
+    (["--gpu-mem", "0M"], "must be positive"),
+    (["--buffer-bytes", "0"], "must be positive"),
+])
+def test_plan_rejects_memory_sizes_without_unit_or_zero(capsys, argv, needle):
+    rc, _, err = run_cli(capsys, "plan", "--params", "7B", *argv)
+    assert_one_line_error(rc, err, needle)
+    assert rc == 2
+
+
+def test_plan_advice_when_weights_exceed_the_gpu_says_what_trains_today(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "24G", "--ram", "64G")
+    assert rc == 0
+    advice = out.split("Weights + gradients alone (26.1 GiB) exceed the GPU (24.0 GiB)")[1]
+    assert "LoRA" in advice and "Full training of offloaded weights is not supported yet" in advice
+    assert "offload the weights too" not in out  # the old advice: it cannot train them
 
 
 def test_plan_step_time_from_the_tune_config_in_the_disk_directory(capsys, tmp_path):
@@ -101,3 +130,10 @@ def test_demo_rejects_bad_sizes(capsys):
     rc, _, err = run_cli(capsys, "demo", "--width", "30", "--heads", "4")
     assert rc == 2
     assert_one_line_error(rc, err, "multiple of --heads")
+
+
+def test_demo_rejects_a_context_longer_than_its_corpus(capsys):
+    # It used to build the model first and fail allocating it: an "internal error", exit 1.
+    rc, _, err = run_cli(capsys, "demo", "--context", "100000000", "--steps", "1")
+    assert_one_line_error(rc, err, "--context must be below")
+    assert rc == 2

@@ -45,17 +45,21 @@ def test_bytes_per_param_by_optimizer_and_state_dtype(dtype, optimizer, state_dt
 def test_7b_bf16_where_it_fits():
     # 7e9 x (2 + 2) = 28 GB of weights and grads; 7e9 x 12 = 84 GB of state
     p = memplan.plan(7 * 10**9, dtype="bf16", gpu_mem=80 * GiB, ram=64 * GiB, disk_free=1000 * GB)
-    none, cpu, nvme = p["layouts"]
+    none, cpu, nvme, cpu_only, cpu_only_nvme = p["layouts"]
     assert (none["gpu"], none["ram"], none["disk"]) == (112 * GB, 0, 0)
     assert (cpu["gpu"], cpu["ram"], cpu["disk"]) == (28 * GB, 84 * GB, 0)
     assert (nvme["gpu"], nvme["ram"], nvme["disk"]) == (28 * GB, 256 << 20, 84 * GB)
     assert none["fits"] == {"gpu": False}        # 112 GB > 80 GiB (85.9 GB)
     assert cpu["fits"] == {"gpu": True, "ram": False}  # 84 GB > 64 GiB (68.7 GB)
     assert nvme["fits"] == {"gpu": True, "ram": True, "disk": True}
+    # no GPU: training on the CPU holds weights, gradients and state in RAM, or the state on disk
+    assert (cpu_only["gpu"], cpu_only["ram"], cpu_only["disk"]) == (0, 112 * GB, 0)
+    assert (cpu_only_nvme["gpu"], cpu_only_nvme["ram"], cpu_only_nvme["disk"]) == (0, 28 * GB + (256 << 20), 84 * GB)
+    assert cpu_only["fits"] == {"ram": False} and cpu_only_nvme["fits"] == {"ram": True, "disk": True}
 
 
 def test_unknown_capacity_is_none():
-    none, cpu, nvme = memplan.plan(7 * 10**9, ram=64 * GiB)["layouts"]
+    none, cpu, nvme = memplan.plan(7 * 10**9, ram=64 * GiB)["layouts"][:3]
     assert none["fits"] == {"gpu": None} and cpu["fits"] == {"gpu": None, "ram": False}
     assert nvme["fits"] == {"gpu": None, "ram": True, "disk": None}
 

@@ -10,12 +10,19 @@ the state back with opt.load(). benchmarks/optimizer_checkpoint.py measures the 
     trainer = Trainer(model, args, train_dataset=data, optimizers=(opt, sched),
                       callbacks=[StreamingCheckpointCallback()])
 
-How: the callback finds the OffloadAdam among Trainer's optimizers when the Trainer is built (on_init_end) and
-gives that instance two methods of its own: load_state_dict, which recognises a reference, and state_dict, which
-returns the reference once, right after the callback has saved the checkpoint (on_step_end / on_epoch_end when
-Trainer is about to save). Other optimizers are left alone.
+Any way of giving Trainer the optimizer works: optimizers=(opt, sched), optimizer_cls_and_kwargs, or a Trainer
+subclass overriding create_optimizer.
+
+How: saving: right before Trainer saves (on_step_end / on_epoch_end with should_save) the callback writes the
+checkpoint and gives the optimizer instance a state_dict of its own that returns the reference once. Loading:
+Trainer may build the optimizer inside train() (optimizer_cls_and_kwargs, a create_optimizer override) and loads
+the checkpoint right after, with no callback event in between, so no instance can be patched in time. Instead,
+constructing the callback makes OffloadAdam.load_state_dict (the class's) recognise a reference; any other state
+dict goes to the original method unchanged. Other optimizers are left alone, and refuse a reference.
 """
+import functools
 import os
+from typing import Any, Callable, Dict, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -24,66 +31,84 @@ from ..optim import OffloadAdam
 
 SUBDIR = "swapio-optim"
 REFERENCE_KEY = "swapio_checkpoint"
+_PENDING = "_swapio_pending_reference"  # attribute of a patched optimizer: the reference its state_dict returns
 
 
-def _offload_optimizer(optimizer):
+def _offload_optimizer(optimizer: Any) -> Optional[OffloadAdam]:
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
     return inner if isinstance(inner, OffloadAdam) else None
 
 
-def reference(path):
+def reference(path: str) -> Dict[str, Any]:
     """A state dict that points at the streaming checkpoint in `path` instead of holding the state. Its empty
     param_groups make any other optimizer's load_state_dict refuse it rather than load nothing."""
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt):
-    if "load_state_dict" in vars(opt):
+def _install(opt: OffloadAdam) -> None:
+    """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves)."""
+    if hasattr(opt, _PENDING):
         return
     cls = type(opt)
-    pending = {}
+    pending: Dict[str, Dict[str, Any]] = {}
 
-    def state_dict():
+    def state_dict() -> Dict[str, Any]:
         ref = pending.pop("ref", None)
         return ref if ref is not None else cls.state_dict(opt)
 
-    def load_state_dict(state_dict):
+    # instance attributes set with setattr: a patch of this one object, which type checkers cannot follow
+    setattr(opt, "state_dict", state_dict)
+    setattr(opt, _PENDING, pending)
+
+
+def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps OffloadAdam.load_state_dict: a reference streams the checkpoint in with opt.load(); anything else
+    goes to the wrapped method."""
+
+    @functools.wraps(load_state_dict)
+    def load_reference_or_state_dict(self: OffloadAdam, state_dict: Dict[str, Any]) -> Any:
         path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
         if path is None:
-            return cls.load_state_dict(opt, state_dict)
+            return load_state_dict(self, state_dict)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
                                     "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
-        opt.load(path)
+        self.load(path)
 
-    opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
-    opt._swapio_pending_reference = pending
+    setattr(load_reference_or_state_dict, "swapio_reference_aware", True)  # marks the wrapper: wrap once
+    return load_reference_or_state_dict
+
+
+def _make_offload_optimizers_load_references() -> None:
+    """Idempotent. The natural home of this is OffloadAdam.load_state_dict itself (swapio.optim); until it
+    recognises references there, the integration wraps it once."""
+    if not getattr(OffloadAdam.load_state_dict, "swapio_reference_aware", False):
+        setattr(OffloadAdam, "load_state_dict", _reference_aware(OffloadAdam.load_state_dict))
 
 
 class StreamingCheckpointCallback(TrainerCallback):
     """Checkpoints an OffloadAdam/OffloadAdamW given to Trainer with opt.save()/opt.load() (see the module)."""
 
-    def on_init_end(self, args, state, control, optimizer=None, **kwargs):
-        opt = _offload_optimizer(optimizer)
-        if opt is not None:
-            _install(opt)
+    def __init__(self) -> None:
+        super().__init__()
+        _make_offload_optimizers_load_references()
 
-    def _save(self, args, state, control, optimizer):
+    def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)
         if opt is None or not control.should_save or args.save_only_model:
             return
-        _install(opt)  # an optimizer Trainer created itself (optimizers=(None, ...)) appears only now
+        _install(opt)  # here, not at on_init_end: an optimizer Trainer builds itself appears only in train()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", SUBDIR)
         opt.save(path)
-        opt._swapio_pending_reference["ref"] = reference(path)
+        getattr(opt, _PENDING)["ref"] = reference(path)
 
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._save(args, state, control, optimizer)
 
-    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._save(args, state, control, optimizer)
 
-    def on_save(self, args, state, control, optimizer=None, **kwargs):
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         opt = _offload_optimizer(optimizer)
-        if opt is not None and hasattr(opt, "_swapio_pending_reference"):
-            opt._swapio_pending_reference.pop("ref", None)  # Trainer did not ask for it: drop it
+        if opt is not None and hasattr(opt, _PENDING):
+            getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it

@@ -7,13 +7,14 @@ import contextlib
 import dataclasses
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
 from .. import __version__, _C
 from ..handle import AioHandle
 from . import fiocompare, loadgen, report
-from .errors import ToolError, VerifyError  # noqa: F401  (VerifyError: what --verify raises)
+from .errors import ToolError, UsageError, VerifyError  # noqa: F401  (VerifyError: what --verify raises)
 from .pattern import Pattern
 from .testfile import TestFile, no_interrupts
 
@@ -36,6 +37,11 @@ class BenchError(ToolError):
     """A problem with the user's input or environment: printed as one line by the CLI."""
 
 
+class BenchUsageError(BenchError, UsageError):
+    """Settings that cannot run as given (out of range, not mixing, not fitting the file or its file system):
+    the CLI exits 2 for it."""
+
+
 @dataclasses.dataclass
 class BenchConfig:
     rw: str = "rw"
@@ -44,52 +50,53 @@ class BenchConfig:
     threads: int = 1
     size: int = 1 << 30
     engine: str = "auto"
-    direct: bool = None        # None: O_DIRECT where the file system takes it; True: required; False: buffered
-    file: str = None           # a named file (kept afterwards, like fio), or
-    directory: str = None      # a temporary file in this directory (default: the working directory), removed
-    runtime: float = None      # seconds, time-based; else `loops` passes over the file
+    direct: Optional[bool] = None  # None: O_DIRECT where the file system takes it; True: required; False: buffered
+    file: Optional[str] = None  # a named file (kept afterwards, like fio), or
+    directory: Optional[str] = None  # a temporary file in this directory (default: the working directory),
+                                     # removed afterwards
+    runtime: Optional[float] = None  # seconds, time-based; else `loops` passes over the file
     loops: int = 1
     warmup: float = 0.0        # seconds of I/O before measuring (fio's ramp_time)
     verify: bool = False
     compare_fio: bool = False
     fio_first: bool = False    # with compare_fio: fio's phases before swapio's (alternate to cancel drift)
-    progress: bool = False
+    progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
         if self.rw not in RW_PHASES:
-            raise BenchError(f"--rw must be one of {', '.join(RW_PHASES)}, got {self.rw!r}")
+            raise BenchUsageError(f"--rw must be one of {', '.join(RW_PHASES)}, got {self.rw!r}")
         if self.engine not in ENGINES:
-            raise BenchError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+            raise BenchUsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         for name, value, lo, hi in (("--bs", self.bs, 1, _C.MAX_BLOCK_SIZE),
                                     ("--iodepth", self.iodepth, 1, _C.MAX_QUEUE_DEPTH),
                                     ("--threads", self.threads, 1, _C.MAX_THREADS), ("--loops", self.loops, 1, None)):
             if value < lo or (hi is not None and value > hi):
-                raise BenchError(f"{name} must be between {lo} and {hi}, got {value}" if hi else
+                raise BenchUsageError(f"{name} must be between {lo} and {hi}, got {value}" if hi else
                                  f"{name} must be at least {lo}, got {value}")
         if self.size < self.bs:
-            raise BenchError(f"--size ({self.size}) must be at least --bs ({self.bs})")
+            raise BenchUsageError(f"--size ({self.size}) must be at least --bs ({self.bs})")
         if self.size % self.bs:
-            raise BenchError(f"--size ({report.fmt_size(self.size)}) must be a multiple of --bs "
+            raise BenchUsageError(f"--size ({report.fmt_size(self.size)}) must be a multiple of --bs "
                              f"({report.fmt_size(self.bs)})")
         if self.size // self.bs < self.threads:
-            raise BenchError(f"--size holds {self.size // self.bs} blocks, fewer than --threads ({self.threads})")
+            raise BenchUsageError(f"--size holds {self.size // self.bs} blocks, fewer than --threads ({self.threads})")
         if self.runtime is not None and not self.runtime > 0:
-            raise BenchError(f"--runtime must be > 0, got {self.runtime}")
+            raise BenchUsageError(f"--runtime must be > 0, got {self.runtime}")
         if not self.warmup >= 0:
-            raise BenchError(f"--warmup must be >= 0, got {self.warmup}")
+            raise BenchUsageError(f"--warmup must be >= 0, got {self.warmup}")
         if self.verify and self.bs % 8:
-            raise BenchError(f"--verify needs --bs a multiple of 8, got {self.bs}")
+            raise BenchUsageError(f"--verify needs --bs a multiple of 8, got {self.bs}")
         if self.file is not None and self.directory is not None:
-            raise BenchError("give --file or --dir, not both")
+            raise BenchUsageError("give --file or --dir, not both")
         if self.fio_first and not self.compare_fio:
-            raise BenchError("--fio-first needs --compare-fio")
+            raise BenchUsageError("--fio-first needs --compare-fio")
         if self.fio_first and self.verify:
-            raise BenchError("--fio-first and --verify don't mix (fio's writes would replace the pattern)")
+            raise BenchUsageError("--fio-first and --verify don't mix (fio's writes would replace the pattern)")
         moves_data = self.engine == "auto" or self.engine in _C.DATA_ENGINES
         if self.verify and not moves_data:
-            raise BenchError("--verify needs a real engine (null moves no data)")
+            raise BenchUsageError("--verify needs a real engine (null moves no data)")
         if self.compare_fio and not moves_data:
-            raise BenchError("--compare-fio needs a real engine (not null)")
+            raise BenchUsageError("--compare-fio needs a real engine (not null)")
 
 
 @dataclasses.dataclass
@@ -112,8 +119,8 @@ class BenchResult:
     engine: str
     direct: bool
     phases: list
-    verify: str = None
-    fio: dict = None
+    verify: Optional[str] = None
+    fio: Optional[dict] = None
     started: float = dataclasses.field(default_factory=time.time)
 
     def phase(self, label):
@@ -228,11 +235,11 @@ def _resolve_direct(target, cfg):
         return False, probe
     if not probe["direct"]:
         if cfg.direct:
-            raise BenchError(f"the file system of {target.directory} refuses O_DIRECT; use --buffered")
+            raise BenchUsageError(f"the file system of {target.directory} refuses O_DIRECT; use --buffered")
         return False, probe
     align = probe["offset_align"]
     if cfg.bs % align:
-        raise BenchError(f"--bs {cfg.bs} is not a multiple of the direct-I/O alignment ({align} bytes) of "
+        raise BenchUsageError(f"--bs {cfg.bs} is not a multiple of the direct-I/O alignment ({align} bytes) of "
                          f"{target.directory}; use a multiple of {align} or --buffered")
     return True, probe
 
@@ -257,7 +264,7 @@ def run_bench(cfg, *, after_phase=None, log=None):
         reads_first = phases_spec[0][1] == "read"
         have = target.current_size()
         if not target.created and reads_first and have < cfg.size:
-            raise BenchError(f"--file {cfg.file} holds {have} bytes, fewer than --size {cfg.size}; use a "
+            raise BenchUsageError(f"--file {cfg.file} holds {have} bytes, fewer than --size {cfg.size}; use a "
                              "smaller --size, or a write run first")
         # A new file is written out before the measured phases when they read it, when random writes with
         # --verify need the pattern everywhere, and for --compare-fio (fio then runs on the same, written file).
@@ -267,7 +274,7 @@ def run_bench(cfg, *, after_phase=None, log=None):
         try:
             handle = AioHandle(cfg.bs, cfg.iodepth, cfg.threads, cfg.engine, direct)
         except OSError as e:
-            raise BenchError(f"engine {cfg.engine}: {e.strerror or e}") from None
+            raise BenchUsageError(f"engine {cfg.engine}: {e.strerror or e}") from None
         pattern = Pattern(max(_seq_chunk(cfg, cfg.size), min(loadgen.SEQ_REQUEST, cfg.size))) if cfg.verify else None
         if target.created and writes and not needs_layout:
             with contextlib.suppress(OSError):  # like fio's fallocate=native: the writes then overwrite

@@ -13,15 +13,9 @@ import warnings
 
 from .. import _C
 from . import memplan, report
-from .errors import PathError
+from .errors import PathError, UsageError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
-
-
-class UsageError(Exception):
-    def __init__(self, message, prog=None):
-        super().__init__(message)
-        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +35,22 @@ def _arg_type(parse):
 
 
 _size = _arg_type(report.parse_size)
+
+
+def _memory_size(text):
+    """A memory capacity: positive, with a unit (a bare `--ram 64` would be 64 bytes, never what was meant)."""
+    n = _positive_size(text)
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"{text!r} has no unit: sizes are binary, with K, M, G or T (did you mean {text.strip()}G, "
+                         f"{text.strip()} GiB?)")
+    return n
+
+
+def _positive_size(text):
+    n = report.parse_size(text)
+    if n <= 0:
+        raise ValueError(f"{text!r}: the size must be positive")
+    return n
 _duration = _arg_type(report.parse_duration)
 _count = _arg_type(memplan.parse_count)
 
@@ -59,6 +69,15 @@ def _list(convert):
             raise argparse.ArgumentTypeError(f"{text!r} is an empty list")
         return [convert(t.strip()) for t in items]
     return parse
+
+
+def _add_progress(p, quiet_help):
+    """-q and --progress: the one progress rule of every command (swapio._progress): a bar on stderr only when
+    it is a terminal, unless --progress (always) or -q (never); SWAPIO_PROGRESS=1/0 sets the default."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help=quiet_help)
+    g.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a "
+                   "terminal (default: only on a terminal; SWAPIO_PROGRESS=1 or 0 changes that default)")
 
 
 def _add_direct(p):
@@ -114,7 +133,7 @@ def _bench_parser(sub):
                    help="with --compare-fio: run fio's phases before swapio's (alternate runs to cancel drift)")
     p.add_argument("--json", action="store_true", help="fio-shaped JSON instead of the table")
     p.add_argument("--output", metavar="FILE", help="write the output to FILE instead of stdout")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no notes")
+    _add_progress(p, "no progress bar, no notes")
     p.set_defaults(run=_run_bench)
     return p
 
@@ -143,7 +162,7 @@ def _demo_parser(sub):
                    "(default: .)")
     p.add_argument("--seed", type=_int, default=d.seed, help="model and data seed (default 0)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the three loss curves (needs matplotlib)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_progress(p, "no progress bar")
     p.set_defaults(run=_run_demo)
     return p
 
@@ -151,9 +170,11 @@ def _demo_parser(sub):
 def _plan_parser(sub):
     p = sub.add_parser("plan", help="memory arithmetic: where weights, gradients and optimizer state fit",
                        description="Bytes per parameter for weights, gradients and optimizer state; where they "
-                                   "sit with and without swapio's optimizer offload (GPU, RAM, disk), whether "
-                                   "that fits, and the expected nvme-mode step time on --disk. Memory sizes "
-                                   "are binary (24G = 24GiB); parameter counts decimal (7B = 7e9).",
+                                   "sit with and without swapio's optimizer offload (GPU, RAM, disk), with a GPU "
+                                   "and without one (training on the CPU), whether that fits, and the expected "
+                                   "nvme-mode step time on --disk. Memory sizes are binary, given and printed: "
+                                   "--ram 64G is 64 GiB (2^30 bytes) and prints as 64.0 GiB; --gpu-mem and --ram "
+                                   "need a unit (K, M, G, T). Parameter counts are decimal (7B = 7e9).",
                        allow_abbrev=False)
     p.add_argument("--params", required=True, type=_count, help="parameter count, e.g. 7B, 125M, 7e9")
     p.add_argument("--dtype", default="bf16", choices=list(memplan.WEIGHT_BYTES),
@@ -161,11 +182,12 @@ def _plan_parser(sub):
     p.add_argument("--optimizer", default="adamw", choices=list(memplan.MOMENT_COUNT), help="(default adamw)")
     p.add_argument("--state-dtype", default="fp32", choices=list(memplan.STATE_BYTES),
                    help="storage of the moments (default fp32); the master weights stay fp32")
-    p.add_argument("--gpu-mem", type=_size, help="GPU memory (default: the first CUDA device's, if any)")
-    p.add_argument("--ram", type=_size, help="host RAM (default: this machine's)")
+    p.add_argument("--gpu-mem", type=_arg_type(_memory_size),
+                   help="GPU memory, e.g. 24G (default: the first CUDA device's, if any)")
+    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's)")
     p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")
-    p.add_argument("--buffer-bytes", type=_size, default=fmt(memplan.DEFAULT_BUFFER_BYTES),
+    p.add_argument("--buffer-bytes", type=_arg_type(_positive_size), default=fmt(memplan.DEFAULT_BUFFER_BYTES),
                    help="OffloadAdamW's buffer_bytes in nvme mode (default 256M)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(run=_run_plan)
@@ -197,7 +219,7 @@ def _tune_parser(sub):
     p.add_argument("-o", "--output", help="config file to write (default: swapio-io.json in --dir)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the sweep as heat maps (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    _add_progress(p, "no progress bar, no notes")
     p.set_defaults(run=_run_tune)
     return p
 
@@ -230,8 +252,9 @@ def build_parser():
 
 
 # --- helpers shared by the commands
-def _progress_wanted(args):
-    return not args.quiet and sys.stderr.isatty()
+def _progress_choice(args):
+    """True (--progress), False (-q) or None (swapio._progress decides: stderr a terminal, SWAPIO_PROGRESS)."""
+    return True if args.progress else False if args.quiet else None
 
 
 def _note(args):
@@ -272,7 +295,7 @@ def _run_bench(args):
     cfg = bench.BenchConfig(rw=args.rw, bs=args.bs, iodepth=args.iodepth, threads=args.threads, size=args.size,
                             engine=args.engine, direct=args.direct, file=args.file, directory=args.directory,
                             runtime=args.runtime, loops=args.loops, warmup=args.warmup, verify=args.verify,
-                            compare_fio=args.compare_fio, fio_first=args.fio_first, progress=_progress_wanted(args))
+                            compare_fio=args.compare_fio, fio_first=args.fio_first, progress=_progress_choice(args))
     result = bench.run_bench(cfg, log=_note(args))
     text = json.dumps(result.json(), indent=2) if args.json else report.bench_table(result)
     _emit(text, args.output)
@@ -295,7 +318,7 @@ def _run_tune(args):
                           depths=tuple(args.depths) if args.depths else tune.DEPTHS,
                           threads=tuple(args.threads) if args.threads else tune.THREADS,
                           point_time=args.point_time, warmup=args.warmup, budget=args.budget, direct=args.direct,
-                          progress=not args.quiet)
+                          progress=_progress_choice(args))
     result = tune.run_tune(cfg, log=_note(args))
     tune.write_config(result, args.output)
     if args.plot:
@@ -318,7 +341,7 @@ def _run_demo(args):
     cfg = demo.DemoConfig(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads,
                           context=args.context, batch=args.batch, lr=args.lr, log_every=args.log_every,
                           buffer_bytes=args.buffer_bytes, directory=args.directory, seed=args.seed,
-                          progress=not args.quiet)
+                          progress=_progress_choice(args))
     try:
         cfg.validate()
     except ValueError as e:
@@ -351,6 +374,9 @@ def _run_info(args):
     from .info_text import info_text
     if args.path is not None and not os.path.exists(args.path):
         raise PathError(f"--path {args.path} does not exist")
+    if args.path is not None and os.path.isdir(args.path) and not os.access(args.path, os.W_OK | os.X_OK):
+        # the O_DIRECT probe of a directory creates a temporary file in it
+        raise PathError(f"--path {args.path} is a directory that is not writable; name a file in it instead")
     data = info(args.path)
     print(json.dumps(data, indent=2) if args.json else info_text(data))
     return 0
@@ -396,7 +422,7 @@ def main(argv=None):
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see {prog} --help)")
         return args.run(args)
-    except (UsageError, PathError) as e:
+    except UsageError as e:  # PathError included
         print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

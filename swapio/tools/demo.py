@@ -16,9 +16,11 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
+from .. import _progress
 from ..optim import OffloadAdamW
 from . import demo_model
 
@@ -39,7 +41,7 @@ class DemoConfig:
     buffer_bytes: int = 1 << 20   # pinned RAM of the nvme pipeline: smaller than the state, to show the bound
     directory: str = "."
     seed: int = 0
-    progress: bool = True
+    progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
         for name in ("steps", "layers", "width", "heads", "context", "batch", "log_every"):
@@ -51,6 +53,9 @@ class DemoConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.buffer_bytes < 4 * (64 << 10):
             raise ValueError(f"--buffer must be at least 256K (4 pinned slots of 64 KiB), got {self.buffer_bytes}")
+        corpus = demo_model.corpus_bytes().numel()  # checked here, before a model of that context is built
+        if self.context >= corpus - 1:
+            raise ValueError(f"--context must be below {corpus - 1} (the corpus is {corpus} bytes), got {self.context}")
 
 
 @dataclasses.dataclass
@@ -114,7 +119,7 @@ def run_demo(cfg, log=print):
         losses = {run: [] for run in RUNS}
         seconds = {run: [] for run in RUNS}
         state_ram = {}
-        bar = _progress(cfg)
+        bar = _progress_bar(cfg)
         for step in range(1, cfg.steps + 1):
             x, y = batches.next()
             for run in RUNS:
@@ -147,11 +152,8 @@ def run_demo(cfg, log=print):
     return DemoResult(cfg, n_params, data.numel(), losses, seconds, state_ram, state_disk, 8 * n_params)
 
 
-def _progress(cfg):
-    if not cfg.progress:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=cfg.steps, desc="swapio demo", unit="step", leave=False)
+def _progress_bar(cfg):
+    return _progress.bar(cfg.progress, total=cfg.steps, desc="swapio demo", unit="step", leave=False)
 
 
 def _mib(n):

@@ -14,10 +14,18 @@ def _engines(data):
     return lines
 
 
-def _memlock(limit):
-    if limit is None:
-        return "unlimited"
+def _size(limit):
     return f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit >> 10} KiB"
+
+
+def _memlock(data):
+    limit = data.get("memlock_limit")
+    if limit is None:
+        return "unlimited (ulimit -l: page-locked buffers)"
+    if data.get("cap_ipc_lock"):  # root: mlock ignores RLIMIT_MEMLOCK
+        return (f"none for this process: it has CAP_IPC_LOCK (root), which locks memory past ulimit -l "
+                f"({_size(limit)})")
+    return f"{_size(limit)} (ulimit -l: page-locked buffers)"
 
 
 def info_text(data):
@@ -38,10 +46,11 @@ def info_text(data):
     lines += ["", f"Adam kernel SIMD  {simd}",
               f"threads           {data['threads']} (torch), {data['cpu_count']} CPUs",
               f"CUDA pinning      {'available' if data['cuda_pinning'] else 'not available (no CUDA)'}",
-              f"memlock limit     {_memlock(data.get('memlock_limit'))} (ulimit -l: page-locked buffers)"]
+              f"memlock limit     {_memlock(data)}"]
     extra = {k: v for k, v in data.items() if k not in {"version", "torch", "python", "kernel", "engines",
                                                         "auto_engine", "path", "adam_simd", "threads",
-                                                        "cpu_count", "cuda_pinning", "memlock_limit"}}
+                                                        "cpu_count", "cuda_pinning", "memlock_limit",
+                                                        "cap_ipc_lock"}}
     for k, v in extra.items():  # whatever info() grows later still shows
         lines.append(f"{k:17} {v}")
     return "\n".join(lines)

@@ -12,8 +12,8 @@ from collections import deque
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from .. import _progress
 from ..pinned import empty_pinned
 from .errors import VerifyError
 from .pattern import random_offsets
@@ -24,18 +24,18 @@ SEQ_REQUEST = 64 << 20     # bytes per sequential request (at least bs * iodepth
 
 
 class Progress:
-    """A tqdm bar on stderr that shows only for runs longer than ~2 s (bytes done, or seconds of a timed run)."""
+    """A tqdm bar on stderr that shows only for runs longer than ~2 s (bytes done, or seconds of a timed run).
+    enabled: True, False or None (on a terminal only), by swapio._progress's rule."""
 
     def __init__(self, enabled, desc, total_bytes=None, seconds=None):
-        self.bar, self.seconds = None, seconds
-        if not enabled:
-            return
+        self.seconds = seconds
         if seconds:
-            self.bar = tqdm(total=round(seconds, 1), desc=desc, delay=2, leave=False, dynamic_ncols=True,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s{postfix}")
+            self.bar = _progress.bar(enabled, total=round(seconds, 1), desc=desc, delay=2, leave=False,
+                                     dynamic_ncols=True,
+                                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s{postfix}")
         else:
-            self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            delay=2, leave=False, dynamic_ncols=True)
+            self.bar = _progress.bar(enabled, total=total_bytes, desc=desc, unit="B", unit_scale=True,
+                                     unit_divisor=1024, delay=2, leave=False, dynamic_ncols=True)
 
     def update(self, nbytes, elapsed, rate=None):
         if self.bar is None:

@@ -81,13 +81,18 @@ def _fits(need, have):
 
 
 def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DEFAULT_BUFFER_BYTES):
-    """The three ways: torch's optimizer with its state on the GPU, OffloadAdamW(offload="cpu") with the state in
-    RAM, OffloadAdamW(offload="nvme") with the state on disk and `buffer_bytes` of pinned RAM."""
-    on_gpu = round(params * (per.weights + per.grads))
+    """The ways to train, in this order: with a GPU, torch's optimizer with its state on the GPU,
+    OffloadAdamW(offload="cpu") with the state in RAM, OffloadAdamW(offload="nvme") with the state on disk and
+    `buffer_bytes` of pinned RAM; then without a GPU (training on the CPU), OffloadAdamW(offload="cpu") with
+    everything in RAM and OffloadAdamW(offload="nvme") with the weights and gradients in RAM, the state on disk."""
+    weights_and_grads = round(params * (per.weights + per.grads))
     state = round(params * per.state)
-    ways = [("no offload (state on the GPU)", on_gpu + state, 0, 0),
-            ('offload="cpu" (state in RAM)', on_gpu, state, 0),
-            ('offload="nvme" (state on disk)', on_gpu, min(buffer_bytes, state), state)]
+    pipeline = min(buffer_bytes, state)
+    ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
+            ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
+            ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
+            ('no GPU, offload="cpu" (all in RAM)', 0, weights_and_grads + state, 0),
+            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state)]
     have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
     return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
                                    if need})

@@ -61,7 +61,15 @@ def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_b
 
 
 def _gb(n):
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / (1 << 20):.1f} MiB"
+    """Binary units, like the sizes the command takes (--ram 64G is 64 GiB and prints as 64.0 GiB)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _rate(bytes_per_s):
+    return f"{bytes_per_s / (1 << 30):.2f} GiB/s"
 
 
 def _count(n):
@@ -85,28 +93,40 @@ def plan_text(p):
              f"{_gb(tot['optimizer_state'])}, all {_gb(tot['total'])}", ""]
     have = [f"{k} {_gb(v)}" for k, v in (("GPU", cap["gpu"]), ("RAM", cap["ram"]), ("disk free", cap["disk_free"]))
             if v is not None]
-    lines.append(f"{'where it sits':34}{'GPU':>10}{'RAM':>10}{'disk':>10}   fits"
+    lines.append(f"{'where it sits':40}{'GPU':>11}{'RAM':>11}{'disk':>11}   fits"
                  + (f" ({', '.join(have)})" if have else " (give --gpu-mem, --ram, --disk to check)"))
     for lay in p["layouts"]:
         short = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is False]
         unknown = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is None]
         verdict = (f"no: {', '.join(short)} too small" if short else
                    f"? ({', '.join(unknown)} not given)" if unknown else "yes")
-        lines.append(f"{lay['name']:34}{_gb(lay['gpu']):>10}{_gb(lay['ram']) if lay['ram'] else '-':>10}"
-                     f"{_gb(lay['disk']) if lay['disk'] else '-':>10}   {verdict}")
+        lines.append(f"{lay['name']:40}{_gb(lay['gpu']) if lay['gpu'] else '-':>11}"
+                     f"{_gb(lay['ram']) if lay['ram'] else '-':>11}{_gb(lay['disk']) if lay['disk'] else '-':>11}"
+                     f"   {verdict}")
     lines.append("")
     disk = p.get("disk")
     if p["nvme_step_seconds"] is not None:
         s = tot["optimizer_state"]
         lines.append(f"nvme step: the state is read and written once per step: {_gb(s)} at "
-                     f"{disk['read_bytes_per_s'] / 1e9:.2f} GB/s read + at {disk['write_bytes_per_s'] / 1e9:.2f} "
-                     f"GB/s write = {p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam "
-                     "compute runs under the I/O.")
+                     f"{_rate(disk['read_bytes_per_s'])} read + at {_rate(disk['write_bytes_per_s'])} write = "
+                     f"{p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam compute runs "
+                     "under the I/O.")
     else:
         lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
     lines += [f"nvme mode holds min(buffer_bytes, state) = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
               f"(buffer_bytes {_gb(p['buffer_bytes'])}); a streaming checkpoint (opt.save) needs about the "
               "state's size again on its disk.",
-              "Not counted: activations, the CUDA context, allocator slack. If weights + gradients alone exceed "
-              "the GPU, optimizer offload is not enough: offload the weights too (swapio.offload) or shard them."]
+              "Not counted: activations, the CUDA context, allocator slack. Sizes are binary (GiB = 2^30 bytes)."]
+    if cap["gpu"] is not None and tot["weights"] + tot["grads"] > cap["gpu"]:
+        lines += ["", *_weights_exceed_gpu(tot, cap["gpu"])]
     return "\n".join(lines)
+
+
+def _weights_exceed_gpu(tot, gpu):
+    """What to do when weights + gradients alone do not fit the GPU. swapio.offload streams weights in for the
+    forward and backward passes, but OffloadAdamW cannot yet update offloaded weights: say what works today."""
+    return [f"Weights + gradients alone ({_gb(tot['weights'] + tot['grads'])}) exceed the GPU ({_gb(gpu)}): "
+            "optimizer offload is not enough. What works today: fine-tuning with the base weights frozen and "
+            "offloaded (swapio.offload.cpu_offload / disk_offload) and small trainable weights on the GPU, e.g. "
+            "LoRA adapters (peft). Full training of offloaded weights is not supported yet; for that, shard the "
+            "model over several GPUs (FSDP, DeepSpeed ZeRO), or train on the CPU (the no GPU rows)."]

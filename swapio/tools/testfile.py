@@ -31,7 +31,7 @@ class TestFile:
             check_directory(os.path.dirname(self.path), "--file's directory")
             if os.path.exists(self.path):
                 if not os.path.isfile(self.path):
-                    raise ToolError(f"--file {file} exists and is not a regular file")
+                    raise PathError(f"--file {file} exists and is not a regular file")
             else:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 os.close(fd)

@@ -16,17 +16,16 @@ import datetime
 import json
 import math
 import statistics
-import sys
 import time
+from typing import Optional
 
 import numpy as np
 
-from tqdm import tqdm
 
-from .. import __version__, _C
+from .. import __version__, _C, _progress
 from ..handle import AioHandle
 from . import loadgen, report
-from .errors import ToolError
+from .errors import ToolError, UsageError
 from .testfile import TestFile, no_interrupts
 
 CONFIG_NAME = "swapio-io.json"  # written into the tuned directory unless -o says otherwise
@@ -50,27 +49,31 @@ class TuneError(ToolError):
     """Bad tune input or environment: printed as one line by the CLI."""
 
 
+class TuneUsageError(TuneError, UsageError):
+    """Settings that cannot run as given: the CLI exits 2 for it."""
+
+
 @dataclasses.dataclass
 class TuneConfig:
-    directory: str = None
+    directory: Optional[str] = None
     size: int = DEFAULT_SIZE
     ops: tuple = ("read", "write")
-    engines: tuple = None   # None: every usable engine
+    engines: Optional[tuple] = None  # None: every usable engine
     block_sizes: tuple = BLOCK_SIZES
     depths: tuple = DEPTHS
     threads: tuple = THREADS
     point_time: float = DEFAULT_POINT_TIME
     warmup: float = DEFAULT_WARMUP
     budget: float = DEFAULT_BUDGET
-    direct: bool = None
-    progress: bool = False
+    direct: Optional[bool] = None
+    progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
         for op in self.ops:
             if op not in ("read", "write"):
-                raise TuneError(f"--rw takes read and/or write, got {op!r}")
+                raise TuneUsageError(f"--rw takes read and/or write, got {op!r}")
         if not self.ops:
-            raise TuneError("--rw is empty")
+            raise TuneUsageError("--rw is empty")
         status = _C.engine_status()
         if self.engines is None:
             self.engines = tuple(e for e in _C.AUTO_ENGINE_ORDER if status.get(e) == "ok")
@@ -78,22 +81,22 @@ class TuneConfig:
                 raise TuneError("no usable I/O engine here (see swapio info)")
         for e in self.engines:
             if e not in status:
-                raise TuneError(f"unknown engine {e!r} (choose from {', '.join(status)})")
+                raise TuneUsageError(f"unknown engine {e!r} (choose from {', '.join(status)})")
             if status[e] != "ok":
-                raise TuneError(f"engine {e} is unavailable here: {status[e]}")
+                raise TuneUsageError(f"engine {e} is unavailable here: {status[e]}")
         for name, values, lo in (("--bs", self.block_sizes, 1), ("--iodepth", self.depths, 1),
                                  ("--threads", self.threads, 1)):
             if not values or min(values) < lo:
-                raise TuneError(f"{name} values must be >= {lo}, got {list(values)}")
+                raise TuneUsageError(f"{name} values must be >= {lo}, got {list(values)}")
         self.block_sizes = tuple(sorted(set(self.block_sizes)))
         self.depths = tuple(sorted(set(self.depths)))
         self.threads = tuple(sorted(set(self.threads)))
         if max(self.depths) > _C.MAX_QUEUE_DEPTH or max(self.threads) > _C.MAX_THREADS:
-            raise TuneError(f"--iodepth must be <= {_C.MAX_QUEUE_DEPTH} and --threads <= {_C.MAX_THREADS}")
+            raise TuneUsageError(f"--iodepth must be <= {_C.MAX_QUEUE_DEPTH} and --threads <= {_C.MAX_THREADS}")
         if self.size < min(self.block_sizes) * min(self.threads):
-            raise TuneError(f"--size {self.size} is smaller than the smallest block size x threads")
+            raise TuneUsageError(f"--size {self.size} is smaller than the smallest block size x threads")
         if not self.point_time > 0 or not self.budget >= 0:
-            raise TuneError("--point-time must be > 0 and --budget >= 0")
+            raise TuneUsageError("--point-time must be > 0 and --budget >= 0")
 
 
 @dataclasses.dataclass
@@ -297,19 +300,18 @@ def run_tune(cfg, log=None):
         probe = _C.probe_file(target.path)
         direct = bool(probe["direct"]) and cfg.direct is not False
         if cfg.direct and not probe["direct"]:
-            raise TuneError(f"the file system of {target.directory} refuses O_DIRECT; use --buffered")
+            raise TuneUsageError(f"the file system of {target.directory} refuses O_DIRECT; use --buffered")
         if direct:
             align = probe["offset_align"]
             cfg.block_sizes = tuple(b for b in cfg.block_sizes if b % align == 0)
             if not cfg.block_sizes:
-                raise TuneError(f"no block size is a multiple of the direct-I/O alignment ({align} bytes)")
+                raise TuneUsageError(f"no block size is a multiple of the direct-I/O alignment ({align} bytes)")
         elif cfg.direct is None and log:
             log(f"the file system of {target.directory} refuses O_DIRECT: tuning buffered I/O")
         target.check_free_space(cfg.size)
         with AioHandle(1 << 20, 32, 1, "auto", direct) as h:
             loadgen.sequential_pass(h, "write", target.path, cfg.size, None, False, "laying out")
-        if cfg.progress and sys.stderr.isatty():
-            bar = tqdm(desc="tune", unit=" points", leave=False, dynamic_ncols=True)
+        bar = _progress.bar(cfg.progress, desc="tune", unit=" points", leave=False, dynamic_ncols=True)
         sw = _Sweeper(cfg, target.path, direct, log, bar)
         for op in cfg.ops:
             sw.stage = "coarse"

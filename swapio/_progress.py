@@ -1,0 +1,38 @@
+"""One rule for progress bars, for the `swapio` command and, later, the library (opt.save, disk_offload).
+
+A bar is shown when asked (`progress=True`: the command's `--progress`, or SWAPIO_PROGRESS=1), hidden when told
+(`progress=False`: `-q`, or SWAPIO_PROGRESS=0), and otherwise only when stderr, where it is drawn, is a
+terminal. A bar redraws itself with carriage returns, which turn a log file or a CI transcript into noise, so
+output that nobody watches live gets none unless asked for.
+"""
+import os
+import sys
+from typing import Any, Optional, TextIO
+
+ENV = "SWAPIO_PROGRESS"
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> bool:
+    """Whether to draw a progress bar: `progress` if it is True or False; else SWAPIO_PROGRESS if set (1/0,
+    true/false, yes/no, on/off); else whether `stream` (default: sys.stderr) is a terminal."""
+    if progress is not None:
+        return bool(progress)
+    env = os.environ.get(ENV, "").strip().lower()
+    if env in _YES:
+        return True
+    if env in _NO:
+        return False
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
+def bar(progress: Optional[bool] = None, **tqdm_kwargs: Any) -> Any:
+    """A tqdm bar on stderr (tqdm's keyword arguments: total, desc, unit, ...) when wanted(progress), else None.
+    Callers update and close it only when it is not None."""
+    if not wanted(progress):
+        return None
+    from tqdm import tqdm
+    tqdm_kwargs.setdefault("file", sys.stderr)
+    return tqdm(**tqdm_kwargs)
