@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: medians, cache dropping, tables (sizes: swapio.tools.report.parse_size).
+"""Shared helpers for the benchmarks: medians, cache dropping, tables (sizes: swapio.tools.parse_size).
 
 Import this first: it puts the checkout ahead of any installed swapio on sys.path, so the benchmarks run from
 an in-place build (`python setup.py build_ext --inplace`) as they are.

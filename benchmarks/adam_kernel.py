@@ -32,7 +32,7 @@ import torch
 
 import _common  # noqa: F401  (first: the checkout's swapio)
 import swapio.ops as sops
-from swapio.tools.report import fmt_size, parse_size
+from swapio.tools import fmt_size, parse_size
 
 BYTES_PER_PARAM = 28
 STATE_BYTES = {"adam-bf16": 20, "adam-int8": 16 + 16 / 256, "lion-fp32": 20, "lion-int8": 14 + 8 / 256}

@@ -11,7 +11,7 @@ import torch
 
 from _common import drop_caches, median, print_table  # first: the checkout's swapio
 import swapio
-from swapio.tools.report import parse_size
+from swapio.tools import parse_size
 
 
 def main():

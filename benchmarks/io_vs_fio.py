@@ -5,7 +5,7 @@ against the aligned pinned path.
 
 Sequential write and read at 1 MiB and 128 KiB blocks, queue depth 32, O_DIRECT. Each repeat runs every
 contender once, in a rotating order (these machines are noisy: compare medians of interleaved runs).
-fio: the command `swapio bench --compare-fio` runs (swapio.tools.fiocompare), with --ioengine=libaio|io_uring.
+fio: the command `swapio bench --compare-fio` runs (swapio.tools.fio_command / run_fio), with --ioengine=libaio|io_uring.
 """
 import argparse
 import json
@@ -17,8 +17,8 @@ import torch
 
 from _common import drop_caches, median, print_table  # first: the checkout's swapio
 import swapio
-from swapio.tools import fiocompare
-from swapio.tools.report import parse_size
+import swapio.tools as fio
+from swapio.tools import parse_size
 
 CONFIGS = [(1 << 20, 32), (128 << 10, 32)]
 FIO_CONTENDERS = {"fio-libaio": "aio", "fio-io_uring": "uring"}  # fio's engine as swapio names it
@@ -26,9 +26,9 @@ FIO_CONTENDERS = {"fio-libaio": "aio", "fio-io_uring": "uring"}  # fio's engine 
 
 def fio_gbps(path, rw, bs, qd, size, engine):
     """One whole-file fio pass: the command `swapio bench --compare-fio` runs, with one job and 1 loop."""
-    cmd = fiocompare.fio_command(fiocompare.find_fio(), path=path, rw=rw, bs=bs, iodepth=qd, threads=1,
+    cmd = fio.fio_command(fio.find_fio(), path=path, rw=rw, bs=bs, iodepth=qd, threads=1,
                                  size=size, engine=engine, direct=True)
-    return fiocompare.run_fio(cmd)[rw]["bw_bytes"] / 1e9
+    return fio.run_fio(cmd)[rw]["bw_bytes"] / 1e9
 
 
 def swapio_gbps(path, rw, bs, qd, buf):
@@ -120,8 +120,8 @@ def main():
     summary = {"engine": swapio.AioHandle().engine}
     if not args.skip_fio:
         try:
-            fiocompare.find_fio()
-        except fiocompare.FioError as e:
+            fio.find_fio()
+        except fio.FioError as e:
             sys.exit(f"{e}; use --skip-fio for the tensor path only")
         summary["disk"] = disk_vs_fio(args)
     summary["tensor"] = tensor_paths(args)

@@ -15,7 +15,7 @@ import _common  # noqa: F401  (puts the checkout first on sys.path)
 import torch
 
 import swapio.optim as so
-from swapio.tools.report import parse_size
+from swapio.tools import parse_size
 
 
 def resident_bytes():

@@ -1,6 +1,6 @@
 """python -m swapio: the `swapio` command (demo, plan, bench, tune, info)."""
 import sys
 
-from .tools.cli import main
+from .tools.entry import main
 
 sys.exit(main())

@@ -29,10 +29,14 @@ def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> 
 
 
 def bar(progress: Optional[bool] = None, **tqdm_kwargs: Any) -> Any:
-    """A tqdm bar on stderr (tqdm's keyword arguments: total, desc, unit, ...) when wanted(progress), else None.
+    """A tqdm bar on stderr (tqdm's keyword arguments: total, desc, unit, ...) when wanted(progress) and tqdm is
+    installed, else None.
     Callers update and close it only when it is not None."""
     if not wanted(progress):
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the `cli` extra; the library alone shows no bar
+        return None
     tqdm_kwargs.setdefault("file", sys.stderr)
     return tqdm(**tqdm_kwargs)
