@@ -269,11 +269,13 @@ struct V {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
     const F absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
     const F fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(m, absmask), big, _CMP_LE_OQ),
                                 _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_LE_OQ));
-    return _mm256_add_epi32(n, _mm256_add_epi32(_mm256_castps_si256(fin), _mm256_set1_epi32(1)));  // -1 finite
+    m = _mm256_and_ps(m, fin);
+    v = _mm256_and_ps(v, fin);
+    return _mm256_sub_epi32(n, _mm256_xor_si256(_mm256_castps_si256(fin), _mm256_set1_epi32(-1)));  // +1 where not
   }
   static SWAPIO_INLINE int64_t count_sum(U n) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));

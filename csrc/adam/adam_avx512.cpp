@@ -326,8 +326,10 @@ struct V {
     return _mm512_mask_range_ps(acc, finite, acc, x, 0x0B);
   }
   static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
     const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);
+    m = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), m);
+    v = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), v);
     return _mm512_mask_sub_epi32(n, bad, n, _mm512_set1_epi32(-1));
   }
   static SWAPIO_INLINE int64_t count_sum(U n) { return _mm512_reduce_add_epi32(n); }  // a block's: at most 256

@@ -132,8 +132,10 @@ struct V {
     return ax <= FLT_MAX && ax > acc ? ax : acc;
   }
   static SWAPIO_INLINE float hmax(F a) { return a; }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
-    return n + !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX);
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
+    if (std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX) return n;
+    m = v = 0.0f;
+    return n + 1;
   }
   static SWAPIO_INLINE int64_t count_sum(U n) { return n; }
 };

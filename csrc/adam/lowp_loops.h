@@ -12,8 +12,8 @@
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode, encode2 (two encodes, in
-//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite (adds, per
-//   lane of a U, 1 where m or v is not finite), count_sum (the lanes' counts added).
+//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, drop_nonfinite (adds, per
+//   lane of a U, 1 where m or v is not finite, and sets both to +0 there), count_sum (the lanes' counts added).
 #include <cfloat>
 #include <cstdint>
 
@@ -241,13 +241,21 @@ struct Loops {
     Step::step(a, p, g, m, v);
     V::store(q.p, p);
     V::template store_out<O>(q.out, p);
+    // An element whose m or v is not finite keeps neither: int8 cannot hold inf or NaN, and a finite m beside
+    // a v stored as 0 (g * g overflowed) would move the parameter by m / eps at the next step, where fp32
+    // state's v stays inf and the update 0. Both start over from 0, before the block's absmax sees them.
+    if constexpr (two) {
+      nonfinite = V::drop_nonfinite(nonfinite, m, v);
+    } else {
+      F unused = m;
+      nonfinite = V::drop_nonfinite(nonfinite, m, unused);
+    }
     V::store(mb, m);
     mmax = V::max_abs_finite(mmax, m);
     if (two) {
       V::store(vb, v);
       vmax = V::max_abs_finite(vmax, v);
     }
-    nonfinite = V::count_nonfinite(nonfinite, m, two ? v : m);
   }
 
   // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.

@@ -53,6 +53,7 @@ Run run(bool lion, StateType st, Capability cap, int64_t n, DType gdt, int threa
     g32[3] = NAN;
     g32[n / 2] = INFINITY;
     g32[n - 2] = -INFINITY;
+    g32[n / 3] = 3e38f;  // finite, but g * g overflows: m finite beside v = inf
     g16[5] = 0x7FC0;  // NaN in bf16; in fp16 a NaN too (exponent all ones)
   }
   const void* grad = gdt == DType::kF32 ? static_cast<const void*>(g32.data()) : g16.data();
