@@ -257,63 +257,64 @@ struct V {
       return mul(mag, scale);
     }
   }
-  // |x| * inv; 0 for a non-finite x. Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
+  // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
   static SWAPIO_INLINE F unit(F x, F inv) {
-    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    return _mm256_and_ps(_mm256_mul_ps(ax, inv), _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+    return _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), inv);
   }
   // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
-  // quick_code8, lane by lane); `deferred`: all ones in the lanes whose rounded P is a multiple of kPosUnit.
-  static SWAPIO_INLINE __m256i quick_code(F y, const QuantMap& q, __m256i& deferred) {
+  // quick_code8, lane by lane); returns rint(P), whose lanes on a multiple of kPosUnit defer to the bucket lookup,
+  // and the lanes' codes in `c`.
+  static SWAPIO_INLINE __m256i quick_code(F y, const QuantMap& q, __m256i& c) {
     const __m256i bits = _mm256_castps_si256(y);
     // the pair of binades, 0 below the table: y >= 0, so exponent / 2 fits the low 16 bits of each lane and an
     // unsigned saturating 16-bit subtraction clamps it; the other three bytes of each lane are 0 and read entry 0
     const __m256i pair = _mm256_subs_epu16(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(kPairBase));
     const __m256i below = _mm256_shuffle_epi8(
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(q.pair_below))), pair);
-    // y > mid as integers (non-negative floats order like their bits): the sign of mid - y
-    const __m256i mid = _mm256_castps_si256(_mm256_permutevar8x32_ps(_mm256_load_ps(q.mid8), below));
-    const __m256i r = _mm256_add_epi32(below, _mm256_srli_epi32(_mm256_sub_epi32(mid, bits), 31));
+    const F mid = _mm256_permutevar8x32_ps(_mm256_load_ps(q.mid8), below);
+    const __m256i r = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(y, mid, _CMP_GT_OQ)));
     const F pos = _mm256_fmsub_ps(y, _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_scale8), r),
                                   _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_offset8), r));
     const __m256i u = _mm256_cvtps_epi32(pos);  // round to nearest even (MXCSR's default, as nearbyint)
-    deferred = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(kPosUnit - 1)), _mm256_setzero_si256());
-    return _mm256_min_epi32(_mm256_srli_epi32(u, kPosBits),
-                            _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(q.code_max8)), r));
+    const __m256i code_max = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.code_max8));
+    c = _mm256_min_epi32(_mm256_srli_epi32(u, kPosBits), _mm256_permutevar8x32_epi32(code_max, r));
+    return u;
   }
-  // The lanes in `lanes` of c, from the bucket lookup (rare: one rounded P in kPosUnit; out of line).
-  static __attribute__((noinline, cold)) __m256i exact_lanes(F y, __m256i c, __m256i lanes, const QuantMap& q) {
+  // All lanes from the bucket lookup (rare: one rounded P in kPosUnit; out of line). Where quick_code does not
+  // defer it gives the same code (state_levels.cpp checks it), so the lanes need no mask.
+  static __attribute__((noinline, cold)) __m256i exact_codes(F y, const QuantMap& q) {
     alignas(32) float ys[8];
-    alignas(32) int32_t cs[8], ls[8];
+    alignas(32) int32_t cs[8];
     _mm256_store_ps(ys, y);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(cs), c);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ls), lanes);
-    for (int i = 0; i < 8; ++i) {
-      if (ls[i]) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
-    }
+    for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
   }
   // c: the code of +|x| (zero + k); a negative x (its sign bit, for blendvps) takes
   // zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k); -0 and a negative NaN have k = 0, where both agree
-  static SWAPIO_INLINE __m256i signed_codes(F x, __m256i c, const QuantMap& q) {
-    if (!q.is_signed) return c;
-    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * q.zero),
-                                        _mm256_min_epi32(c, _mm256_set1_epi32(q.zero + q.max_neg_k)));
+  template <bool kSigned>
+  static SWAPIO_INLINE __m256i signed_codes(F x, __m256i c) {
+    if constexpr (!kSigned) return c;
+    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * kSignedZero),
+                                        _mm256_min_epi32(c, _mm256_set1_epi32(kSignedZero + kSignedMaxNegK)));
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(cn), x));
   }
   // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements): the codes
   // of both packed to bytes together, 8 for out0 then 8 for out1.
+  template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
     const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
-    __m256i defer0, defer1;
-    __m256i c0 = quick_code(y0, q0, defer0), c1 = quick_code(y1, q1, defer1);
-    if (__builtin_expect(!_mm256_testz_si256(_mm256_or_si256(defer0, defer1), _mm256_set1_epi32(-1)), 0)) {
-      c0 = exact_lanes(y0, c0, defer0, q0);
-      c1 = exact_lanes(y1, c1, defer1, q1);
+    __m256i c0, c1;
+    const __m256i u0 = quick_code(y0, q0, c0), u1 = quick_code(y1, q1, c1);
+    // a lane defers where rint(P) is a multiple of kPosUnit: the low bits' minimum over both vectors, less 1, < 0
+    const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
+    const __m256i least = _mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
+      c0 = exact_codes(y0, q0);
+      c1 = exact_codes(y1, q1);
     }
-    c0 = signed_codes(x0, c0, q0);
-    c1 = signed_codes(x1, c1, q1);
+    c0 = signed_codes<kSigned0>(x0, c0);
+    c1 = signed_codes<kSigned1>(x1, c1);
     // per 128-bit lane: the 16-bit codes of c0's 4, then c1's 4; bytes; dwords 0 and 4 (c0), then 1 and 5 (c1)
     const __m256i w = _mm256_packus_epi32(c0, c1);
     const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
@@ -321,13 +322,13 @@ struct V {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out0), both);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out1), _mm_unpackhi_epi64(both, both));
   }
+  template <bool kSigned>
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     alignas(16) uint8_t unused[8];
-    encode2(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
+    encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
   }
-  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
-    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    return _mm256_max_ps(acc, _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)));
+  static SWAPIO_INLINE F max_abs(F acc, F x) {
+    return _mm256_max_ps(acc, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
   }
   static SWAPIO_INLINE float hmax(F a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -335,10 +336,9 @@ struct V {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
+  // x - x is 0 for a finite x and NaN otherwise: one ordered compare of both differences finds the lanes to keep
   static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
-    const F absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
-    const F fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(m, absmask), big, _CMP_LE_OQ),
-                                _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_LE_OQ));
+    const F fin = _mm256_cmp_ps(_mm256_sub_ps(m, m), _mm256_sub_ps(v, v), _CMP_ORD_Q);
     m = _mm256_and_ps(m, fin);
     v = _mm256_and_ps(v, fin);
     return _mm256_sub_epi32(n, _mm256_xor_si256(_mm256_castps_si256(fin), _mm256_set1_epi32(-1)));  // +1 where not

@@ -166,6 +166,7 @@ Built build(bool is_signed) {
     q.bucket[idx] = static_cast<uint32_t>(first) << 16 | low;
   }
   build_regions(q, b.valid);
+  if (is_signed && (q.zero != kSignedZero || q.max_neg_k != kSignedMaxNegK)) b.valid = false;
   for (int c = 0; c < 256; ++c) {  // the AVX2 decode gives every code's value, bit for bit
     if (scalar_ops::f32_bits(decode8(q, c)) != scalar_ops::f32_bits(q.code[c])) b.valid = false;
   }

@@ -41,6 +41,9 @@ constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
 constexpr int kPosBits = 12;  // P counts 2^-12 code steps: far finer than P's float rounding (P < 2^20)
 constexpr int32_t kPosUnit = 1 << kPosBits;
+// The signed map's code of 0 and largest negative magnitude index (the AVX2 kernel's constants; checked at build)
+constexpr int32_t kSignedZero = 127;
+constexpr int32_t kSignedMaxNegK = 127;
 constexpr uint32_t kPairBase = 48;  // pairs of binades 2^-31 .. 2^0 (exponent fields 96 .. 127) by field / 2 - 48
 
 struct QuantMap {
