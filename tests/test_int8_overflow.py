@@ -133,3 +133,39 @@ def test_optimizer_int8_huge_gradient_is_no_worse_than_fp32(cls, hyper):
     if cls is so.OffloadAdamW:  # and torch's AdamW agrees with fp32 state
         ref = run_optimizer(None, None, torch_cls=torch.optim.AdamW, **hyper)
         torch.testing.assert_close(p32, ref, rtol=1e-5, atol=1e-6)
+
+
+def continue_after(opt, p, gs):
+    for g in gs:
+        p.grad = g.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("route", ["state_dict", "checkpoint"])
+def test_loading_overflowed_fp32_state_into_int8_is_no_worse(route, tmp_path):
+    # fp32 state that went through the overflow (exp_avg_sq inf beside a finite exp_avg), loaded into int8 state:
+    # from torch's AdamW state dict, or from an fp32-state optimizer's checkpoint (converted on load)
+    gs = gradients()
+    p0 = torch.randn(N, generator=torch.Generator().manual_seed(8))
+    src = torch.nn.Parameter(p0.clone())
+    if route == "state_dict":
+        first = torch.optim.AdamW([src], lr=LR, weight_decay=0.0)
+    else:
+        first = so.OffloadAdamW([src], lr=LR, weight_decay=0.0, offload="cpu", state_dtype="fp32")
+    continue_after(first, src, gs[:2])
+    ref = continue_after(first, src, gs[2:]).clone()  # fp32 state all the way
+    p = torch.nn.Parameter(p0.clone())
+    warm = torch.optim.AdamW([p], lr=LR, weight_decay=0.0) if route == "state_dict" else \
+        so.OffloadAdamW([p], lr=LR, weight_decay=0.0, offload="cpu", state_dtype="fp32")
+    continue_after(warm, p, gs[:2])
+    assert torch.isinf(warm.state[p]["exp_avg_sq"]).any()
+    loaded = so.OffloadAdamW([p], lr=LR, weight_decay=0.0, offload="cpu", state_dtype="int8")
+    if route == "state_dict":
+        loaded.load_state_dict(warm.state_dict())
+    else:
+        warm.save(tmp_path / "ckpt")
+        loaded.load(tmp_path / "ckpt")
+    assert_not_worse(continue_after(loaded, p, gs[2:]), ref, f"int8 loaded through {route}")

@@ -174,9 +174,7 @@ def load(opt, path):
             for name in offsets[p]:
                 saved[name] = torch.empty(saved_fmt.count(name, b - a), dtype=saved_fmt.dtype(name))
                 read(p, name, a, saved[name]).wait()
-            for name in views:
-                if not fmt.is_scale(name):
-                    fmt.encode(views, name, saved_fmt.decode(saved, name))
+            fmt.encode_fields(views, {name: saved_fmt.decode(saved, name) for name in views if not fmt.is_scale(name)})
             return []
 
         def check():

@@ -77,9 +77,7 @@ def _install_state(opt):
     fmt = opt._rule.format
 
     def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
-        for name in views:
-            if not fmt.is_scale(name):
-                fmt.encode(views, name, values[p][name][a:b])
+        fmt.encode_fields(views, {name: values[p][name][a:b] for name in views if not fmt.is_scale(name)})
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)

@@ -76,6 +76,17 @@ class StateFormat:
             return quant.dequantize(view, views[name + SCALE], signed=name not in _UNSIGNED)
         return view.float()  # the view itself when it is fp32
 
+    def encode_fields(self, views, values):
+        """Stores fp32 values of several exported fields ({name: values}) into the views of one slice. int8 drops
+        both moments of an element where either is not finite (swapio.quant.drop_nonfinite_pairs), as the kernels
+        do: a loaded exp_avg_sq of inf beside a finite exp_avg would otherwise be stored as 0 beside it."""
+        if self.name == "int8" and "exp_avg" in values and "exp_avg_sq" in values:
+            m, v = values["exp_avg"].float().clone(), values["exp_avg_sq"].float().clone()
+            quant.drop_nonfinite_pairs(m, v)
+            values = {**values, "exp_avg": m, "exp_avg_sq": v}
+        for name, x in values.items():
+            self.encode(views, name, x)
+
     def encode(self, views, name, values):
         """Stores fp32 values of an exported field into the views of one slice."""
         view = views[name]
