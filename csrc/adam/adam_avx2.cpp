@@ -7,12 +7,6 @@
 // with external linkage is emitted from this file, so none can replace a baseline copy at link time.
 #if SWAPIO_HAVE_X86_KERNELS
 
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12 warns about the deliberately undefined pass-through operand of some intrinsics (GCC bug 105593): a
-// false positive.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 #include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
