@@ -259,6 +259,8 @@ class _Decoded:
                 self.values.append(t.reshape(-1).float())
 
     def store(self):
+        if len(self.values) == 2 and self.moments[0][0].dtype == torch.uint8:
+            quant.drop_nonfinite_pairs(*self.values)
         bits = None
         for j, ((t, scale, signed), x) in enumerate(zip(self.moments, self.values)):
             if t.dtype == torch.uint8:

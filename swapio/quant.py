@@ -12,7 +12,9 @@ The signed map (first moments) has 127 values each side (+1 but no -1); the unsi
 never negative, so ``eps`` keeps its meaning) has 254 positive ones. Encoding picks the nearest code (ties
 toward zero). A non-finite value is encoded as 0 and kept out of its block's scale, so one NaN or inf gradient
 cannot wipe the other 255 elements of its block; a block whose absmax is below the smallest normal float is
-stored as zeros.
+stored as zeros. Adam's two moments of an element are dropped together (``drop_nonfinite_pairs``): a huge finite
+gradient overflows g * g, and a finite exp_avg beside an exp_avg_sq stored as 0 would move the parameter by
+exp_avg / eps at the next step (fp32 state keeps exp_avg_sq = inf there, and the update 0).
 
 bf16 with stochastic rounding: 16 random bits are added below the kept ones before truncation, so a value
 rounds up with a probability equal to the dropped fraction and the stored moment is unbiased. With
@@ -97,6 +99,13 @@ def quantize(x: torch.Tensor, signed: bool) -> Tuple[torch.Tensor, torch.Tensor]
     else:
         code = q.zero + k
     return code.to(torch.uint8).reshape(-1)[:n].clone(), scale
+
+
+def drop_nonfinite_pairs(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """Sets both moments of every element where either is NaN or infinite to 0, in place (before quantize())."""
+    bad = ~(exp_avg.isfinite() & exp_avg_sq.isfinite())
+    exp_avg.masked_fill_(bad, 0.0)
+    exp_avg_sq.masked_fill_(bad, 0.0)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool,

@@ -14,6 +14,7 @@
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
 #include "adam/lowp_loops.h"
+#include "adam/quant_search.h"
 
 namespace swapio {
 namespace adam {
@@ -229,39 +230,99 @@ struct V {
   }
   static SWAPIO_INLINE U lo16(U r) { return _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)); }
   static SWAPIO_INLINE U hi16(U r) { return _mm256_srli_epi32(r, 16); }
+  // code value * scale, by arithmetic (quant.h, quant_search.h's decode8): the magnitude is one FMA on the rank,
+  // with the line of the rank's binade (two vpermps on its exponent field's low 3 bits). The signed map is
+  // symmetric: rank = |code - zero|, vpsignd by the rank clears the zero code's lane (rank 0, whose float has no
+  // binade), and the sign bit of code - zero becomes the value's.
   template <bool kSigned>
   static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
-    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
-    return mul(_mm256_i32gather_ps(q.code, idx, 4), scale);
-  }
-  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
-    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    const F finite = _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ);
-    F y = _mm256_mul_ps(_mm256_and_ps(ax, finite), inv);
-    y = _mm256_min_ps(y, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_castps_si256(y), low = _mm256_set1_epi32(0xFFFF);
-    __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(static_cast<int>(kBucketKeyMin)));
-    idx = _mm256_max_epi32(idx, _mm256_setzero_si256());
-    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(q.bucket), idx, 4);
-    const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(bits, low), _mm256_and_si256(entry, low));
-    const __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(entry, 16), above);  // true is -1
-    __m256i c = _mm256_add_epi32(_mm256_set1_epi32(q.zero), k);
-    if (q.is_signed) {
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
-      const __m256i kn = _mm256_min_epi32(k, _mm256_set1_epi32(q.max_neg_k));
-      c = _mm256_blendv_epi8(c, _mm256_sub_epi32(_mm256_set1_epi32(q.zero), kn), neg);
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+    const __m256i s = kSigned ? _mm256_sub_epi32(idx, _mm256_set1_epi32(q.zero)) : idx;
+    const __m256i rank = kSigned ? _mm256_abs_epi32(s) : _mm256_add_epi32(idx, _mm256_set1_epi32(1));
+    const F rf = _mm256_cvtepi32_ps(rank);
+    const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(rf), 23);
+    const F mag = _mm256_fmadd_ps(rf, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot),
+                                  _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot));
+    if constexpr (kSigned) {
+      const __m256i v = _mm256_or_si256(_mm256_sign_epi32(_mm256_castps_si256(mag), rank),
+                                        _mm256_and_si256(s, _mm256_set1_epi32(INT32_MIN)));
+      return mul(_mm256_castsi256_ps(v), scale);
+    } else {
+      return mul(mag, scale);
     }
-    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
   }
+  // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
+  static SWAPIO_INLINE F unit(F x, F inv) {
+    return _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), inv);
+  }
+  // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
+  // quick_code8, lane by lane); returns rint(P), whose lanes on a multiple of kPosUnit defer to the bucket lookup,
+  // and the lanes' codes in `c`.
+  static SWAPIO_INLINE __m256i quick_code(F y, const QuantMap& q, __m256i& c) {
+    const __m256i bits = _mm256_castps_si256(y);
+    // the pair of binades, 0 below the table: y >= 0, so exponent / 2 fits the low 16 bits of each lane and an
+    // unsigned saturating 16-bit subtraction clamps it; the other three bytes of each lane are 0 and read entry 0
+    const __m256i pair = _mm256_subs_epu16(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(kPairBase));
+    const __m256i below = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(q.pair_below))), pair);
+    const F mid = _mm256_permutevar8x32_ps(_mm256_load_ps(q.mid8), below);
+    const __m256i r = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(y, mid, _CMP_GT_OQ)));
+    const F pos = _mm256_fmsub_ps(y, _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_scale8), r),
+                                  _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_offset8), r));
+    const __m256i u = _mm256_cvtps_epi32(pos);  // round to nearest even (MXCSR's default, as nearbyint)
+    const __m256i code_max = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.code_max8));
+    c = _mm256_min_epi32(_mm256_srli_epi32(u, kPosBits), _mm256_permutevar8x32_epi32(code_max, r));
+    return u;
+  }
+  // All lanes from the bucket lookup (rare: one rounded P in kPosUnit; out of line). Where quick_code does not
+  // defer it gives the same code (state_levels.cpp checks it), so the lanes need no mask.
+  static __attribute__((noinline, cold)) __m256i exact_codes(F y, const QuantMap& q) {
+    alignas(32) float ys[8];
+    alignas(32) int32_t cs[8];
+    _mm256_store_ps(ys, y);
+    for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
+  }
+  // c: the code of +|x| (zero + k); a negative x (its sign bit, for blendvps) takes
+  // zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k); -0 and a negative NaN have k = 0, where both agree
+  template <bool kSigned>
+  static SWAPIO_INLINE __m256i signed_codes(F x, __m256i c) {
+    if constexpr (!kSigned) return c;
+    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * kSignedZero),
+                                        _mm256_min_epi32(c, _mm256_set1_epi32(kSignedZero + kSignedMaxNegK)));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(cn), x));
+  }
+  // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements): the codes
+  // of both packed to bytes together, 8 for out0 then 8 for out1.
+  template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
-    encode(out0, x0, inv0, q0);
-    encode(out1, x1, inv1, q1);
+    const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
+    __m256i c0, c1;
+    const __m256i u0 = quick_code(y0, q0, c0), u1 = quick_code(y1, q1, c1);
+    // a lane defers where rint(P) is a multiple of kPosUnit: the low bits' minimum over both vectors, less 1, < 0
+    const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
+    const __m256i least = _mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
+      c0 = exact_codes(y0, q0);
+      c1 = exact_codes(y1, q1);
+    }
+    c0 = signed_codes<kSigned0>(x0, c0);
+    c1 = signed_codes<kSigned1>(x1, c1);
+    // per 128-bit lane: the 16-bit codes of c0's 4, then c1's 4; bytes; dwords 0 and 4 (c0), then 1 and 5 (c1)
+    const __m256i w = _mm256_packus_epi32(c0, c1);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+    const __m128i both = _mm256_castsi256_si128(b);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out0), both);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out1), _mm_unpackhi_epi64(both, both));
   }
-  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
-    const F ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-    return _mm256_max_ps(acc, _mm256_and_ps(ax, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ)));
+  template <bool kSigned>
+  static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
+    alignas(16) uint8_t unused[8];
+    encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
+  }
+  static SWAPIO_INLINE F max_abs(F acc, F x) {
+    return _mm256_max_ps(acc, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
   }
   static SWAPIO_INLINE float hmax(F a) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -269,11 +330,12 @@ struct V {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
-    const F absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), big = _mm256_set1_ps(FLT_MAX);
-    const F fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(m, absmask), big, _CMP_LE_OQ),
-                                _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_LE_OQ));
-    return _mm256_add_epi32(n, _mm256_add_epi32(_mm256_castps_si256(fin), _mm256_set1_epi32(1)));  // -1 finite
+  // x - x is 0 for a finite x and NaN otherwise: one ordered compare of both differences finds the lanes to keep
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
+    const F fin = _mm256_cmp_ps(_mm256_sub_ps(m, m), _mm256_sub_ps(v, v), _CMP_ORD_Q);
+    m = _mm256_and_ps(m, fin);
+    v = _mm256_and_ps(v, fin);
+    return _mm256_sub_epi32(n, _mm256_xor_si256(_mm256_castps_si256(fin), _mm256_set1_epi32(-1)));  // +1 where not
   }
   static SWAPIO_INLINE int64_t count_sum(U n) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));

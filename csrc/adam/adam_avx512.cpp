@@ -285,12 +285,9 @@ struct V {
     }
     return _mm512_load_si512(cs);
   }
-  // |x| * inv; 0 for a non-finite x. Not clamped to 1 as in the scalar level: |x| is at most the block's absmax A,
-  // so y <= A * float(1 / A) < 2, and a y in [1, 2) lies in the binade of region 8 (code max_k), as 1 does.
-  static SWAPIO_INLINE F unit(F x, F inv) {
-    const F ax = _mm512_abs_ps(x);
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ), ax, inv);
-  }
+  // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 as in the scalar level: |x| is at most the block's
+  // absmax A, so y <= A * float(1 / A) < 2, and a y in [1, 2) lies in the binade of region 8 (code max_k), as 1 does.
+  static SWAPIO_INLINE F unit(F x, F inv) { return _mm512_mul_ps(_mm512_abs_ps(x), inv); }
   // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k)
   static SWAPIO_INLINE void store_codes(uint8_t* out, F x, __m512i c, const QuantMap& q) {
     if (q.is_signed) {
@@ -302,6 +299,7 @@ struct V {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
   }
   // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements).
+  template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
     const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
@@ -314,20 +312,20 @@ struct V {
     store_codes(out0, x0, c0, q0);
     store_codes(out1, x1, c1, q1);
   }
+  template <bool kSigned>
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     alignas(16) uint8_t unused[16];
-    encode2(out, x, inv, q, unused, _mm512_setzero_ps(), inv, q);
+    encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm512_setzero_ps(), inv, q);
   }
   // QNaN, SNaN, +inf and -inf for vfpclassps
   static constexpr int kNonFinite = 0x01 | 0x80 | 0x08 | 0x10;
-  // vrangeps 0x0B: the larger magnitude with its sign cleared, max(acc, |x|) as acc >= 0; in finite lanes only
-  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
-    const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(x, kNonFinite));
-    return _mm512_mask_range_ps(acc, finite, acc, x, 0x0B);
-  }
+  // vrangeps 0x0B: the larger magnitude with its sign cleared, max(acc, |x|) as acc >= 0
+  static SWAPIO_INLINE F max_abs(F acc, F x) { return _mm512_range_ps(acc, x, 0x0B); }
   static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
     const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);
+    m = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), m);
+    v = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), v);
     return _mm512_mask_sub_epi32(n, bad, n, _mm512_set1_epi32(-1));
   }
   static SWAPIO_INLINE int64_t count_sum(U n) { return _mm512_reduce_add_epi32(n); }  // a block's: at most 256

@@ -114,26 +114,30 @@ struct V {
   static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
     return rounded(q.code[*code] * scale);
   }
+  template <bool kSigned>
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     const float ax = std::fabs(x);
-    float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;
+    float y = ax <= FLT_MAX ? rounded(ax * inv) : 0.0f;  // (x is finite here; kept for any other caller)
     y = y < 1.0f ? y : 1.0f;
     const int k = exact_k(q, y);
     if (q.is_signed && x < 0.0f) *out = static_cast<uint8_t>(q.zero - (k < q.max_neg_k ? k : q.max_neg_k));
     else *out = static_cast<uint8_t>(q.zero + k);
   }
+  template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
-    encode(out0, x0, inv0, q0);
-    encode(out1, x1, inv1, q1);
+    encode<kSigned0>(out0, x0, inv0, q0);
+    encode<kSigned1>(out1, x1, inv1, q1);
   }
-  static SWAPIO_INLINE F max_abs_finite(F acc, F x) {
+  static SWAPIO_INLINE F max_abs(F acc, F x) {
     const float ax = std::fabs(x);
-    return ax <= FLT_MAX && ax > acc ? ax : acc;
+    return ax > acc ? ax : acc;
   }
   static SWAPIO_INLINE float hmax(F a) { return a; }
-  static SWAPIO_INLINE U count_nonfinite(U n, F m, F v) {
-    return n + !(std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX);
+  static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
+    if (std::fabs(m) <= FLT_MAX && std::fabs(v) <= FLT_MAX) return n;
+    m = v = 0.0f;
+    return n + 1;
   }
   static SWAPIO_INLINE int64_t count_sum(U n) { return n; }
 };

@@ -11,9 +11,10 @@
 // V provides (W lanes; all arithmetic correctly rounded, mul() never fused with a later add):
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
-//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode, encode2 (two encodes, in
-//   any order), max_abs_finite (max(acc, |x|) where x is finite, else acc), hmax, count_nonfinite (adds, per
-//   lane of a U, 1 where m or v is not finite), count_sum (the lanes' counts added).
+//   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode<signed> of a finite x,
+//   encode2<signed, signed> (two encodes, in any order), max_abs (max(acc, |x|), x finite), hmax, drop_nonfinite
+//   (adds, per lane of a U, 1 where m or v is not finite, and sets both to +0 there), count_sum (the lanes' counts
+//   added). The moments reach max_abs and the encoders only through drop_nonfinite: always finite.
 #include <cfloat>
 #include <cstdint>
 
@@ -172,7 +173,10 @@ struct Loops {
     Coded mc, vc;
   };
 
-  static int64_t blockwise(const LowpArgs& a, int64_t b, int64_t e) {
+  static int64_t blockwise(const LowpArgs& args, int64_t b, int64_t e) {
+    // A local copy, which no store through the buffers' pointers can alias: its pointers and constants stay in
+    // registers instead of being loaded again for every vector.
+    const LowpArgs a = args;
     Slot slots[3];
     const int64_t blocks = (e - b + kQuantBlock - 1) / kQuantBlock;
     int64_t total_nonfinite = 0;
@@ -223,7 +227,7 @@ struct Loops {
     const Lane q = at(a, i);
     for (int64_t off = 0; off < kStride * 4; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(q.p) + off, 1);
     for (int64_t off = 0; off < kStride * gs; off += 64) __builtin_prefetch(static_cast<const char*>(q.g) + off);
-    if (i % 64 < kStride) {
+    if ((i & 63) < kStride) {  // i >= 0
       __builtin_prefetch(q.m, 1);
       if (two) __builtin_prefetch(q.v, 1);
     }
@@ -241,13 +245,21 @@ struct Loops {
     Step::step(a, p, g, m, v);
     V::store(q.p, p);
     V::template store_out<O>(q.out, p);
+    // An element whose m or v is not finite keeps neither: int8 cannot hold inf or NaN, and a finite m beside
+    // a v stored as 0 (g * g overflowed) would move the parameter by m / eps at the next step, where fp32
+    // state's v stays inf and the update 0. Both start over from 0, before the block's absmax sees them.
+    if constexpr (two) {
+      nonfinite = V::drop_nonfinite(nonfinite, m, v);
+    } else {
+      F unused = m;
+      nonfinite = V::drop_nonfinite(nonfinite, m, unused);
+    }
     V::store(mb, m);
-    mmax = V::max_abs_finite(mmax, m);
+    mmax = V::max_abs(mmax, m);
     if (two) {
       V::store(vb, v);
-      vmax = V::max_abs_finite(vmax, v);
+      vmax = V::max_abs(vmax, v);
     }
-    nonfinite = V::count_nonfinite(nonfinite, m, two ? v : m);
   }
 
   // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.
@@ -269,11 +281,11 @@ struct Loops {
   static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
     if constexpr (two) {
-      V::encode2(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map, static_cast<uint8_t*>(a.v.data) + b0 + j,
-                 V::load(s.v + j), s.vc.inv, *a.v.map);
+      V::template encode2<true, false>(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map,
+                                       static_cast<uint8_t*>(a.v.data) + b0 + j, V::load(s.v + j), s.vc.inv, *a.v.map);
     } else {
-      V::encode2(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map, mcodes + j + W, V::load(s.m + j + W), s.mc.inv,
-                 *a.m.map);
+      V::template encode2<true, true>(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map, mcodes + j + W,
+                                      V::load(s.m + j + W), s.mc.inv, *a.m.map);
     }
   }
 
@@ -304,18 +316,19 @@ struct Loops {
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
     int64_t j = 0;
     for (; j + kStride <= r; j += kStride) encode_vectors(a, b0, j, s);
-    for (; j + W <= r; j += W) V::encode(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map);  // Lion's odd one
+    for (; j + W <= r; j += W) V::template encode<true>(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map);  // Lion's
     if (j < r) {
-      encode_tail(s.m + j, mcodes + j, r - j, s.mc, *a.m.map);
-      if (two) encode_tail(s.v + j, static_cast<uint8_t*>(a.v.data) + b0 + j, r - j, s.vc, *a.v.map);
+      encode_tail<true>(s.m + j, mcodes + j, r - j, s.mc, *a.m.map);
+      if (two) encode_tail<false>(s.v + j, static_cast<uint8_t*>(a.v.data) + b0 + j, r - j, s.vc, *a.v.map);
     }
   }
 
+  template <bool kSigned>
   static SWAPIO_INLINE void encode_tail(const float* buf, uint8_t* codes, int64_t r, Coded c, const QuantMap& q) {
     alignas(64) uint8_t tail[W];
     alignas(64) float x[W] = {0};
     __builtin_memcpy(x, buf, r * 4);
-    V::encode(tail, V::load(x), c.inv, q);
+    V::template encode<kSigned>(tail, V::load(x), c.inv, q);
     __builtin_memcpy(codes, tail, r);
   }
 

@@ -38,6 +38,18 @@ void build_decades(QuantMap& q) {
     q.rank_offset[slot] = static_cast<float>(kDecade[i] * (0.45 / parts - 0.8));
   }
   q.rank_offset[rank_slot(q.max_k + q.rank_bias)] = 1.0f;  // the last magnitude, a binade of its own
+  // AVX2: the same lines by the low 3 bits of the exponent field, where ranks 1 .. max_k + rank_bias fall into
+  // 8 slots, except the unsigned map's 9 binades: its ranks 1 (0.0) and 256 (1.0) share a slot, whose line
+  // B = float(1/255), C = -B gives 0 at rank 1 exactly and rounds 255 B to 1.0 (checked in build()).
+  for (int rank = 1; rank <= q.max_k + q.rank_bias; rank *= 2) {
+    q.rank_scale8[rank_slot(rank) & 7] = q.rank_scale[rank_slot(rank)];
+    q.rank_offset8[rank_slot(rank) & 7] = q.rank_offset[rank_slot(rank)];
+  }
+  if (!q.is_signed) {
+    const int top = q.max_k + q.rank_bias;
+    q.rank_scale8[rank_slot(1) & 7] = static_cast<float>(1.0 / (top - 1));
+    q.rank_offset8[rank_slot(1) & 7] = -q.rank_scale8[rank_slot(1) & 7];
+  }
 }
 
 // The positive magnitudes k = 0 .. max_k, ascending from 0 to 1.
@@ -48,6 +60,29 @@ std::vector<float> magnitudes(const QuantMap& q) {
     mags.push_back(static_cast<float>(rank * static_cast<double>(q.rank_scale[slot]) + q.rank_offset[slot]));
   }
   return mags;  // signed: 1 + 127 + 1 = 129 values; unsigned: 1 + 254 + 1 = 256
+}
+
+// The AVX2 kernel's 8-entry tables of the code search (quant.h), from the region midpoints and the lines of
+// build_regions.
+void build_regions8(QuantMap& q, const float (&region)[8], bool& valid) {
+  for (int r = 0; r < 8; ++r) {  // line 0: regions 0 and 8
+    q.mid8[r] = region[r];
+    q.pos_scale8[r] = r == 0 ? 512.0f * kPosUnit : q.pos_scale[r];
+    q.pos_offset8[r] = r == 0 ? -(q.zero + 0.5f) * kPosUnit : q.pos_offset[r];
+    q.code_max8[r] = r == 0 ? q.zero + q.max_k : q.region_code_max[r];
+  }
+  // region 0 (y <= region[0]) must stay below zero + 1, region 8 (y > region[7]) reach zero + max_k
+  if (512.0 * region[0] >= 0.5 || 512.0 * region[7] + 0.5 < q.max_k) valid = false;
+  for (int t = 0; t < 16; ++t) {  // pair t: exponent fields 2 (t + kPairBase) and one more; all below for t = 0
+    const uint32_t e = 2 * (kPairBase + static_cast<uint32_t>(t));
+    const float lo = t == 0 ? 0.0f : scalar_ops::f32_from_bits(e << 23), hi = scalar_ops::f32_from_bits((e + 2) << 23);
+    int below = 0, inside = 0;
+    for (float m : region) below += m < lo, inside += m >= lo && m < hi;
+    q.pair_below[t] = static_cast<uint8_t>(below);
+    // one comparison settles the pair; mid8[below] exists; entry 0 is 0 (the kernel's vpshufb reads it for the
+    // other three bytes of each lane)
+    if (inside > 1 || below > 7 || (t == 0 && below != 0)) valid = false;
+  }
 }
 
 // The tables of the arithmetic search (quant.h). Decade d's magnitudes are k = first(d) .. first(d) + parts(d) - 1;
@@ -90,6 +125,7 @@ void build_regions(QuantMap& q, bool& valid) {
     q.region_below[b] = below;
     if (inside > 1) valid = false;  // one comparison must settle every y of the binade
   }
+  build_regions8(q, region, valid);
 }
 
 struct Built {
@@ -130,6 +166,10 @@ Built build(bool is_signed) {
     q.bucket[idx] = static_cast<uint32_t>(first) << 16 | low;
   }
   build_regions(q, b.valid);
+  if (is_signed && (q.zero != kSignedZero || q.max_neg_k != kSignedMaxNegK)) b.valid = false;
+  for (int c = 0; c < 256; ++c) {  // the AVX2 decode gives every code's value, bit for bit
+    if (scalar_ops::f32_bits(decode8(q, c)) != scalar_ops::f32_bits(q.code[c])) b.valid = false;
+  }
   return b;
 }
 

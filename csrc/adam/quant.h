@@ -11,7 +11,7 @@
 // found with one table load: y's top 16 bits pick a bucket, which holds at most one midpoint between codes;
 // the bucket's entry is (magnitudes below the bucket) << 16 | (low 16 bits of its midpoint, or 0xFFFF when it
 // has none), and k = entry >> 16, plus one when y's low 16 bits exceed the entry's.
-// The AVX-512 kernel, where gathers are slow (CPUs with the Gather Data Sampling microcode fix), finds the same k
+// The SIMD kernels, where gathers are slow (CPUs with the Gather Data Sampling microcode fix), find the same k
 // by arithmetic (quant_search.h): y's binade says how many region midpoints (those around 0, between decades,
 // and below 1) lie below it, up to one comparison with the region midpoint inside that binade; within a decade
 // the magnitudes are evenly spaced, so P = y * pos_scale - pos_offset (one fused rounding), rounded to an integer
@@ -19,7 +19,7 @@
 // decade's first magnitude (checked when the maps are built). P only grows with y, so every y above that midpoint
 // has u >= (code0 + t) * kPosUnit and every other y u <= (code0 + t) * kPosUnit: unless u is a multiple of
 // kPosUnit, the code of +y (zero + k) is min(u / kPosUnit, region_code_max). The rare u that are multiples take
-// the bucket lookup.
+// the bucket lookup. (AVX-512 looks the binade up in 32-entry tables, AVX2 its pair of binades in 8-entry ones.)
 // Non-finite x and blocks whose A is below FLT_MIN quantise to zero. Plain data, shared with the per-ISA kernels.
 #include <cstdint>
 
@@ -41,6 +41,10 @@ constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
 constexpr int kPosBits = 12;  // P counts 2^-12 code steps: far finer than P's float rounding (P < 2^20)
 constexpr int32_t kPosUnit = 1 << kPosBits;
+// The signed map's code of 0 and largest negative magnitude index (the AVX2 kernel's constants; checked at build)
+constexpr int32_t kSignedZero = 127;
+constexpr int32_t kSignedMaxNegK = 127;
+constexpr uint32_t kPairBase = 48;  // pairs of binades 2^-31 .. 2^0 (exponent fields 96 .. 127) by field / 2 - 48
 
 struct QuantMap {
   float code[256];         // code value of each 8-bit code, ascending
@@ -56,6 +60,21 @@ struct QuantMap {
   alignas(64) float pos_scale[kRegions];  // per region: P = fma(y, pos_scale, -pos_offset)
   alignas(64) float pos_offset[kRegions];
   alignas(64) int32_t region_code_max[kRegions];  // the code of +y = min(rint(P) / kPosUnit, region_code_max)
+  // The AVX2 kernel's tables, 8 entries each (one vpermps, or one vpshufb of 16 bytes):
+  // decode: the line of a rank's binade by the low 3 bits of float(rank)'s exponent field. The unsigned map's ranks
+  // 1 (code 0) and 256 (1.0) share an entry: the line through 0 at rank 1 and 1.0 at rank 256.
+  alignas(32) float rank_scale8[8];
+  alignas(32) float rank_offset8[8];
+  // encode: y's pair of binades (exponent field / 2 - kPairBase, 0 below) gives the region midpoints below it
+  // (a pair, 4x, holds at most one; they are ~10x apart); one comparison with the next one, mid8, gives the region
+  // r in 0 .. 8, and line r % 8: regions 0 (below the first magnitude's midpoint) and 8 (above the last midpoint)
+  // share the line P = (zero + 1/2 + 512 y) kPosUnit, clamped to zero + max_k: 512 y < 1/2 in region 0, and
+  // 512 y > max_k in region 8. Lines 1 .. 7 are the decades', as in pos_scale.
+  alignas(16) uint8_t pair_below[16];
+  alignas(32) float mid8[8];
+  alignas(32) float pos_scale8[8];
+  alignas(32) float pos_offset8[8];
+  alignas(32) int32_t code_max8[8];
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)

@@ -35,5 +35,27 @@ static inline int quick_code(const QuantMap& q, float y, bool* deferred) {
   return c < q.region_code_max[r] ? c : q.region_code_max[r];
 }
 
+// The AVX2 kernel's arithmetic search (quant.h): the same as quick_code, with the 8-entry tables.
+static inline int quick_code8(const QuantMap& q, float y, bool* deferred) {
+  const uint32_t bits = scalar_ops::f32_bits(y), pair = bits >> 24;
+  const int below = q.pair_below[pair > kPairBase ? pair - kPairBase : 0];
+  const int r = (below + (y > q.mid8[below])) & 7;
+  const int32_t u = static_cast<int32_t>(std::nearbyint(std::fma(y, q.pos_scale8[r], -q.pos_offset8[r])));
+  *deferred = (u & (kPosUnit - 1)) == 0;
+  const int c = u >> kPosBits;
+  return c < q.code_max8[r] ? c : q.code_max8[r];
+}
+
+// The AVX2 kernel's decode of a code (before the block scale): rank * B + C in one rounding, B and C the 8-entry
+// tables' at the low 3 bits of float(rank)'s exponent field; the signed map's rank 0 (its zero code) gives +0.
+static inline float decode8(const QuantMap& q, int code) {
+  const int s = q.is_signed ? code - q.zero : code + 1, rank = s < 0 ? -s : s;
+  if (rank == 0) return 0.0f;
+  const float rf = static_cast<float>(rank);
+  const int slot = static_cast<int>(scalar_ops::f32_bits(rf) >> 23) & 7;
+  const float mag = std::fma(rf, q.rank_scale8[slot], q.rank_offset8[slot]);
+  return s < 0 ? -mag : mag;
+}
+
 }  // namespace adam
 }  // namespace swapio

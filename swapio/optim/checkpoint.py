@@ -204,9 +204,7 @@ def _load(opt, path):
                     if stored in offsets[p] and not fmt.is_scale(name):
                         saved[stored] = torch.empty(saved_fmt.count(stored, b - a), dtype=saved_fmt.dtype(stored))
                         read(p, stored, a, saved[stored]).wait()
-            for name in views:
-                if not fmt.is_scale(name):
-                    fmt.encode(views, name, saved_fmt.decode(saved, name))
+            fmt.encode_fields(views, {name: saved_fmt.decode(saved, name) for name in views if not fmt.is_scale(name)})
             return []
 
         def check():

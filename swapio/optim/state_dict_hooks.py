@@ -85,11 +85,13 @@ def _install_state(opt):
     fmt = opt._rule.format
 
     def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
-        for name in views:
-            if not fmt.is_scale(name):
-                scale = values[p].get(name + SCALE)  # from an int8 optimizer's state_dict: an exact re-import
-                fmt.encode(views, name, values[p][name][a:b], None if scale is None else fmt.part(name + SCALE,
-                                                                                                 scale, a, b))
+        fields = [name for name in views if not fmt.is_scale(name)]
+        scales = {}  # from an int8 optimizer's state_dict: the block scales, for an exact re-import
+        for name in fields:
+            scale = values[p].get(name + SCALE)
+            if scale is not None:
+                scales[name] = fmt.part(name + SCALE, scale, a, b)
+        fmt.encode_fields(views, {name: values[p][name][a:b] for name in fields}, scales)
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)

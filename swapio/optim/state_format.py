@@ -76,6 +76,19 @@ class StateFormat:
             return quant.dequantize(view, views[name + SCALE], signed=name not in _UNSIGNED)
         return view.float()  # the view itself when it is fp32
 
+    def encode_fields(self, views, values, scales=None):
+        """Stores fp32 values of several exported fields ({name: values}) into the views of one slice. int8 drops
+        both moments of an element where either is not finite (swapio.quant.drop_nonfinite_pairs), as the kernels
+        do: a loaded exp_avg_sq of inf beside a finite exp_avg would otherwise be stored as 0 beside it.
+        scales: {name: the block scales the values were decoded with} where known (see encode)."""
+        if self.name == "int8" and "exp_avg" in values and "exp_avg_sq" in values:
+            m, v = values["exp_avg"].float().clone(), values["exp_avg_sq"].float().clone()
+            quant.drop_nonfinite_pairs(m, v)
+            values = {**values, "exp_avg": m, "exp_avg_sq": v}
+        scales = scales or {}
+        for name, x in values.items():
+            self.encode(views, name, x, scales.get(name))
+
     def encode(self, views, name, values, scale=None):
         """Stores fp32 values of an exported field into the views of one slice. scale: None, or the block scales
         the values were decoded with (state_dict() exports them): where the values are exactly codes times

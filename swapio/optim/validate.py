@@ -40,12 +40,14 @@ def step_count(value, where):
 
 
 def values(name, tensor, where):
-    """Raises unless the stored or exported values of field `name` are usable: finite, and not negative for
-    second moments and int8 scales. int8 codes are not checked (every code is valid)."""
+    """Raises unless the stored or exported values of field `name` are usable: int8 scales finite, second moments
+    and scales not negative. Moments may hold NaN or inf: torch's own optimizers store them after a gradient
+    overflows (g * g = inf), and a run that met one must still resume (fp32 state keeps them, int8 drops both
+    moments of such an element, as its kernel does). int8 codes are not checked (every code is valid)."""
     if tensor.dtype == torch.uint8:
         return
     t = tensor.detach()
-    if not bool(torch.isfinite(t).all()):
+    if name.endswith(SCALE) and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{where}: {name!r} holds NaN or infinite values")
     if (name in NON_NEGATIVE or name.endswith(SCALE)) and bool((t < 0).any()):
         raise ValueError(f"{where}: {name!r} holds negative values")
