@@ -1,4 +1,5 @@
-"""Hugging Face Trainer checkpoints of OffloadAdam/OffloadAdamW through swapio's streaming save/load.
+"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion) through swapio's
+streaming save/load.
 
 Trainer saves an optimizer with torch.save(optimizer.state_dict()). For an nvme-resident state that reads the
 whole state into RAM first (state_dict() materialises it) and writes it through the page cache: the RAM the
@@ -10,17 +11,17 @@ the state back with opt.load(). benchmarks/optimizer_checkpoint.py measures the 
     trainer = Trainer(model, args, train_dataset=data, optimizers=(opt, sched),
                       callbacks=[StreamingCheckpointCallback()])
 
-How: the callback finds the OffloadAdam among Trainer's optimizers when the Trainer is built (on_init_end) and
-gives that instance two methods of its own: load_state_dict, which recognises a reference, and state_dict, which
-returns the reference once, right after the callback has saved the checkpoint (on_step_end / on_epoch_end when
-Trainer is about to save). Other optimizers are left alone.
+How: the callback finds the offloaded optimizer (any OffloadOptimizer) among Trainer's optimizers when the Trainer
+is built (on_init_end) and gives that instance two methods of its own: load_state_dict, which recognises a
+reference, and state_dict, which returns the reference once, right after the callback has saved the checkpoint
+(on_step_end / on_epoch_end when Trainer is about to save). Other optimizers are left alone.
 """
 import os
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..optim import OffloadAdam
+from ..optim import OffloadOptimizer
 
 SUBDIR = "swapio-optim"
 REFERENCE_KEY = "swapio_checkpoint"
@@ -28,7 +29,7 @@ REFERENCE_KEY = "swapio_checkpoint"
 
 def _offload_optimizer(optimizer):
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    return inner if isinstance(inner, OffloadAdam) else None
+    return inner if isinstance(inner, OffloadOptimizer) else None
 
 
 def reference(path):
@@ -61,7 +62,8 @@ def _install(opt):
 
 
 class StreamingCheckpointCallback(TrainerCallback):
-    """Checkpoints an OffloadAdam/OffloadAdamW given to Trainer with opt.save()/opt.load() (see the module)."""
+    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
+    (see the module)."""
 
     def on_init_end(self, args, state, control, optimizer=None, **kwargs):
         opt = _offload_optimizer(optimizer)
