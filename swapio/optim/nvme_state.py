@@ -301,10 +301,10 @@ class NvmeState:
 
     # ---- operations ---------------------------------------------------------------------------------------
     def step(self, works, threads, ctrl_c):
-        """Steps the chunks that hold parameters with gradients. A parameter is done (w.done) once its last
-        segment is computed and every record written; ctrl_c.poll() runs at chunk boundaries that no stepped
-        parameter spans, after the writes before it are finished, where each parameter is fully stepped or
-        untouched."""
+        """Steps the chunks that hold parameters with gradients (the optimizer has placed every parameter first,
+        place()). A parameter is done (w.done) once its last segment is computed and every record written;
+        ctrl_c.poll() runs at chunk boundaries that no stepped parameter spans, after the writes before it are
+        finished, where each parameter is fully stepped or untouched."""
         state = self.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}

@@ -54,6 +54,9 @@ class OffloadOptimizer(Optimizer):
 
     def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None):
+        if self._rule_type is None:
+            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW and OffloadLion: build one of "
+                            "those (or a subclass that sets _rule_type)")
         self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
         _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
