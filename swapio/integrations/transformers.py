@@ -1,4 +1,5 @@
-"""Hugging Face Trainer checkpoints of OffloadAdam/OffloadAdamW through swapio's streaming save/load.
+"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion) through swapio's
+streaming save/load.
 
 Trainer saves an optimizer with torch.save(optimizer.state_dict()). For an nvme-resident state that reads the
 whole state into RAM first (state_dict() materialises it) and writes it through the page cache: the RAM the
@@ -17,7 +18,8 @@ How: saving: right before Trainer saves (on_step_end / on_epoch_end with should_
 checkpoint and gives the optimizer instance a state_dict of its own that returns the reference once. Loading:
 Trainer may build the optimizer inside train() (optimizer_cls_and_kwargs, a create_optimizer override) and loads
 the checkpoint right after, with no callback event in between, so no instance can be patched in time. Instead,
-constructing the callback makes OffloadAdam.load_state_dict (the class's) recognise a reference; any other state
+constructing the callback makes OffloadOptimizer.load_state_dict (the base class's, so OffloadAdam[W] and
+OffloadLion alike) recognise a reference; any other state
 dict goes to the original method unchanged. Other optimizers are left alone, and refuse a reference.
 """
 import functools
@@ -27,16 +29,16 @@ from typing import Any, Callable, Dict, Optional
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..optim import OffloadAdam
+from ..optim import OffloadOptimizer
 
 SUBDIR = "swapio-optim"
 REFERENCE_KEY = "swapio_checkpoint"
 _PENDING = "_swapio_pending_reference"  # attribute of a patched optimizer: the reference its state_dict returns
 
 
-def _offload_optimizer(optimizer: Any) -> Optional[OffloadAdam]:
+def _offload_optimizer(optimizer: Any) -> Optional[OffloadOptimizer]:
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    return inner if isinstance(inner, OffloadAdam) else None
+    return inner if isinstance(inner, OffloadOptimizer) else None
 
 
 def reference(path: str) -> Dict[str, Any]:
@@ -45,7 +47,7 @@ def reference(path: str) -> Dict[str, Any]:
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt: OffloadAdam) -> None:
+def _install(opt: OffloadOptimizer) -> None:
     """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves)."""
     if hasattr(opt, _PENDING):
         return
@@ -62,11 +64,11 @@ def _install(opt: OffloadAdam) -> None:
 
 
 def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps OffloadAdam.load_state_dict: a reference streams the checkpoint in with opt.load(); anything else
+    """Wraps OffloadOptimizer.load_state_dict: a reference streams the checkpoint in with opt.load(); anything else
     goes to the wrapped method."""
 
     @functools.wraps(load_state_dict)
-    def load_reference_or_state_dict(self: OffloadAdam, state_dict: Dict[str, Any]) -> Any:
+    def load_reference_or_state_dict(self: OffloadOptimizer, state_dict: Dict[str, Any]) -> Any:
         path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
         if path is None:
             return load_state_dict(self, state_dict)
@@ -80,14 +82,15 @@ def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _make_offload_optimizers_load_references() -> None:
-    """Idempotent. The natural home of this is OffloadAdam.load_state_dict itself (swapio.optim); until it
+    """Idempotent. The natural home of this is OffloadOptimizer.load_state_dict itself (swapio.optim); until it
     recognises references there, the integration wraps it once."""
-    if not getattr(OffloadAdam.load_state_dict, "swapio_reference_aware", False):
-        setattr(OffloadAdam, "load_state_dict", _reference_aware(OffloadAdam.load_state_dict))
+    if not getattr(OffloadOptimizer.load_state_dict, "swapio_reference_aware", False):
+        setattr(OffloadOptimizer, "load_state_dict", _reference_aware(OffloadOptimizer.load_state_dict))
 
 
 class StreamingCheckpointCallback(TrainerCallback):
-    """Checkpoints an OffloadAdam/OffloadAdamW given to Trainer with opt.save()/opt.load() (see the module)."""
+    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
+    (see the module)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -2,9 +2,11 @@
 
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-3, offload="nvme", swap_dir="/nvme/tmp")
 
-See OffloadAdam for the arguments, swapio.optim.checkpoint for the streaming checkpoint format.
+See OffloadAdam for the arguments, OffloadOptimizer for what the family shares, swapio.optim.checkpoint for the
+streaming checkpoint format.
 """
 from .offload_adam import OffloadAdam, OffloadAdamW
 from .offload_lion import OffloadLion
+from .optimizer import OffloadOptimizer
 
-__all__ = ["OffloadAdam", "OffloadAdamW", "OffloadLion"]
+__all__ = ["OffloadOptimizer", "OffloadAdam", "OffloadAdamW", "OffloadLion"]

@@ -1,4 +1,4 @@
-"""Streaming, atomic checkpoints of OffloadAdam/OffloadAdamW (opt.save(dir) / opt.load(dir)).
+"""Streaming, atomic checkpoints of the offloaded optimizers (opt.save(dir) / opt.load(dir)).
 
 A checkpoint is a directory holding two files:
   swapio-optim.pt               metadata (torch.save, loaded with weights_only=True): format, version, the
@@ -32,8 +32,9 @@ import secrets
 import torch
 
 from .. import _checksum, _durable
-from . import dir_lock, validate
-from ._common import shard
+from .._align import round_up
+from . import dir_lock, state_transfer, validate
+from .params import shard
 from .state_format import SCALE, StateFormat
 
 META = "swapio-optim.pt"
@@ -42,11 +43,6 @@ DATA_PREFIX = "swapio-optim-"
 DATA_SUFFIX = ".bin"
 FORMAT = "swapio.optim.checkpoint"
 VERSION = 3  # 2: checksums; 3: state_dtype (bf16/int8 arrays)
-_ALIGN = 4096
-
-
-def _round_up(x):
-    return (x + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def save(opt, path):
@@ -57,9 +53,9 @@ def save(opt, path):
 
 
 def _save(opt, path):
-    groups, index = opt._pack_groups()
-    fields_of = opt._fields_of()
-    fmt = opt._rule.format
+    groups, index = state_transfer.pack_groups(opt.param_groups)
+    fields_of = opt.exported_fields()
+    fmt = opt.state_format
     stateful, seen, entries, offsets = [], set(), {}, {}
     end = 0
     for group in opt.param_groups:
@@ -70,9 +66,9 @@ def _save(opt, path):
             seen.add(id(p))
             stateful.append(p)
             t, offs = shard(p), {}
-            for name in fields_of(p):
+            for name in fields_of[p]:
                 offs[name] = end
-                end += _round_up(fmt.count(name, t.numel()) * fmt.dtype(name).itemsize)
+                end += round_up(fmt.count(name, t.numel()) * fmt.dtype(name).itemsize)
             offsets[p] = offs
             entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(t.shape),
                                      "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""),
@@ -89,8 +85,7 @@ def _save(opt, path):
     meta_path = os.path.join(path, META)
     sums, written = {}, []
     try:
-        rh, wh, owned = opt._io_handle()
-        try:
+        with state_transfer.io_handles(opt) as (_, wh):
             def sink(p, a, b, views):
                 futures = []
                 for name, off in offsets[p].items():
@@ -99,13 +94,8 @@ def _save(opt, path):
                     futures.append(wh.pwrite(view, tmp_data, off + first * view.element_size()))
                 return futures
 
-            opt._backend.dump(stateful, sink)
+            opt.read_state(stateful, sink)
             wh.wait()
-        finally:
-            if owned:
-                rh.close()
-                if wh is not rh:
-                    wh.close()
         _durable.publish(tmp_data, data_path)
         for p, offs in offsets.items():
             entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
@@ -158,13 +148,13 @@ def load(opt, path):
 def _load(opt, path):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
-    fmt = opt._rule.format
+    fmt = opt.state_format
     data_path = os.path.join(path, meta["data"])
     size = os.path.getsize(data_path) if os.path.exists(data_path) else -1
     if size < meta["data_bytes"]:
         raise ValueError(f"{data_path}: {'missing' if size < 0 else f'{size} bytes'}; the checkpoint needs "
                          f"{meta['data_bytes']} bytes")
-    id_map, new_groups = opt._remap_groups(meta["param_groups"])
+    id_map, new_groups = state_transfer.remap_groups(opt.param_groups, meta["param_groups"])
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map[k]
@@ -177,8 +167,7 @@ def _load(opt, path):
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
     sums, bad = {}, []
-    rh, wh, owned = opt._io_handle()
-    try:
+    with state_transfer.io_handles(opt) as (rh, _):
         def read(p, name, a, view):
             """Reads the stored elements of `name` for parameter elements from a into view (a future), feeding
             the checksum and checking the values once they are in."""
@@ -196,7 +185,7 @@ def _load(opt, path):
             return rh.pread(view, data_path, offsets[p][name] + first * view.element_size())._chain(arrived)
 
         def source(p, a, b, views):
-            if saved_fmt.name == fmt.name:  # as stored: straight into the views
+            if saved_fmt == fmt:  # as stored: straight into the views
                 return [read(p, name, a, view) for name, view in views.items()]
             saved = {}  # another format: read what the views need, decode to fp32, store in ours
             for name in views:
@@ -218,9 +207,4 @@ def _load(opt, path):
                                          f"({_checksum.ALGORITHM} {got:016x}, saved {want:016x}): the file is "
                                          "corrupted; the optimizer state was left as it was")
 
-        opt._install(new_groups, steps, fields, source, check=check)
-    finally:
-        if owned:
-            rh.close()
-            if wh is not rh:
-                wh.close()
+        state_transfer.install(opt, new_groups, steps, fields, source, check=check)

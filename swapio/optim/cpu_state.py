@@ -1,66 +1,36 @@
 """offload="cpu": the fp32 master and the moments live in RAM, in optimizer.state[p] as torch keeps them."""
-import weakref
-
 import torch
 
 from ..handle import AioHandle
-from ..pinned import empty_pinned
-from ._common import decoded_tensors, finish_all, init_segment, run_segment, shard
-
-
-class CudaStaging:
-    """A few pinned buffers in rotation for gradients coming from and parameters going to a GPU. A buffer is
-    reused only after the copies queued from it have finished (a CUDA event per buffer)."""
-
-    def __init__(self, slot_bytes, count=2):
-        self.slot_bytes, self.count = slot_bytes, count
-        self._buffers = None
-        self._events = [[] for _ in range(count)]
-        self._next = 0
-
-    @property
-    def capacity(self):
-        """Elements per buffer pair (gradient in, parameter out, each up to 4 bytes an element)."""
-        return max(1024, self.slot_bytes // 8 // 1024 * 1024)
-
-    def acquire(self):
-        if self._buffers is None:
-            self._buffers = [empty_pinned(self.capacity * 8, torch.uint8) for _ in range(self.count)]
-        i = self._next
-        self._next = (i + 1) % self.count
-        self.sync(i)
-        buf = self._buffers[i]
-        half = self.capacity * 4
-        return i, buf[:half], buf[half:]
-
-    def record(self, i, device):
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(device))
-        self._events[i].append(ev)
-
-    def sync(self, i=None):
-        for j in range(self.count) if i is None else (i,):
-            for ev in self._events[j]:
-                ev.synchronize()
-            self._events[j] = []
+from .cuda_staging import CudaStaging
+from .finish import finish_all
+from .params import shard
+from .segment import init_segment, run_segment
 
 
 class CpuState:
-    """State tensors in optimizer.state[p] beside "step": the rule's fields, on the CPU, stored as the state
-    format says (e.g. for Adam "exp_avg", "exp_avg_sq" shaped like the parameter, "max_exp_avg_sq" with amsgrad,
-    "exp_avg_scale" and "exp_avg_sq_scale" with int8 state, and an fp32 "master" where the parameter is not
-    itself a contiguous fp32 CPU tensor)."""
+    """State tensors in `state[p]` (the optimizer's state dict) beside "step": the rule's fields, on the CPU,
+    stored as the state format says (e.g. for Adam "exp_avg", "exp_avg_sq" shaped like the parameter,
+    "max_exp_avg_sq" with amsgrad, "exp_avg_scale" and "exp_avg_sq_scale" with int8 state, and an fp32 "master"
+    where the parameter is not itself a contiguous fp32 CPU tensor).
 
-    def __init__(self, opt, slot_bytes, io_settings):
-        self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
-        self.format = opt._rule.format
+    fmt: the StateFormat; state: the optimizer's state dict (the same object for the optimizer's life: the
+    optimizer replaces its contents, never the dict); slot_bytes: BufferBudget.slot_bytes, the size of each
+    GPU staging buffer; io_settings: AioHandle settings for checkpoint handles."""
+
+    def __init__(self, fmt, state, slot_bytes, io_settings):
+        self.format, self.state = fmt, state
         self.staging = CudaStaging(slot_bytes)
         self.io_settings = io_settings
 
+    def place(self, placement):
+        """Nothing to place: a parameter's tensors are made at its first step."""
+
     def step(self, works, threads, ctrl_c):
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
-        untouched. A first step's state tensors go to w.created, installed with the count (OffloadAdam._commit)."""
-        state, fmt = self.opt.state, self.format
+        untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's
+        _commit)."""
+        state, fmt = self.state, self.format
         try:
             for w in works:
                 if w.new:
@@ -89,12 +59,12 @@ class CpuState:
         finally:
             self.staging.sync()
 
-    def tensors(self, params, fields_of):
-        """{p: {field: tensor}} of the exported fields: with fp32 state the live state tensors, as torch's
-        state_dict() gives; with bf16 or int8 state new fp32 tensors decoded from them."""
-        if self.format.name == "fp32":
-            return {p: {name: self.opt.state[p][name] for name in fields_of(p)} for p in params}
-        return decoded_tensors(self, self.format, params, fields_of)
+    def live_tensors(self, params, fields_of):
+        """{p: {field: the live state tensor}} of the exported fields when they are stored as state_dict()
+        exports them (fp32 state: as torch's state_dict() gives), else None (they must be decoded)."""
+        if not self.format.exports_stored:
+            return None
+        return {p: {name: self.state[p][name] for name in fields_of(p)} for p in params}
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: a new handle, closed by the caller."""
@@ -106,7 +76,7 @@ class CpuState:
         futures it returns."""
         futures = []
         for p in params:
-            st = self.opt.state[p]
+            st = self.state[p]
             futures.extend(sink(p, 0, shard(p).numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
         finish_all(f.wait for f in futures)
 
@@ -128,13 +98,9 @@ class CpuState:
 
     def memory(self):
         """The bytes of the state tensors in RAM and of the pinned GPU staging buffers."""
-        state = sum(t.nbytes for st in self.opt.state.values() for k, t in st.items()
+        state = sum(t.nbytes for st in self.state.values() for k, t in st.items()
                     if k != "step" and isinstance(t, torch.Tensor))
-        staging = self.staging.capacity * 8 * self.staging.count if self.staging._buffers is not None else 0
-        return {"state_bytes": state, "pinned_bytes": staging, "io_bytes_per_step": 0}
-
-    def forget(self, p):
-        pass
+        return {"state_bytes": state, "pinned_bytes": self.staging.pinned_bytes, "io_bytes_per_step": 0}
 
     def close(self):
         pass

@@ -22,16 +22,14 @@ import weakref
 import torch
 
 from .. import _durable, _swapdir
+from .._align import ALIGN, round_up
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from ._common import decoded_tensors, finish_all, init_segment, run_segment, shard
+from .finish import finish_all
+from .params import shard
+from .segment import init_segment, run_segment
 
-ALIGN = 4096
 FILE_NAME = "state.swap"
-
-
-def _round_up(x, a=ALIGN):
-    return (x + a - 1) // a * a
 
 
 class _Segment:
@@ -55,7 +53,7 @@ class _Chunk:
             dtype = self.fmt.dtype(name)
             count = self.fmt.count(name, self.n)
             out.append((name, at, count, dtype))
-            at += _round_up(count * dtype.itemsize)
+            at += round_up(count * dtype.itemsize)
         return out, at
 
     @property
@@ -65,7 +63,7 @@ class _Chunk:
     @property
     def stage_bytes(self):
         """Pinned staging behind the record for a GPU chunk: gradients in and parameters out, 4 bytes each."""
-        return 2 * _round_up(self.n * 4) if self.cuda else 0
+        return 2 * round_up(self.n * 4) if self.cuda else 0
 
 
 def _cleanup(handles, owner):
@@ -91,16 +89,19 @@ def _check_direct(path):
 
 
 class NvmeState:
-    def __init__(self, opt, swap_dir, buffer_bytes, buffer_count, io_settings):
+    """The state in a swap file under a private directory of swap_dir. fmt: the StateFormat; state: the
+    optimizer's state dict (the same object for the optimizer's life; read only, to know which parameters have
+    state); budget: the BufferBudget (slot size and count); io_settings: AioHandle settings."""
+
+    def __init__(self, fmt, state, swap_dir, budget, io_settings):
         if swap_dir is None:
             raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
         swap_dir = os.fspath(swap_dir)
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
-        self.opt = weakref.proxy(opt)  # no cycle: dropping the optimizer frees its files at once
-        self.format = opt._rule.format
-        self.buffer_count = buffer_count
-        self.slot_bytes = buffer_bytes // buffer_count // ALIGN * ALIGN
+        self.format, self.state = fmt, state
+        self.buffer_count = buffer_count = budget.count
+        self.slot_bytes = budget.slot_bytes
         _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
         owner = _swapdir.private_directory(swap_dir)  # mode 0700; removes those of processes that died
         self.directory = owner.directory
@@ -147,7 +148,7 @@ class NvmeState:
             if where is not None:
                 if where[0] == fields and where[1] == cuda:
                     continue
-                if self.opt.state.get(p):
+                if self.state.get(p):
                     raise RuntimeError(
                         "a parameter changed dtype, device, contiguity or amsgrad after the optimizer placed its "
                         f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {shard(p).device})")
@@ -204,7 +205,7 @@ class NvmeState:
         """Bytes a slot needs for the largest record (with the GPU staging behind it), at most slot_bytes: a state
         smaller than the budget pins only what it uses."""
         need = max((c.record_bytes + c.stage_bytes for c in self.chunks), default=ALIGN)
-        return min(self.slot_bytes, _round_up(need))
+        return min(self.slot_bytes, round_up(need))
 
     def _slot(self, s):
         if self._slots is None:
@@ -300,12 +301,11 @@ class NvmeState:
 
     # ---- operations ---------------------------------------------------------------------------------------
     def step(self, works, threads, ctrl_c):
-        """Steps the chunks that hold parameters with gradients. A parameter is done (w.done) once its last
-        segment is computed and every record written; ctrl_c.poll() runs at chunk boundaries that no stepped
-        parameter spans, after the writes before it are finished, where each parameter is fully stepped or
-        untouched."""
-        self.place(self.opt.param_fields())
-        state = self.opt.state
+        """Steps the chunks that hold parameters with gradients (the optimizer has placed every parameter first,
+        place()). A parameter is done (w.done) once its last segment is computed and every record written;
+        ctrl_c.poll() runs at chunk boundaries that no stepped parameter spans, after the writes before it are
+        finished, where each parameter is fully stepped or untouched."""
+        state = self.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
         chunks = [c for c in self.chunks if any(seg.p in by_param for seg in c.segments)]
@@ -358,9 +358,9 @@ class NvmeState:
 
         self.run(chunks, lambda c: True, work, False)
 
-    def tensors(self, params, fields_of):
-        """{p: {field: new fp32 tensor shaped like p}} of the exported fields, read from the swap file."""
-        return decoded_tensors(self, self.format, [p for p in params if p in self.placed], fields_of)
+    def live_tensors(self, params, fields_of):
+        """None: the state is in the swap file; state_dict() decodes it through dump()."""
+        return None
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap file's own handles."""

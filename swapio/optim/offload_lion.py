@@ -1,10 +1,10 @@
-"""OffloadLion: Lion with the fp32 master weights and its one moment in CPU RAM or on NVMe (the machinery of
-OffloadAdam: offload modes, pipeline, state dicts, streaming checkpoints), stepping with swapio.ops.lion_step_."""
-from .functional import LionRule
-from .offload_adam import OffloadAdam
+"""OffloadLion: Lion with the fp32 master weights and its one moment in CPU RAM or on NVMe (OffloadOptimizer's
+machinery: offload modes, pipeline, state dicts, streaming checkpoints), stepping with swapio.ops.lion_step_."""
+from .optimizer import OffloadOptimizer
+from .rules import LionRule
 
 
-class OffloadLion(OffloadAdam):
+class OffloadLion(OffloadOptimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with optimizer state off the GPU:
 
         update = sign(beta1 * exp_avg + (1 - beta1) * grad)
@@ -12,8 +12,9 @@ class OffloadLion(OffloadAdam):
         exp_avg = beta2 * exp_avg + (1 - beta2) * grad
 
     One moment instead of Adam's two: 8 bytes of fp32 state per parameter (4 with an fp32 parameter that is its
-    own master) instead of 12; with state_dtype="bf16" 2 bytes, with "int8" about 1. Lion wants a smaller lr than AdamW (3-10x) and a larger weight_decay; the defaults
-    are the paper's lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0. The other arguments are OffloadAdam's.
+    own master) instead of 12; with state_dtype="bf16" 2 bytes, with "int8" about 1. Lion wants a smaller lr
+    than AdamW (3-10x) and a larger weight_decay; the defaults are the paper's lr=1e-4, betas=(0.9, 0.99),
+    weight_decay=0.0. The other arguments are OffloadAdam's.
     """
 
     _rule_type = LionRule
@@ -24,5 +25,6 @@ class OffloadLion(OffloadAdam):
                  swap_dir=None, buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None,
                  state_dtype="fp32", **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
-        self._start(params, defaults, offload, swap_dir, buffer_bytes, buffer_count, cpu_threads, io_config,
-                    io_kwargs, state_dtype)
+        super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
+                         buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
+                         state_dtype=state_dtype, io_kwargs=io_kwargs)

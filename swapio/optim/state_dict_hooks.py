@@ -16,8 +16,8 @@ from itertools import chain
 
 import torch
 
-from . import validate
-from ._common import shard
+from . import state_transfer, validate
+from .params import shard
 from .state_format import SCALE
 
 _TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
@@ -30,11 +30,11 @@ def register(opt):
 
 
 def _export_state(opt, state_dict):
-    index = opt._pack_groups()[1]
+    index = state_transfer.pack_groups(opt.param_groups)[1]
     packed = state_dict["state"]
     params = [p for p, st in opt.state.items() if isinstance(p, torch.Tensor)]
     stateful = [p for p in params if opt.state[p]]
-    tensors = opt._backend.tensors(stateful, opt._fields_of())
+    tensors = state_transfer.exported_tensors(opt, stateful)
     for p in params:
         if p in tensors:
             packed[index[id(p)]] = {"step": opt.state[p]["step"], **tensors[p]}
@@ -71,10 +71,10 @@ def _take_state(opt, state_dict):
         steps[p] = validate.step_count(entry["step"], where)
         values[p] = {}
         for key, val in entry.items():
-            if key in opt._rule.STATE_KEYS:
-                validate.state_tensor(key, val, opt._rule.format.count(key, shard(p).numel()), where)
+            if key in opt.state_keys:
+                validate.state_tensor(key, val, opt.state_format.count(key, shard(p).numel()), where)
                 values[p][key] = policy(p, val, k, state_dict["param_groups"], key).reshape(-1)
-        opt._check_loaded_fields(p, opt._rule.fields(p, {**opt.defaults, **saved_group[k]}), values[p])
+        state_transfer.check_loaded_fields(opt.state_format, p, opt.kept_fields(p, saved_group[k]), values[p])
     setattr(opt, _TAKEN, (steps, values))
     return {**state_dict, "state": rest}
 
@@ -82,7 +82,7 @@ def _take_state(opt, state_dict):
 def _install_state(opt):
     steps, values = opt.__dict__.pop(_TAKEN)
 
-    fmt = opt._rule.format
+    fmt = opt.state_format
 
     def source(p, a, b, views):  # fp32 values, stored as the state format says (int8: quantised)
         fields = [name for name in views if not fmt.is_scale(name)]
@@ -94,7 +94,7 @@ def _install_state(opt):
         fmt.encode_fields(views, {name: values[p][name][a:b] for name in fields}, scales)
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
-    opt._install(opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
+    state_transfer.install(opt, opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)
 
 
 def discard_taken(opt):

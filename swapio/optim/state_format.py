@@ -15,7 +15,7 @@ an int8 optimizer. save()/load() carry the stored arrays as they are, so a resum
 import torch
 
 from .. import quant
-from ._common import FP32, MASTER, shard
+from .params import FP32, MASTER, shard
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 SCALE = "_scale"
@@ -30,6 +30,11 @@ def check_state_dtype(state_dtype):
 
 
 class StateFormat:
+    """How the state arrays are stored, and what that means to the callers, by name: the optimizer asks
+    `counts_nonfinite`, the rules `supports_amsgrad` and `scales_of`, the backends and checkpoints `dtype`,
+    `count` and `part`, state dicts `exports_stored` and `decode`/`encode`, memory plans `bytes_per_element`.
+    Nothing outside this class branches on the format's name."""
+
     def __init__(self, state_dtype="fp32"):
         self.name = check_state_dtype(state_dtype)
         self.moment_dtype = _MOMENT_DTYPE[state_dtype]
@@ -37,8 +42,43 @@ class StateFormat:
         # can be read piece by piece into another.
         self.align = quant.BLOCK
 
+    def __eq__(self, other):
+        return isinstance(other, StateFormat) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return f"StateFormat({self.name!r})"
+
+    @property
+    def has_scales(self):
+        """Each moment comes with an fp32 array of block scales ("<moment>_scale")."""
+        return self.moment_dtype == torch.uint8
+
+    @property
+    def counts_nonfinite(self):
+        """Non-finite new moments are stored as 0 (and counted, so that the step can warn): int8 codes have no
+        NaN or inf, and one would spoil its whole block's scale."""
+        return self.has_scales
+
+    @property
+    def supports_amsgrad(self):
+        """amsgrad's running maximum of exp_avg_sq is kept exactly, so only in fp32 state."""
+        return self.moment_dtype == FP32
+
+    @property
+    def exports_stored(self):
+        """The stored moments are already what state_dict() exports (fp32): it may hand out the live tensors."""
+        return self.moment_dtype == FP32
+
+    @property
+    def bytes_per_element(self):
+        """Bytes one moment element takes in RAM or on disk (int8 includes its share of the block scale)."""
+        return quant.state_bytes_per_element(self.name)
+
     def scales_of(self, moments):
-        return tuple(m + SCALE for m in moments) if self.name == "int8" else ()
+        return tuple(m + SCALE for m in moments) if self.has_scales else ()
 
     @staticmethod
     def is_scale(name):

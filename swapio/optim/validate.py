@@ -113,12 +113,12 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
         fields = entry.get("fields")
         _require(isinstance(fields, dict) and fields, where, "'fields' must be a non-empty dict")
         for name, off in fields.items():
-            known = name == "master" or name in MOMENTS or (state_dtype == "int8" and name[:-len(SCALE)] in MOMENTS
+            known = name == "master" or name in MOMENTS or (fmt.has_scales and name[:-len(SCALE)] in MOMENTS
                                                              and name.endswith(SCALE))
             _require(known, where, f"unknown field {name!r} for state_dtype {state_dtype!r}")
             if fmt.is_scale(name):
                 _require(name[:-len(SCALE)] in fields, where, f"has {name!r} without its moment")
-            elif state_dtype == "int8" and name in MOMENTS:
+            elif fmt.has_scales and name in MOMENTS:
                 _require(name + SCALE in fields, where, f"int8 moment {name!r} has no {name + SCALE!r}")
             nbytes = fmt.count(name, numel) * fmt.dtype(name).itemsize
             _require(is_int(off) and 0 <= off and off + nbytes <= size, where,

@@ -1,0 +1,382 @@
+"""OffloadOptimizer: the base of swapio's offloaded optimizers, rule-agnostic.
+
+A subclass is an update rule (swapio.optim.rules: which state a parameter keeps, how it steps, its
+hyperparameters) plus a constructor that packs its defaults; OffloadAdam, OffloadAdamW and OffloadLion are
+exactly that. This class holds what the family shares: torch.optim.Optimizer's protocol, the offload options,
+the state backend (cpu_state.CpuState or nvme_state.NvmeState), step(), state dicts and streaming checkpoints
+(both through state_transfer), memory_report() and the lifetime.
+
+The step is split so that an update can be driven from outside step(): _step_params(params, grad_of) steps the
+given parameters with the gradients grad_of(p) returns (step() passes every parameter and p.grad), with the
+same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
+"""
+import warnings
+
+import torch
+from torch.optim import Optimizer
+
+from .._errors import SwapioWarning, check_int
+from . import checkpoint, state_dict_hooks
+from .cpu_state import CpuState
+from .ctrl_c import DeferredSigint
+from .nvme_state import NvmeState
+from .options import BufferBudget, io_settings
+from .params import FP32, PARAM_DTYPES, shard
+from .work import Work
+
+
+def _check_betas_kind(betas):
+    """torch's rule: betas are both numbers or both tensors."""
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        return
+    if isinstance(beta1, torch.Tensor) != isinstance(beta2, torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+
+
+def _grad_attribute(p):
+    return p.grad
+
+
+class OffloadOptimizer(Optimizer):
+    """The base of OffloadAdam, OffloadAdamW and OffloadLion (see OffloadAdam for the arguments): optimizer state
+    off the GPU, in RAM (offload="cpu") or in a swap file (offload="nvme"), stepped on the CPU.
+
+    Subclasses set `_rule_type` (swapio.optim.rules), `_group_keys` (what every param group holds),
+    `_historical_defaults` (keys older torch state dicts may lack) and `_decoupled`, and call
+    `super().__init__(params, defaults, **offload_options)` from their own constructor."""
+
+    _rule_type = None
+    _group_keys = ()
+    _historical_defaults = {}
+    _decoupled = False  # every group's decoupled_weight_decay is forced True (AdamW)
+
+    def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
+                 cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None):
+        if self._rule_type is None:
+            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW and OffloadLion: build one of "
+                            "those (or a subclass that sets _rule_type)")
+        self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
+        _check_betas_kind(defaults["betas"])
+        hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
+        defaults["betas"] = (hyper["beta1"], hyper["beta2"])
+        if offload not in ("cpu", "nvme"):
+            raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
+        budget = BufferBudget(buffer_bytes, buffer_count)
+        if cpu_threads is not None:
+            cpu_threads = check_int("cpu_threads", cpu_threads, 1)
+        self._io = io_settings(io_config, io_kwargs or {}, type(self).__name__)
+        self.offload, self.buffer_bytes, self.buffer_count = offload, budget.total, budget.count
+        self.cpu_threads = cpu_threads
+        self._backend = None
+        self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
+        self._warned_edit = False
+        self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        super().__init__(params, defaults)
+        state_dict_hooks.register(self)
+        fmt = self._rule.format
+        # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
+        # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
+        if offload == "nvme":
+            self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io)
+        else:
+            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io)
+
+    # ---- torch.optim.Optimizer protocol ------------------------------------------------------------------------
+    def __setstate__(self, state):
+        """Also what load_state_dict ends with: a group from an older torch that lacks a key gets torch's historical
+        default for it (as torch.optim.Adam/AdamW fill it), not this optimizer's constructor argument. The state
+        dict's contents are replaced, not the dict, which the backend holds."""
+        live = self.__dict__.get("state")
+        super().__setstate__(state)
+        if live is not None and self.state is not live:
+            new, self.state = self.state, live
+            live.clear()
+            live.update(new)
+        for group in self.param_groups:
+            for key, value in self._historical_defaults.items():
+                group.setdefault(key, value)
+            self._fill_group(group)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "
+                        "the optimizer object): its state lives in a backend of RAM buffers or swap files that a "
+                        "copy would not own. Save opt.state_dict() (torch's format) or opt.save(dir), and build a "
+                        "new optimizer that load_state_dict()s or load()s it.")
+
+    def _fill_group(self, group):
+        for key in self._group_keys:
+            group.setdefault(key, self.defaults[key])
+        if self._decoupled:
+            group["decoupled_weight_decay"] = True
+        self._rule.hyper(group)  # a group's options must suit the state format (amsgrad with int8)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            problem = None
+            p = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            if p.dtype not in PARAM_DTYPES:
+                problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
+            elif p.device.type not in ("cpu", "cuda"):
+                problem = f"device {p.device} (supported: cpu, cuda)"
+            elif p.layout != torch.strided:
+                problem = f"layout {p.layout} (only dense parameters)"
+            if problem is not None:
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
+        try:
+            self._fill_group(group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        """torch casts floating state to the parameter's dtype and device (for a bf16 parameter that would
+        round the fp32 moments); here every state tensor becomes an fp32 CPU copy and `step` an fp32 scalar.
+        (torch's load_state_dict calls the base class's policy by name, so state_dict_hooks applies this one.)"""
+        if isinstance(value, torch.Tensor):
+            value = shard(value)  # torch's AdamW over FSDP2 keeps DTensor state: its local shard is this rank's
+        if key == "step":
+            return (value.detach().to(device="cpu", dtype=FP32, copy=True) if isinstance(value, torch.Tensor)
+                    else torch.tensor(float(value), dtype=FP32))
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.detach().to(device="cpu", dtype=FP32, copy=True).contiguous()
+        return value
+
+    def _check_open(self):
+        if self._backend is None:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def _check_whole(self):
+        """RuntimeError while an error inside step() has left a parameter half-stepped (one spanning several nvme
+        chunks, stopped between them): its state is neither the old nor the new, so stepping, exporting or
+        saving it would spread the damage. load() or load_state_dict() of a checkpoint makes it whole again."""
+        self._check_open()
+        if self._torn:
+            index = {id(p): i for i, (p, _) in enumerate(self.param_fields())}
+            torn = sorted(index.get(id(p), -1) for p in self._torn)
+            raise RuntimeError(f"parameter(s) {torn} of this {type(self).__name__} were left half-stepped by an "
+                               "error inside step() (their state is neither the old nor the new one): load a "
+                               "checkpoint with load() or load_state_dict() before stepping, exporting or saving")
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every parameter with a gradient; returns closure's loss when given."""
+        self._check_whole()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_params(None, _grad_attribute)
+        return loss
+
+    def _step_params(self, params, grad_of):
+        """Steps `params` (None: every parameter; else an iterable of this optimizer's parameters) with the
+        gradients grad_of(p) gives (None: p is skipped), all or nothing per parameter. The seam for updates
+        driven from outside step(): optimizer-in-backward stepping a module's parameters once their gradients
+        are complete, gradients accumulated somewhere other than p.grad."""
+        works, nonfinite = self._works(params, grad_of)
+        if not works:
+            return
+        with DeferredSigint() as ctrl_c:
+            try:
+                self._backend.place(self.param_fields())  # parameters seen for the first time get their place
+                self._backend.step(works, self.cpu_threads, ctrl_c)
+            finally:  # also when interrupted: the parameters fully stepped get their new count
+                self._commit(works)
+        if nonfinite is not None and int(nonfinite) > 0:
+            warnings.warn(f"{int(nonfinite)} moment value(s) of this step were NaN or infinite (from non-finite "
+                          "gradients); int8 state stores them as 0 and keeps them out of their block's scale, so "
+                          "the rest of each block is intact (docs/optim.md, \"Smaller state\")", SwapioWarning,
+                          stacklevel=4)
+        if not self._warned_edit and any(w.adopted for w in works):
+            self._warned_edit = True  # once per optimizer (ids are reused, so not swapio's process-wide warn_once)
+            warnings.warn(f"a parameter was changed outside {type(self).__name__} since its last step (e.g. "
+                          "model.load_state_dict, an in-place clamp or copy); the changed elements were adopted into "
+                          "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
+                          stacklevel=4)
+
+    def _works(self, params, grad_of):
+        """(a Work for each wanted parameter that has a gradient, in param-group order; the int8 non-finite
+        counter or None). Checks every gradient before anything is stepped."""
+        rule, works, index = self._rule, [], -1
+        wanted = None if params is None else {id(p) for p in params}
+        nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.counts_nonfinite else None
+        for group in self.param_groups:
+            hyper = rule.hyper(group)
+            for p in group["params"]:
+                index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
+                if wanted is not None and id(p) not in wanted:
+                    continue
+                g = grad_of(p)
+                if g is None:
+                    continue
+                if g.is_sparse or g.layout != torch.strided:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
+                                       "consider torch.optim.SparseAdam instead")
+                if g.dtype not in PARAM_DTYPES:
+                    raise RuntimeError(f"gradient dtype {g.dtype} is not supported (float32, bfloat16, float16)")
+                gs, t = shard(g), shard(p)
+                if gs.shape != t.shape or gs.device != t.device:
+                    raise RuntimeError(f"gradient of shape {tuple(gs.shape)} on {gs.device} does not match its "
+                                       f"parameter of shape {tuple(t.shape)} on {t.device}")
+                st = self.state.get(p)
+                new = not st
+                step = 1 if new else int(st["step"].item()) + 1
+                works.append(Work(p, g, step, rule.fields(p, group), rule.update, hyper, new,
+                                  edited=not new and self._edited_outside(p), seed=index, nonfinite=nonfinite))
+        return works, nonfinite
+
+    def _commit(self, works):
+        """Advances the step count of every parameter the backend fully stepped (w.done), with the state it
+        created for a first step; the others keep their count and state, untouched."""
+        for w in works:
+            if not w.done:
+                if w.started:
+                    self._torn.add(w.p)
+                continue
+            st = self.state[w.p]
+            if "step" in st:
+                st["step"].fill_(float(w.step))
+            else:
+                st["step"] = torch.tensor(float(w.step), dtype=FP32)
+            st.update(w.created or {})
+            if w.master:
+                self._written[w.p] = (w.t._version, w.t.data_ptr())
+
+    def _edited_outside(self, p):
+        """Whether p was written by someone else since this optimizer last wrote it: its version counter (bumped by
+        every in-place op on it or its views, but not through `.data`) or its storage changed. O(1) a parameter.
+        Only parameters with a separate fp32 master can go stale; a contiguous fp32 CPU parameter is its own."""
+        seen, t = self._written.get(p), shard(p)
+        return seen is not None and seen != (t._version, t.data_ptr())
+
+    # ---- state transfer: what state_transfer, state_dict_hooks and checkpoint use ----------------------------
+    @property
+    def state_format(self):
+        """How the state arrays are stored (swapio.optim.state_format.StateFormat)."""
+        return self._rule.format
+
+    @property
+    def state_keys(self):
+        """Every state field name this optimizer's rule may keep (what load_state_dict() reads)."""
+        return self._rule.STATE_KEYS
+
+    def param_fields(self):
+        """(p, the state fields the rule keeps for p) for every parameter, in param-group order."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield p, self._rule.fields(p, group)
+
+    def kept_fields(self, p, group):
+        """The state fields kept for p in `group` (missing group keys from the defaults), in storage order."""
+        return self._rule.fields(p, {**self.defaults, **group})
+
+    def check_group(self, group):
+        """ValueError unless `group` (missing keys from the defaults) suits this optimizer and its state."""
+        self._rule.hyper({**self.defaults, **group})
+
+    def exported_fields(self):
+        """{p: the fields state_dict() (decoded to fp32) and save() (as stored) carry for p} for every parameter."""
+        return {p: self._rule.exported(p, g) for g in self.param_groups for p in g["params"]}
+
+    def read_state(self, params, sink):
+        """sink(p, first, end, {field: stored view}) for every piece of each of params (which have state)."""
+        self._backend.dump(params, sink)
+
+    def live_state_tensors(self, params):
+        """{p: {field: live tensor}} of the exported fields where the backend holds them as exported, else None."""
+        return self._backend.live_tensors(params, self.exported_fields().__getitem__)
+
+    def install_state(self, groups, state, entries, source, placement, check):
+        """Makes `groups` and `state` ({p: {"step"}} plus entries not keyed by parameters) live, all or nothing:
+        the backend stores entries {p: fields} in new storage filled by source (see state_transfer), places
+        `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
+
+        def commit():
+            self.__setstate__({"state": state, "param_groups": groups})
+            self._torn = set()
+
+        self._backend.fill(entries, source, placement, state, check, commit)
+
+    def io_handles(self):
+        """(read handle, write handle, owned) for checkpoints: the swap handles in nvme mode, new ones in cpu mode
+        (owned: the caller closes them; state_transfer.io_handles does)."""
+        return self._backend.io_handles()
+
+    # ---- state dicts and checkpoints ---------------------------------------------------------------------------
+    def state_dict(self):
+        """torch's format: {"state": {i: {"step", <the rule's moments>[, "master"]}}, "param_groups": [...]};
+        tensors fp32 on the CPU, shaped like the parameter. "master" (the fp32 master weights) appears only for
+        bf16/fp16 parameters; with int8 state the moments' block scales ("<moment>_scale", flat) come too, so that
+        load_state_dict() restores them exactly. In cpu mode the tensors are the live state (as with torch); in
+        nvme mode they are read from the swap file into new tensors, so the whole state is materialised in RAM:
+        for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
+        included); a post-hook of ours fills in the state from the backend first."""
+        self._check_whole()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Loads torch's format (from this optimizer or its torch.optim counterpart), keeping the state in fp32 even
+        for bf16/fp16 parameters. Without "master", the master weights are taken from the parameters. torch's
+        Optimizer.load_state_dict() does the work (its hooks included); see swapio.optim.state_dict_hooks."""
+        self._check_open()
+        live_state, live_groups = dict(self.state), self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+        except BaseException:
+            # torch installs the new groups before our post-hook installs the state; the backend leaves its
+            # storage as it was on failure, so putting the live groups and state back restores the optimizer.
+            self.state.clear()
+            self.state.update(live_state)
+            self.param_groups = live_groups
+            raise
+        finally:
+            state_dict_hooks.discard_taken(self)
+
+    def save(self, path):
+        """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
+        time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
+        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
+        self._check_whole()
+        checkpoint.save(self, path)
+
+    def load(self, path):
+        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time."""
+        self._check_open()
+        checkpoint.load(self, path)
+
+    def memory_report(self):
+        """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
+        "state_bytes" (RAM in cpu mode; the swap file in nvme mode), "bytes_per_param" (state_bytes / params),
+        "pinned_bytes" (the nvme pipeline's buffers), "io_bytes_per_step" (nvme: read + written per full step)}."""
+        self._check_open()
+        stateful = [p for p, st in self.state.items() if isinstance(p, torch.Tensor) and st]
+        params = sum(shard(p).numel() for p in stateful)
+        report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
+        report.update(self._backend.memory())
+        report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0
+        return report
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    @property
+    def swap_path(self):
+        """The private directory holding the swap file (nvme mode), else None."""
+        return getattr(self._backend, "directory", None)
+
+    def close(self):
+        """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
+        backend, self._backend = getattr(self, "_backend", None), None
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,47 @@
+"""The offload options every optimizer of the family takes, validated once: the pinned-buffer budget (whose slot
+size both backends use) and the AioHandle settings."""
+import inspect
+import json
+import os
+
+from .. import _align
+from .._errors import check_int
+from ..handle import AioHandle
+
+IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
+MIN_SLOT_BYTES = 64 << 10
+
+
+class BufferBudget:
+    """buffer_bytes of pinned host memory in buffer_count slots: the nvme pipeline rotates the slots (read ahead
+    || compute || write behind); cpu mode sizes its GPU staging buffers by the same slot. slot_bytes is computed
+    here only, aligned down for direct I/O."""
+
+    def __init__(self, buffer_bytes, buffer_count):
+        self.count = check_int("buffer_count", buffer_count, 3)
+        self.total = check_int("buffer_bytes", buffer_bytes, 1)
+        if self.total // self.count < MIN_SLOT_BYTES:
+            raise ValueError(f"buffer_bytes / buffer_count must be at least 64 KiB, got {self.total} / "
+                             f"{self.count}")
+        self.slot_bytes = _align.round_down(self.total // self.count)
+
+
+def io_settings(io_config, io_kwargs, owner="OffloadAdam"):
+    """AioHandle settings: a `swapio tune` config (file or dict), overridden by keyword arguments. TypeError for
+    an unknown keyword (foreach=, fused=, ...)."""
+    unknown = sorted(set(io_kwargs) - set(IO_KEYS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}: {owner} takes its hyperparameters, "
+                        f"offload options and AioHandle settings {list(IO_KEYS)} (it always steps with swapio's "
+                        "fused CPU kernel, so foreach/fused/capturable/differentiable do not apply)")
+    settings = {}
+    if io_config is not None:
+        config = io_config
+        if not isinstance(config, dict):
+            with open(os.fspath(config)) as f:
+                config = json.load(f)
+        settings.update(config.get("handle", config))
+        AioHandle.from_config(dict(settings)).close()  # validates the keys and values now
+    settings.update(io_kwargs)
+    return settings
+

@@ -1,0 +1,94 @@
+"""Update rules: what an optimizer of the family keeps and how it steps, the small interface between an
+optimizer class and the state backends.
+
+    rule.format               the StateFormat (swapio.optim.state_format) chosen by state_dtype
+    rule.fields(p, group)     the state arrays kept for p, in storage order ("master" first when the
+                              parameter needs an fp32 copy, see params.needs_master; then the moments; then,
+                              with int8 state, one fp32 scale array per moment): what save() and load() carry
+    rule.exported(p, group)   the arrays that state_dict() and save() carry, in that order: the moments (fp32
+                              in state_dict, decoded; as stored in save), the master of bf16/fp16 parameters,
+                              and with int8 state the scales, which make an export and re-import exact
+    rule.STATE_KEYS           every exported name it may keep (what load_state_dict() reads from a state dict)
+    rule.hyper(group)         keyword arguments for update(), validated (tensors become floats); the
+                              optimizer calls it on its defaults at construction, so bad values raise there
+    rule.update(param, grad, state, *, step, param_out, threads, seed, index_base, nonfinite, **hyper)
+                              one step of a flat fp32 slice in place (swapio.optim.functional)
+
+The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
+"""
+from .._hyper import check_adam_hyper, check_lion_hyper
+from .functional import adam, lion
+from .params import LOW_PRECISION, MASTER, needs_master, shard
+from .state_format import StateFormat
+
+
+class Rule:
+    """What the rules share: the state arrays of a parameter follow from its moments and the state format."""
+
+    MOMENTS = ()
+    STATE_KEYS = (MASTER,)
+
+    def __init__(self, state_dtype="fp32"):
+        self.format = StateFormat(state_dtype)  # ValueError for an unknown state_dtype
+
+    def moments(self, group):
+        return self.MOMENTS
+
+    def fields(self, p, group):
+        moments = self.moments(group)
+        return ((MASTER,) if needs_master(p) else ()) + moments + self.format.scales_of(moments)
+
+    def exported(self, p, group):
+        """The moments, the master only for bf16/fp16 parameters (for fp32 parameters the master equals the
+        parameter bit for bit), and with int8 state the moments' block scales: re-quantising decoded moments
+        alone could pick other scales (the signed map has no -1, so a block whose largest magnitude is negative
+        decodes to 0.993 of its scale), while with the scales the codes are found again exactly."""
+        moments = self.moments(group)
+        return moments + ((MASTER,) if shard(p).dtype in LOW_PRECISION else ()) + self.format.scales_of(moments)
+
+    def hyper(self, group):
+        raise NotImplementedError
+
+
+class AdamRule(Rule):
+    """Adam/AdamW: exp_avg, exp_avg_sq, and max_exp_avg_sq (fp32 state only) with amsgrad."""
+
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+    STATE_KEYS = (MASTER, *MOMENTS, "max_exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")  # load_state_dict reads
+    update = staticmethod(adam)
+
+    def moments(self, group):
+        return self.MOMENTS + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def hyper(self, group):
+        if group["amsgrad"] and not self.format.supports_amsgrad:
+            raise ValueError(f"amsgrad needs state_dtype='fp32' (its running maximum of exp_avg_sq is kept "
+                             f"exactly), got state_dtype={self.format.name!r}: use amsgrad=False with "
+                             f"{self.format.name!r} state, or fp32 state with amsgrad")
+        beta1, beta2 = betas_of(group)
+        lr, beta1, beta2, eps, weight_decay = check_adam_hyper(group["lr"], beta1, beta2, group["eps"],
+                                                               group["weight_decay"])
+        return {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+                "adamw": bool(group["decoupled_weight_decay"]), "maximize": bool(group["maximize"])}
+
+
+class LionRule(Rule):
+    """Lion: one moment (exp_avg)."""
+
+    MOMENTS = ("exp_avg",)
+    STATE_KEYS = (MASTER, *MOMENTS, "exp_avg_scale")
+    update = staticmethod(lion)
+
+    def hyper(self, group):
+        beta1, beta2 = betas_of(group)
+        lr, beta1, beta2, weight_decay = check_lion_hyper(group["lr"], beta1, beta2, group["weight_decay"])
+        return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
+                "maximize": bool(group["maximize"])}
+
+
+def betas_of(group):
+    try:
+        beta1, beta2 = group["betas"]
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
+    return beta1, beta2
