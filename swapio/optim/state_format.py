@@ -121,7 +121,7 @@ class StateFormat:
         both moments of an element where either is not finite (swapio.quant.drop_nonfinite_pairs), as the kernels
         do: a loaded exp_avg_sq of inf beside a finite exp_avg would otherwise be stored as 0 beside it.
         scales: {name: the block scales the values were decoded with} where known (see encode)."""
-        if self.name == "int8" and "exp_avg" in values and "exp_avg_sq" in values:
+        if self.counts_nonfinite and "exp_avg" in values and "exp_avg_sq" in values:
             m, v = values["exp_avg"].float().clone(), values["exp_avg_sq"].float().clone()
             quant.drop_nonfinite_pairs(m, v)
             values = {**values, "exp_avg": m, "exp_avg_sq": v}
