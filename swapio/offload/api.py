@@ -14,6 +14,8 @@ from .chain import CpuOffloadHook
 from .engine import OffloadEngine
 from .fetch import Fetcher
 from .layout import group_records, pack, place_on_disk
+from .names import checkpoint_names, find
+from .prepare import compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
 from .units import collect
 
@@ -88,11 +90,11 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
             table[attr] = done[id(t)]
             continue
         if t.device.type == "meta":
-            loc = locations.get(name) if locations is not None else None
+            loc = find(locations, name) if locations is not None else None
             if loc is None:
-                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'nothing'} "
-                                 "holds its values")
-            check_against(locations, name, t.shape, t.dtype, origin)
+                raise ValueError(f"{name} stays resident but is on the meta device, and "
+                                 f"{origin or 'no checkpoint'} does not hold its values: {_meta_hint(module, attr, kind)}")
+            loc = check_against(locations, checkpoint_names([name]), t.shape, t.dtype, origin)
             value = _read_tensor(handle, loc, device)
             new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
             table[attr] = new
@@ -102,6 +104,17 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
         else:
             new = t
         done[id(t)] = new
+
+
+def _meta_hint(module, attr, kind):
+    """Why a resident tensor is on meta, and what to do about it."""
+    if kind == "buffer" and attr in module._non_persistent_buffers_set:
+        return ("it is a non-persistent buffer (computed in the constructor, never saved in checkpoints) that swapio "
+                "could not compute again (it can for transformers models). Build the model with "
+                "accelerate.init_empty_weights(), which leaves buffers real, or give the buffer its value before "
+                "offloading")
+    return ("build the model with its weights, or pass a checkpoint that holds this tensor, or keep it out of "
+            "keep_resident")
 
 
 def _check_common(prefetch, offload_buffers):
@@ -174,6 +187,10 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
     device = _execution_device(model, execution_device)
+    if checkpoint is not None:  # a model built on meta: its ties and computed buffers, which no checkpoint holds
+        names = open_checkpoint(checkpoint)
+        retie(model, names)
+        compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
     records = group_records(units)
     own = handle is None
@@ -190,7 +207,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                                  "offload: pass checkpoint=..., or a model with its weights")
             origin, by_name = os.fspath(offload_dir), odir.read_index(offload_dir)
         if by_name is not None:
-            locations = {s: check_against(by_name, s.names, s.shape, s.dtype, origin).as_tuple() for s in slots}
+            locations = {s: check_against(by_name, checkpoint_names(s.names), s.shape, s.dtype, origin).as_tuple()
+                         for s in slots}
         else:
             pack(records)
             locations = odir.write(offload_dir, records, current.__getitem__, handle)
