@@ -92,8 +92,8 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
         if t.device.type == "meta":
             loc = find(locations, name) if locations is not None else None
             if loc is None:
-                raise ValueError(f"{name} stays resident but is on the meta device, and "
-                                 f"{origin or 'no checkpoint'} does not hold its values: {_meta_hint(module, attr, kind)}")
+                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'no checkpoint'} "
+                                 f"does not hold its values: {_meta_hint(module, attr, kind)}")
             loc = check_against(locations, checkpoint_names([name]), t.shape, t.dtype, origin)
             value = _read_tensor(handle, loc, device)
             new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
