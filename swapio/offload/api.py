@@ -9,7 +9,7 @@ from .._errors import check_int
 from ..cuda_copy import normalize_device
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from . import offload_dir as odir
+from . import grafting, offload_dir as odir
 from .chain import CpuOffloadHook
 from .engine import OffloadEngine
 from .fetch import Fetcher
@@ -17,7 +17,7 @@ from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
 from .prepare import compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
-from .units import collect
+from .units import collect, trainable_modules
 
 _offloaded = weakref.WeakKeyDictionary()  # every module of an offloaded model -> its engine or hook
 
@@ -131,7 +131,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
     device = _execution_device(model, execution_device)
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     current = _current(units)
     for slot in slots:
         if current[slot].device.type == "meta":
@@ -156,6 +156,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
     _place_resident(resident, device)
     engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device, prefetch)
     engine.attach()
+    grafting.watch(engine)
     _register(model, engine)
     return model
 
@@ -191,7 +192,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         names = open_checkpoint(checkpoint)
         retie(model, names)
         compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle
@@ -225,6 +226,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     if own:
         engine.extra_close.append(handle.close)
     engine.attach()
+    grafting.watch(engine)
     _register(model, engine)
     return model
 
