@@ -9,7 +9,7 @@ from .._errors import check_int
 from ..cuda_copy import normalize_device
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from . import grafting, offload_dir as odir
+from . import grafting, offload_dir as odir, preload
 from .chain import CpuOffloadHook
 from .engine import OffloadEngine
 from .fetch import Fetcher
@@ -17,6 +17,7 @@ from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
 from .prepare import compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
+from .state_dict import assign_state_dict
 from .units import collect, trainable_modules
 
 _offloaded = weakref.WeakKeyDictionary()  # every module of an offloaded model -> its engine or hook
@@ -45,8 +46,28 @@ def _unregister(model, owner):
             del _offloaded[m]
 
 
+def _check_available(execution_device):
+    """A clear error for a CUDA execution device on a machine without one (torch raises a bare AssertionError)."""
+    if isinstance(execution_device, int) and not isinstance(execution_device, bool):
+        device = torch.device("cuda", execution_device)
+    elif isinstance(execution_device, (str, torch.device)):
+        device = torch.device(execution_device)
+    else:
+        return  # normalize_device reports the type
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeError(f"execution_device={execution_device!r} needs CUDA, but {why}; use "
+                           "execution_device='cpu' (or leave it out)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"execution_device={execution_device!r}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+
+
 def _execution_device(model, execution_device):
     if execution_device is not None:
+        _check_available(execution_device)
         return normalize_device(execution_device)
     for t in itertools.chain(model.parameters(), model.buffers()):
         if t.device.type != "meta":
@@ -124,13 +145,19 @@ def _check_common(prefetch, offload_buffers):
     return prefetch
 
 
-def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch=1, keep_resident=()):
+def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=None, preload_module_classes=None, *,
+                prefetch=1, keep_resident=()):
     """Keeps the weights in host memory (pinned when the execution device is a GPU); each submodule's weights
     reach `execution_device` right before its forward and are dropped after it, with the next `prefetch`
-    submodules' copies already in flight. Returns the model."""
+    submodules' copies already in flight. `state_dict` (accelerate's argument): the weights to use instead of the
+    model's own (the model may be on meta). `preload_module_classes`: class names of modules that get all their
+    submodules' weights at the start of their forward. Returns the model."""
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
+    preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
+    if state_dict is not None:
+        assign_state_dict(model, state_dict)
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     current = _current(units)
     for slot in slots:
@@ -156,6 +183,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
     _place_resident(resident, device)
     engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device, prefetch)
     engine.attach()
+    preload.attach(engine, preload_names)
     grafting.watch(engine)
     _register(model, engine)
     return model
@@ -171,20 +199,22 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
     return model, hook
 
 
-def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, *, checkpoint=None,
-                 prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
+def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, preload_module_classes=None, *,
+                 checkpoint=None, prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
     """Keeps the weights in files and streams each submodule's weights in just before its forward, with O_DIRECT
     reads into a ring of `buffer_bytes` of pinned memory, at least `prefetch` submodules ahead and as far as
     the ring holds (prefetch=0: no read-ahead). Exactly one of:
     offload_dir (the model's current weights are written there once, streamed), or checkpoint (a safetensors
     file, a directory with model.safetensors or a sharded index, read in place; the model may be on meta).
-    Returns the model."""
+    `preload_module_classes`: class names of modules that get all their submodules' weights at the start of
+    their forward (accelerate's argument). Returns the model."""
     if (offload_dir is None) == (checkpoint is None):
         raise ValueError("disk_offload needs exactly one of offload_dir (write the model's weights there) or "
                          "checkpoint (read them from a safetensors checkpoint)")
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
+    preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
     device = _execution_device(model, execution_device)
@@ -226,6 +256,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     if own:
         engine.extra_close.append(handle.close)
     engine.attach()
+    preload.attach(engine, preload_names)
     grafting.watch(engine)
     _register(model, engine)
     return model
