@@ -164,16 +164,26 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         if current[slot].device.type == "meta":
             raise ValueError(f"cpu_offload needs the model's weights, but {slot.name} is on the meta device (use "
                              "disk_offload(model, checkpoint=...) for a model built on meta)")
-    records = group_records(units)
+    # On the CPU the model's own tensors are the host copies: copying them would hold the weights twice while
+    # the originals stay alive, and a model loaded by from_pretrained keeps every original alive until the last
+    # is dropped (its tensors are views of one mmap of the checkpoint): cpu_offload peaked at 1.8x resident.
+    in_place = device.type == "cpu"
+    records = group_records(units, per_tensor=in_place)
     pack(records)
     hosts = {}
     for record in records:  # one record at a time: at most one record exists twice
-        host = empty_pinned(record.nbytes, torch.uint8) if device.type == "cuda" else \
-            torch.empty(record.nbytes, dtype=torch.uint8)
+        own = _own_memory(current[record.slots[0]]) if in_place and len(record.slots) == 1 else None
+        if own is not None:
+            host = own
+        elif device.type == "cuda":
+            host = empty_pinned(record.nbytes, torch.uint8)
+        else:
+            host = torch.empty(record.nbytes, dtype=torch.uint8)
         for slot in record.slots:
             off = record.offsets[slot]
             src = current.pop(slot).detach().contiguous().reshape(-1).view(torch.uint8)
-            host[off:off + slot.nbytes].copy_(src)
+            if own is None:
+                host[off:off + slot.nbytes].copy_(src)
             for unit in record.units:
                 for attr, kind, s in unit.entries:
                     if s is slot:
@@ -187,6 +197,14 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     grafting.watch(engine)
     _register(model, engine)
     return model
+
+
+def _own_memory(t):
+    """The tensor's bytes as a flat uint8 tensor sharing its memory, or None where that is not possible."""
+    t = t.detach()
+    if t.numel() == 0 or not t.is_contiguous() or t.device.type != "cpu":
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
