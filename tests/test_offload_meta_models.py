@@ -73,3 +73,13 @@ def test_uncomputable_buffer_on_meta_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"freq stays resident but is on the meta device, and .* does not hold "
                                          r"its values: it is a non-persistent buffer.*init_empty_weights"):
         disk_offload(model, checkpoint=tmp_path / "m.safetensors")
+
+
+def test_offload_buffers_keeps_buffers_the_checkpoint_lacks_resident(saved):
+    """offload_buffers=True offloads the buffers the checkpoint holds; inv_freq, which it cannot, stays resident."""
+    directory, (logits, tokens) = saved("llama", False)
+    model = hf_tiny.build_empty("llama", "meta")
+    disk_offload(model, checkpoint=directory, offload_buffers=True)
+    assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+    got_logits, got_tokens = hf_tiny.run(model)
+    assert torch.equal(got_logits, logits) and torch.equal(got_tokens, tokens)

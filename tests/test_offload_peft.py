@@ -94,3 +94,12 @@ def train_step_twice_reference(name):
     model = add_lora(hf_tiny.resident(name), name)
     train_step(model)
     return train_step(model)
+
+
+def test_adapters_made_on_meta_by_peft_name_the_other_order(checkpoints):
+    """peft on a model built on meta moves its new adapters to meta: no checkpoint holds them."""
+    directory, _ = checkpoints["llama"]
+    model = add_lora(hf_tiny.build_empty("llama", "meta"), "llama")
+    with pytest.raises(ValueError, match=r"lora_A.default.weight stays resident but is on the meta device.*"
+                                         r"call get_peft_model after disk_offload"):
+        disk_offload(model, checkpoint=directory)

@@ -15,7 +15,7 @@ from .engine import OffloadEngine
 from .fetch import Fetcher
 from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
-from .prepare import compute_buffers, retie
+from .prepare import buffer_owners_outside, compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .units import collect, trainable_modules
@@ -129,6 +129,10 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
 
 def _meta_hint(module, attr, kind):
     """Why a resident tensor is on meta, and what to do about it."""
+    if kind == "param" and module._parameters[attr].requires_grad:
+        return ("it is a trainable parameter that was created on meta (peft creates adapters on the device of the "
+                "base weights, meta in a model built on meta): call get_peft_model after disk_offload instead, "
+                "which creates them real, or build the model with its weights")
     if kind == "buffer" and attr in module._non_persistent_buffers_set:
         return ("it is a non-persistent buffer (computed in the constructor, never saved in checkpoints) that swapio "
                 "could not compute again (it can for transformers models). Build the model with "
@@ -236,11 +240,14 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
     device = _execution_device(model, execution_device)
+    keep = _check_keep(keep_resident) + trainable_modules(model)
     if checkpoint is not None:  # a model built on meta: its ties and computed buffers, which no checkpoint holds
         names = open_checkpoint(checkpoint)
         retie(model, names)
         compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
+        if offload_buffers:
+            keep += buffer_owners_outside(model, names)
+    units, slots, resident = collect(model, offload_buffers, keep)
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle

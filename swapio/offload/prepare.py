@@ -91,3 +91,16 @@ def compute_buffers(model, locations):
                 module._buffers[attr] = metas[attr]
                 failed.append(name)
     return failed
+
+
+def buffer_owners_outside(model, locations):
+    """Names of modules owning a non-persistent buffer that the checkpoint lacks: with offload_buffers=True they
+    stay resident, since their buffers can only come from the model (computed, or by compute_buffers)."""
+    out = []
+    for mname, module in model.named_modules():
+        for attr in module._non_persistent_buffers_set:
+            name = f"{mname}.{attr}" if mname else attr
+            if module._buffers.get(attr) is not None and find(locations, name) is None:
+                out.append(mname)
+                break
+    return out
