@@ -11,11 +11,14 @@ placeholders themselves. The model's next forward puts the placeholders back, fi
 `requires_grad` change made to a stand-in (peft freezes every base weight). A torch global module registration
 hook does the watching; it only looks the registered module up in swapio's registry of offloaded modules.
 """
+import weakref
+
 import torch
 
 from .units import set_entry
 
 _hook = None
+_with_stand_ins = weakref.WeakSet()  # engines that have stand-ins installed: restore() skips the others at once
 
 
 def _stand_in(slot, device):
@@ -45,11 +48,15 @@ def _on_register(parent, name, child):
                 if slot.stand_in is None:
                     slot.stand_in = _stand_in(slot, engine.device)
                 set_entry(unit.module, attr, kind, slot.stand_in)
+                _with_stand_ins.add(engine)
     return None
 
 
 def restore(engine):
     """Placeholders back in place of stand-ins, with the stand-ins' requires_grad."""
+    if engine not in _with_stand_ins:
+        return
+    _with_stand_ins.discard(engine)
     for unit in engine.units:
         if unit.depth:
             continue
