@@ -73,3 +73,11 @@ def test_transformers_missing_is_a_clear_error(saved, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(ImportError, match="needs transformers"):
         from_pretrained("LlamaForCausalLM", directory)
+
+
+def test_config_naming_an_unknown_class_is_a_clear_error(saved):
+    directory, _ = saved("llama")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    config.architectures = ["NoSuchModelForCausalLM"]
+    with pytest.raises(ValueError, match="names 'NoSuchModelForCausalLM', which this transformers does not have"):
+        from_pretrained(config, directory)

@@ -83,3 +83,16 @@ def test_offload_buffers_keeps_buffers_the_checkpoint_lacks_resident(saved):
     assert model.model.rotary_emb.inv_freq.device.type == "cpu"
     got_logits, got_tokens = hf_tiny.run(model)
     assert torch.equal(got_logits, logits) and torch.equal(got_tokens, tokens)
+
+
+def test_meta_model_reusing_an_offload_dir_gets_its_buffers(saved, tmp_path):
+    """accelerate's behaviour for an existing offload folder: a model on meta reuses it; inv_freq is computed."""
+    directory, (logits, tokens) = saved("llama", False)
+    first = hf_tiny.build_empty("llama", "meta")
+    disk_offload(first, checkpoint=directory)
+    remove_offload(first)  # resident again: write its weights to an offload_dir
+    disk_offload(first, offload_dir=tmp_path / "od")
+    remove_offload(first)
+    model = disk_offload(hf_tiny.build_empty("llama", "meta"), offload_dir=tmp_path / "od")
+    got_logits, got_tokens = hf_tiny.run(model)
+    assert torch.equal(got_logits, logits) and torch.equal(got_tokens, tokens)

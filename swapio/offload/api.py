@@ -247,6 +247,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
         if offload_buffers:
             keep += buffer_owners_outside(model, names)
+    else:  # a model on meta reusing an offload_dir has its computed buffers on meta too
+        compute_buffers(model, {})
     units, slots, resident = collect(model, offload_buffers, keep)
     records = group_records(units)
     own = handle is None

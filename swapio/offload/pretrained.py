@@ -26,9 +26,12 @@ def _model_class(transformers, model_class_or_config, directory):
     if isinstance(model_class_or_config, transformers.PretrainedConfig):
         config = model_class_or_config
         names = getattr(config, "architectures", None) or []
-        cls = getattr(transformers, names[0], None) if names else None
-        if cls is None:  # no head recorded: the AutoModel mapping, as AutoModel.from_config does
+        if not names:  # no head recorded: the AutoModel mapping, as AutoModel.from_config does
             return config, lambda **kw: transformers.AutoModel.from_config(config, **kw)
+        cls = getattr(transformers, names[0], None)
+        if cls is None:
+            raise ValueError(f"the config's architectures names {names[0]!r}, which this transformers does not have; "
+                             "pass the model class instead of the config")
         return config, lambda **kw: cls._from_config(config, **kw)
     if isinstance(model_class_or_config, type):
         cls = model_class_or_config
