@@ -25,6 +25,9 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
                      ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
+for _name, _attr in (("C64", "complex64"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+    if hasattr(torch, _attr):  # names the safetensors library (>= 0.5) writes too
+        DTYPES.setdefault(_name, getattr(torch, _attr))
 
 
 class Location:
@@ -141,3 +144,16 @@ def check_against(locations, name, shape, dtype, checkpoint):
         return loc
     raise ValueError(f"checkpoint {os.fspath(checkpoint)} lacks tensor {names[0]!r}"
                      + (f" (also looked for {names[1:]})" if len(names) > 1 else ""))
+
+
+def read_metadata(path):
+    """The header's "__metadata__" ({str: str}, empty when absent) of a .safetensors file that read_header
+    accepted; ValueError naming the file if it is not a JSON object of strings."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise ValueError(f"{path}: the safetensors __metadata__ must be a JSON object of strings")
+    return metadata

@@ -1,0 +1,76 @@
+"""The one streaming writer: a file's bytes, gathered from many tensors, written as large aligned O_DIRECT
+requests from a few pinned windows, several in flight.
+
+The file is cut into windows of W bytes (a whole number of MiB) at offsets j*W. Window j is assembled in
+staging buffer j % n and handed to AioHandle.pwrite as one request (which the handle splits into block_size
+pieces, queue_depth of them in flight); while the disk writes it, the next windows are filled. A buffer is
+refilled only after its previous write completed, so at most n windows are in flight and host memory stays
+n*W (the staging budget) whatever the file size. The last window is rounded up to 4 KiB so that every request
+is aligned; the caller truncates the file to its true size before committing it.
+
+Sources: a piece is (file offset, byte count, source). A source is a callable returning the piece's bytes as a
+1-D uint8 tensor on any device (called once, when its first byte is reached, and dropped after its last: a tensor
+that must be made contiguous or brought from a GPU costs one such copy at a time), or None when the bytes are
+already in the buffer of the first n windows (async_save captured them there).
+"""
+import torch
+
+from ..pinned import empty_pinned
+from .layout import ALIGN, round_up
+
+MiB = 1 << 20
+
+
+class Staging:
+    """Pinned staging for a file of `total` bytes within `staging_bytes`: `block`, n windows of `window` bytes
+    (at least one, at most as many as the file needs)."""
+
+    def __init__(self, staging_bytes, total, window_bytes=64 * MiB):
+        w = max(MiB, min(window_bytes, staging_bytes // 2) // MiB * MiB)
+        self.window = min(w, round_up(max(total, 1), MiB))
+        self.n = max(1, min(staging_bytes // self.window, -(-total // self.window)))
+        self.block = empty_pinned(self.n * self.window, torch.uint8)
+
+    def buffer(self, j):
+        k = j % self.n
+        return self.block[k * self.window:(k + 1) * self.window]
+
+
+def write(handle, path, total, pieces, staging, identity=None):
+    """Writes bytes [0, total) of the file at path from pieces (sorted by offset, together covering every byte
+    that matters) through `staging` (a Staging). Returns once every request finished; raises the first error
+    after waiting for all requests in flight (so no buffer is reused or freed under the kernel)."""
+    w, n = staging.window, staging.n
+    buffers = [staging.buffer(k) for k in range(n)]
+    pending = [None] * n
+    i, data, error = 0, None, None
+    try:
+        for j, start in enumerate(range(0, total, w)):
+            buf = buffers[j % n]
+            if pending[j % n] is not None:
+                f, pending[j % n] = pending[j % n], None
+                f.wait()
+            end = min(start + w, total)
+            while i < len(pieces) and pieces[i][0] < end:
+                offset, nbytes, source = pieces[i]
+                if source is not None and nbytes:
+                    if data is None:
+                        data = source()
+                    a, b = max(offset, start), min(offset + nbytes, end)
+                    buf[a - start:b - start].copy_(data[a - offset:b - offset])
+                elif source is None and j >= n:
+                    raise AssertionError("a captured piece lies beyond the captured windows")
+                if offset + nbytes > end:
+                    break  # the piece goes on in the next window
+                data = None
+                i += 1
+            pending[j % n] = handle.pwrite(buf[:round_up(end - start, ALIGN)], path, start, identity=identity)
+    finally:
+        for f in pending:
+            if f is not None:
+                try:
+                    f.wait()
+                except OSError as exc:
+                    error = error or exc
+    if error is not None:
+        raise error
