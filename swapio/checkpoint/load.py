@@ -93,7 +93,7 @@ def _targets(skeleton, locations, where):
 def _match_out(out, targets, where):
     """{name: out tensor}, every one checked against the file before anything is read."""
     _, entries = flatten(out)
-    given = {e.name: e.tensor for e in entries}
+    given = {e.name: e.original for e in entries}
     missing, unexpected = set(targets) - set(given), set(given) - set(targets)
     if missing or unexpected:
         raise ValueError(f"{where}: out= does not match the checkpoint: "
@@ -125,7 +125,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
         if given is not None:
             t = given[name]
             if t.is_contiguous():
-                dest = t
+                dest = t.detach()
             else:  # read contiguously, then copied into place (one tensor's worth)
                 dest = torch.empty(tg.shape, dtype=tg.dtype, device=t.device)
                 after.append((t, dest))
@@ -141,6 +141,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
         read_into([(loc, view) for loc, view, d in pairs if d == dev], dev, handle=handle,
                   staging_bytes=staging_bytes)
-    for t, dest in after:
-        copyable(t).copy_(copyable(dest))
+    with torch.no_grad():
+        for t, dest in after:
+            copyable(t).copy_(copyable(dest))
     return unflatten(skeleton, tensors)

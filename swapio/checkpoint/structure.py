@@ -25,12 +25,12 @@ _KEYS = (str, int, float, bool, type(None))
 class Entry:
     """One stored tensor: its name, the tensor, and how it is stored."""
 
-    __slots__ = ("name", "tensor", "dtype_name", "raw", "nbytes")
+    __slots__ = ("name", "tensor", "original", "dtype_name", "raw", "nbytes")
 
-    def __init__(self, name, tensor, key):
-        self.name, self.tensor = name, tensor
-        self.dtype_name, self.raw = stored_as(tensor.dtype, key)
-        self.nbytes = tensor.numel() * tensor.element_size()
+    def __init__(self, name, original, key):
+        self.name, self.original, self.tensor = name, original, original.detach()
+        self.dtype_name, self.raw = stored_as(original.dtype, key)
+        self.nbytes = original.numel() * original.element_size()
 
 
 def _describe(path):
@@ -76,7 +76,7 @@ def flatten(state):
             ident = _identity(x)
             if ident is not None and ident in seen:
                 return dict(seen[ident])
-            entry = Entry(name_for(path), x.detach(), _describe(path))
+            entry = Entry(name_for(path), x, _describe(path))
             entries.append(entry)
             node = {"T": entry.name}
             if entry.raw:
