@@ -5,6 +5,10 @@ through a uint8 view of the same shape and strides, which torch copies like any 
 import torch
 
 
+def copyable_dtype(dtype):
+    return torch.uint8 if dtype.itemsize == 1 else dtype
+
+
 def copyable(t):
     """t, or for a one-byte dtype a uint8 view of it (same shape, same strides)."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t

@@ -1,5 +1,11 @@
 """load(path): a checkpoint back as the structure that was saved, or in place into existing tensors (out=).
 
+Reading: a CPU tensor of at least 1 MiB is read by one O_DIRECT request straight into its own memory, with no
+copy. For that its address must be congruent to its file offset modulo 4 KiB; a tensor load allocates gets
+4 KiB more memory than it needs and starts at the right byte of it (so its storage_offset may be nonzero), a
+tensor given in out= qualifies when its address happens to be. The rest (small tensors, GPU tensors,
+out= tensors at other addresses) stream through pinned windows and are copied into place.
+
 Any safetensors file, save_pretrained directory or sharded index loads (as {name: tensor}, like
 safetensors.torch.load_file); a file swapio wrote comes back as the nested structure it was saved from. The
 header is parsed, and the bytes streamed, by swapio.offload's reader (safetensors_format, load.read_into): one
@@ -15,11 +21,13 @@ from .. import cuda_copy
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import layout
-from .bytes_of import copyable
+from .bytes_of import copyable, copyable_dtype
+from .save import new_handle
 from .dtypes import NAMES, dtype_from_name
 from .structure import flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
+DIRECT_MIN = 1 << 20  # tensors at least this big are read straight into their memory when it can be aligned
 
 
 def _skeleton(path, locations):
@@ -107,6 +115,24 @@ def _match_out(out, targets, where):
     return given
 
 
+def _direct(loc, t):
+    """True when t (contiguous) can take its bytes by one O_DIRECT read: a big CPU tensor whose address is
+    congruent to its file offset modulo 4 KiB."""
+    return (t.device.type == "cpu" and loc.nbytes >= DIRECT_MIN
+            and (t.data_ptr() - loc.offset) % layout.ALIGN == 0)
+
+
+def _aligned_empty(tg, device):
+    """A new CPU tensor for tg whose address is congruent to its file offset (see the module), or None."""
+    if device.type != "cpu" or tg.loc.nbytes < DIRECT_MIN:
+        return None
+    backing = torch.empty(tg.loc.nbytes + layout.ALIGN, dtype=torch.uint8)
+    shift = (tg.loc.offset - backing.data_ptr()) % layout.ALIGN
+    if shift % tg.dtype.itemsize:
+        return None  # a file whose tensors are not at multiples of their element size
+    return backing[shift:shift + tg.loc.nbytes].view(copyable_dtype(tg.dtype)).view(tg.shape).view(tg.dtype)
+
+
 def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
@@ -120,16 +146,26 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     skeleton, where = _skeleton(path, locations)
     targets = _targets(skeleton, locations, where)
     given = _match_out(out, targets, where) if out is not None else None
-    tensors, pairs, after = {}, [], []
+    tensors, pairs, after, direct = {}, [], [], []
     for name, tg in targets.items():
         if given is not None:
             t = given[name]
+            if t.is_contiguous() and _direct(tg.loc, t):
+                dest = t.detach()
+                direct.append((tg.loc, tg.byte_view(dest)))
+                tensors[name] = t
+                continue
             if t.is_contiguous():
                 dest = t.detach()
             else:  # read contiguously, then copied into place (one tensor's worth)
                 dest = torch.empty(tg.shape, dtype=tg.dtype, device=t.device)
                 after.append((t, dest))
         else:
+            dest = _aligned_empty(tg, device)
+            if dest is not None and tg.stride is None:
+                direct.append((tg.loc, tg.byte_view(dest)))
+                tensors[name] = dest
+                continue
             with cuda_copy.allocating_on_side_stream(device):
                 dest = torch.empty(tg.shape, dtype=tg.dtype, device=device)
             t = dest
@@ -138,9 +174,20 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
                 after.append((t, dest))
         tensors[name] = t
         pairs.append((tg.loc, tg.byte_view(dest), dest.device))
-    for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
-        read_into([(loc, view) for loc, view, d in pairs if d == dev], dev, handle=handle,
-                  staging_bytes=staging_bytes)
+    own = handle is None
+    h = new_handle() if own else handle
+    try:
+        futures = [h.pread(view, loc.path, loc.offset) for loc, view in direct]  # all in flight at once
+        try:
+            for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
+                read_into([(loc, view) for loc, view, d in pairs if d == dev], dev, handle=h,
+                          staging_bytes=staging_bytes)
+        finally:
+            for f in futures:
+                f.wait()
+    finally:
+        if own:
+            h.close()
     with torch.no_grad():
         for t, dest in after:
             copyable(t).copy_(copyable(dest))
