@@ -48,9 +48,11 @@ def plan(skeleton, entries, extra_metadata=None):
                           "shape": stored_shape(e.tensor.shape, e.tensor.dtype, e.raw),
                           "data_offsets": [begin, begin + e.nbytes]}
         begin += e.nbytes
-    metadata = {META_FORMAT: FORMAT, META_VERSION: VERSION,
-                META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))}
-    metadata.update(extra_metadata or {})
+    metadata = dict(extra_metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")
+    metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
+                     META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
     data_start = round_up(8 + len(text))
     text += b" " * (data_start - 8 - len(text))

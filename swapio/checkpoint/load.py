@@ -133,14 +133,15 @@ def _aligned_empty(tg, device):
     return backing[shift:shift + tg.loc.nbytes].view(copyable_dtype(tg.dtype)).view(tg.shape).view(tg.dtype)
 
 
-def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None):
+def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
-    those tensors (and the saved non-tensor values)."""
+    those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
+    state (group: the process group, default the world)."""
     path = os.fspath(path)
     from . import sharded
     if sharded.is_sharded(path):
-        return sharded.load(path, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
+        return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
     device = cuda_copy.normalize_device(device)
     locations = open_checkpoint(path)
     skeleton, where = _skeleton(path, locations)

@@ -52,8 +52,14 @@ def lazy_pieces(plan):
     return pieces
 
 
-def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None):
-    """Writes `state` to the safetensors file `path`; returns the file's size in bytes."""
+def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None, distributed=False,
+         group=None):
+    """Writes `state` to the safetensors file `path`; returns the file's size in bytes. metadata: more {str: str}
+    for the header's __metadata__. distributed=True: a collective of `group` (default: the world) where each rank
+    saves its own state into the directory `path` (sharded.py)."""
+    if distributed:
+        from . import sharded
+        return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle)
     plan, pending = prepare(state, os.fspath(path), metadata)
     try:
         staging = writer.Staging(staging_bytes, plan.total)
