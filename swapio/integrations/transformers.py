@@ -37,7 +37,8 @@ def reference(path):
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt):
+def _install(opt, load_reference=None):
+    """load_reference(opt, path): how a reference is loaded (default: opt.load(path), OffloadAdam's own)."""
     if "load_state_dict" in vars(opt):
         return
     cls = type(opt)
@@ -52,9 +53,13 @@ def _install(opt):
         if path is None:
             return cls.load_state_dict(opt, state_dict)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
-                                    "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
-        opt.load(path)
+            if load_reference is None:
+                raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
+                                        "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
+        if load_reference is None:
+            opt.load(path)
+        else:
+            load_reference(opt, path)
 
     opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
     opt._swapio_pending_reference = pending
@@ -87,3 +92,52 @@ class StreamingCheckpointCallback(TrainerCallback):
         opt = _offload_optimizer(optimizer)
         if opt is not None and hasattr(opt, "_swapio_pending_reference"):
             opt._swapio_pending_reference.pop("ref", None)  # Trainer did not ask for it: drop it
+
+
+# ---- any torch optimizer, through swapio.checkpoint ---------------------------------------------------------
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _load_optimizer_file(opt, path):
+    from ..checkpoint import load
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the checkpoint "
+                                "moved? load it with opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/"
+                                f"{OPTIMIZER_FILE})))")
+    type(opt).load_state_dict(opt, load(path))
+
+
+class SwapioCheckpointCallback(TrainerCallback):
+    """Trainer checkpoints of any torch optimizer's state through swapio.checkpoint: checkpoint-N/optimizer.safetensors
+    (O_DIRECT, fsynced, atomic), with optimizer.pt holding only a reference to it, loaded back on
+    resume_from_checkpoint. The model is left to Trainer, which writes model.safetensors already. The same
+    mechanism as StreamingCheckpointCallback (above); OffloadAdam optimizers are left to that one."""
+
+    def on_init_end(self, args, state, control, optimizer=None, **kwargs):
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and _offload_optimizer(optimizer) is None:
+            _install(opt, _load_optimizer_file)
+
+    def _save(self, args, state, control, optimizer):
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is None or _offload_optimizer(optimizer) is not None or not control.should_save \
+                or args.save_only_model or not args.should_save:
+            return
+        from ..checkpoint import save
+        _install(opt, _load_optimizer_file)  # an optimizer Trainer created itself appears only now
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, OPTIMIZER_FILE)
+        save(type(opt).state_dict(opt), path)
+        opt._swapio_pending_reference["ref"] = reference(path)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self._save(args, state, control, optimizer)
+
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        self._save(args, state, control, optimizer)
+
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and hasattr(opt, "_swapio_pending_reference"):
+            opt._swapio_pending_reference.pop("ref", None)
