@@ -9,8 +9,9 @@ See docs/checkpoint.md. Modules: structure (nesting <-> named tensors), dtypes, 
 header), writer (the streaming O_DIRECT writer), commit (temporary file, lock, atomic publish), save, capture
 and background (async_save), load, sharded (torch.distributed).
 """
+from .buffers import release_buffers
 from .load import load
 from .save import DEFAULT_STAGING, save
 from .save_async import async_save
 
-__all__ = ["DEFAULT_STAGING", "async_save", "load", "save"]
+__all__ = ["DEFAULT_STAGING", "async_save", "load", "release_buffers", "save"]

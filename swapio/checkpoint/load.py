@@ -23,7 +23,7 @@ from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read
 from . import layout
 from .bytes_of import copyable, copyable_dtype
 from .save import new_handle
-from .dtypes import NAMES, dtype_from_name
+from .dtypes import dtype_from_name
 from .structure import flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20

@@ -32,11 +32,13 @@ def write_and_commit(plan, pending, pieces, staging, handle=None):
         try:
             writer.write(h, pending.path, plan.total, pieces, staging, identity=pending.identity)
         except OSError as exc:
+            staging.release()  # writer.write waited for every request: the buffers are free
             raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
                                      f"{exc.strerror or exc}", pending.final) from exc
         finally:
             if own:
                 h.close()
+        staging.release()  # (not after an interruption: a request may still be reading them)
         pending.commit(plan.total)
     finally:
         pending.abort()  # a no-op once committed
