@@ -73,3 +73,22 @@ def test_wait_raises_the_error_of_a_failed_background_write(small_ext4_dir):
     assert isinstance(fut.exception(), OSError)
     assert swapio.checkpoint.load(path) == {"k": 0}
     assert leftovers(small_ext4_dir) == []
+
+
+def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one(tmp_path):
+    """Each save reuses the last one's staging and capture memory: every file must still hold its own state."""
+    import safetensors.torch as st
+    from swapio.checkpoint import buffers
+    g = torch.Generator().manual_seed(7)
+    states = [{"w": torch.randn(700_000, generator=g), "v": torch.randn(123_457, generator=g).bfloat16()}
+              for _ in range(3)]
+    swapio.checkpoint.async_save(states[0], tmp_path / "0.safetensors", staging_bytes=MiB).wait(timeout=60)
+    kept = buffers._spare["image"].data_ptr()
+    swapio.checkpoint.async_save(states[1], tmp_path / "1.safetensors", staging_bytes=MiB).wait(timeout=60)
+    assert buffers._spare["image"].data_ptr() == kept  # the same memory served again
+    swapio.checkpoint.save(states[2], tmp_path / "2.safetensors", staging_bytes=MiB)
+    for i, state in enumerate(states):
+        flat = st.load_file(str(tmp_path / f"{i}.safetensors"))
+        assert torch.equal(flat["w"], state["w"]) and torch.equal(flat["v"], state["v"]), i
+    swapio.checkpoint.release_buffers()
+    assert buffers._spare == {}

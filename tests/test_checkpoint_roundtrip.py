@@ -222,3 +222,26 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(tmp_path):
     swapio.checkpoint.save(new, path)
     assert_same(swapio.checkpoint.load(path), new)
     assert leftovers(tmp_path) == []
+
+
+def test_load_into_tensors_at_congruent_addresses_reads_straight_into_them(tmp_path, monkeypatch):
+    """Tensors load allocated sit at addresses congruent to their file offsets: loading into them again (out=)
+    takes the one-request O_DIRECT path, and must give the new values."""
+    import importlib
+    load_module = importlib.import_module("swapio.checkpoint.load")
+    g = torch.Generator().manual_seed(9)
+    first = {"a": torch.randn(600_000, generator=g), "b": torch.randn(600_000, generator=g).half()}
+    second = {"a": torch.randn(600_000, generator=g), "b": torch.randn(600_000, generator=g).half()}
+    swapio.checkpoint.save(first, tmp_path / "1.safetensors")
+    swapio.checkpoint.save(second, tmp_path / "2.safetensors")
+    held = swapio.checkpoint.load(tmp_path / "1.safetensors")
+    assert_same(held, first)
+    streamed = []
+    real = load_module.read_into
+    monkeypatch.setattr(load_module, "read_into",
+                        lambda pairs, *a, **k: (streamed.extend(pairs), real(pairs, *a, **k)))
+    ptrs = {k: v.data_ptr() for k, v in held.items()}
+    back = swapio.checkpoint.load(tmp_path / "2.safetensors", out=held)
+    assert streamed == []  # both tensors went the direct way
+    assert {k: v.data_ptr() for k, v in back.items()} == ptrs
+    assert_same(back, second)
