@@ -46,7 +46,8 @@ def bytes_of(t):
 
 
 def leftovers(directory):
-    """Temporary files of saves in directory."""
+    """Temporary files of saves in directory (once the replaced files a save unlinks in the background are gone)."""
+    commit.wait_for_unlinks()
     return [n for n in os.listdir(directory) if commit.TAG in n]
 
 

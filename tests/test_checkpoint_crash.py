@@ -67,3 +67,17 @@ def test_the_temporary_file_of_a_live_save_is_never_reclaimed(tmp_path):
     assert os.path.exists(dead.path)
     swapio.checkpoint.save({"x": torch.ones(3)}, tmp_path / "b.safetensors")
     assert not os.path.exists(dead.path)
+
+
+def test_the_replaced_file_is_freed_after_the_commit_and_reclaimed_if_the_process_died(tmp_path):
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"x": torch.ones(1000)}, path)
+    old_inode = path.stat().st_ino
+    swapio.checkpoint.save({"x": torch.zeros(1000)}, path)  # replaces it; its blocks are freed on a helper thread
+    assert path.stat().st_ino != old_inode
+    assert leftovers(tmp_path) == []
+    # as if killed between the commit and the unlink: a reclaimable name of the replaced file stays behind
+    os.link(path, tmp_path / ".c.safetensors.swapio-ckpt-0123456789abcdef.old.tmp")
+    swapio.checkpoint.save({"x": torch.full((1000,), 2.0)}, tmp_path / "other.safetensors")
+    assert leftovers(tmp_path) == []
+    assert torch.equal(swapio.checkpoint.load(path)["x"], torch.zeros(1000))

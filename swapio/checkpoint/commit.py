@@ -14,11 +14,24 @@ import errno
 import fcntl
 import os
 import secrets
+import threading
 
 from .. import _durable
 
 TAG = ".swapio-ckpt-"
 SUFFIX = ".tmp"
+
+
+_unlinking = []  # helper threads removing replaced files
+_unlinking_lock = threading.Lock()
+
+
+def wait_for_unlinks():
+    """Waits until the files replaced by earlier commits are removed (their blocks freed)."""
+    with _unlinking_lock:
+        threads = list(_unlinking)
+    for t in threads:
+        t.join()
 
 
 def _is_ours(name):
@@ -83,20 +96,38 @@ class PendingFile:
                 raise
             os.close(fd)  # another save's reclaim removed it between our create and our lock: again
         self._fd = fd
+        self._old = None
         self.committed = False
 
     def commit(self, size):
-        """Truncates to size, fsyncs, renames over the final name, fsyncs the directory."""
+        """Truncates to size, fsyncs, renames over the final name, fsyncs the directory. The file it replaces is
+        first given a reclaimable name (a hard link), so that the rename does not free its blocks: freeing a
+        GiB-sized file's extents takes 0.2-0.3 s on ext4, done afterwards on a helper thread instead."""
         os.ftruncate(self._fd, size)
+        old = self.path[:-len(SUFFIX)] + ".old" + SUFFIX
+        try:
+            os.link(self.final, old, follow_symlinks=False)
+            self._old = old  # (abort removes it: until the rename it is one more name of the live file)
+        except OSError:
+            old = None  # no previous file, or a file system without hard links: the rename frees it
         _durable.publish(self.path, self.final)
         self.committed = True
         self.close()
+        if old is not None:
+            # A process that dies before this runs leaves `old`, unlocked: the next save reclaims it.
+            t = threading.Thread(target=_durable.discard, args=(old,), name="swapio-checkpoint-unlink",
+                                 daemon=True)
+            with _unlinking_lock:
+                _unlinking[:] = [u for u in _unlinking if u.is_alive()] + [t]
+            t.start()
 
     def abort(self):
         if self._fd is None:
             return
         if not (self.committed or _durable.is_file(self.final, self.identity)):
             _durable.discard(self.path)
+        if self._old is not None:
+            _durable.discard(self._old)
         self.close()
 
     def close(self):
