@@ -19,5 +19,5 @@ from .swap import SwappedTensor, SwapStore  # noqa: E402
 
 from . import checkpoint, offload, ops, optim  # noqa: E402,F401
 
-__all__ = ["AioHandle", "checkpoint", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
-           "is_pinned", "offload", "ops", "optim", "__version__"]
+__all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "checkpoint", "empty_pinned",
+           "info", "is_pinned", "offload", "ops", "optim", "__version__"]

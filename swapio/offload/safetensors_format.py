@@ -149,9 +149,12 @@ def check_against(locations, name, shape, dtype, checkpoint):
 def read_metadata(path):
     """The header's "__metadata__" ({str: str}, empty when absent) of a .safetensors file that read_header
     accepted; ValueError naming the file if it is not a JSON object of strings."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, MAX_HEADER)))
+    except (struct.error, ValueError):
+        raise ValueError(f"{path}: not a safetensors file (unreadable header)") from None
     metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
