@@ -245,3 +245,28 @@ def test_load_into_tensors_at_congruent_addresses_reads_straight_into_them(tmp_p
     assert streamed == []  # both tensors went the direct way
     assert {k: v.data_ptr() for k, v in back.items()} == ptrs
     assert_same(back, second)
+
+
+def test_small_tensors_between_big_ones_are_read_without_rereading_the_big_ones(tmp_path, monkeypatch):
+    """A safetensors file (written by the library: sorted by name, so biases sit between weights): big tensors
+    go the direct way, the small ones are streamed in runs that do not span the big ones."""
+    import importlib
+    load_module = importlib.import_module("swapio.checkpoint.load")
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+    for i in range(4):
+        tensors[f"l{i}.b"] = torch.randn(100, generator=g)
+        tensors[f"l{i}.w"] = torch.randn(600_000, generator=g)  # 2.4 MB
+    st.save_file(tensors, str(tmp_path / "m.safetensors"))
+    spans = []
+    real = load_module.read_into
+
+    def recording(pairs, *a, **k):
+        spans.append(pairs[-1][0].offset + pairs[-1][0].nbytes - pairs[0][0].offset)
+        return real(pairs, *a, **k)
+
+    monkeypatch.setattr(load_module, "read_into", recording)
+    back = swapio.checkpoint.load(tmp_path / "m.safetensors")
+    for k, v in tensors.items():
+        assert torch.equal(back[k], v), k
+    assert len(spans) == 4 and max(spans) == 400  # each bias alone, never a weight's bytes again

@@ -5,7 +5,7 @@ to back (the format allows no gaps between them). JSON may end in spaces, so the
 until 8 + N is a multiple of 4096: the data section then starts on a boundary O_DIRECT accepts, and the whole
 file is written as aligned windows (the header riding in the first one). Tensors are ordered by element size,
 largest first (as safetensors itself does), so every tensor starts at a multiple of its element size and can be
-viewed in place as its dtype.
+viewed in place as its dtype; within one element size, the tensors under 1 MiB come first (see plan()).
 """
 import json
 import struct
@@ -15,6 +15,7 @@ import torch
 from .dtypes import stored_shape
 
 ALIGN = 4096
+SMALL = 1 << 20  # = load.DIRECT_MIN
 FORMAT, VERSION = "swapio.checkpoint", "1"
 META_FORMAT, META_VERSION, META_STRUCTURE = "format", "format_version", "structure"
 
@@ -38,7 +39,10 @@ class Plan:
 
 
 def plan(skeleton, entries, extra_metadata=None):
-    order = sorted(range(len(entries)), key=lambda i: -entries[i].tensor.element_size())  # stable
+    # Largest element size first; within one size, tensors under 1 MiB first: load streams those through pinned
+    # windows and reads the big ones straight into their memory, and a run of small ones is read in one go.
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i].tensor.element_size(),
+                                                       entries[i].nbytes >= SMALL))  # stable
     relative, begin = [0] * len(entries), 0
     header = {}
     for i in order:

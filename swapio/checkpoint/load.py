@@ -27,7 +27,8 @@ from .dtypes import dtype_from_name
 from .structure import flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
-DIRECT_MIN = 1 << 20  # tensors at least this big are read straight into their memory when it can be aligned
+DIRECT_MIN = layout.SMALL  # tensors at least this big are read straight into their memory when it can be aligned
+RUN_GAP = 256 << 10   # streamed tensors closer than this are read together, the bytes between them included
 
 
 def _skeleton(path, locations):
@@ -115,6 +116,20 @@ def _match_out(out, targets, where):
     return given
 
 
+def _runs(pairs, gap=RUN_GAP):
+    """pairs split into runs of tensors close together in one file: read_into reads everything between the first
+    and the last tensor it is given, and the bytes between two streamed tensors may be a big tensor already read
+    directly."""
+    runs = []
+    for loc, view in sorted(pairs, key=lambda p: (p[0].path, p[0].offset)):
+        last = runs[-1][-1][0] if runs else None
+        if last is not None and last.path == loc.path and loc.offset - (last.offset + last.nbytes) <= gap:
+            runs[-1].append((loc, view))
+        else:
+            runs.append([(loc, view)])
+    return runs
+
+
 def _direct(loc, t):
     """True when t (contiguous) can take its bytes by one O_DIRECT read: a big CPU tensor whose address is
     congruent to its file offset modulo 4 KiB."""
@@ -181,8 +196,10 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
         futures = [h.pread(view, loc.path, loc.offset) for loc, view in direct]  # all in flight at once
         try:
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
-                read_into([(loc, view) for loc, view, d in pairs if d == dev], dev, handle=h,
-                          staging_bytes=staging_bytes)
+                for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
+                    span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset
+                    read_into(run, dev, handle=h,
+                              staging_bytes=min(staging_bytes, 2 * layout.round_up(span + layout.ALIGN)))
         finally:
             for f in futures:
                 f.wait()
