@@ -19,6 +19,10 @@ Trainer may build the optimizer inside train() (optimizer_cls_and_kwargs, a crea
 the checkpoint right after, with no callback event in between, so no instance can be patched in time. Instead,
 constructing the callback makes OffloadAdam.load_state_dict (the class's) recognise a reference; any other state
 dict goes to the original method unchanged. Other optimizers are left alone, and refuse a reference.
+
+SwapioCheckpointCallback (at the end) does the same for any torch optimizer, writing its state with
+swapio.checkpoint (checkpoint-N/optimizer.safetensors); there the instance given to Trainer gets a load_state_dict
+that loads the reference (_install's load_reference).
 """
 import functools
 import os
@@ -45,8 +49,10 @@ def reference(path: str) -> Dict[str, Any]:
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt: OffloadAdam) -> None:
-    """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves)."""
+def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = None) -> None:
+    """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves).
+    load_reference(opt, path): how this instance's load_state_dict loads a reference (any torch optimizer, for
+    SwapioCheckpointCallback); without it, OffloadAdam's class-level load_state_dict does (opt.load)."""
     if hasattr(opt, _PENDING):
         return
     cls = type(opt)
@@ -59,6 +65,16 @@ def _install(opt: OffloadAdam) -> None:
     # instance attributes set with setattr: a patch of this one object, which type checkers cannot follow
     setattr(opt, "state_dict", state_dict)
     setattr(opt, _PENDING, pending)
+    if load_reference is None:
+        return
+
+    def load_state_dict(state_dict: Dict[str, Any]) -> Any:
+        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
+        if path is None:
+            return cls.load_state_dict(opt, state_dict)
+        return load_reference(opt, path)
+
+    setattr(opt, "load_state_dict", load_state_dict)
 
 
 def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
@@ -112,3 +128,52 @@ class StreamingCheckpointCallback(TrainerCallback):
         opt = _offload_optimizer(optimizer)
         if opt is not None and hasattr(opt, _PENDING):
             getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it
+
+
+# ---- any torch optimizer, through swapio.checkpoint ---------------------------------------------------------
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _load_optimizer_file(opt: Any, path: str) -> None:
+    from ..checkpoint import load
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the checkpoint "
+                                "moved? load it with opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/"
+                                f"{OPTIMIZER_FILE})))")
+    type(opt).load_state_dict(opt, load(path))
+
+
+class SwapioCheckpointCallback(TrainerCallback):
+    """Trainer checkpoints of any torch optimizer's state through swapio.checkpoint: checkpoint-N/optimizer.safetensors
+    (O_DIRECT, fsynced, atomic), with optimizer.pt holding only a reference to it, loaded back on
+    resume_from_checkpoint. The model is left to Trainer, which writes model.safetensors already. The same
+    mechanism as StreamingCheckpointCallback (above); OffloadAdam optimizers are left to that one."""
+
+    def on_init_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and _offload_optimizer(optimizer) is None:
+            _install(opt, _load_optimizer_file)
+
+    def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is None or _offload_optimizer(optimizer) is not None or not control.should_save \
+                or args.save_only_model or not args.should_save:
+            return
+        from ..checkpoint import save
+        _install(opt, _load_optimizer_file)  # an optimizer Trainer created itself appears only now
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, OPTIMIZER_FILE)
+        save(type(opt).state_dict(opt), path)
+        getattr(opt, _PENDING)["ref"] = reference(path)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and hasattr(opt, _PENDING):
+            getattr(opt, _PENDING).pop("ref", None)
