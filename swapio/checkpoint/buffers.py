@@ -13,7 +13,7 @@ from ..pinned import empty_pinned
 from .layout import ALIGN
 
 _lock = threading.Lock()
-_spare = {}  # "pinned" / "image" -> a 1-D uint8 tensor
+_spare: dict[str, torch.Tensor] = {}  # "pinned" / "image" -> a 1-D uint8 tensor
 
 
 def take(kind, nbytes):

@@ -22,7 +22,7 @@ TAG = ".swapio-ckpt-"
 SUFFIX = ".tmp"
 
 
-_unlinking = []  # helper threads removing replaced files
+_unlinking: list[threading.Thread] = []  # helper threads removing replaced files
 _unlinking_lock = threading.Lock()
 
 
