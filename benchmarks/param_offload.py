@@ -2,13 +2,18 @@
 disk's own read time and the resident model; and loading a checkpoint into memory against safetensors.
 
     python benchmarks/param_offload.py [--dir /tmp/offload/bench] [--layers 24 --width 2048] [--repeats 3]
+                                       [--arch gpt2|llama]
 
 The model is a GPT-2 built from a transformers config (random weights, bf16; 24 layers x 2048 wide: 1.31 G
-parameters, 2.6 GB), written once as a safetensors checkpoint (streamed, tensor by tensor) and once as
+parameters, 2.6 GB), or with --arch llama a Llama of the same layers and width (RMSNorm, RoPE, SwiGLU MLP 8/3 as
+wide, untied head; its norms are registered after attention and MLP but run before them, which is what a first
+forward's read-ahead must cope with), written once as a safetensors checkpoint (streamed, tensor by tensor) and once as
 accelerate's offload folder. Every measurement runs in a fresh process, with the page cache dropped right before
 the timed part (root only; without root the figures are cache-warm and the script says so), in an order that
 rotates from one round to the next. Per round:
-  swapio       disk_offload(meta model, checkpoint=...): the first forward (batch 1 x --tokens), cold
+  swapio       disk_offload(meta model, checkpoint=...): the first forward (batch 1 x --tokens), cold; also the
+               bytes it read over the bytes its modules need (1.0: every byte read once; reads already started
+               for the next forward not counted)
   accelerate   accelerate.disk_offload(meta model, offload folder): the same forward, cold
   resident     the model in RAM: the same forward (compute only)
   read         the checkpoint read whole by swapio into pinned buffers, once per handle configuration (their
@@ -64,9 +69,18 @@ def _reset_peak():
         pass
 
 
+def _llama_ffn(width):
+    return (8 * width // 3 + 255) // 256 * 256
+
+
 def _config(args):
     import transformers
     transformers.logging.set_verbosity_error()
+    if getattr(args, "arch", "gpt2") == "llama":
+        return transformers.LlamaConfig(hidden_size=args.width, intermediate_size=_llama_ffn(args.width),
+                                        num_hidden_layers=args.layers, num_attention_heads=args.width // 128,
+                                        num_key_value_heads=args.width // 128, vocab_size=args.vocab,
+                                        max_position_embeddings=1024, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 128,
                                    vocab_size=args.vocab, n_positions=1024, bos_token_id=0, eos_token_id=0)
 
@@ -74,6 +88,10 @@ def _config(args):
 def _meta_model(args):
     import torch
     import transformers
+    if getattr(args, "arch", "gpt2") == "llama":
+        import accelerate
+        with accelerate.init_empty_weights():  # weights on meta, buffers (RoPE's inv_freq) computed for real
+            return transformers.LlamaForCausalLM(_config(args)).to(torch.bfloat16).eval()
     with torch.device("meta"):
         return transformers.GPT2LMHeadModel(_config(args)).to(torch.bfloat16).eval()
 
@@ -86,6 +104,10 @@ def _warm_kernels(args):
         for n in (3 * w, w, 4 * w):
             torch.addmm(torch.zeros(n).bfloat16(), x, torch.randn(w, n).bfloat16())
         torch.addmm(torch.zeros(w).bfloat16(), torch.randn(args.tokens, 4 * w).bfloat16(), torch.randn(4 * w, w).bfloat16())
+        if args.arch == "llama":  # its MLP's shapes
+            f = _llama_ffn(w)
+            torch.nn.functional.linear(x, torch.randn(f, w).bfloat16())
+            torch.nn.functional.linear(torch.randn(args.tokens, f).bfloat16(), torch.randn(w, f).bfloat16())
         torch.nn.functional.linear(x, torch.randn(4096, w).bfloat16())
 
 
@@ -146,6 +168,14 @@ def child(args):
             model.tie_weights()
         out["seconds"] = _timed(lambda: _forward(model, args), cold=args.child != "resident")
         out["rss"] = _status("VmHWM") - base
+        if args.child == "swapio":  # what this forward read over what it needs: the records' spans (4 KiB-rounded),
+            from swapio.offload import stats   # not counting the reads already started for the next forward
+            from swapio.offload.api import _offloaded
+            engine = _offloaded[model]
+            spans = lambda records: sum(length for r in records for _, _, length, _ in r.spans)  # noqa: E731
+            ahead = [r for r, f in engine.fetcher.fetches.items()  # a tied record kept in the spare was used now
+                     if not (f.alloc[0] == "spare" and len(r.units) > 1)]
+            out["read_ratio"] = (stats(model)["bytes_read"] - spans(ahead)) / spans(engine.records)
     elif args.child == "read":
         import torch
         import swapio
@@ -181,11 +211,12 @@ def child(args):
 
 # ---- parent side ------------------------------------------------------------------------------------------
 def write_checkpoint(args, path):
-    """GPT-2's tensors (tied lm_head left out, as save_pretrained does), GPT-2's init: LayerNorm 1/0, others
-    N(0, 0.02), written one tensor at a time so the full state dict never exists."""
+    """The model's tensors (GPT-2's tied lm_head left out, as save_pretrained does), GPT-2's init: norms 1/0,
+    others N(0, 0.02), written one tensor at a time so the full state dict never exists."""
     import torch
     model = _meta_model(args)
-    names = [(k, tuple(v.shape)) for k, v in model.state_dict().items() if k != "lm_head.weight"]
+    tied = "lm_head.weight" if args.arch == "gpt2" else None
+    names = [(k, tuple(v.shape)) for k, v in model.state_dict().items() if k != tied]
     header, offset = {}, 0
     for k, shape in names:
         n = math.prod(shape) * 2
@@ -197,7 +228,7 @@ def write_checkpoint(args, path):
     with open(path + ".tmp", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for k, shape in names:
-            if ".ln_" in k or k.startswith("transformer.ln_f"):
+            if ".ln_" in k or k.startswith("transformer.ln_f") or k.endswith("norm.weight"):
                 t = torch.ones(shape) if k.endswith("weight") else torch.zeros(shape)
             else:
                 t = torch.empty(shape).normal_(0, 0.02, generator=g)
@@ -208,7 +239,7 @@ def write_checkpoint(args, path):
 
 def run_child(args, name, extra=()):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--round", str(args.round),
-           "--dir", args.dir, "--layers", str(args.layers),
+           "--dir", args.dir, "--layers", str(args.layers), "--arch", args.arch,
            "--width", str(args.width), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
            "--buffer-mib", str(args.buffer_mib), "--prefetch", str(args.prefetch),
            "--cpu-threads", str(args.cpu_threads or 0), *extra]
@@ -222,6 +253,8 @@ def run_child(args, name, extra=()):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/offload/bench", help="scratch directory (about 2 x the model)")
+    ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2",
+                    help="the model: GPT-2 (default) or a Llama of the same layers and width")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50257)
@@ -255,7 +288,8 @@ def main(argv=None):
             code = (f"import sys; sys.path[:0] = [{REPO!r}, {HERE!r}]\n"
                     "import argparse, accelerate\nfrom param_offload import _meta_model\n"
                     "from swapio.offload import load_file\n"
-                    f"a = argparse.Namespace(layers={args.layers}, width={args.width}, vocab={args.vocab})\n"
+                    f"a = argparse.Namespace(layers={args.layers}, width={args.width}, vocab={args.vocab}, "
+                    f"arch={args.arch!r})\n"
                     "m = _meta_model(a)\n"
                     f"m.load_state_dict(load_file({ckpt!r}), strict=False, assign=True); m.tie_weights()\n"
                     f"accelerate.utils.offload_state_dict({acc_dir!r}, m.state_dict())\n")
@@ -303,7 +337,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\nGPT-2 {args.layers} x {args.width}, bf16, {weight_bytes / 1e9:.2f} GB; forward of 1 x {args.tokens} "
+    name = {"gpt2": "GPT-2", "llama": "Llama"}[args.arch]
+    print(f"\n{name} {args.layers} x {args.width}, bf16, {weight_bytes / 1e9:.2f} GB; forward of 1 x {args.tokens} "
           f"tokens; medians of {args.repeats} interleaved rounds")
     rows = [(n, f"{med[n]:.2f}", f"{rss[n] / MiB:.0f}") for n in ("swapio", "accelerate", "resident", "load-st",
                                                                  "load-st-pread", "load-swapio")]
@@ -311,6 +346,8 @@ def main(argv=None):
     for k, v in by_config.items():
         print(f"read {k}: {' '.join(f'{x:.2f}' for x in v)} GB/s, median {statistics.median(v):.2f}"
               f"{'  <- best' if k == best_config else ''}")
+    print(f"swapio's first forward read {statistics.median(x['read_ratio'] for x in runs['swapio']):.2f} x the "
+          "weights it needs (1.00: each byte once)")
     print(f"swapio best configuration {bw:.2f} GB/s -> I/O bound {io_bound:.2f} s")
     print(f"swapio / max(I/O bound, resident) = {result['swapio_vs_bound']:.2f} (per round, against that round's "
           f"read with the best configuration: {' '.join(f'{x:.2f}' for x in per_round)}; goal <= 1.15)")

@@ -17,7 +17,7 @@ from .info import info  # noqa: E402
 from .pinned import empty_pinned, is_pinned  # noqa: E402
 from .swap import SwappedTensor, SwapStore  # noqa: E402
 
-from . import offload, ops, optim  # noqa: E402,F401
+from . import checkpoint, offload, ops, optim  # noqa: E402,F401
 
-__all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
-           "is_pinned", "offload", "ops", "optim", "__version__"]
+__all__ = ["AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "checkpoint", "empty_pinned",
+           "info", "is_pinned", "offload", "ops", "optim", "__version__"]

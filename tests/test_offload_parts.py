@@ -59,9 +59,21 @@ def test_schedule_learns_the_order_units_run_in():
         s.observe(u)
     assert list(s.ahead("d")) == ["c", "b", "a"]
     assert list(s.behind("a"))[:2] == ["b", "c"]
-    assert list(s.ahead("a")) == ["b"]  # what follows the last unit is learned when the next forward starts
+    assert list(s.ahead("a")) == ["d", "c", "b"]  # after the last unit: the unit the first forward started with
     s.observe("d")
     assert list(s.ahead("a")) == ["d", "c", "b"]  # a cycle stops before coming back
+
+
+def test_schedule_guesses_units_that_never_ran_before_units_that_ran():
+    """The first forward of a layer that registers its norm last but runs it first: from the norm on, the walk
+    goes through the layer's projections (never ran yet) before anything that already ran."""
+    s = Schedule(["emb", "q", "o", "norm", "q2", "o2", "norm2", "head"])
+    for u in ("emb", "norm"):
+        s.observe(u)
+    assert list(s.ahead("norm")) == ["q", "o", "q2", "o2", "norm2", "head", "emb"]
+    for u in ("q", "o", "norm2"):
+        s.observe(u)
+    assert list(s.ahead("norm2")) == ["q2", "o2", "head", "emb", "norm", "q", "o"]
 
 
 def test_header_reader_agrees_with_safetensors(tmp_path):

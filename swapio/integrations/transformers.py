@@ -21,6 +21,10 @@ the checkpoint right after, with no callback event in between, so no instance ca
 constructing the callback makes OffloadOptimizer.load_state_dict (the base class's, so OffloadAdam[W] and
 OffloadLion alike) recognise a reference; any other state
 dict goes to the original method unchanged. Other optimizers are left alone, and refuse a reference.
+
+SwapioCheckpointCallback (at the end) does the same for any torch optimizer, writing its state with
+swapio.checkpoint (checkpoint-N/optimizer.safetensors); there the instance given to Trainer gets a load_state_dict
+that loads the reference (_install's load_reference).
 """
 import functools
 import os
@@ -29,6 +33,7 @@ from typing import Any, Callable, Dict, Optional
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .._errors import warn_once
 from ..optim import OffloadOptimizer
 
 SUBDIR = "swapio-optim"
@@ -47,8 +52,10 @@ def reference(path: str) -> Dict[str, Any]:
     return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
-def _install(opt: OffloadOptimizer) -> None:
-    """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves)."""
+def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = None) -> None:
+    """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves).
+    load_reference(opt, path): how this instance's load_state_dict loads a reference (any torch optimizer, for
+    SwapioCheckpointCallback); without it, OffloadOptimizer's class-level load_state_dict does (opt.load)."""
     if hasattr(opt, _PENDING):
         return
     cls = type(opt)
@@ -61,6 +68,16 @@ def _install(opt: OffloadOptimizer) -> None:
     # instance attributes set with setattr: a patch of this one object, which type checkers cannot follow
     setattr(opt, "state_dict", state_dict)
     setattr(opt, _PENDING, pending)
+    if load_reference is None:
+        return
+
+    def load_state_dict(state_dict: Dict[str, Any]) -> Any:
+        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
+        if path is None:
+            return cls.load_state_dict(opt, state_dict)
+        return load_reference(opt, path)
+
+    setattr(opt, "load_state_dict", load_state_dict)
 
 
 def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,3 +132,60 @@ class StreamingCheckpointCallback(TrainerCallback):
         opt = _offload_optimizer(optimizer)
         if opt is not None and hasattr(opt, _PENDING):
             getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it
+
+
+# ---- any torch optimizer, through swapio.checkpoint ---------------------------------------------------------
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _load_optimizer_file(opt: Any, path: str) -> None:
+    from ..checkpoint import load
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the checkpoint "
+                                "moved? load it with opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/"
+                                f"{OPTIMIZER_FILE})))")
+    type(opt).load_state_dict(opt, load(path))
+
+
+class SwapioCheckpointCallback(TrainerCallback):
+    """Trainer checkpoints of any torch optimizer's state through swapio.checkpoint: checkpoint-N/optimizer.safetensors
+    (O_DIRECT, fsynced, atomic), with optimizer.pt holding only a reference to it, loaded back on
+    resume_from_checkpoint. The model is left to Trainer, which writes model.safetensors already. The same
+    mechanism as StreamingCheckpointCallback (above); offloaded optimizers (OffloadOptimizer) are left to that one."""
+
+    def on_init_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and _offload_optimizer(optimizer) is None:
+            _install(opt, _load_optimizer_file)
+
+    def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is None or _offload_optimizer(optimizer) is not None or not control.should_save \
+                or args.save_only_model or not args.should_save:
+            return
+        if not hasattr(opt, _PENDING):
+            # Trainer built this optimizer itself (optimizer_cls_and_kwargs, create_optimizer) after on_init_end,
+            # and it will load optimizer.pt right after building it on resume, with no event between in which a
+            # callback could teach the instance to follow a reference. So Trainer saves it its own way: a resume
+            # that works beats a faster save that cannot be resumed.
+            warn_once("swapio-callback-late-optimizer", "SwapioCheckpointCallback saves the optimizer with "
+                      "swapio.checkpoint only when it is given to Trainer (optimizers=(opt, scheduler)); this "
+                      "optimizer was built by Trainer, so Trainer saves it with torch.save")
+            return
+        from ..checkpoint import save
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, OPTIMIZER_FILE)
+        save(type(opt).state_dict(opt), path)
+        getattr(opt, _PENDING)["ref"] = reference(path)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)
+        if opt is not None and hasattr(opt, _PENDING):
+            getattr(opt, _PENDING).pop("ref", None)

@@ -6,6 +6,7 @@ switching is one import; see docs/offload.md.
 from .api import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload, stats
 from .chain import CpuOffloadHook
 from .load import load_file
+from .pretrained import from_pretrained
 
-__all__ = ["CpuOffloadHook", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "load_file",
+__all__ = ["CpuOffloadHook", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "from_pretrained", "load_file",
            "remove_offload", "stats"]

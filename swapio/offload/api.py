@@ -9,14 +9,17 @@ from .._errors import check_int
 from ..cuda_copy import normalize_device
 from ..handle import AioHandle
 from ..pinned import empty_pinned
-from . import dir_owner
+from . import dir_owner, grafting, preload
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .engine import OffloadEngine
 from .fetch import Fetcher
 from .layout import group_records, pack, place_on_disk
+from .names import checkpoint_names, find
+from .prepare import buffer_owners_outside, compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
-from .units import collect, set_entry
+from .state_dict import assign_state_dict
+from .units import collect, set_entry, trainable_modules
 
 
 class _Registry(weakref.WeakKeyDictionary):
@@ -66,12 +69,15 @@ def _unregister(model, owner):
             del _offloaded[m]
 
 
-def _attach(model, engine, original):
-    """Attaches the engine and registers the model; on any failure, Ctrl-C included, the model is left as it was
-    (no wrappers, original(slot) in every offloaded attribute) and the engine closed, so that remove_offload's
-    "not offloaded" is true and offloading again starts clean."""
+def _attach(model, engine, original, preload_names=()):
+    """Attaches the engine (with preload_module_classes' wrappers and the watch for wrappers added later) and
+    registers the model; on any failure, Ctrl-C included, the model is left as it was (no wrappers, original(slot)
+    in every offloaded attribute) and the engine closed, so that remove_offload's "not offloaded" is true and
+    offloading again starts clean."""
     try:
         engine.attach()
+        preload.attach(engine, preload_names)
+        grafting.watch(engine)
         _register(model, engine)
     except BaseException:
         _unregister(model, engine)
@@ -90,8 +96,28 @@ def _put_back(units, original):
             set_entry(unit.module, attr, kind, values[slot])
 
 
+def _check_available(execution_device):
+    """A clear error for a CUDA execution device on a machine without one (torch raises a bare AssertionError)."""
+    if isinstance(execution_device, int) and not isinstance(execution_device, bool):
+        device = torch.device("cuda", execution_device)
+    elif isinstance(execution_device, (str, torch.device)):
+        device = torch.device(execution_device)
+    else:
+        return  # normalize_device reports the type
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeError(f"execution_device={execution_device!r} needs CUDA, but {why}; use "
+                           "execution_device='cpu' (or leave it out)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"execution_device={execution_device!r}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+
+
 def _execution_device(model, execution_device):
     if execution_device is not None:
+        _check_available(execution_device)
         return normalize_device(execution_device)
     for t in itertools.chain(model.parameters(), model.buffers()):
         if t.device.type != "meta":
@@ -135,11 +161,11 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
             table[attr] = done[id(t)]
             continue
         if t.device.type == "meta":
-            loc = locations.get(name) if locations is not None else None
+            loc = find(locations, name) if locations is not None else None
             if loc is None:
-                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'nothing'} "
-                                 "holds its values")
-            check_against(locations, name, t.shape, t.dtype, origin)
+                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'no checkpoint'} "
+                                 f"does not hold its values: {_meta_hint(module, attr, kind)}")
+            loc = check_against(locations, checkpoint_names([name]), t.shape, t.dtype, origin)
             value = _read_tensor(handle, loc, device)
             new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
             table[attr] = new
@@ -151,6 +177,21 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
         done[id(t)] = new
 
 
+def _meta_hint(module, attr, kind):
+    """Why a resident tensor is on meta, and what to do about it."""
+    if kind == "param" and module._parameters[attr].requires_grad:
+        return ("it is a trainable parameter that was created on meta (peft creates adapters on the device of the "
+                "base weights, meta in a model built on meta): call get_peft_model after disk_offload instead, "
+                "which creates them real, or build the model with its weights")
+    if kind == "buffer" and attr in module._non_persistent_buffers_set:
+        return ("it is a non-persistent buffer (computed in the constructor, never saved in checkpoints) that swapio "
+                "could not compute again (it can for transformers models). Build the model with "
+                "accelerate.init_empty_weights(), which leaves buffers real, or give the buffer its value before "
+                "offloading")
+    return ("build the model with its weights, or pass a checkpoint that holds this tensor, or keep it out of "
+            "keep_resident")
+
+
 def _check_common(prefetch, offload_buffers):
     prefetch = check_int("prefetch", prefetch, 0)
     if not isinstance(offload_buffers, bool):
@@ -158,26 +199,39 @@ def _check_common(prefetch, offload_buffers):
     return prefetch
 
 
-def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch=1, keep_resident=()):
+def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=None, preload_module_classes=None, *,
+                prefetch=1, keep_resident=()):
     """Keeps the weights in host memory (pinned when the execution device is a GPU); each submodule's weights
     reach `execution_device` right before its forward and are dropped after it, with the next `prefetch`
-    submodules' copies already in flight. Returns the model."""
+    submodules' copies already in flight. `state_dict` (accelerate's argument): the weights to use instead of the
+    model's own (the model may be on meta). `preload_module_classes`: class names of modules that get all their
+    submodules' weights at the start of their forward. Returns the model."""
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
+    preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    if state_dict is not None:
+        assign_state_dict(model, state_dict)
+    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     current = _current(units)
     for slot in slots:
         if current[slot].device.type == "meta":
             raise ValueError(f"cpu_offload needs the model's weights, but {slot.name} is on the meta device (use "
                              "disk_offload(model, checkpoint=...) for a model built on meta)")
-    records = group_records(units)
+    # On the CPU the model's own tensors are the host copies: copying them would hold the weights twice while
+    # the originals stay alive, and a model loaded by from_pretrained keeps every original alive until the last
+    # is dropped (its tensors are views of one mmap of the checkpoint): cpu_offload peaked at 1.8x resident.
+    in_place = device.type == "cpu"
+    records = group_records(units, per_tensor=in_place)
     pack(records)
     hosts, devices = {}, {slot: t.device for slot, t in current.items()}
+    used_in_place = {}  # slot -> the model's own tensor, whose memory is its record's host copy
 
     def original(slot):  # the tensor as it was: still the model's own, or rebuilt from its host copy
         if slot in current:
             return current[slot]
+        if slot in used_in_place:
+            return used_in_place[slot]
         record = slot.record
         off = record.offsets[slot]
         t = hosts[record][off:off + slot.nbytes].view(slot.dtype).view(slot.shape).to(devices[slot], copy=True)
@@ -185,11 +239,19 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
 
     try:
         for record in records:  # one record at a time: at most one record exists twice
-            host = empty_pinned(record.nbytes, torch.uint8) if device.type == "cuda" else \
-                torch.empty(record.nbytes, dtype=torch.uint8)
-            for slot in record.slots:
-                off = record.offsets[slot]
-                host[off:off + slot.nbytes].copy_(current[slot].detach().contiguous().reshape(-1).view(torch.uint8))
+            own = _own_memory(current[record.slots[0]]) if in_place and len(record.slots) == 1 else None
+            if own is not None:
+                host = own
+                used_in_place[record.slots[0]] = current[record.slots[0]]
+            elif device.type == "cuda":
+                host = empty_pinned(record.nbytes, torch.uint8)
+            else:
+                host = torch.empty(record.nbytes, dtype=torch.uint8)
+            if own is None:
+                for slot in record.slots:
+                    off = record.offsets[slot]
+                    host[off:off + slot.nbytes].copy_(
+                        current[slot].detach().contiguous().reshape(-1).view(torch.uint8))
             hosts[record] = host
             for slot in record.slots:  # the model's own copy goes now that the host copy is complete
                 for unit in record.units:
@@ -203,8 +265,16 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, *, prefetch
     except BaseException:
         _put_back(units, original)
         raise
-    _attach(model, engine, original)
+    _attach(model, engine, original, preload_names)
     return model
+
+
+def _own_memory(t):
+    """The tensor's bytes as a flat uint8 tensor sharing its memory, or None where that is not possible."""
+    t = t.detach()
+    if t.numel() == 0 or not t.is_contiguous() or t.device.type != "cpu":
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
@@ -223,24 +293,36 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
     return model, hook
 
 
-def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, *, checkpoint=None,
-                 prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
+def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, preload_module_classes=None, *,
+                 checkpoint=None, prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
     """Keeps the weights in files and streams each submodule's weights in just before its forward, with O_DIRECT
     reads into a ring of `buffer_bytes` of pinned memory, at least `prefetch` submodules ahead and as far as
     the ring holds (prefetch=0: no read-ahead). Exactly one of:
     offload_dir (the model's current weights are written there once, streamed), or checkpoint (a safetensors
     file, a directory with model.safetensors or a sharded index, read in place; the model may be on meta).
-    Returns the model."""
+    `preload_module_classes`: class names of modules that get all their submodules' weights at the start of
+    their forward (accelerate's argument). Returns the model."""
     if (offload_dir is None) == (checkpoint is None):
         raise ValueError("disk_offload needs exactly one of offload_dir (write the model's weights there) or "
                          "checkpoint (read them from a safetensors checkpoint)")
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
+    preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
     device = _execution_device(model, execution_device)
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident))
+    keep = _check_keep(keep_resident) + trainable_modules(model)
+    names = None
+    if checkpoint is not None:  # a model built on meta: its ties and computed buffers, which no checkpoint holds
+        names = open_checkpoint(checkpoint)
+        retie(model, names)
+        compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
+        if offload_buffers:
+            keep += buffer_owners_outside(model, names)
+    else:  # a model on meta reusing an offload_dir has its computed buffers on meta too
+        compute_buffers(model, {})
+    units, slots, resident = collect(model, offload_buffers, keep)
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle
@@ -253,7 +335,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             dir_claim = dir_owner.claim(offload_dir)
             dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
-            origin, by_name = os.fspath(checkpoint), open_checkpoint(checkpoint)
+            origin, by_name = os.fspath(checkpoint), names  # the header read once
         elif any(t.device.type == "meta" for t in current.values()):
             if not odir.has_index(offload_dir):
                 meta = next(s.name for s, t in current.items() if t.device.type == "meta")
@@ -261,7 +343,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                                  "offload: pass checkpoint=..., or a model with its weights")
             origin, by_name = os.fspath(offload_dir), odir.read_index(offload_dir)
         if by_name is not None:
-            locations = {s: check_against(by_name, s.names, s.shape, s.dtype, origin).as_tuple() for s in slots}
+            locations = {s: check_against(by_name, checkpoint_names(s.names), s.shape, s.dtype, origin).as_tuple()
+                         for s in slots}
         else:
             pack(records)
             locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim)
@@ -280,7 +363,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         if own:
             handle.close()
         raise
-    _attach(model, engine, current.__getitem__)  # on failure, engine.close() gives up the handle and the claim
+    _attach(model, engine, current.__getitem__, preload_names)  # on failure, engine.close() gives up handle, claim
     return model
 
 

@@ -55,13 +55,19 @@ class OffloadedForward:
             return engine.leave(unit, output)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
-                        "of the model object): the copy would read the original's weights through the original's "
-                        "hooks. Copy it before offloading, or remove_offload(model), copy it, and offload each "
-                        "copy (each to its own offload_dir)")
+        refuse_copy()
 
     __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
 
+
+def refuse_copy():
+    """The TypeError of copying an offloaded model (its wrappers and hooks raise it when copied or pickled)."""
+    raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
+                    "of the model object): the copy would read the original's weights through the original's "
+                    "hooks. Copy it before offloading, or remove_offload(model), copy it, and offload each "
+                    "copy (each to its own offload_dir). A module holding no offloaded weights copies fine: "
+                    "peft's modules_to_save (which deep-copies its modules) works on modules kept resident "
+                    "(keep_resident=[...]) or with get_peft_model before offloading")
 
 
 def _gradient_error(name):
@@ -210,7 +216,11 @@ class OffloadEngine:
 
     # ---- teardown -------------------------------------------------------------------------------------------
     def detach(self):
-        """Removes swapio's wrappers and hooks (idempotent); the module's own forward is back."""
+        """Removes swapio's wrappers and hooks (idempotent); the module's own forward is back. Handles go first:
+        preload's wrappers (preload.py) sit on top of the units' own."""
+        for h in reversed(self.handles):
+            h.remove()
+        self.handles = []
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:
@@ -220,9 +230,6 @@ class OffloadEngine:
             else:
                 unit.module.forward = own
             unit.own_forward = None
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
     def materialize(self):
         """{slot: resident copy on the execution device} of every offloaded tensor; installs nothing, so that an

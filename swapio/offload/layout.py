@@ -35,8 +35,9 @@ class Record:
         return f"<Record {self.index}: {[s.name for s in self.slots]}, {self.nbytes} bytes>"
 
 
-def group_records(units):
-    """Records in the order units first use them; fills unit.records and slot.record."""
+def group_records(units, per_tensor=False):
+    """Records in the order units first use them; fills unit.records and slot.record. `per_tensor`: one record
+    per tensor (cpu_offload on the CPU, where each record is the model's own tensor, not a packed copy)."""
     users = {}
     for unit in units:
         for _, _, slot in unit.entries:
@@ -46,7 +47,7 @@ def group_records(units):
         for _, _, slot in unit.entries:
             if slot.record is not None:
                 continue
-            key = tuple(u.index for u in users[slot])
+            key = tuple(u.index for u in users[slot]) + ((slot.index,) if per_tensor else ())
             record = by_users.get(key)
             if record is None:
                 record = by_users[key] = Record(len(records), [], users[slot])

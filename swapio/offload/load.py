@@ -34,7 +34,18 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
     for name in names:
         with cuda_copy.allocating_on_side_stream(device):
             out.append(torch.empty(locations[name].shape, dtype=locations[name].dtype, device=device))
-    flat = [t.view(-1).view(torch.uint8) if t.numel() else None for t in out]
+    read_into([(locations[name], t) for name, t in zip(names, out)], device, handle=handle,
+              staging_bytes=staging_bytes)
+    return dict(zip(names, out))
+
+
+def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
+    """Fills each contiguous tensor of [(Location, tensor)] (all on `device`) with the bytes at its Location,
+    streamed as load_file does (the module's docstring)."""
+    device = cuda_copy.normalize_device(device)
+    locations = [loc for loc, _ in pairs]
+    flat = [t.reshape(-1).view(torch.uint8) if t.numel() else None for _, t in pairs]
+    out = [t for _, t in pairs]
     window = max(ALIGN, staging_bytes // 2 // ALIGN * ALIGN)
     own = handle is None
     handle = AioHandle() if own else handle
@@ -43,9 +54,9 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
     buffers, events = [empty_pinned(window, torch.uint8) for _ in range(2)], [None, None]
     try:
         by_file = {}
-        for i, name in enumerate(names):
-            if locations[name].nbytes:
-                by_file.setdefault(locations[name].path, []).append((i, locations[name]))
+        for i, loc in enumerate(locations):
+            if loc.nbytes:
+                by_file.setdefault(loc.path, []).append((i, loc))
         for path, items in by_file.items():
             items.sort(key=lambda x: x[1].offset)
             first = items[0][1].offset // ALIGN * ALIGN
@@ -80,4 +91,3 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
                 current.wait_event(ev)
         for t in out:
             t.record_stream(current)
-    return dict(zip(names, out))

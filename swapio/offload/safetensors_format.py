@@ -10,7 +10,8 @@ naming the file and, where there is one, the tensor.
 import os
 import struct
 
-from .safetensors_header import DTYPES, MAX_HEADER, Location, parse, strict_json  # noqa: F401 - re-exported
+from .safetensors_header import (DTYPES, MAX_HEADER, Location, parse, parse_header,  # noqa: F401 - re-exported
+                                 strict_json)
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -18,6 +19,18 @@ INDEX = "model.safetensors.index.json"
 
 def read_header(path):
     """{name: Location} for one .safetensors file; ValueError naming the file (and tensor) on any defect."""
+    return parse(path, *_raw_header(path))
+
+
+def read_metadata(path):
+    """The header's "__metadata__" ({str: str}, empty when absent) of one .safetensors file, read by the same
+    validating parser as read_header: a file read_header refuses is the same ValueError here."""
+    return parse_header(path, *_raw_header(path))[1]
+
+
+def _raw_header(path):
+    """(the header's JSON bytes, the file's size) of one .safetensors file; ValueError naming it if it cannot
+    hold a header."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -30,7 +43,7 @@ def read_header(path):
         raw = f.read(n)
     if len(raw) < n:
         raise ValueError(f"{path}: the file shrank while its header was read ({len(raw)} of {n} bytes)")
-    return parse(path, raw, size)
+    return raw, size
 
 
 def _confined(base, shard, index_path):
@@ -108,3 +121,4 @@ def check_against(locations, name, shape, dtype, checkpoint):
         return loc
     raise ValueError(f"checkpoint {os.fspath(checkpoint)} lacks tensor {names[0]!r}"
                      + (f" (also looked for {names[1:]})" if len(names) > 1 else ""))
+

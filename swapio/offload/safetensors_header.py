@@ -23,6 +23,9 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
                      ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
+for _name, _attr in (("C64", "complex64"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+    if hasattr(torch, _attr):  # names the safetensors library (>= 0.5) writes too
+        DTYPES.setdefault(_name, getattr(torch, _attr))
 
 
 class Location:
@@ -100,6 +103,12 @@ def _ints(value):
 
 def parse(path, raw, file_size):
     """{name: Location} from the header bytes `raw` of the file at path, which has file_size bytes."""
+    return parse_header(path, raw, file_size)[0]
+
+
+def parse_header(path, raw, file_size):
+    """({name: Location}, __metadata__ ({str: str}, empty when absent)) from the header bytes `raw` of the file at
+    path, which has file_size bytes."""
     header = strict_json(raw, path)
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the safetensors header is not a JSON object")
@@ -131,7 +140,7 @@ def parse(path, raw, file_size):
         spans.append((begin, end, name))
         out[name] = Location(path, data_start + begin, nbytes, dtype, shape)
     _check_tiling(path, spans, file_size - data_start)
-    return out
+    return out, metadata
 
 
 def _check_tiling(path, spans, data_bytes):

@@ -16,17 +16,23 @@ import torch
 class Slot:
     """One offloaded tensor: its names in the model, metadata, and the meta placeholder standing in for it."""
 
-    __slots__ = ("names", "shape", "dtype", "is_param", "requires_grad", "placeholder", "record", "index",
-                 "nbytes")
+    __slots__ = ("names", "shape", "dtype", "is_param", "placeholder", "record", "index", "nbytes", "stand_in")
 
     def __init__(self, index, name, tensor, is_param):
         self.index, self.names = index, [name]
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
         self.nbytes = tensor.numel() * tensor.element_size()
-        self.is_param, self.requires_grad = is_param, bool(tensor.requires_grad)
+        self.is_param = is_param
         meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        self.placeholder = torch.nn.Parameter(meta, requires_grad=self.requires_grad) if is_param else meta
+        self.placeholder = torch.nn.Parameter(meta, requires_grad=bool(tensor.requires_grad)) if is_param else meta
         self.record = None
+        self.stand_in = None  # shown instead of the placeholder while a wrapper is added (grafting.py)
+
+    @property
+    def requires_grad(self):
+        """The flag of what model.parameters() yields between forwards (the placeholder, or its stand-in): a model
+        frozen after offloading (peft's get_peft_model freezes every base weight) has frozen fetched weights."""
+        return bool((self.stand_in if self.stand_in is not None else self.placeholder).requires_grad)
 
     @property
     def name(self):
@@ -111,6 +117,16 @@ def collect(model, offload_buffers, keep_resident=()):
             if not any(a == attr for a, _, _ in unit.entries):
                 unit.entries.append((attr, kind, slot))
     return units, slots, resident
+
+
+def trainable_modules(model):
+    """Names of the modules that own peft's trainable parameters (adapters, modules_to_save), which stay resident:
+    swapio streams frozen weights only. Only for a peft model (one with a `peft_config`): elsewhere a mix of frozen
+    and trainable weights is common (frozen sinusoidal position embeddings) and says nothing about training."""
+    if not any(hasattr(m, "peft_config") for m in model.modules()):
+        return []
+    return [name for name, module in model.named_modules()
+            if any(p is not None and p.requires_grad for p in module._parameters.values())]
 
 
 def install_placeholders(units):

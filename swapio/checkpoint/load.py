@@ -1,0 +1,212 @@
+"""load(path): a checkpoint back as the structure that was saved, or in place into existing tensors (out=).
+
+Reading: a CPU tensor of at least 1 MiB is read by one O_DIRECT request straight into its own memory, with no
+copy. For that its address must be congruent to its file offset modulo 4 KiB; a tensor load allocates gets
+4 KiB more memory than it needs and starts at the right byte of it (so its storage_offset may be nonzero), a
+tensor given in out= qualifies when its address happens to be. The rest (small tensors, GPU tensors,
+out= tensors at other addresses) stream through pinned windows and are copied into place.
+
+Any safetensors file, save_pretrained directory or sharded index loads (as {name: tensor}, like
+safetensors.torch.load_file); a file swapio wrote comes back as the nested structure it was saved from. The
+header is parsed, and the bytes streamed, by swapio.offload's reader (safetensors_format, load.read_into): one
+reader in the library. Everything is checked before a byte is read into `out`: that the file holds every
+tensor, whole (not truncated), with the dtype and shape of the tensor it goes into.
+"""
+import json
+import os
+
+import torch
+
+from .. import cuda_copy
+from ..offload.load import read_into
+from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
+from . import layout
+from .bytes_of import copyable, copyable_dtype
+from .save import new_handle
+from .dtypes import dtype_from_name
+from .structure import flatten, tensor_nodes, unflatten
+
+DEFAULT_STAGING = 128 << 20
+DIRECT_MIN = layout.SMALL  # tensors at least this big are read straight into their memory when it can be aligned
+RUN_GAP = 256 << 10   # streamed tensors closer than this are read together, the bytes between them included
+
+
+def _skeleton(path, locations):
+    """The saved structure of a file swapio wrote, else {name: tensor} in file order."""
+    files, _ = checkpoint_files(path)
+    metadata = read_metadata(files[0]) if len(files) == 1 else {}
+    if metadata.get(layout.META_FORMAT) != layout.FORMAT:
+        return {"D": [[name, {"T": name}] for name in sorted(locations, key=lambda n: locations[n].offset)]}, \
+            files[0]
+    try:
+        if int(metadata.get(layout.META_VERSION, "0")) > int(layout.VERSION):
+            raise ValueError(f"{files[0]}: checkpoint format version {metadata[layout.META_VERSION]}; this swapio "
+                             f"reads up to {layout.VERSION}")
+        skeleton = json.loads(metadata[layout.META_STRUCTURE])
+        tensor_nodes(skeleton)
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
+    return skeleton, files[0]
+
+
+class _Target:
+    """What one stored tensor loads as: dtype, shape, strides (None: contiguous), and its Location."""
+
+    __slots__ = ("loc", "dtype", "shape", "stride")
+
+    def __init__(self, node, loc, where):
+        self.loc = loc
+        name = node["T"]
+        if "dtype" in node:  # stored as raw bytes
+            self.dtype = dtype_from_name(node["dtype"], f"{where}: tensor {name!r}")
+            if loc.dtype != torch.uint8 or not loc.shape or loc.shape[-1] != self.dtype.itemsize:
+                raise ValueError(f"{where}: tensor {name!r} should hold {self.dtype} as bytes (U8 with a last "
+                                 f"dimension of {self.dtype.itemsize}), the header says {loc.dtype} "
+                                 f"{list(loc.shape)}")
+            self.shape = tuple(loc.shape[:-1])
+        else:
+            self.dtype, self.shape = loc.dtype, tuple(loc.shape)
+        self.stride = None
+        if "stride" in node:
+            stride = tuple(node["stride"])
+            if len(stride) != len(self.shape) or not all(isinstance(s, int) and s >= 0 for s in stride):
+                raise ValueError(f"{where}: tensor {name!r} has malformed strides {node['stride']!r}")
+            self.stride = stride
+
+    def byte_view(self, t):
+        """t's bytes as the file stores them (t contiguous)."""
+        return copyable(t).reshape(-1).view(torch.uint8)
+
+
+def _targets(skeleton, locations, where):
+    nodes, targets = tensor_nodes(skeleton), {}
+    for node in nodes:
+        name = node.get("T")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: malformed tensor node {node!r} in the structure")
+        if name in targets:
+            continue
+        loc = locations.get(name)
+        if loc is None:
+            raise ValueError(f"{where}: the structure names tensor {name!r}, which the file does not hold")
+        targets[name] = _Target(node, loc, where)
+    extra = set(locations) - set(targets)
+    if extra:
+        raise ValueError(f"{where}: tensor {sorted(extra)[0]!r} is in the file but not in its structure "
+                         "(tampered with?)")
+    return targets
+
+
+def _match_out(out, targets, where):
+    """{name: out tensor}, every one checked against the file before anything is read."""
+    _, entries = flatten(out)
+    given = {e.name: e.original for e in entries}
+    missing, unexpected = set(targets) - set(given), set(given) - set(targets)
+    if missing or unexpected:
+        raise ValueError(f"{where}: out= does not match the checkpoint: "
+                         + (f"missing {sorted(missing)[:5]} " if missing else "")
+                         + (f"unexpected {sorted(unexpected)[:5]}" if unexpected else ""))
+    for name, t in given.items():
+        tg = targets[name]
+        if tuple(t.shape) != tg.shape or t.dtype != tg.dtype:
+            raise ValueError(f"{where}: tensor {name!r} is {tg.dtype} {list(tg.shape)} in the file, out= has "
+                             f"{t.dtype} {list(t.shape)}")
+    return given
+
+
+def _runs(pairs, gap=RUN_GAP):
+    """pairs split into runs of tensors close together in one file: read_into reads everything between the first
+    and the last tensor it is given, and the bytes between two streamed tensors may be a big tensor already read
+    directly."""
+    runs = []
+    for loc, view in sorted(pairs, key=lambda p: (p[0].path, p[0].offset)):
+        last = runs[-1][-1][0] if runs else None
+        if last is not None and last.path == loc.path and loc.offset - (last.offset + last.nbytes) <= gap:
+            runs[-1].append((loc, view))
+        else:
+            runs.append([(loc, view)])
+    return runs
+
+
+def _direct(loc, t):
+    """True when t (contiguous) can take its bytes by one O_DIRECT read: a big CPU tensor whose address is
+    congruent to its file offset modulo 4 KiB."""
+    return (t.device.type == "cpu" and loc.nbytes >= DIRECT_MIN
+            and (t.data_ptr() - loc.offset) % layout.ALIGN == 0)
+
+
+def _aligned_empty(tg, device):
+    """A new CPU tensor for tg whose address is congruent to its file offset (see the module), or None."""
+    if device.type != "cpu" or tg.loc.nbytes < DIRECT_MIN:
+        return None
+    backing = torch.empty(tg.loc.nbytes + layout.ALIGN, dtype=torch.uint8)
+    shift = (tg.loc.offset - backing.data_ptr()) % layout.ALIGN
+    if shift % tg.dtype.itemsize:
+        return None  # a file whose tensors are not at multiples of their element size
+    return backing[shift:shift + tg.loc.nbytes].view(copyable_dtype(tg.dtype)).view(tg.shape).view(tg.dtype)
+
+
+def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
+    """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
+    checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
+    those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
+    state (group: the process group, default the world)."""
+    path = os.fspath(path)
+    from . import sharded
+    if sharded.is_sharded(path):
+        return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
+    device = cuda_copy.normalize_device(device)
+    locations = open_checkpoint(path)
+    skeleton, where = _skeleton(path, locations)
+    targets = _targets(skeleton, locations, where)
+    given = _match_out(out, targets, where) if out is not None else None
+    tensors, pairs, after, direct = {}, [], [], []
+    for name, tg in targets.items():
+        if given is not None:
+            t = given[name]
+            if t.is_contiguous() and _direct(tg.loc, t):
+                dest = t.detach()
+                direct.append((tg.loc, tg.byte_view(dest)))
+                tensors[name] = t
+                continue
+            if t.is_contiguous():
+                dest = t.detach()
+            else:  # read contiguously, then copied into place (one tensor's worth)
+                dest = torch.empty(tg.shape, dtype=tg.dtype, device=t.device)
+                after.append((t, dest))
+        else:
+            dest = _aligned_empty(tg, device)
+            if dest is not None and tg.stride is None:
+                direct.append((tg.loc, tg.byte_view(dest)))
+                tensors[name] = dest
+                continue
+            with cuda_copy.allocating_on_side_stream(device):
+                dest = torch.empty(tg.shape, dtype=tg.dtype, device=device)
+            t = dest
+            if tg.stride is not None:
+                t = torch.empty_strided(tg.shape, tg.stride, dtype=tg.dtype, device=device)
+                after.append((t, dest))
+        tensors[name] = t
+        pairs.append((tg.loc, tg.byte_view(dest), dest.device))
+    own = handle is None
+    h = new_handle() if own else handle
+    try:
+        futures = [h.pread(view, loc.path, loc.offset) for loc, view in direct]  # all in flight at once
+        try:
+            for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
+                for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
+                    span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset
+                    read_into(run, dev, handle=h,
+                              staging_bytes=min(staging_bytes, 2 * layout.round_up(span + layout.ALIGN)))
+        finally:
+            for f in futures:
+                f.wait()
+    finally:
+        if own:
+            h.close()
+    with torch.no_grad():
+        for t, dest in after:
+            copyable(t).copy_(copyable(dest))
+    return unflatten(skeleton, tensors)

@@ -1,0 +1,144 @@
+"""A training state (nested dicts, lists, tuples of tensors and plain values) <-> flat named tensors plus a
+JSON skeleton of everything else.
+
+Tensor names are the paths to them, joined by "." (`model.layer.weight`, `optimizer.state.0.exp_avg`); a path
+that another one already took (the dict key "a.b" next to a nested a -> b, or the int key 0 next to the str "0")
+gets a "#n" suffix. The skeleton keeps the exact structure, so names are labels for other readers, never parsed.
+Skeleton nodes: {"T": name} a tensor (+ "dtype" when stored as raw bytes, + "stride" when it was dense but not
+contiguous), {"D": [[key, node], ...]} a dict ("o": 1 for an OrderedDict), {"L": [...]} a list, {"U": [...]} a
+tuple, {"V": value} an int, float, bool, str or None. Dict keys may be str, int, float, bool or None.
+
+Shared storage: the same view (same memory, dtype, shape and strides) reached twice, as tied weights are, is
+stored once and loads as one tensor at both places. Other tensors sharing memory (overlapping slices) are stored
+each on its own and load as independent tensors.
+"""
+import collections
+
+import torch
+
+from .dtypes import dtype_name, stored_as
+
+_PLAIN = (int, float, bool, str, type(None))
+_KEYS = (str, int, float, bool, type(None))
+
+
+class Entry:
+    """One stored tensor: its name, the tensor, and how it is stored."""
+
+    __slots__ = ("name", "tensor", "original", "dtype_name", "raw", "nbytes")
+
+    def __init__(self, name, original, key):
+        self.name, self.original, self.tensor = name, original, original.detach()
+        self.dtype_name, self.raw = stored_as(original.dtype, key)
+        self.nbytes = original.numel() * original.element_size()
+
+
+def _describe(path):
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _identity(t):
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()) if t.numel() else None
+
+
+def _dense_permuted(t):
+    """True when t covers its elements without gaps in another order than row-major (a transpose,
+    channels_last): load gives back those strides."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expect = 1
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def flatten(state):
+    """(skeleton, [Entry]) of a state; TypeError naming the key of anything that cannot be stored."""
+    entries, taken, seen = [], set(), {}
+
+    def name_for(path):
+        base = ".".join(str(k) for k in path) or "tensor"
+        name, n = base, 1
+        while name in taken or name == "__metadata__":
+            name, n = f"{base}#{n}", n + 1
+        taken.add(name)
+        return name
+
+    def walk(x, path):
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided:
+                raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
+            if x.device.type == "meta":
+                raise TypeError(f"{_describe(path)}: a tensor on the meta device has no data to store")
+            ident = _identity(x)
+            if ident is not None and ident in seen:
+                return dict(seen[ident])
+            entry = Entry(name_for(path), x, _describe(path))
+            entries.append(entry)
+            node = {"T": entry.name}
+            if entry.raw:
+                node["dtype"] = dtype_name(x.dtype)
+            if _dense_permuted(x):
+                node["stride"] = list(x.stride())
+            if ident is not None:
+                seen[ident] = node
+            return node
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                if not isinstance(k, _KEYS):
+                    raise TypeError(f"{_describe(path)}: dict key {k!r} is a {type(k).__name__}; keys may be str, "
+                                    "int, float, bool or None")
+                items.append([k, walk(v, path + (k,))])
+            node = {"D": items}
+            if isinstance(x, collections.OrderedDict):
+                node["o"] = 1
+            return node
+        if isinstance(x, list):
+            return {"L": [walk(v, path + (i,)) for i, v in enumerate(x)]}
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):  # a namedtuple would come back as a tuple
+            return {"U": [walk(v, path + (i,)) for i, v in enumerate(x)]}
+        if isinstance(x, _PLAIN) and type(x) in _PLAIN:  # not a subclass (an IntEnum would come back an int)
+            return {"V": x}
+        raise TypeError(f"{_describe(path)}: a {type(x).__name__} cannot be stored in a checkpoint (tensors, "
+                        "dicts, lists, tuples, int, float, bool, str and None can)")
+
+    return walk(state, ()), entries
+
+
+def tensor_nodes(skeleton):
+    """The {"T": ...} nodes of a skeleton, in order (shared tensors once per place)."""
+    stack, out = [skeleton], []
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or len(node) == 0:
+            raise ValueError(f"malformed skeleton node {node!r}")
+        if "T" in node:
+            out.append(node)
+        elif "D" in node:
+            stack.extend(v for _, v in reversed(node["D"]))
+        elif "L" in node or "U" in node:
+            stack.extend(reversed(node.get("L", node.get("U"))))
+        elif "V" not in node:
+            raise ValueError(f"malformed skeleton node {node!r}")
+    return out
+
+
+def unflatten(skeleton, tensors):
+    """The state a skeleton describes, with tensors[name] at each tensor's place."""
+    def build(node):
+        if "T" in node:
+            return tensors[node["T"]]
+        if "D" in node:
+            cls = collections.OrderedDict if node.get("o") else dict
+            return cls((k, build(v)) for k, v in node["D"])
+        if "L" in node:
+            return [build(v) for v in node["L"]]
+        if "U" in node:
+            return tuple(build(v) for v in node["U"])
+        return node["V"]
+
+    return build(skeleton)

@@ -1,0 +1,99 @@
+"""Modules wrapped after offloading (peft's get_peft_model) get their new parameters on the execution device.
+
+Between forwards an offloaded weight is a meta placeholder, and code that wraps a module puts what it creates on
+that module's weight's device: peft's LoRA layers move their adapters to `base_layer.weight.device`, which made
+adapters added after offloading meta tensors (backward then failed: "expected device meta"). So when an
+offloaded module is registered under a module outside the offloaded model (peft's LoraModel takes the model, each
+LoRA layer takes its base layer as `base_layer`), its offloaded weights show stand-ins until the model's next
+forward: tensors of the right shape and dtype on the execution device that take no memory (one element expanded,
+NaN for floating types, so code that computes with them gives NaN rather than plausible values), like the
+placeholders themselves. The model's next forward puts the placeholders back, first carrying over any
+`requires_grad` change made to a stand-in (peft freezes every base weight). A torch global module registration
+hook does the watching; it only looks the registered module up in swapio's registry of offloaded modules.
+"""
+import weakref
+
+import torch
+
+from .engine import refuse_copy
+from .units import set_entry
+
+_hook = None
+_with_stand_ins = weakref.WeakSet()  # engines that have stand-ins installed: restore() skips the others at once
+
+
+def _stand_in(slot, device):
+    fill = float("nan") if slot.dtype.is_floating_point or slot.dtype.is_complex else 0
+    t = torch.full((), fill, dtype=slot.dtype, device=device).expand(slot.shape)
+    return torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
+
+
+def _table(module, kind):
+    return module._parameters if kind == "param" else module._buffers
+
+
+def _on_register(parent, name, child):
+    from .api import _offloaded
+    from .engine import OffloadEngine
+    if not isinstance(child, torch.nn.Module):
+        return None
+    engine = _offloaded.get(child)
+    if not isinstance(engine, OffloadEngine) or _offloaded.get(parent) is engine:
+        return None
+    inside = {id(m) for m in child.modules()}
+    for unit in engine.units:
+        if id(unit.module) not in inside or unit.depth:
+            continue
+        for attr, kind, slot in unit.entries:
+            if _table(unit.module, kind).get(attr) is slot.placeholder:
+                if slot.stand_in is None:
+                    slot.stand_in = _stand_in(slot, engine.device)
+                set_entry(unit.module, attr, kind, slot.stand_in)
+                _with_stand_ins.add(engine)
+    return None
+
+
+def restore(engine):
+    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad."""
+    if engine not in _with_stand_ins:
+        return
+    _with_stand_ins.discard(engine)
+    for unit in engine.units:
+        if unit.depth:
+            continue
+        for attr, kind, slot in unit.entries:
+            stand_in = slot.stand_in
+            if stand_in is None:
+                continue
+            if _table(unit.module, kind).get(attr) is stand_in:
+                set_entry(unit.module, attr, kind, slot.placeholder)
+    for slot in engine.slots:
+        if slot.stand_in is not None:
+            if slot.is_param:
+                slot.placeholder.requires_grad_(slot.stand_in.requires_grad)
+            slot.stand_in = None
+
+
+def watch(engine):
+    """Installs the global hook (once) and the model's forward pre-hook that restores placeholders."""
+    global _hook
+    if _hook is None:
+        _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    engine.handles.append(engine.model.register_forward_pre_hook(_Restore(engine), prepend=True))
+
+
+class _Restore:
+    """The model's forward pre-hook that puts placeholders back; refuses copies, as the engine's wrappers do."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, module, args):
+        restore(self.engine)
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy()
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)

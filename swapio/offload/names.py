@@ -1,0 +1,43 @@
+"""The names a model tensor may have in a checkpoint saved from the plain model.
+
+peft wraps a transformers model without changing its checkpoint: `PeftModel` puts `base_model.model.` in front of
+every name, and each adapted layer keeps the original module as `base_layer` (`...q_proj.base_layer.weight`),
+while the checkpoint, written by the plain model's save_pretrained, says `...q_proj.weight`. Looking a tensor up
+under these aliases too lets a peft-wrapped model be offloaded from the base model's checkpoint.
+"""
+PEFT_PREFIXES = ("base_model.model.",)
+PEFT_WRAPPER = ".base_layer."
+
+
+def aliases(name):
+    """`name` first, then the names a plain model's checkpoint would use for the same tensor."""
+    out = [name]
+    stripped = name
+    for prefix in PEFT_PREFIXES:
+        if stripped.startswith(prefix):
+            stripped = stripped[len(prefix):]
+            break
+    while PEFT_WRAPPER in "." + stripped:
+        stripped = ("." + stripped).replace(PEFT_WRAPPER, ".", 1)[1:]
+    if stripped != name:
+        out.append(stripped)
+    return out
+
+
+def checkpoint_names(names):
+    """Every alias of every name (a tied tensor has several), each once, the model's own names first."""
+    out = list(names)
+    for n in names:
+        for a in aliases(n)[1:]:
+            if a not in out:
+                out.append(a)
+    return out
+
+
+def find(locations, name):
+    """The checkpoint's entry for a model tensor name, under any alias; None if it holds none."""
+    for a in aliases(name):
+        loc = locations.get(a)
+        if loc is not None:
+            return loc
+    return None

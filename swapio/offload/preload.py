@@ -1,0 +1,104 @@
+"""preload_module_classes (accelerate's argument): modules of these classes get all their submodules' weights at
+the start of their own forward, for modules that use a submodule's weight directly rather than calling it.
+
+Each such module's forward is wrapped like an offloaded module's (engine.OffloadedForward): the wrapper takes the
+lock of every unit under it and enters them (fetching their records and installing their weights), runs the
+module's forward, and leaves them in reverse order however the forward ended, Ctrl-C included (forward hooks
+would skip the leave on a KeyboardInterrupt). The units' own wrappers then find their weights in place: this
+thread holds their locks, and the engine counts nested entries (unit.depth), so they neither fetch again nor
+release early. engine.detach() removes these wrappers first (they sit on top of the units' own).
+"""
+from .engine import OffloadedForward, _NONE
+
+
+def _class_names(preload_module_classes):
+    if preload_module_classes is None:
+        return set()
+    if isinstance(preload_module_classes, str):
+        return {preload_module_classes}
+    names = set()
+    for c in preload_module_classes:
+        if isinstance(c, str):
+            names.add(c)
+        elif isinstance(c, type):
+            names.add(c.__name__)
+        else:
+            raise TypeError(f"preload_module_classes must hold class names (str) or classes, got {c!r}")
+    return names
+
+
+def check(preload_module_classes):
+    """The set of class names; TypeError on anything else."""
+    return _class_names(preload_module_classes)
+
+
+def attach(engine, class_names):
+    """Wraps the forward of every module of the model whose class is named in `class_names`."""
+    if not class_names:
+        return
+    by_module = {id(u.module): u for u in engine.units}
+    for module in engine.model.modules():
+        if type(module).__name__ not in class_names:
+            continue
+        units = [by_module[id(m)] for m in module.modules() if id(m) in by_module]
+        if units:
+            wrapper = PreloadForward(engine, units, module.forward)
+            previous = module.__dict__.get("forward", _NONE)
+            module.forward = wrapper
+            engine.handles.append(_Unwrap(module, wrapper, previous))
+
+
+class _Unwrap:
+    """A removable handle (engine.handles) that puts the module's previous forward back."""
+
+    def __init__(self, module, wrapper, previous):
+        self.module, self.wrapper, self.previous = module, wrapper, previous
+
+    def remove(self):
+        module = self.module
+        if module is None:
+            return
+        self.module = None
+        if module.__dict__.get("forward") is not self.wrapper:
+            return
+        if self.previous is _NONE:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = self.previous
+
+
+class PreloadForward(OffloadedForward):
+    """The forward of a preload module: every unit under it entered (in module order, parents before children,
+    the order in which nested forwards take locks) for the whole call."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        engine, units = self.engine, self.unit
+        taken, entered = [], []
+        try:
+            for unit in units:
+                nested = unit.lock._is_owned()
+                unit.lock.acquire()
+                taken.append(unit)
+                if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
+                    unit.depth = 1  # stale state of an interrupted call (see OffloadedForward)
+                    engine.leave(unit, None)
+                entered.append(unit)  # before enter(): a failing enter() is left too
+                engine.enter(unit)
+            output = self.inner(*args, **kwargs)
+        except BaseException:
+            try:
+                for unit in reversed(entered):
+                    engine.leave(unit, None)
+            finally:
+                for unit in reversed(taken):
+                    unit.lock.release()
+            raise
+        try:
+            for unit in reversed(entered):
+                output = engine.leave(unit, output)
+        finally:
+            for unit in reversed(taken):
+                unit.lock.release()
+        return output

@@ -1,0 +1,94 @@
+"""async_save: it returns once the bytes are captured, so a tensor changed right after it is written with the
+values it had at the call (torch DCP's bug #144657 must not happen here), whether the tensor was captured into
+the pinned staging or into the unpinned snapshot; saves queue in order; wait() raises the save's error."""
+import errno
+import threading
+
+import pytest
+import torch
+
+import swapio
+from checkpoint_helpers import assert_same, leftovers, training_state
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("staging", [1 * MiB, 64 * MiB], ids=["snapshot", "pinned"])
+def test_tensors_changed_after_async_save_returns_are_saved_as_they_were(tmp_path, staging):
+    g = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(1_000_000, generator=g), "b": torch.randn(300, 7, generator=g).t(),  # 4 MB, strided
+             "tail": torch.randn(700_000, generator=g)}
+    expected = {k: v.clone() for k, v in model.items()}
+    fut = swapio.checkpoint.async_save({"model": model, "step": 1}, tmp_path / "c.safetensors",
+                                       staging_bytes=staging)
+    for v in model.values():  # training goes on at once
+        v.mul_(-3).add_(1)
+    assert fut.wait(timeout=60) == (tmp_path / "c.safetensors").stat().st_size
+    back = swapio.checkpoint.load(tmp_path / "c.safetensors")
+    assert_same(back, {"model": expected, "step": 1})
+    assert not torch.equal(back["model"]["w"], model["w"])  # the change was real
+
+
+def test_async_save_returns_a_swapio_future(tmp_path):
+    fut = swapio.checkpoint.async_save(training_state(), tmp_path / "c.safetensors")
+    assert isinstance(fut, swapio.Future)
+    fut.result(timeout=60)
+    assert fut.done() and fut.exception() is None
+    assert_same(swapio.checkpoint.load(tmp_path / "c.safetensors"), training_state())
+
+
+def test_a_second_async_save_queues_behind_the_first(tmp_path, monkeypatch):
+    """The first save's write is held until the second was submitted: the second must still land last."""
+    import importlib
+    writer = importlib.import_module("swapio.checkpoint.writer")
+    release = threading.Event()
+    real = writer.write
+    first = []
+
+    def held(*args, **kwargs):
+        if not first:
+            first.append(1)
+            assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write", held)
+    path = tmp_path / "c.safetensors"
+    f1 = swapio.checkpoint.async_save({"k": 1, "t": torch.full((1000,), 1.0)}, path)
+    f2 = swapio.checkpoint.async_save({"k": 2, "t": torch.full((1000,), 2.0)}, path)
+    assert not f1.done() and not f2.done()
+    release.set()
+    f2.wait(timeout=60)
+    assert f1.done()  # finished before the second began
+    assert swapio.checkpoint.load(path)["k"] == 2
+    assert leftovers(tmp_path) == []
+
+
+def test_wait_raises_the_error_of_a_failed_background_write(small_ext4_dir):
+    path = small_ext4_dir / "c.safetensors"
+    swapio.checkpoint.save({"k": 0}, path)
+    fut = swapio.checkpoint.async_save({"w": torch.zeros(16 * MiB)}, path, staging_bytes=4 * MiB)
+    with pytest.raises(OSError) as info:
+        fut.wait(timeout=60)
+    assert info.value.errno == errno.ENOSPC
+    assert isinstance(fut.exception(), OSError)
+    assert swapio.checkpoint.load(path) == {"k": 0}
+    assert leftovers(small_ext4_dir) == []
+
+
+def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one(tmp_path):
+    """Each save reuses the last one's staging and capture memory: every file must still hold its own state."""
+    import safetensors.torch as st
+    from swapio.checkpoint import buffers
+    g = torch.Generator().manual_seed(7)
+    states = [{"w": torch.randn(700_000, generator=g), "v": torch.randn(123_457, generator=g).bfloat16()}
+              for _ in range(3)]
+    swapio.checkpoint.async_save(states[0], tmp_path / "0.safetensors", staging_bytes=MiB).wait(timeout=60)
+    kept = buffers._spare["image"].data_ptr()
+    swapio.checkpoint.async_save(states[1], tmp_path / "1.safetensors", staging_bytes=MiB).wait(timeout=60)
+    assert buffers._spare["image"].data_ptr() == kept  # the same memory served again
+    swapio.checkpoint.save(states[2], tmp_path / "2.safetensors", staging_bytes=MiB)
+    for i, state in enumerate(states):
+        flat = st.load_file(str(tmp_path / f"{i}.safetensors"))
+        assert torch.equal(flat["w"], state["w"]) and torch.equal(flat["v"], state["v"]), i
+    swapio.checkpoint.release_buffers()
+    assert buffers._spare == {}

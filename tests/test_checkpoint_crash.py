@@ -1,0 +1,83 @@
+"""SIGKILL and Ctrl-C (SIGINT) at random points of save() and async_save(): whatever the moment, the file at the
+checkpoint's path then loads as the previous or the new checkpoint, whole, never a mix; what a killed save left
+is removed by the next save into the directory, but never the temporary file of a save still running."""
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import torch
+
+import swapio
+from checkpoint_crash_child import loaded_k, saver, uniform_state
+from checkpoint_helpers import leftovers
+from conftest import REPO
+from swapio.checkpoint.commit import PendingFile, reclaim
+
+ITERATIONS = 32
+
+
+def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["checkpoint_crash_child"])
+    ckpt = str(tmp_path / "c.safetensors")
+    swapio.checkpoint.save(uniform_state(0), ckpt)
+    rng = random.Random(20)
+    last, in_save, debris_seen, deadline = 0, 0, 0, time.monotonic() + 120
+    for i in range(ITERATIONS):
+        asynchronous = bool(i % 2)
+        sig = (signal.SIGKILL, signal.SIGINT)[(i // 2) % 2]
+        saved, saving = ctx.Value("q", -1, lock=False), ctx.Value("b", 0, lock=False)
+        proc = ctx.Process(target=saver, args=(ckpt, last + 1, saved, saving, asynchronous), daemon=True)
+        proc.start()
+        while saved.value < 0 and saving.value == 0:
+            assert proc.is_alive() and time.monotonic() < deadline, "the saver never started"
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.05))
+        in_save += saving.value
+        os.kill(proc.pid, sig)
+        proc.join(30)
+        assert proc.exitcode is not None
+        debris_seen += bool(leftovers(tmp_path))
+        k = loaded_k(ckpt)
+        assert k in (max(saved.value, last), max(saved.value, last) + 1), (i, k, saved.value, last)
+        last = k
+    print(f"{ITERATIONS} kills, {in_save} inside a save, {debris_seen} left a temporary file")
+    assert in_save >= ITERATIONS // 4
+    assert debris_seen >= 1  # some kill did land mid-write, so the reclaiming below is tested
+    swapio.checkpoint.save(uniform_state(last + 1), ckpt)  # the next save removes what the killed ones left
+    assert leftovers(tmp_path) == []
+    assert loaded_k(ckpt) == last + 1
+
+
+def test_the_temporary_file_of_a_live_save_is_never_reclaimed(tmp_path):
+    live = PendingFile(tmp_path / "a.safetensors")  # holds its lock, as a save in progress does
+    try:
+        swapio.checkpoint.save({"x": torch.ones(3)}, tmp_path / "b.safetensors")
+        assert reclaim(str(tmp_path)) == []
+        assert os.path.exists(live.path)
+    finally:
+        live.abort()
+    assert leftovers(tmp_path) == []
+    # a file whose owner is gone (its lock free) is removed
+    dead = PendingFile(tmp_path / "a.safetensors")
+    dead.close()  # as if killed: the file stays, the lock is gone
+    assert os.path.exists(dead.path)
+    swapio.checkpoint.save({"x": torch.ones(3)}, tmp_path / "b.safetensors")
+    assert not os.path.exists(dead.path)
+
+
+def test_the_replaced_file_is_freed_after_the_commit_and_reclaimed_if_the_process_died(tmp_path):
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"x": torch.ones(1000)}, path)
+    old_inode = path.stat().st_ino
+    swapio.checkpoint.save({"x": torch.zeros(1000)}, path)  # replaces it; its blocks are freed on a helper thread
+    assert path.stat().st_ino != old_inode
+    assert leftovers(tmp_path) == []
+    # as if killed between the commit and the unlink: a reclaimable name of the replaced file stays behind
+    os.link(path, tmp_path / ".c.safetensors.swapio-ckpt-0123456789abcdef.old.tmp")
+    swapio.checkpoint.save({"x": torch.full((1000,), 2.0)}, tmp_path / "other.safetensors")
+    assert leftovers(tmp_path) == []
+    assert torch.equal(swapio.checkpoint.load(path)["x"], torch.zeros(1000))

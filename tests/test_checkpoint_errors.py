@@ -1,0 +1,133 @@
+"""Bad input to swapio.checkpoint: missing and read-only directories, a full disk, truncated and tampered files.
+Each fails with an error naming the file (and the tensor), leaves the previous checkpoint intact and no temporary
+file behind, and a failed load leaves out= unchanged."""
+import errno
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import swapio
+from checkpoint_helpers import assert_same, leftovers
+
+MiB = 1 << 20
+
+
+def test_missing_directory_is_enoent_naming_the_path(tmp_path):
+    path = tmp_path / "nope" / "c.safetensors"
+    for save in (swapio.checkpoint.save, swapio.checkpoint.async_save):
+        with pytest.raises(OSError) as info:
+            save({"a": torch.ones(3)}, path)
+        assert info.value.errno == errno.ENOENT
+        assert info.value.filename == str(path)
+    assert not (tmp_path / "nope").exists()
+
+
+def test_read_only_directory_is_erofs_and_keeps_what_is_there(readonly_dir):
+    before = (readonly_dir / "existing.bin").read_bytes()
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"a": torch.ones(3)}, readonly_dir / "existing.bin")
+    assert info.value.errno in (errno.EROFS, errno.EACCES)
+    assert info.value.filename == str(readonly_dir / "existing.bin")
+    assert (readonly_dir / "existing.bin").read_bytes() == before
+
+
+def test_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path)
+    assert info.value.errno == errno.EISDIR
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_full_disk_fails_with_enospc_and_keeps_the_previous_checkpoint(small_ext4_dir, asynchronous):
+    path = small_ext4_dir / "c.safetensors"
+    previous = {"w": torch.randn(1000), "step": 1}
+    swapio.checkpoint.save(previous, path)
+    before = path.read_bytes()
+    big = {"w": torch.randn(16 * MiB), "step": 2}  # 64 MiB on a 48 MiB file system
+    with pytest.raises(OSError) as info:
+        if asynchronous:
+            swapio.checkpoint.async_save(big, path, staging_bytes=8 * MiB).wait(timeout=60)
+        else:
+            swapio.checkpoint.save(big, path, staging_bytes=8 * MiB)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == before
+    assert_same(swapio.checkpoint.load(path), previous)
+    assert leftovers(small_ext4_dir) == []
+    swapio.checkpoint.save({"w": torch.randn(10)}, path)  # the space came back
+
+
+def _saved(tmp_path):
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"model": {"a": torch.randn(3000), "b": torch.arange(500)}, "step": 7}, path)
+    return path
+
+
+def test_truncated_file_is_a_value_error_naming_file_and_tensor(tmp_path):
+    path = _saved(tmp_path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    a, b = torch.zeros(3000), torch.zeros(500, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'model\.a'.*truncated"):
+        swapio.checkpoint.load(path, out={"model": {"a": a, "b": b}})
+    assert not a.any() and not b.any()  # out= untouched
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(ValueError, match="c.safetensors"):
+        swapio.checkpoint.load(path)
+
+
+def _rewrite_header(path, edit):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    assert len(text) <= n
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h["model.a"].update(shape=[3001]), r"'model\.a'.*\[3001\]"),
+    (lambda h: h["model.b"].update(data_offsets=[12000, 16008]), r"'model\.b'.*(truncated|spans)"),
+    (lambda h: h["model.a"].update(dtype="X99"), r"'model\.a'.*unsupported"),
+    (lambda h: h.update({"model.c": h.pop("model.b")}), r"structure names tensor 'model\.b'"),
+    (lambda h: h.pop("model.b"), r"leaves bytes \[0, 4000\) unused"),  # the entries must tile the data
+    (lambda h: h["__metadata__"].update(structure='{"D": [["a", {"Q": 1}]]}'), "structure.*malformed"),
+    (lambda h: h["__metadata__"].update(structure="{not json"), "structure.*malformed"),
+], ids=["shape", "offsets", "dtype", "missing-tensor", "dropped-entry", "bad-node", "bad-json"])
+def test_tampered_header_is_a_value_error_and_out_is_unchanged(tmp_path, edit, match):
+    path = _saved(tmp_path)
+    _rewrite_header(path, edit)
+    a, b = torch.zeros(3000), torch.zeros(500, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(path, out={"model": {"a": a, "b": b}})
+    assert "c.safetensors" in str(info.value)
+    assert not a.any() and not b.any()
+
+
+def test_a_failed_save_leaves_no_file_and_the_old_one(tmp_path, monkeypatch):
+    """An error in the middle of the writes (here: the third window's pwrite) removes the temporary file."""
+    path = tmp_path / "c.safetensors"
+    old = {"x": torch.ones(10)}
+    swapio.checkpoint.save(old, path)
+    calls = []
+    real = swapio.AioHandle.pwrite
+
+    def failing(self, tensor, p, offset=0, **kw):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "injected", p)
+        return real(self, tensor, p, offset, **kw)
+
+    monkeypatch.setattr(swapio.AioHandle, "pwrite", failing)
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"x": torch.randn(3 * MiB)}, path, staging_bytes=2 * MiB)
+    assert info.value.errno == errno.EIO and len(calls) == 3
+    monkeypatch.undo()
+    assert_same(swapio.checkpoint.load(path), old)
+    assert leftovers(tmp_path) == []
