@@ -346,17 +346,20 @@ class OffloadOptimizer(Optimizer):
         finally:
             state_dict_hooks.discard_taken(self)
 
-    def save(self, path):
+    def save(self, path, *, progress=None):
         """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
         time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
-        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
+        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint.
+        progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
+        SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._check_whole()
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, progress)
 
-    def load(self, path):
-        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time."""
+    def load(self, path, *, progress=None):
+        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time.
+        progress: a bar of the bytes read, as for save()."""
         self._check_open()
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, progress)
 
     def memory_report(self):
         """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
