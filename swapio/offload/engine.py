@@ -43,12 +43,16 @@ class OffloadedForward:
     def __call__(self, *args, **kwargs):
         unit, engine = self.unit, self.engine
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
-        outermost = engine.forward_begins()
+        outer, start = engine.outer, None
         try:
+            if not outer.inside:  # the thread's outermost offloaded forward: nested ones are inside its time
+                start = time.perf_counter()  # set before `inside`, so that an interrupt after it still resets it
+                outer.inside = True
             return self._run(unit, engine, nested, args, kwargs)
         finally:
-            if outermost is not None:
-                engine.forward_ends(outermost)
+            if start is not None:
+                outer.inside = False
+                engine.forward_ends(start)
 
     def _run(self, unit, engine, nested, args, kwargs):
         with unit.lock:
@@ -74,6 +78,9 @@ class OffloadedForward:
     __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
 
 
+class _Outer(threading.local):
+    inside = False  # every thread starts outside any offloaded forward
+
 
 def _gradient_error(name):
     def hook(grad):
@@ -92,7 +99,7 @@ class OffloadEngine:
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
-        self._outer = threading.local()  # per thread: inside an offloaded forward already (stats' forward_s)
+        self.outer = _Outer()  # per thread: inside an offloaded forward already (stats' forward_s)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
 
     # ---- hooks ----------------------------------------------------------------------------------------------
@@ -116,16 +123,8 @@ class OffloadEngine:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
-    def forward_begins(self):
-        """The start time when this is the thread's outermost offloaded forward (nested ones are inside its
-        time already), else None."""
-        if getattr(self._outer, "inside", False):
-            return None
-        self._outer.inside = True
-        return time.perf_counter()
-
     def forward_ends(self, start):
-        self._outer.inside = False
+        """The thread's outermost offloaded forward, begun at perf_counter() `start`, has ended."""
         elapsed = time.perf_counter() - start
         with self.fetcher.lock:
             self.fetcher.stats["forward_s"] += elapsed
