@@ -52,7 +52,9 @@ class CpuState:
                     cap = self.staging.capacity  # a multiple of the int8 block
                     for a in range(0, w.numel, cap):
                         b = min(a + cap, w.numel)
-                        i, sg, so = self.staging.acquire()
+                        t0 = now()
+                        i, sg, so = self.staging.acquire()  # waits for the copies out of that buffer
+                        clock.io_wait_s += now() - t0
                         t0 = now()
                         with section("swapio::kernel"):
                             run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so,
