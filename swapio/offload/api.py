@@ -13,7 +13,7 @@ from . import dir_owner, grafting, preload
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .engine import OffloadEngine
-from .fetch import Fetcher
+from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
 from .prepare import buffer_owners_outside, compute_buffers, retie
@@ -294,14 +294,16 @@ def cpu_offload_with_hook(model, execution_device=None, prev_module_hook=None):
 
 
 def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers=False, preload_module_classes=None, *,
-                 checkpoint=None, prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None):
+                 checkpoint=None, prefetch=2, buffer_bytes=256 << 20, keep_resident=(), handle=None, progress=None):
     """Keeps the weights in files and streams each submodule's weights in just before its forward, with O_DIRECT
     reads into a ring of `buffer_bytes` of pinned memory, at least `prefetch` submodules ahead and as far as
     the ring holds (prefetch=0: no read-ahead). Exactly one of:
     offload_dir (the model's current weights are written there once, streamed), or checkpoint (a safetensors
     file, a directory with model.safetensors or a sharded index, read in place; the model may be on meta).
     `preload_module_classes`: class names of modules that get all their submodules' weights at the start of
-    their forward (accelerate's argument). Returns the model."""
+    their forward (accelerate's argument). progress: a bar of the weights written to offload_dir, on stderr
+    (None: only when stderr is a terminal or SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm).
+    Returns the model."""
     if (offload_dir is None) == (checkpoint is None):
         raise ValueError("disk_offload needs exactly one of offload_dir (write the model's weights there) or "
                          "checkpoint (read them from a safetensors checkpoint)")
@@ -347,7 +349,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                          for s in slots}
         else:
             pack(records)
-            locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim)
+            locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim,
+                                   progress=progress)
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
@@ -388,10 +391,21 @@ def remove_offload(model):
     return model
 
 
-def stats(model):
-    """Counters of an offloaded model's fetcher (reads, bytes_read, temp buffers, device copies, refetches)."""
+def stats(model, reset=False):
+    """Counters of an offloaded model (since it was offloaded or last reset): reads, bytes_read, temp buffers,
+    device copies, refetches (backward), and where its forwards' time went: forward_s (wall time of the
+    outermost offloaded forwards), wait_s (of it, waiting for weights: reads not yet done, issuing device
+    copies), compute_s (forward_s - wait_s), read_gbps (bytes_read per second of forward_s, GB/s).
+    reset=True zeroes every counter after returning them. See docs/offload.md, "Seeing where time goes"."""
     owner = _offloaded.get(model)
     if not isinstance(owner, OffloadEngine):
         raise ValueError("this model is not offloaded by swapio's cpu_offload or disk_offload")
-    return dict(owner.fetcher.stats, refetches=owner.saved.refetches)
+    with owner.fetcher.lock:
+        out = dict(owner.fetcher.stats, refetches=owner.saved.refetches)
+        if reset:
+            owner.fetcher.stats.update(ZERO_STATS)
+            owner.saved.refetches = 0
+    out["compute_s"] = max(0.0, out["forward_s"] - out["wait_s"])
+    out["read_gbps"] = out["bytes_read"] / out["forward_s"] / 1e9 if out["forward_s"] > 0 else 0.0
+    return out
 

@@ -7,10 +7,13 @@ records, so their memory is reused for the next fetches. Weights are only reacha
 runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
 again in backward (see saved_tensors.py).
 """
+import threading
+import time
 import weakref
 
 import torch
 
+from .._ranges import section
 from . import saved_tensors
 from .fetch import view
 from .schedule import Schedule
@@ -40,6 +43,18 @@ class OffloadedForward:
     def __call__(self, *args, **kwargs):
         unit, engine = self.unit, self.engine
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
+        outer, start = engine.outer, None
+        try:
+            if not outer.inside:  # the thread's outermost offloaded forward: nested ones are inside its time
+                start = time.perf_counter()  # set before `inside`, so that an interrupt after it still resets it
+                outer.inside = True
+            return self._run(unit, engine, nested, args, kwargs)
+        finally:
+            if start is not None:
+                outer.inside = False
+                engine.forward_ends(start)
+
+    def _run(self, unit, engine, nested, args, kwargs):
         with unit.lock:
             if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
                 # a Ctrl-C that landed inside enter() or leave() themselves left some of the last call's state
@@ -70,6 +85,10 @@ def refuse_copy():
                     "(keep_resident=[...]) or with get_peft_model before offloading")
 
 
+class _Outer(threading.local):
+    inside = False  # every thread starts outside any offloaded forward
+
+
 def _gradient_error(name):
     def hook(grad):
         raise ValueError(f"a gradient reached the offloaded weight {name!r}, which requires grad: swapio.offload "
@@ -87,6 +106,7 @@ class OffloadEngine:
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
+        self.outer = _Outer()  # per thread: inside an offloaded forward already (stats' forward_s)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
 
     # ---- hooks ----------------------------------------------------------------------------------------------
@@ -109,19 +129,36 @@ class OffloadEngine:
         move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
+    # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
+    def forward_ends(self, start):
+        """The thread's outermost offloaded forward, begun at perf_counter() `start`, has ended."""
+        elapsed = time.perf_counter() - start
+        with self.fetcher.lock:
+            self.fetcher.stats["forward_s"] += elapsed
+
     def enter(self, unit):
         """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
         unit.depth += 1
         if unit.depth > 1:
             return
+        with section("swapio::fetch"):
+            self._fetch_in(unit)
+
+    def _fetch_in(self, unit):
         self.schedule.observe(unit)
         fetcher = self.fetcher
         for record in unit.records:
             fetcher.start(record, required=True)
         self._prefetch(self.schedule.ahead, unit)
         fetcher.pump()
-        for record in unit.records:
-            unit.fetches.append(fetcher.acquire(record))
+        t0 = time.perf_counter()
+        try:
+            for record in unit.records:
+                unit.fetches.append(fetcher.acquire(record))
+        finally:  # the forward waits here for its weights: reads (and for CUDA, issuing their copies)
+            waited = time.perf_counter() - t0
+            with fetcher.lock:
+                fetcher.stats["wait_s"] += waited
         by_record = {f.record: f for f in unit.fetches}
         grad = torch.is_grad_enabled()
         for attr, kind, slot in unit.entries:

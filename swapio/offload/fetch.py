@@ -14,9 +14,14 @@ import threading
 import torch
 
 from .. import cuda_copy
+from .._ranges import section
 from ..pinned import empty_pinned
 from .layout import round_up
 from .ring import PinnedRing
+
+
+# Counters (swapio.offload.stats): wait_s and forward_s are seconds the engine measures (engine.py)
+ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 
 class Fetch:
@@ -52,7 +57,7 @@ class Fetcher:
         self.fetches = {}     # record -> Fetch, in the order they were started
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.lock = threading.RLock()
-        self.stats = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0}
+        self.stats = dict(ZERO_STATS)
 
     def prepare(self, records):
         """Allocates the ring now (at offload time) rather than inside the first forward, and the spare too when
@@ -154,9 +159,10 @@ class Fetcher:
 
     def _copy_to_device(self, fetch):
         stream = cuda_copy.copy_stream(self.device)
-        with torch.cuda.stream(stream):  # allocated on the copy stream: the copy waits for nothing
-            fetch.device = torch.empty(fetch.record.nbytes, dtype=torch.uint8, device=self.device)
-        fetch.event = cuda_copy.copy_async(fetch.device, fetch.host[:fetch.record.nbytes], stream)
+        with section("swapio::copy"):  # issued here; the copy itself runs on the side stream
+            with torch.cuda.stream(stream):  # allocated on the copy stream: the copy waits for nothing
+                fetch.device = torch.empty(fetch.record.nbytes, dtype=torch.uint8, device=self.device)
+            fetch.event = cuda_copy.copy_async(fetch.device, fetch.host[:fetch.record.nbytes], stream)
         self.stats["copies"] += 1
 
     def pump(self):
@@ -176,8 +182,10 @@ class Fetcher:
             fetch = self.start(record, required=True)
             fetch.users += 1
             try:
-                for f in fetch.reads:
-                    f.wait()
+                if fetch.reads:
+                    with section("swapio::read_wait"):
+                        for f in fetch.reads:
+                            f.wait()
             except BaseException:
                 fetch.users -= 1
                 self._drop(fetch)

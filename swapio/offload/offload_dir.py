@@ -16,7 +16,7 @@ import secrets
 
 import torch
 
-from .. import _durable
+from .. import _durable, _progress
 from ..pinned import empty_pinned
 from .layout import ALIGN, round_up
 from .safetensors_header import MAX_HEADER, Location, strict_json
@@ -44,12 +44,13 @@ def _reserve(path, nbytes):
         os.close(fd)
 
 
-def _stream(handle, path, pieces, total, chunk):
+def _stream(handle, path, pieces, total, chunk, bar=None):
     """Writes `pieces` [(file offset, nbytes, getter of a uint8 1-D tensor)], sorted and not overlapping,
     zero-filling the rest of [0, total), through two pinned chunks. Each getter is called once, when its
-    bytes are reached, so at most one tensor's contiguous copy exists at a time."""
+    bytes are reached, so at most one tensor's contiguous copy exists at a time. `bar`: a progress bar (or
+    None) advanced by each chunk once its write is done."""
     chunk = max(ALIGN, min(chunk, round_up(total)))
-    bufs, pending = [empty_pinned(chunk, torch.uint8) for _ in range(2)], [None, None]
+    bufs, pending, lengths = [empty_pinned(chunk, torch.uint8) for _ in range(2)], [None, None], [0, 0]
     k = i = 0
     data = None
     try:
@@ -58,6 +59,8 @@ def _stream(handle, path, pieces, total, chunk):
             if pending[k] is not None:
                 pending[k].wait()
                 pending[k] = None
+                if bar is not None:
+                    bar.update(lengths[k])
             buf[:length].zero_()
             while i < len(pieces) and pieces[i][0] < window + length:
                 offset, nbytes, getter = pieces[i]
@@ -70,24 +73,27 @@ def _stream(handle, path, pieces, total, chunk):
                     break  # continues in the next window
                 data = None
                 i += 1
-            pending[k] = handle.pwrite(buf[:length], path, window)
+            pending[k], lengths[k] = handle.pwrite(buf[:length], path, window), length
             k ^= 1
     finally:
         error = None
-        for f in pending:
+        for f, length in zip(pending, lengths):
             if f is not None:
                 try:
                     f.wait()
+                    if bar is not None:
+                        bar.update(length)
                 except OSError as exc:
                     error = error or exc
         if error is not None:
             raise error
 
 
-def write(directory, records, source_of, handle, chunk=CHUNK, claim=None):
+def write(directory, records, source_of, handle, chunk=CHUNK, claim=None, progress=False):
     """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device, into
     `directory`, which the caller claimed (dir_owner.claim; `claim`: that claim, told which files a SIGTERM
-    should remove). Returns {slot: (path, offset, nbytes)}."""
+    should remove). progress: swapio._progress's rule for a bar of the bytes written (None: on a terminal).
+    Returns {slot: (path, offset, nbytes)}."""
     directory = os.path.abspath(os.fspath(directory))
     token = secrets.token_hex(8)
     data_name = f"{DATA_PREFIX}{token}{DATA_SUFFIX}"
@@ -111,7 +117,13 @@ def write(directory, records, source_of, handle, chunk=CHUNK, claim=None):
             if slot.nbytes:
                 pieces.append((offset, slot.nbytes,
                                lambda s=slot: source_of(s).detach().contiguous().reshape(-1).view(torch.uint8)))
-        _stream(handle, tmp_data, pieces, end, chunk)
+        bar = _progress.bar(progress, total=end, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc="swapio: writing offloaded weights")
+        try:
+            _stream(handle, tmp_data, pieces, end, chunk, bar)
+        finally:
+            if bar is not None:
+                bar.close()
         pieces.clear()
         _durable.publish(tmp_data, data_path)
         index = {"format": FORMAT, "version": VERSION, "data": data_name, "data_bytes": end, "tensors": entries}

@@ -25,13 +25,14 @@ state tensors (cpu mode), so saving or loading never holds more than a chunk bey
 from either mode loads into either mode; the layout does not depend on buffer sizes. A checkpoint of another
 state_dtype loads too: its moments are decoded to fp32 and stored in this optimizer's format.
 """
+import contextlib
 import errno
 import os
 import secrets
 
 import torch
 
-from .. import _checksum, _durable
+from .. import _checksum, _durable, _progress
 from .._align import round_up
 from . import dir_lock, state_transfer, validate
 from .params import shard
@@ -45,19 +46,33 @@ FORMAT = "swapio.optim.checkpoint"
 VERSION = 3  # 2: checksums; 3: state_dtype (bf16/int8 arrays)
 
 
-def save(opt, path):
+def _bar(progress, total, desc):
+    """A bar of bytes on stderr when swapio._progress's rule wants one (see OffloadOptimizer.save), else None."""
+    return _progress.bar(progress, total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+@contextlib.contextmanager
+def _closing(bar):
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def save(opt, path, progress=False):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     with dir_lock.locked(path, exclusive=True):
-        _save(opt, path)
+        _save(opt, path, progress)
 
 
-def _save(opt, path):
+def _save(opt, path, progress=False):
     groups, index = state_transfer.pack_groups(opt.param_groups)
     fields_of = opt.exported_fields()
     fmt = opt.state_format
     stateful, seen, entries, offsets = [], set(), {}, {}
-    end = 0
+    end = payload = 0  # payload: the arrays' bytes without the alignment padding, what the bar counts
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state.get(p)
@@ -68,7 +83,9 @@ def _save(opt, path):
             t, offs = shard(p), {}
             for name in fields_of[p]:
                 offs[name] = end
-                end += round_up(fmt.count(name, t.numel()) * fmt.dtype(name).itemsize)
+                nbytes = fmt.count(name, t.numel()) * fmt.dtype(name).itemsize
+                payload += nbytes
+                end += round_up(nbytes)
             offsets[p] = offs
             entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(t.shape),
                                      "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""),
@@ -84,6 +101,7 @@ def _save(opt, path):
     tmp_meta = os.path.join(path, f"{META_TMP_PREFIX}{secrets.token_hex(4)}.tmp")
     meta_path = os.path.join(path, META)
     sums, written = {}, []
+    bar = _bar(progress, payload, "swapio: saving optimizer")
     try:
         with state_transfer.io_handles(opt) as (_, wh):
             def sink(p, a, b, views):
@@ -92,6 +110,8 @@ def _save(opt, path):
                     view, first = views[name], fmt.first(name, a)
                     sums.setdefault(p, {}).setdefault(name, _checksum.Stream()).update(first, view)
                     futures.append(wh.pwrite(view, tmp_data, off + first * view.element_size()))
+                    if bar is not None:  # written when the future finishes; queued now, close enough to watch
+                        bar.update(view.nbytes)
                 return futures
 
             opt.read_state(stateful, sink)
@@ -114,6 +134,9 @@ def _save(opt, path):
             except FileNotFoundError:
                 pass
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     # Data of earlier checkpoints, and whatever interrupted saves left (this save holds the directory's lock, so
     # no other save is under way: their temporary files are leftovers).
     _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
@@ -137,15 +160,15 @@ def read_meta(path):
     return meta
 
 
-def load(opt, path):
+def load(opt, path, progress=False):
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
     with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read
-        _load(opt, path)
+        _load(opt, path, progress)
 
 
-def _load(opt, path):
+def _load(opt, path, progress=False):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
     fmt = opt.state_format
@@ -167,7 +190,11 @@ def _load(opt, path):
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
     sums, bad = {}, []
-    with state_transfer.io_handles(opt) as (rh, _):
+    # the bar counts the bytes read; a field this optimizer does not keep is not read, so it may stop short
+    total = sum(saved_fmt.count(name, entry["numel"]) * saved_fmt.dtype(name).itemsize
+                for entry in meta["state"].values() for name in entry["fields"])
+    bar = _bar(progress, total, "swapio: loading optimizer")
+    with _closing(bar), state_transfer.io_handles(opt) as (rh, _):
         def read(p, name, a, view):
             """Reads the stored elements of `name` for parameter elements from a into view (a future), feeding
             the checksum and checking the values once they are in."""
@@ -175,6 +202,8 @@ def _load(opt, path):
             stream = sums.setdefault(p, {}).setdefault(name, _checksum.Stream())
 
             def arrived(n):
+                if bar is not None:
+                    bar.update(view.nbytes)
                 stream.update(first, view)
                 try:
                     validate.values(name, view, f"{data_path}: parameter {expected[p][0]}")

@@ -1,11 +1,13 @@
 """offload="cpu": the fp32 master and the moments live in RAM, in optimizer.state[p] as torch keeps them."""
 import torch
 
+from .._ranges import section
 from ..handle import AioHandle
 from .cuda_staging import CudaStaging
 from .finish import finish_all
 from .params import shard
 from .segment import init_segment, run_segment
+from .timing import IoClock, now
 
 
 class CpuState:
@@ -22,6 +24,7 @@ class CpuState:
         self.format, self.state = fmt, state
         self.staging = CudaStaging(slot_bytes)
         self.io_settings = io_settings
+        self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
 
     def place(self, placement):
         """Nothing to place: a parameter's tensors are made at its first step."""
@@ -30,7 +33,7 @@ class CpuState:
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
         untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's
         _commit)."""
-        state, fmt = self.state, self.format
+        state, fmt, clock = self.state, self.format, self.clock
         try:
             for w in works:
                 if w.new:
@@ -49,15 +52,26 @@ class CpuState:
                     cap = self.staging.capacity  # a multiple of the int8 block
                     for a in range(0, w.numel, cap):
                         b = min(a + cap, w.numel)
-                        i, sg, so = self.staging.acquire()
-                        run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so, threads)
+                        t0 = now()
+                        i, sg, so = self.staging.acquire()  # waits for the copies out of that buffer
+                        clock.io_wait_s += now() - t0
+                        t0 = now()
+                        with section("swapio::kernel"):
+                            run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so,
+                                        threads)
+                        clock.kernel_s += now() - t0
                         self.staging.record(i, w.t.device)
                 else:
-                    run_segment(w, 0, w.numel, fields, None, None, threads)
+                    t0 = now()
+                    with section("swapio::kernel"):
+                        run_segment(w, 0, w.numel, fields, None, None, threads)
+                    clock.kernel_s += now() - t0
                 w.done, w.created = True, stored if w.new else None
                 ctrl_c.poll()
         finally:
+            t0 = now()
             self.staging.sync()
+            clock.io_wait_s += now() - t0
 
     def live_tensors(self, params, fields_of):
         """{p: {field: the live state tensor}} of the exported fields when they are stored as state_dict()

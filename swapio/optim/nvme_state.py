@@ -23,11 +23,13 @@ import torch
 
 from .. import _durable, _swapdir
 from .._align import ALIGN, round_up
+from .._ranges import section
 from ..handle import AioHandle
 from ..pinned import empty_pinned
 from .finish import finish_all
 from .params import shard
 from .segment import init_segment, run_segment
+from .timing import IoClock, now
 
 FILE_NAME = "state.swap"
 
@@ -125,6 +127,7 @@ class NvmeState:
         self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
         self._events = [[] for _ in range(buffer_count)]   # per slot: CUDA events of copies out of it
         self.writes_lost = False  # the last run() failed with a write that may not have reached the file
+        self.clock = IoClock()  # kernel time, I/O waits and bytes moved by run() (opt.step_report())
 
     # ---- layout -------------------------------------------------------------------------------------------
     def capacity(self, fields, cuda):
@@ -237,9 +240,14 @@ class NvmeState:
     def _drain(self, s):
         pending, self._pending[s] = self._pending[s], []
         events, self._events[s] = self._events[s], []
-        for ev in events:
-            ev.synchronize()
-        finish_all(f.wait for f in pending)
+        if not (pending or events):
+            return
+        t0 = now()
+        with section("swapio::write_wait"):  # the slot's write (and GPU copies out of it) must finish first
+            for ev in events:
+                ev.synchronize()
+            finish_all(f.wait for f in pending)
+        self.clock.io_wait_s += now() - t0
 
     def wait_all(self):
         finish_all(lambda s=s: self._drain(s) for s in range(self.buffer_count))
@@ -255,6 +263,7 @@ class NvmeState:
         count = self.buffer_count
         ahead = max(1, count - 2)
         reads = {}
+        clock = self.clock
 
         def prepare(j):
             s = j % count
@@ -262,6 +271,7 @@ class NvmeState:
             if read(chunks[j]):
                 record, _ = self._views(s, chunks[j])
                 reads[j] = self.rh.pread(record, self.path, chunks[j].offset, identity=self.identity)
+                clock.bytes_read += record.numel()
 
         ok = False
         try:
@@ -274,7 +284,10 @@ class NvmeState:
                     prepare(i + ahead)
                 f = reads.pop(i, None)
                 if f is not None:
-                    f.wait()
+                    t0 = now()
+                    with section("swapio::read_wait"):
+                        f.wait()
+                    clock.io_wait_s += now() - t0
                 s = i % count
                 record, views = self._views(s, chunks[i])
                 futures = []
@@ -283,6 +296,7 @@ class NvmeState:
                 finally:
                     if write:
                         futures.append(self.wh.pwrite(record, self.path, chunks[i].offset, identity=self.identity))
+                        clock.bytes_written += record.numel()
                     self._pending[s] = futures
             ok = True
         finally:
@@ -317,9 +331,12 @@ class NvmeState:
                 if w is None:
                     continue
                 fields = self._segment_views(chunk, views, seg)
-                if w.new:
-                    init_segment(w, seg.a, seg.b, fields)
-                run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
+                t0 = now()
+                with section("swapio::kernel"):
+                    if w.new:
+                        init_segment(w, seg.a, seg.b, fields)
+                    run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
+                self.clock.kernel_s += now() - t0
                 if w.cuda:
                     ev = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(w.t.device))

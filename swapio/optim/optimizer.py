@@ -16,7 +16,8 @@ import torch
 from torch.optim import Optimizer
 
 from .._errors import SwapioWarning, check_int
-from . import checkpoint, state_dict_hooks
+from .._ranges import section
+from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
 from .ctrl_c import DeferredSigint
 from .nvme_state import NvmeState
@@ -73,6 +74,7 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        self._last_step = self._step_total = None  # step_report()
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
@@ -183,12 +185,17 @@ class OffloadOptimizer(Optimizer):
         works, nonfinite = self._works(params, grad_of)
         if not works:
             return
+        clock = self._backend.clock
+        before, t0 = clock.snapshot(), timing.now()
         with DeferredSigint() as ctrl_c:
             try:
-                self._backend.place(self.param_fields())  # parameters seen for the first time get their place
-                self._backend.step(works, self.cpu_threads, ctrl_c)
+                with section("swapio::step"):
+                    self._backend.place(self.param_fields())  # parameters seen for the first time get their place
+                    self._backend.step(works, self.cpu_threads, ctrl_c)
             finally:  # also when interrupted: the parameters fully stepped get their new count
                 self._commit(works)
+                self._last_step = timing.figures(timing.now() - t0, 1, before, clock.snapshot())
+                self._step_total = timing.add(self._step_total, self._last_step)
         if nonfinite is not None and int(nonfinite) > 0:
             warnings.warn(f"{int(nonfinite)} moment value(s) of this step were NaN or infinite (from non-finite "
                           "gradients); int8 state stores them as 0 and keeps them out of their block's scale, so "
@@ -339,17 +346,20 @@ class OffloadOptimizer(Optimizer):
         finally:
             state_dict_hooks.discard_taken(self)
 
-    def save(self, path):
+    def save(self, path, *, progress=None):
         """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
         time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
-        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint."""
+        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint.
+        progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
+        SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._check_whole()
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, progress)
 
-    def load(self, path):
-        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time."""
+    def load(self, path, *, progress=None):
+        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time.
+        progress: a bar of the bytes read, as for save()."""
         self._check_open()
-        checkpoint.load(self, path)
+        checkpoint.load(self, path, progress)
 
     def memory_report(self):
         """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
@@ -361,6 +371,19 @@ class OffloadOptimizer(Optimizer):
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
         report.update(self._backend.memory())
         report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0
+        return report
+
+    def step_report(self, reset=False):
+        """Where the steps' time went: {"last": the last step, "total": every step since the optimizer was built
+        or last reset}, each None before a step, else a dict of "steps", "wall_s" (the step, seconds), "kernel_s"
+        (in the update kernel: compute), "io_wait_s" (waiting for nvme reads and writes, or GPU copies, not yet
+        done), "other_s" (the rest: placing, staging, bookkeeping), "bytes_read", "bytes_written" (the swap file;
+        0 in cpu mode) and "read_gbps", "write_gbps" (those bytes per second of wall time, in GB/s). Measured with
+        perf_counter around work the step does anyway: no synchronisation is added. reset=True starts the
+        totals (and "last") afresh after returning them. See docs/optim.md, "Seeing where time goes"."""
+        report = {"last": self._last_step, "total": self._step_total}
+        if reset:
+            self._last_step = self._step_total = None
         return report
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
