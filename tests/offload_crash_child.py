@@ -11,7 +11,7 @@ import traceback
 import torch
 
 from swapio.offload import disk_offload, remove_offload
-from swapio.offload.api import _offloaded
+from swapio.offload.registry import offloaded as _offloaded
 
 WIDTH, DEPTH, RANK = 512, 12, 4  # twelve 1 MiB layers: disk_offload writes 12 MiB
 INDEX = "swapio-weights.json"

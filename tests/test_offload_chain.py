@@ -3,7 +3,7 @@ remove() detaches, and outputs do not change."""
 import torch
 
 from swapio.offload import cpu_offload_with_hook, remove_offload
-from swapio.offload.api import _offloaded
+from swapio.offload.registry import offloaded as _offloaded
 from offload_helpers import assert_same_outputs, resident_model
 
 

@@ -1,7 +1,6 @@
 """cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload: accelerate's names and arguments."""
 import itertools
 import os
-import weakref
 
 import torch
 
@@ -19,31 +18,10 @@ from .names import checkpoint_names, find
 from .prepare import buffer_owners_outside, compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
 from .state_dict import assign_state_dict
+from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
 from .units import collect, set_entry, trainable_modules
 
 
-class _Registry(weakref.WeakKeyDictionary):
-    """Every module of an offloaded model -> its engine or hook, both held weakly. The owner lives as long as the
-    model does (the model's forward wrappers and hooks hold it), so a model dropped without remove_offload is
-    collected, and its pinned buffers, handle and offload_dir claim go with it."""
-
-    def __setitem__(self, module, owner):
-        super().__setitem__(module, weakref.ref(owner))
-
-    def __getitem__(self, module):
-        owner = super().__getitem__(module)()
-        if owner is None:
-            raise KeyError(module)
-        return owner
-
-    def get(self, module, default=None):
-        try:
-            return self[module]
-        except KeyError:
-            return default
-
-
-_offloaded = _Registry()
 
 
 def _check_model(model):
@@ -56,17 +34,6 @@ def _check_model(model):
         if hasattr(m, "_hf_hook"):
             raise ValueError("this model has accelerate hooks (_hf_hook); remove them "
                              "(accelerate.hooks.remove_hook_from_submodules) before offloading with swapio")
-
-
-def _register(model, owner):
-    for m in model.modules():
-        _offloaded[m] = owner
-
-
-def _unregister(model, owner):
-    for m in model.modules():
-        if _offloaded.get(m) is owner:
-            del _offloaded[m]
 
 
 def _attach(model, engine, original, preload_names=()):

@@ -9,6 +9,7 @@ import torch
 
 from .. import cuda_copy
 from ..pinned import empty_pinned
+from .registry import unregister
 
 
 def last_copy(events):
@@ -124,5 +125,4 @@ class CpuOffloadHook:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        from .api import _unregister
-        _unregister(self.model, self)
+        unregister(self.model, self)

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from .engine import refuse_copy
+from .registry import offloaded
 from .units import set_entry
 
 _hook = None
@@ -33,12 +34,11 @@ def _table(module, kind):
 
 
 def _on_register(parent, name, child):
-    from .api import _offloaded
     from .engine import OffloadEngine
     if not isinstance(child, torch.nn.Module):
         return None
-    engine = _offloaded.get(child)
-    if not isinstance(engine, OffloadEngine) or _offloaded.get(parent) is engine:
+    engine = offloaded.get(child)
+    if not isinstance(engine, OffloadEngine) or offloaded.get(parent) is engine:
         return None
     inside = {id(m) for m in child.modules()}
     for unit in engine.units:
