@@ -120,11 +120,11 @@ def fail_in(monkeypatch, where, exc):
     if where == "ring":
         monkeypatch.setattr(Fetcher, "prepare", boom)
     elif where == "placeholders":
-        monkeypatch.setattr("swapio.offload.engine.install_placeholders", boom)
+        monkeypatch.setattr("swapio.offload.streamer.install_placeholders", boom)
     elif where == "register":
         monkeypatch.setattr(offload_api, "_register", boom)
     elif where == "engine":  # cpu_offload: after the host copies replaced the model's tensors
-        monkeypatch.setattr(offload_api, "OffloadEngine", boom)
+        monkeypatch.setattr(offload_api, "WeightStreamer", boom)
 
 
 def checkpoint_source(model, tmp_path):

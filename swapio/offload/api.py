@@ -11,7 +11,7 @@ from ..pinned import empty_pinned
 from . import dir_owner, grafting, preload
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
-from .engine import OffloadEngine
+from .streamer import WeightStreamer
 from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
@@ -36,21 +36,21 @@ def _check_model(model):
                              "(accelerate.hooks.remove_hook_from_submodules) before offloading with swapio")
 
 
-def _attach(model, engine, original, preload_names=()):
-    """Attaches the engine (with preload_module_classes' wrappers and the watch for wrappers added later) and
+def _attach(model, streamer, original, preload_names=()):
+    """Attaches the streamer (with preload_module_classes' wrappers and the watch for wrappers added later) and
     registers the model; on any failure, Ctrl-C included, the model is left as it was (no wrappers, original(slot)
-    in every offloaded attribute) and the engine closed, so that remove_offload's "not offloaded" is true and
+    in every offloaded attribute) and the streamer closed, so that remove_offload's "not offloaded" is true and
     offloading again starts clean."""
     try:
-        engine.attach()
-        preload.attach(engine, preload_names)
-        grafting.watch(engine)
-        _register(model, engine)
+        streamer.attach()
+        preload.attach(streamer, preload_names)
+        grafting.watch(streamer)
+        _register(model, streamer)
     except BaseException:
-        _unregister(model, engine)
-        engine.detach()
-        _put_back(engine.units, original)
-        engine.close()
+        _unregister(model, streamer)
+        streamer.detach()
+        _put_back(streamer.units, original)
+        streamer.close()
         raise
 
 
@@ -227,12 +227,12 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
                             set_entry(unit.module, attr, kind, slot.placeholder)
                 del current[slot]
         _place_resident(resident, device)
-        engine = OffloadEngine(model, units, slots, records, Fetcher(records, device, hosts=hosts), device,
+        streamer = WeightStreamer(model, units, slots, records, Fetcher(records, device, hosts=hosts), device,
                                prefetch)
     except BaseException:
         _put_back(units, original)
         raise
-    _attach(model, engine, original, preload_names)
+    _attach(model, streamer, original, preload_names)
     return model
 
 
@@ -321,19 +321,19 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
-        engine = OffloadEngine(model, units, slots, records,
+        streamer = WeightStreamer(model, units, slots, records,
                                Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes), device, prefetch)
         if own:
-            engine.extra_close.append(handle.close)
+            streamer.extra_close.append(handle.close)
         if dir_claim is not None:  # given up by remove_offload, or when the model is collected
-            engine.extra_close.append(dir_claim.release)
+            streamer.extra_close.append(dir_claim.release)
     except BaseException:
         if dir_claim is not None:
             dir_claim.release(remove_directory=dir_claim.created)
         if own:
             handle.close()
         raise
-    _attach(model, engine, current.__getitem__, preload_names)  # on failure, engine.close() gives up handle, claim
+    _attach(model, streamer, current.__getitem__, preload_names)  # on failure, streamer.close() gives up handle, claim
     return model
 
 
@@ -365,7 +365,7 @@ def stats(model, reset=False):
     copies), compute_s (forward_s - wait_s), read_gbps (bytes_read per second of forward_s, GB/s).
     reset=True zeroes every counter after returning them. See docs/offload.md, "Seeing where time goes"."""
     owner = _offloaded.get(model)
-    if not isinstance(owner, OffloadEngine):
+    if not isinstance(owner, WeightStreamer):
         raise ValueError("this model is not offloaded by swapio's cpu_offload or disk_offload")
     with owner.fetcher.lock:
         out = dict(owner.fetcher.stats, refetches=owner.saved.refetches)

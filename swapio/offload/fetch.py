@@ -20,7 +20,7 @@ from .layout import round_up
 from .ring import PinnedRing
 
 
-# Counters (swapio.offload.stats): wait_s and forward_s are seconds the engine measures (engine.py)
+# Counters (swapio.offload.stats): wait_s and forward_s are seconds the streamer measures (streamer.py)
 ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 

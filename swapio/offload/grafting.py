@@ -15,12 +15,12 @@ import weakref
 
 import torch
 
-from .engine import refuse_copy
+from .streamer import refuse_copy
 from .registry import offloaded
 from .units import set_entry
 
 _hook = None
-_with_stand_ins = weakref.WeakSet()  # engines that have stand-ins installed: restore() skips the others at once
+_with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: restore() skips the others at once
 
 
 def _stand_in(slot, device):
@@ -34,31 +34,31 @@ def _table(module, kind):
 
 
 def _on_register(parent, name, child):
-    from .engine import OffloadEngine
+    from .streamer import WeightStreamer
     if not isinstance(child, torch.nn.Module):
         return None
-    engine = offloaded.get(child)
-    if not isinstance(engine, OffloadEngine) or offloaded.get(parent) is engine:
+    streamer = offloaded.get(child)
+    if not isinstance(streamer, WeightStreamer) or offloaded.get(parent) is streamer:
         return None
     inside = {id(m) for m in child.modules()}
-    for unit in engine.units:
+    for unit in streamer.units:
         if id(unit.module) not in inside or unit.depth:
             continue
         for attr, kind, slot in unit.entries:
             if _table(unit.module, kind).get(attr) is slot.placeholder:
                 if slot.stand_in is None:
-                    slot.stand_in = _stand_in(slot, engine.device)
+                    slot.stand_in = _stand_in(slot, streamer.device)
                 set_entry(unit.module, attr, kind, slot.stand_in)
-                _with_stand_ins.add(engine)
+                _with_stand_ins.add(streamer)
     return None
 
 
-def restore(engine):
+def restore(streamer):
     """Placeholders back in place of stand-ins, with the stand-ins' requires_grad."""
-    if engine not in _with_stand_ins:
+    if streamer not in _with_stand_ins:
         return
-    _with_stand_ins.discard(engine)
-    for unit in engine.units:
+    _with_stand_ins.discard(streamer)
+    for unit in streamer.units:
         if unit.depth:
             continue
         for attr, kind, slot in unit.entries:
@@ -67,31 +67,31 @@ def restore(engine):
                 continue
             if _table(unit.module, kind).get(attr) is stand_in:
                 set_entry(unit.module, attr, kind, slot.placeholder)
-    for slot in engine.slots:
+    for slot in streamer.slots:
         if slot.stand_in is not None:
             if slot.is_param:
                 slot.placeholder.requires_grad_(slot.stand_in.requires_grad)
             slot.stand_in = None
 
 
-def watch(engine):
+def watch(streamer):
     """Installs the global hook (once) and the model's forward pre-hook that restores placeholders."""
     global _hook
     if _hook is None:
         _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
-    engine.handles.append(engine.model.register_forward_pre_hook(_Restore(engine), prepend=True))
+    streamer.handles.append(streamer.model.register_forward_pre_hook(_Restore(streamer), prepend=True))
 
 
 class _Restore:
-    """The model's forward pre-hook that puts placeholders back; refuses copies, as the engine's wrappers do."""
+    """The model's forward pre-hook that puts placeholders back; refuses copies, as the streamer's wrappers do."""
 
-    __slots__ = ("engine",)
+    __slots__ = ("streamer",)
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, streamer):
+        self.streamer = streamer
 
     def __call__(self, module, args):
-        restore(self.engine)
+        restore(self.streamer)
 
     def __reduce_ex__(self, protocol):
         refuse_copy()

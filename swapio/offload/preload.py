@@ -1,14 +1,14 @@
 """preload_module_classes (accelerate's argument): modules of these classes get all their submodules' weights at
 the start of their own forward, for modules that use a submodule's weight directly rather than calling it.
 
-Each such module's forward is wrapped like an offloaded module's (engine.OffloadedForward): the wrapper takes the
+Each such module's forward is wrapped like an offloaded module's (streamer.OffloadedForward): the wrapper takes the
 lock of every unit under it and enters them (fetching their records and installing their weights), runs the
 module's forward, and leaves them in reverse order however the forward ended, Ctrl-C included (forward hooks
 would skip the leave on a KeyboardInterrupt). The units' own wrappers then find their weights in place: this
-thread holds their locks, and the engine counts nested entries (unit.depth), so they neither fetch again nor
-release early. engine.detach() removes these wrappers first (they sit on top of the units' own).
+thread holds their locks, and the streamer counts nested entries (unit.depth), so they neither fetch again nor
+release early. streamer.detach() removes these wrappers first (they sit on top of the units' own).
 """
-from .engine import OffloadedForward, _NONE
+from .streamer import OffloadedForward, _NONE
 
 
 def _class_names(preload_module_classes):
@@ -32,24 +32,24 @@ def check(preload_module_classes):
     return _class_names(preload_module_classes)
 
 
-def attach(engine, class_names):
+def attach(streamer, class_names):
     """Wraps the forward of every module of the model whose class is named in `class_names`."""
     if not class_names:
         return
-    by_module = {id(u.module): u for u in engine.units}
-    for module in engine.model.modules():
+    by_module = {id(u.module): u for u in streamer.units}
+    for module in streamer.model.modules():
         if type(module).__name__ not in class_names:
             continue
         units = [by_module[id(m)] for m in module.modules() if id(m) in by_module]
         if units:
-            wrapper = PreloadForward(engine, units, module.forward)
+            wrapper = PreloadForward(streamer, units, module.forward)
             previous = module.__dict__.get("forward", _NONE)
             module.forward = wrapper
-            engine.handles.append(_Unwrap(module, wrapper, previous))
+            streamer.handles.append(_Unwrap(module, wrapper, previous))
 
 
 class _Unwrap:
-    """A removable handle (engine.handles) that puts the module's previous forward back."""
+    """A removable handle (streamer.handles) that puts the module's previous forward back."""
 
     def __init__(self, module, wrapper, previous):
         self.module, self.wrapper, self.previous = module, wrapper, previous
@@ -74,7 +74,7 @@ class PreloadForward(OffloadedForward):
     __slots__ = ()
 
     def __call__(self, *args, **kwargs):
-        engine, units = self.engine, self.unit
+        streamer, units = self.streamer, self.unit
         taken, entered = [], []
         try:
             for unit in units:
@@ -83,21 +83,21 @@ class PreloadForward(OffloadedForward):
                 taken.append(unit)
                 if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
                     unit.depth = 1  # stale state of an interrupted call (see OffloadedForward)
-                    engine.leave(unit, None)
+                    streamer.leave(unit, None)
                 entered.append(unit)  # before enter(): a failing enter() is left too
-                engine.enter(unit)
+                streamer.enter(unit)
             output = self.inner(*args, **kwargs)
         except BaseException:
             try:
                 for unit in reversed(entered):
-                    engine.leave(unit, None)
+                    streamer.leave(unit, None)
             finally:
                 for unit in reversed(taken):
                     unit.lock.release()
             raise
         try:
             for unit in reversed(entered):
-                output = engine.leave(unit, output)
+                output = streamer.leave(unit, output)
         finally:
             for unit in reversed(taken):
                 unit.lock.release()

@@ -1,11 +1,11 @@
-"""Which models swapio has offloaded: every module of an offloaded model -> the engine or hook that owns it. Its
+"""Which models swapio has offloaded: every module of an offloaded model -> the streamer or hook that owns it. Its
 own module, so that api (which fills it) and chain/grafting (which read it) import it without importing each
 other."""
 import weakref
 
 
 class Registry(weakref.WeakKeyDictionary):
-    """Every module of an offloaded model -> its engine or hook, both held weakly. The owner lives as long as the
+    """Every module of an offloaded model -> its streamer or hook, both held weakly. The owner lives as long as the
     model does (the model's forward wrappers and hooks hold it), so a model dropped without remove_offload is
     collected, and its pinned buffers, handle and offload_dir claim go with it."""
 

@@ -21,8 +21,8 @@ class _Token:
 
 
 class SavedWeights:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, streamer):
+        self.streamer = streamer
         self._cache = {}  # slot -> weakref to its refetched tensor, shared by the nodes unpacking it meanwhile
         self.refetches = 0
 
@@ -35,7 +35,7 @@ class SavedWeights:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
             return t
         try:
-            entries = self.engine.live.get(t.untyped_storage().data_ptr())
+            entries = self.streamer.live.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
             return t
         if not entries:
@@ -59,11 +59,11 @@ class SavedWeights:
         t = ref() if ref is not None else None
         if t is not None:
             return t
-        engine, fetcher = self.engine, self.engine.fetcher
+        streamer, fetcher = self.streamer, self.streamer.fetcher
         with fetcher.lock:
             fetch = fetcher.acquire(slot.record)
             try:
-                engine._prefetch(engine.schedule.behind, unit)
+                streamer._prefetch(streamer.schedule.behind, unit)
                 t = view(fetch, slot)
                 if fetch.device is None and fetch.transient:
                     t = t.clone()  # the host region goes back to the ring at release

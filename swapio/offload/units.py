@@ -49,7 +49,7 @@ class Unit:
                  "own_forward")
 
     def __init__(self, index, name, module):
-        # held weakly: the fetcher's records reach their units, and engine.close() runs from a finalizer holding
+        # held weakly: the fetcher's records reach their units, and streamer.close() runs from a finalizer holding
         # the fetcher, which must not keep a model dropped without remove_offload alive
         self.index, self.name, self._module = index, name, weakref.ref(module)
         self.entries, self.records = [], []
@@ -57,7 +57,7 @@ class Unit:
         self.fetches = []          # the records' fetches while the forward runs
         self.hooks_entered = []    # saved-tensor hook contexts entered with the weights
         self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
-        self.own_forward = None    # while offloaded: the module's own instance forward (or engine._NONE)
+        self.own_forward = None    # while offloaded: the module's own instance forward (or streamer._NONE)
 
     @property
     def module(self):

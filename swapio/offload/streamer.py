@@ -1,4 +1,4 @@
-"""OffloadEngine: puts a unit's weights in place just before its forward and takes them away after.
+"""WeightStreamer: puts a unit's weights in place just before its forward and takes them away after.
 
 Entering (OffloadedForward wraps the module's forward): fetch the unit's records (already on their way if
 predicted), start the next `prefetch` units' fetches, and point the module's attributes at the fetched tensors.
@@ -31,43 +31,43 @@ class OffloadedForward:
     (a module's weights are attributes shared by every caller); threads pipeline through the model module by
     module. A copy of the model would run the original's hooks on meta tensors, so copying is refused."""
 
-    __slots__ = ("engine", "unit", "inner", "__weakref__")
+    __slots__ = ("streamer", "unit", "inner", "__weakref__")
 
-    def __init__(self, engine, unit, inner):
-        self.engine, self.unit, self.inner = engine, unit, inner
+    def __init__(self, streamer, unit, inner):
+        self.streamer, self.unit, self.inner = streamer, unit, inner
 
     @property
     def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
         return self.inner
 
     def __call__(self, *args, **kwargs):
-        unit, engine = self.unit, self.engine
+        unit, streamer = self.unit, self.streamer
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
-        outer, start = engine.outer, None
+        outer, start = streamer.outer, None
         try:
             if not outer.inside:  # the thread's outermost offloaded forward: nested ones are inside its time
                 start = time.perf_counter()  # set before `inside`, so that an interrupt after it still resets it
                 outer.inside = True
-            return self._run(unit, engine, nested, args, kwargs)
+            return self._run(unit, streamer, nested, args, kwargs)
         finally:
             if start is not None:
                 outer.inside = False
-                engine.forward_ends(start)
+                streamer.forward_ends(start)
 
-    def _run(self, unit, engine, nested, args, kwargs):
+    def _run(self, unit, streamer, nested, args, kwargs):
         with unit.lock:
             if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
                 # a Ctrl-C that landed inside enter() or leave() themselves left some of the last call's state
                 # behind: nobody runs the module now, so it is stale
                 unit.depth = 1
-                engine.leave(unit, None)
+                streamer.leave(unit, None)
             try:
-                engine.enter(unit)
+                streamer.enter(unit)
                 output = self.inner(*args, **kwargs)
             except BaseException:
-                engine.leave(unit, None)
+                streamer.leave(unit, None)
                 raise
-            return engine.leave(unit, output)
+            return streamer.leave(unit, output)
 
     def __reduce_ex__(self, protocol):
         refuse_copy()
@@ -97,7 +97,7 @@ def _gradient_error(name):
     return hook
 
 
-class OffloadEngine:
+class WeightStreamer:
     def __init__(self, model, units, slots, records, fetcher, device, prefetch):
         self.model, self.units, self.slots, self.records = model, units, slots, records
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
@@ -298,7 +298,7 @@ class OffloadEngine:
 
 
 def _close(fetcher, extra_close):
-    """engine.close(), also run when an engine is collected without remove_offload: reads still in flight into
+    """streamer.close(), also run when an streamer is collected without remove_offload: reads still in flight into
     the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
     fetcher.drain()
     errors = []
