@@ -1,5 +1,6 @@
-"""save(state, path): a training state to one safetensors file, through pinned staging and O_DIRECT, committed
-atomically (see commit.py, writer.py, layout.py)."""
+"""save(state, path): a training state to one safetensors file with O_DIRECT, committed atomically (see
+commit.py, writer.py, layout.py): big contiguous CPU tensors from their own memory (the file starts with those
+whose addresses it can match, layout._congruent_chain), the header and the rest through pinned staging."""
 import os
 
 from ..handle import AioHandle
