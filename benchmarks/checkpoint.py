@@ -262,6 +262,7 @@ def main():
     if "swapio.save" in rss:
         print(f"  swapio.save peak RSS growth {rss['swapio.save'] / MiB:.0f} MiB (goal <= staging + 64 = "
               f"{staging // MiB + 64} MiB)")
+        assert rss["swapio.save"] <= staging + 64 * MiB, "swapio.save grew RSS beyond staging + 64 MiB"
 
 
 if __name__ == "__main__":

@@ -231,9 +231,13 @@ def test_load_into_tensors_at_congruent_addresses_reads_straight_into_them(tmp_p
     load_module = importlib.import_module("swapio.checkpoint.load")
     g = torch.Generator().manual_seed(9)
     first = {"a": torch.randn(600_000, generator=g), "b": torch.randn(600_000, generator=g).half()}
-    second = {"a": torch.randn(600_000, generator=g), "b": torch.randn(600_000, generator=g).half()}
+    saved = {k: v.clone() for k, v in first.items()}
     swapio.checkpoint.save(first, tmp_path / "1.safetensors")
+    for v in first.values():  # the same tensors (so the same layout: it follows their addresses), new values
+        v.copy_(torch.randn(v.shape, generator=g))
+    second = first
     swapio.checkpoint.save(second, tmp_path / "2.safetensors")
+    first = saved
     held = swapio.checkpoint.load(tmp_path / "1.safetensors")
     assert_same(held, first)
     streamed = []
@@ -270,3 +274,25 @@ def test_small_tensors_between_big_ones_are_read_without_rereading_the_big_ones(
     for k, v in tensors.items():
         assert torch.equal(back[k], v), k
     assert len(spans) == 4 and max(spans) == 400  # each bias alone, never a weight's bytes again
+
+
+@pytest.mark.parametrize("shift", [0, 1, 7, 4095])
+def test_big_tensors_written_from_their_own_memory_at_any_alignment(tmp_path, shift):
+    """Big CPU tensors are written by their own requests (unaligned file offsets and addresses, edges through a
+    buffered descriptor), between staged small ones: every byte lands where safetensors expects it."""
+    g = torch.Generator().manual_seed(shift)
+    backing = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=g)
+    state = {"a": backing[shift:shift + (1 << 20) + 3],            # odd size, 1-byte dtype: later offsets unaligned
+             "s1": torch.randint(0, 256, (5,), dtype=torch.uint8, generator=g),
+             "b": backing[2 << 20:(2 << 20) + (3 << 20) + 4097 + shift],
+             "s2": torch.randint(0, 256, (4093,), dtype=torch.uint8, generator=g),
+             "c": torch.randn(700_001, generator=g),               # 4-byte: first in the file
+             "d": torch.randn(300_000, generator=g).bfloat16()}
+    path = tmp_path / "c.safetensors"
+    size = swapio.checkpoint.save(state, path, staging_bytes=2 << 20)
+    assert size == path.stat().st_size
+    theirs = st.load_file(str(path))
+    for k, v in state.items():
+        assert torch.equal(theirs[k], v), k
+    assert_same(swapio.checkpoint.load(path), state)
+    assert leftovers(tmp_path) == []

@@ -2,10 +2,12 @@
 
 A safetensors file is an 8-byte little-endian length N, N bytes of JSON, then the tensors' bytes packed back
 to back (the format allows no gaps between them). JSON may end in spaces, so the header is padded with spaces
-until 8 + N is a multiple of 4096: the data section then starts on a boundary O_DIRECT accepts, and the whole
-file is written as aligned windows (the header riding in the first one). Tensors are ordered by element size,
-largest first (as safetensors itself does), so every tensor starts at a multiple of its element size and can be
-viewed in place as its dtype; within one element size, the tensors under 1 MiB come first (see plan()).
+until 8 + N is congruent modulo 4096 to the address of the first big tensor: the big CPU tensors whose addresses
+allow it come first, back to back, each at a file offset congruent to its address (_congruent_chain), so that
+O_DIRECT writes them from their own memory with no copy. (Without such tensors the data start 4 KiB-aligned.)
+The rest are ordered by element size, largest first (as safetensors itself does), so every tensor starts at a
+multiple of its element size and can be viewed in place as its dtype; within one element size, the tensors under
+1 MiB come first (see plan()).
 """
 import json
 import struct
@@ -38,11 +40,40 @@ class Plan:
         return sorted(zip(self.offsets, range(len(self.entries))), key=lambda p: p[0])
 
 
+def _congruent_chain(entries):
+    """(residue r, [entry index]): big contiguous CPU tensors that, written back to back from a file offset
+    congruent to r modulo 4 KiB, each lie at a file offset congruent to their address, so that O_DIRECT writes
+    them from their own memory with no copy (save.py). r is the address residue holding the most bytes; a tensor
+    whose size is a multiple of 4 KiB keeps the chain going, one of another size (a multiple of 16) may end it
+    (or go on with tensors at its end's residue). Sizes stay multiples of 16, so every tensor after the chain
+    still starts at a multiple of its element size. (0, []) when there is none."""
+    cand = {}
+    for i, e in enumerate(entries):
+        t = e.tensor
+        if e.nbytes >= SMALL and e.nbytes % 16 == 0 and t.device.type == "cpu" and t.is_contiguous() \
+                and t.data_ptr() % 16 == 0:
+            cand.setdefault(t.data_ptr() % ALIGN, []).append(i)
+    if not cand:
+        return 0, []
+    r = max(cand, key=lambda k: (sum(entries[i].nbytes for i in cand[k]), -k))
+    for k in cand:  # those keeping the residue first, then the largest
+        cand[k].sort(key=lambda i: (entries[i].nbytes % ALIGN != 0, -entries[i].nbytes, i))
+    chain, p = [], r
+    while cand.get(p % ALIGN):
+        i = cand[p % ALIGN].pop(0)
+        chain.append(i)
+        p += entries[i].nbytes
+    return r, chain
+
+
 def plan(skeleton, entries, extra_metadata=None):
-    # Largest element size first; within one size, tensors under 1 MiB first: load streams those through pinned
-    # windows and reads the big ones straight into their memory, and a run of small ones is read in one go.
-    order = sorted(range(len(entries)), key=lambda i: (-entries[i].tensor.element_size(),
-                                                       entries[i].nbytes >= SMALL))  # stable
+    # First the chain of big tensors congruent to their place in the file (_congruent_chain), then by element
+    # size, largest first; within one size, tensors under 1 MiB first: load streams those through pinned windows
+    # and reads the big ones straight into their memory, and a run of small ones is read in one go.
+    residue, chain = _congruent_chain(entries)
+    chained = set(chain)
+    order = chain + sorted((i for i in range(len(entries)) if i not in chained),
+                           key=lambda i: (-entries[i].tensor.element_size(), entries[i].nbytes >= SMALL))  # stable
     relative, begin = [0] * len(entries), 0
     header = {}
     for i in order:
@@ -58,7 +89,7 @@ def plan(skeleton, entries, extra_metadata=None):
     metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
                      META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
-    data_start = round_up(8 + len(text))
+    data_start = round_up(8 + len(text) - residue) + residue  # congruent to the chain's residue (0: aligned)
     text += b" " * (data_start - 8 - len(text))
     raw = struct.pack("<Q", len(text)) + text
     head = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -1,10 +1,10 @@
 """load(path): a checkpoint back as the structure that was saved, or in place into existing tensors (out=).
 
-Reading: a CPU tensor of at least 1 MiB is read by one O_DIRECT request straight into its own memory, with no
-copy. For that its address must be congruent to its file offset modulo 4 KiB; a tensor load allocates gets
-4 KiB more memory than it needs and starts at the right byte of it (so its storage_offset may be nonzero), a
-tensor given in out= qualifies when its address happens to be. The rest (small tensors, GPU tensors,
-out= tensors at other addresses) stream through pinned windows and are copied into place.
+Reading: a CPU tensor of at least 1 MiB is read by its own O_DIRECT request straight into its memory. When its
+address is congruent to its file offset modulo 4 KiB there is no copy at all: a tensor load allocates gets 4 KiB
+more memory than it needs and starts at the right byte of it (so its storage_offset may be nonzero); a tensor
+given in out= at another address is read through the handle's own bounce buffers (pipelined with the device).
+The rest (small tensors, GPU tensors) stream through pinned windows and are copied into place.
 
 Any safetensors file, save_pretrained directory or sharded index loads (as {name: tensor}, like
 safetensors.torch.load_file); a file swapio wrote comes back as the nested structure it was saved from. The
@@ -131,10 +131,10 @@ def _runs(pairs, gap=RUN_GAP):
 
 
 def _direct(loc, t):
-    """True when t (contiguous) can take its bytes by one O_DIRECT read: a big CPU tensor whose address is
-    congruent to its file offset modulo 4 KiB."""
-    return (t.device.type == "cpu" and loc.nbytes >= DIRECT_MIN
-            and (t.data_ptr() - loc.offset) % layout.ALIGN == 0)
+    """True when t (contiguous) takes its bytes by its own O_DIRECT request: a big CPU tensor. Its memory needs no
+    alignment (the handle reads misaligned memory through its own bounce buffers, pipelined with the device);
+    when its address is congruent to its file offset modulo 4 KiB there is no copy at all."""
+    return t.device.type == "cpu" and loc.nbytes >= DIRECT_MIN
 
 
 def _aligned_empty(tg, device):

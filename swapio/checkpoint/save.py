@@ -1,5 +1,6 @@
-"""save(state, path): a training state to one safetensors file, through pinned staging and O_DIRECT, committed
-atomically (see commit.py, writer.py, layout.py)."""
+"""save(state, path): a training state to one safetensors file with O_DIRECT, committed atomically (see
+commit.py, writer.py, layout.py): big contiguous CPU tensors from their own memory (the file starts with those
+whose addresses it can match, layout._congruent_chain), the header and the rest through pinned staging."""
 import os
 
 from ..handle import AioHandle
@@ -24,15 +25,19 @@ def prepare(state, path, extra_metadata=None):
     return plan, PendingFile(path)
 
 
-def write_and_commit(plan, pending, pieces, staging, handle=None):
-    """Writes the file through staging, then publishes it. On any failure the temporary file is removed."""
+DIRECT_MIN = 1 << 20  # contiguous CPU tensors at least this big are written from their own memory
+
+
+def write_and_commit(plan, pending, pieces, staging, handle=None, direct=(), segments=None):
+    """Writes the file (pieces through staging, direct: (offset, bytes) written from the tensors' own memory),
+    then publishes it. On any failure the temporary file is removed."""
     try:
         own = handle is None
         h = new_handle() if own else handle
         try:
-            writer.write(h, pending.path, plan.total, pieces, staging, identity=pending.identity)
+            _write(h, pending, plan.total, pieces, staging, direct, segments)
         except OSError as exc:
-            staging.release()  # writer.write waited for every request: the buffers are free
+            staging.release()  # every request was waited for: the buffers are free
             raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
                                      f"{exc.strerror or exc}", pending.final) from exc
         finally:
@@ -45,13 +50,40 @@ def write_and_commit(plan, pending, pieces, staging, handle=None):
     return plan.total
 
 
-def lazy_pieces(plan):
-    """(offset, nbytes, source) of the header and every tensor, each read from the live tensor when reached."""
-    pieces = [(0, plan.header.numel(), lambda: plan.header)]
+def _write(h, pending, total, pieces, staging, direct, segments):
+    """The direct requests are all submitted first (the handle copies misaligned memory through its own
+    bounce buffers, pipelined with the device), then the staged pieces follow; every request is waited for
+    before this returns or raises."""
+    futures, error = [], None
+    try:
+        for offset, view in direct:
+            futures.append(h.pwrite(view, pending.path, offset, identity=pending.identity))
+        writer.write(h, pending.path, total, pieces, staging, identity=pending.identity, segments=segments)
+    except OSError as exc:
+        error = exc
+    finally:
+        for f in futures:
+            try:
+                f.wait()
+            except OSError as exc:
+                error = error or exc
+    if error is not None:
+        raise error
+
+
+def split_pieces(plan):
+    """(staged pieces at staging positions, segments, direct): big contiguous CPU tensors are written from
+    their own memory, the header and the rest through staging (writer.segments_of)."""
+    staged, direct = [(0, plan.header.numel(), lambda: plan.header)], []
     for offset, i in plan.pieces():
-        t = plan.entries[i].tensor
-        pieces.append((offset, plan.entries[i].nbytes, lambda t=t: flat_bytes(t)))
-    return pieces
+        e = plan.entries[i]
+        t = e.tensor
+        if e.nbytes >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous():
+            direct.append((offset, flat_bytes(t)))
+        else:
+            staged.append((offset, e.nbytes, lambda t=t: flat_bytes(t)))
+    segments, moved = writer.segments_of(staged)
+    return moved, segments, direct
 
 
 def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None, distributed=False,
@@ -64,8 +96,10 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle)
     plan, pending = prepare(state, os.fspath(path), metadata)
     try:
-        staging = writer.Staging(staging_bytes, plan.total)
+        pieces, segments, direct = split_pieces(plan)
+        span = segments[-1][2] + segments[-1][1] - segments[-1][0]
+        staging = writer.Staging(staging_bytes, span)
     except BaseException:
         pending.abort()
         raise
-    return write_and_commit(plan, pending, lazy_pieces(plan), staging, handle)
+    return write_and_commit(plan, pending, pieces, staging, handle, direct, segments)

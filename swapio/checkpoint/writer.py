@@ -56,20 +56,43 @@ class Staging:
             buffers.give_back(kind, t)
 
 
-def write(handle, path, total, pieces, staging, identity=None):
+def segments_of(pieces):
+    """The file ranges [start, end) that pieces cover, each laid out in staging at an address congruent to its
+    file offset modulo 4 KiB: [(start, end, staging position)], and the pieces moved to staging positions."""
+    segs, moved, v = [], [], 0
+    for offset, nbytes, source in pieces:
+        if not segs or offset != segs[-1][1]:
+            if segs:
+                v = segs[-1][2] + segs[-1][1] - segs[-1][0]
+            v += (offset - v) % ALIGN
+            segs.append([offset, offset, v])
+        moved.append((segs[-1][2] + offset - segs[-1][0], nbytes, source))
+        segs[-1][1] = offset + nbytes
+    return [tuple(s) for s in segs], moved
+
+
+def write(handle, path, total, pieces, staging, identity=None, segments=None):
     """Writes bytes [0, total) of the file at path from pieces (sorted by offset, together covering every byte
     that matters) through `staging` (a Staging). Returns once every request finished; raises the first error
-    after waiting for all requests in flight (so no buffer is reused or freed under the kernel)."""
+    after waiting for all requests in flight (so no buffer is reused or freed under the kernel).
+    segments: None (pieces cover the whole file, at their file offsets in staging) or [(start, end, position)]
+    from segments_of: pieces are then at staging positions and only those file ranges are written, each by
+    requests of exactly its bytes (the handle writes unaligned edges through a buffered descriptor)."""
     w, n = staging.window, staging.n
-    pending = [None] * n
-    i, data, error = 0, None, None
+    if segments is None:
+        segments = [(0, total, 0)]
+        span = total
+    else:
+        span = segments[-1][2] + segments[-1][1] - segments[-1][0] if segments else 0
+    pending = [[] for _ in range(n)]
+    i, data, error, si = 0, None, None, 0
     try:
-        for j, start in enumerate(range(0, total, w)):
+        for j, start in enumerate(range(0, span, w)):
             buf = staging.buffer(j)
-            if pending[j % n] is not None:
-                f, pending[j % n] = pending[j % n], None
+            waiting, pending[j % n] = pending[j % n], []
+            for f in waiting:
                 f.wait()
-            end = min(start + w, total)
+            end = min(start + w, span)
             while i < len(pieces) and pieces[i][0] < end:
                 offset, nbytes, source = pieces[i]
                 if source is not None and nbytes:
@@ -81,10 +104,20 @@ def write(handle, path, total, pieces, staging, identity=None):
                     break  # the piece goes on in the next window
                 data = None
                 i += 1
-            pending[j % n] = handle.pwrite(buf[:round_up(end - start, ALIGN)], path, start, identity=identity)
+            while si < len(segments):
+                s, e, v = segments[si]
+                a, b = max(v, start), min(v + e - s, end)
+                if a < b:
+                    if e - s == total:  # the whole file (async_save's image): the last request rounded up
+                        b = min(start + round_up(b - start, ALIGN), start + w)
+                    pending[j % n].append(handle.pwrite(buf[a - start:b - start], path, s + a - v,
+                                                        identity=identity))
+                if v + e - s > end:
+                    break  # the segment goes on in the next window
+                si += 1
     finally:
-        for f in pending:
-            if f is not None:
+        for fs in pending:
+            for f in fs:
                 try:
                     f.wait()
                 except OSError as exc:
