@@ -7,8 +7,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _C, __version__, ops
-from ._errors import StrPath
+from . import _C, __version__
+from .kernels import ops
+from .core._errors import StrPath
 
 
 def _probe_path(path: "StrPath") -> Dict[str, Any]:

@@ -9,14 +9,14 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from . import _checksum, _durable, _swapdir, cuda_copy
-from ._closeable import Closeable
-from ._errors import StrPath, check_path
-from .futures import Future
-from .handle import AioHandle
-from .cuda_copy import normalize_device
-from .pinned import empty_pinned
-from .tensors import check_dense, spans_whole_storage
+from .core import _checksum, _durable, _swapdir, cuda_copy
+from .core._closeable import Closeable
+from .core._errors import StrPath, check_path
+from .core.futures import Future
+from .core.handle import AioHandle
+from .core.cuda_copy import normalize_device
+from .core.pinned import empty_pinned
+from .core.tensors import check_dense, spans_whole_storage
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"

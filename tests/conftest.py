@@ -144,7 +144,7 @@ def handle_factory():
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """swapio warns once per directory per process; start this test with no warning given yet."""
-    monkeypatch.setattr(swapio._errors, "_warned", set())
+    monkeypatch.setattr(swapio.core._errors, "_warned", set())
 
 
 def _run(cmd):

@@ -7,7 +7,8 @@ import signal
 import torch
 
 import swapio
-from swapio import _durable, ops
+from swapio import ops
+from swapio.core import _durable
 from swapio.optim import checkpoint
 from resume_helpers import make_opt, make_params, set_grads, train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import swapio
-from swapio import cuda_copy, pinned
+from swapio.core import _cudart, cuda_copy, pinned
 
 
 def test_cuda_without_index_means_the_current_device(monkeypatch):
@@ -25,9 +25,9 @@ def test_cuda_without_index_means_the_current_device(monkeypatch):
 
 def test_find_cudart_among_mapped_libraries():
     paths = ["/usr/lib/libc.so.6", "/venv/nvidia/cuda_runtime/lib/libcudart.so.12", "/x/libcudnn.so.9"]
-    assert cuda_copy.find_cudart(paths) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
-    assert cuda_copy.find_cudart(["/torch/lib/libcudart-9335f6a2.so.12"]) == "/torch/lib/libcudart-9335f6a2.so.12"
-    assert cuda_copy.find_cudart(["/usr/lib/libc.so.6"]) is None
+    assert _cudart.find_cudart(paths) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert _cudart.find_cudart(["/torch/lib/libcudart-9335f6a2.so.12"]) == "/torch/lib/libcudart-9335f6a2.so.12"
+    assert _cudart.find_cudart(["/usr/lib/libc.so.6"]) is None
 
 
 class FakeCudart:
@@ -64,7 +64,7 @@ def fake_cuda(monkeypatch, fresh_warnings):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(cuda_copy, "_cudart", lambda: lib)
+    monkeypatch.setattr(_cudart, "_cudart", lambda: lib)
     State.rt, State.lib = rt, lib
     return State
 

@@ -8,7 +8,7 @@ import torch
 
 import swapio
 import swapio.optim as so
-from swapio import _align
+from swapio.core import _align
 from swapio.optim import functional
 from swapio.optim.options import BufferBudget
 from swapio.optim.state_format import StateFormat

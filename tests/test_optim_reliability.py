@@ -9,7 +9,7 @@ import torch
 
 import swapio
 import swapio.optim as so
-from swapio import _durable
+from swapio.core import _durable
 from swapio.optim import checkpoint
 from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
 

@@ -12,7 +12,7 @@ import torch
 
 so = pytest.importorskip("swapio.optim", reason="swapio is not built (python setup.py build_ext --inplace)")
 from swapio import ops, quant  # noqa: E402
-from swapio._errors import SwapioWarning  # noqa: E402
+from swapio.core._errors import SwapioWarning  # noqa: E402
 
 SHAPES = [(40, 700), (3, 300), (513,), (1,)]  # 28000 elements span several 64 KiB chunks; blocks end mid-way
 SMALL = {"buffer_bytes": 3 * (64 << 10), "buffer_count": 3}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import swapio._progress as _progress
-import swapio._ranges as _ranges
+import swapio.core._ranges as _ranges
 import swapio.optim as so
 from optim_helpers import SMALL_BUFFERS
 

@@ -11,7 +11,7 @@ from conftest import TIMEOUT, random_bytes, read_file, as_bytes
 
 
 def live_blocks():
-    return len(swapio.pinned._starts)
+    return len(swapio.core.pinned._starts)
 
 
 @pytest.mark.parametrize("shape,dtype", [((1,), torch.uint8), ((4095,), torch.uint8), ((1000, 3), torch.float32),
@@ -82,7 +82,7 @@ def test_pinned_memory_is_released_when_last_tensor_dies():
     gc.collect()
     assert ref() is None
     assert live_blocks() == before
-    assert ptr not in swapio.pinned._ends
+    assert ptr not in swapio.core.pinned._ends
 
 
 def test_view_keeps_pinned_memory_alive():

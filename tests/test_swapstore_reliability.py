@@ -14,7 +14,7 @@ import torch
 
 import swapio
 import swapio.optim as so
-from swapio import _swapdir
+from swapio.core import _swapdir
 from conftest import REPO, TIMEOUT
 
 

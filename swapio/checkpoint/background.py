@@ -3,7 +3,7 @@ saves land in the order they were asked for. The threads are not daemons: an int
 included) first finishes the saves already captured."""
 import threading
 
-from ..futures import Future
+from ..core.futures import Future
 
 _lock = threading.Lock()
 _last = None  # the _Job most recently submitted

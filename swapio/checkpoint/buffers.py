@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from ..pinned import empty_pinned
+from ..core.pinned import empty_pinned
 from .layout import ALIGN
 
 _lock = threading.Lock()

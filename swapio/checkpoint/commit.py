@@ -2,7 +2,7 @@
 every byte is on disk.
 
 The data go to `.<name>.swapio-ckpt-<token>.tmp` next to the final file; commit() truncates it to its true size,
-fsyncs it, renames it over the final name and fsyncs the directory (swapio._durable.publish). Any failure or
+fsyncs it, renames it over the final name and fsyncs the directory (swapio.core._durable.publish). Any failure or
 interruption before the rename removes the temporary file; after it, the new file is the checkpoint (whether the
 rename happened is asked of the file system, since a signal can land between the rename and any flag we set).
 
@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 
-from .. import _durable
+from ..core import _durable
 
 TAG = ".swapio-ckpt-"
 SUFFIX = ".tmp"

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .. import cuda_copy
+from ..core import cuda_copy
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import layout

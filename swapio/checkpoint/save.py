@@ -3,7 +3,7 @@ commit.py, writer.py, layout.py): big contiguous CPU tensors from their own memo
 whose addresses it can match, layout._congruent_chain), the header and the rest through pinned staging."""
 import os
 
-from ..handle import AioHandle
+from ..core.handle import AioHandle
 from . import layout, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile

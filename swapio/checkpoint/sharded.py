@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 
-from .. import _durable
+from ..core import _durable
 
 INDEX = "swapio-checkpoint.json"
 FORMAT = "swapio.checkpoint.sharded"

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Optional
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .._errors import warn_once
+from ..core._errors import warn_once
 from ..optim import OffloadOptimizer
 
 SUBDIR = "swapio-optim"

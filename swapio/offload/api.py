@@ -4,10 +4,10 @@ import os
 
 import torch
 
-from .._errors import check_int
-from ..cuda_copy import normalize_device
-from ..handle import AioHandle
-from ..pinned import empty_pinned
+from ..core._errors import check_int
+from ..core.cuda_copy import normalize_device
+from ..core.handle import AioHandle
+from ..core.pinned import empty_pinned
 from . import dir_owner, grafting, preload
 from . import offload_dir as odir
 from .chain import CpuOffloadHook

@@ -7,8 +7,8 @@ the device values back (the model may have been trained meanwhile) and points th
 """
 import torch
 
-from .. import cuda_copy
-from ..pinned import empty_pinned
+from ..core import cuda_copy
+from ..core.pinned import empty_pinned
 from .registry import unregister
 
 

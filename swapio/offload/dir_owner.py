@@ -2,7 +2,7 @@
 
 A model offloaded to a directory reads its data file for as long as it lives, and a second disk_offload into
 that directory would replace (and so delete) that file. The directory is therefore claimed the way SwapStore
-claims its own (swapio._swapdir): the lock file `.swapio-owner` holds an flock for the model's lifetime, which
+claims its own (swapio.core._swapdir): the lock file `.swapio-owner` holds an flock for the model's lifetime, which
 the kernel drops however the process ends. A second claim, from this process or another, is refused with EBUSY.
 
 Holding the lock also makes cleaning up safe: no live swapio user reads anything in the directory, so whatever
@@ -15,8 +15,8 @@ import json
 import os
 import stat
 
-from .. import _durable, _swapdir
-from .._errors import warn_once
+from ..core import _durable, _swapdir
+from ..core._errors import warn_once
 
 INDEX = "swapio-weights.json"
 DATA_PREFIX, DATA_SUFFIX = "swapio-weights-", ".bin"

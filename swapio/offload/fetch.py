@@ -13,9 +13,9 @@ import threading
 
 import torch
 
-from .. import cuda_copy
-from .._ranges import section
-from ..pinned import empty_pinned
+from ..core import cuda_copy
+from ..core._ranges import section
+from ..core.pinned import empty_pinned
 from .layout import round_up
 from .ring import PinnedRing
 

@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from .. import cuda_copy
-from ..handle import AioHandle
-from ..pinned import empty_pinned
+from ..core import cuda_copy
+from ..core.handle import AioHandle
+from ..core.pinned import empty_pinned
 from .layout import ALIGN, read_end
 from .safetensors_format import open_checkpoint
 

@@ -16,8 +16,9 @@ import secrets
 
 import torch
 
-from .. import _durable, _progress
-from ..pinned import empty_pinned
+from .. import _progress
+from ..core import _durable
+from ..core.pinned import empty_pinned
 from .layout import ALIGN, round_up
 from .safetensors_header import MAX_HEADER, Location, strict_json
 

@@ -8,7 +8,7 @@ import bisect
 
 import torch
 
-from ..pinned import empty_pinned
+from ..core.pinned import empty_pinned
 from .layout import ALIGN, round_up
 
 

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from .._ranges import section
+from ..core._ranges import section
 from . import saved_tensors
 from .fetch import view
 from .schedule import Schedule

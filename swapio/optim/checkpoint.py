@@ -32,8 +32,9 @@ import secrets
 
 import torch
 
-from .. import _checksum, _durable, _progress
-from .._align import round_up
+from .. import _progress
+from ..core import _checksum, _durable
+from ..core._align import round_up
 from . import dir_lock, state_transfer, validate
 from .params import shard
 from .state_format import SCALE, StateFormat

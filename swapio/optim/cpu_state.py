@@ -1,8 +1,8 @@
 """offload="cpu": the fp32 master and the moments live in RAM, in optimizer.state[p] as torch keeps them."""
 import torch
 
-from .._ranges import section
-from ..handle import AioHandle
+from ..core._ranges import section
+from ..core.handle import AioHandle
 from .cuda_staging import CudaStaging
 from .finish import finish_all
 from .params import shard

@@ -2,7 +2,7 @@
 a few page-locked buffers, so that the copies are asynchronous."""
 import torch
 
-from ..pinned import empty_pinned
+from ..core.pinned import empty_pinned
 
 
 class CudaStaging:

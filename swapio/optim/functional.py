@@ -12,7 +12,7 @@ is there for slices that live elsewhere (a state kept on an accelerator, tests).
 
 The update rules (swapio.optim.rules) bind these to an optimizer's state fields and hyperparameters.
 """
-from .. import ops
+from ..kernels import ops
 
 KERNELS = ("native", "reference")
 

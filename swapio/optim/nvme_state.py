@@ -21,11 +21,11 @@ import weakref
 
 import torch
 
-from .. import _durable, _swapdir
-from .._align import ALIGN, round_up
-from .._ranges import section
-from ..handle import AioHandle
-from ..pinned import empty_pinned
+from ..core import _durable, _swapdir
+from ..core._align import ALIGN, round_up
+from ..core._ranges import section
+from ..core.handle import AioHandle
+from ..core.pinned import empty_pinned
 from .finish import finish_all
 from .params import shard
 from .segment import init_segment, run_segment

@@ -15,8 +15,8 @@ import warnings
 import torch
 from torch.optim import Optimizer
 
-from .._errors import SwapioWarning, check_int
-from .._ranges import section
+from ..core._errors import SwapioWarning, check_int
+from ..core._ranges import section
 from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
 from .ctrl_c import DeferredSigint

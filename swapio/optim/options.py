@@ -4,9 +4,9 @@ import inspect
 import json
 import os
 
-from .. import _align
-from .._errors import check_int
-from ..handle import AioHandle
+from ..core import _align
+from ..core._errors import check_int
+from ..core.handle import AioHandle
 
 IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
 MIN_SLOT_BYTES = 64 << 10

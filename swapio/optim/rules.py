@@ -16,7 +16,7 @@ optimizer class and the state backends.
 
 The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
 """
-from .._hyper import check_adam_hyper, check_lion_hyper
+from ..kernels._hyper import check_adam_hyper, check_lion_hyper
 from .functional import adam, lion
 from .params import LOW_PRECISION, MASTER, needs_master, shard
 from .state_format import StateFormat

@@ -14,7 +14,7 @@ an int8 optimizer. save()/load() carry the stored arrays as they are, so a resum
 """
 import torch
 
-from .. import quant
+from ..kernels import quant
 from .params import FP32, MASTER, shard
 
 STATE_DTYPES = ("fp32", "bf16", "int8")

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .. import __version__, _C
-from ..handle import AioHandle
+from ..core.handle import AioHandle
 from . import fiocompare, loadgen, report
 from .errors import ToolError, UsageError, VerifyError  # noqa: F401  (VerifyError: what --verify raises)
 from .pattern import Pattern

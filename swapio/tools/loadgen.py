@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import _progress
-from ..pinned import empty_pinned
+from ..core.pinned import empty_pinned
 from .errors import VerifyError
 from .pattern import random_offsets
 from .testfile import no_interrupts

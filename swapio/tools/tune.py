@@ -23,7 +23,7 @@ import numpy as np
 
 
 from .. import __version__, _C, _progress
-from ..handle import AioHandle
+from ..core.handle import AioHandle
 from . import loadgen, report
 from .errors import ToolError, UsageError
 from .testfile import TestFile, no_interrupts

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .futures import Future
+from .pinned import cuda_register
 
 _lock = threading.Lock()
 _streams = {}    # device index -> torch.cuda.Stream used for staging copies
@@ -73,7 +74,6 @@ def copy_async(dst, src, stream, wait_for=None):
     unused), and `src` and `dst` stay referenced until the event completes, so neither can be freed or reused
     while the copy reads or writes them.
     """
-    from .pinned import cuda_register  # local: pinned imports nothing from here, but keep the graph acyclic
     for t in (src, dst):
         if t.device.type == "cpu":
             cuda_register(t, stream.device)
@@ -152,50 +152,3 @@ class DeviceCopyFuture(Future):
 
     def __repr__(self):
         return f"<swapio.Future {'done' if self.done() else 'pending'} (read + copy to {self._target.device})>"
-
-
-def clear_last_error():
-    """Resets CUDA's per-thread last error (after a failed runtime call whose error was handled), so that an
-    unrelated later launch check does not report it. Uses the libcudart torch itself loaded."""
-    lib = _cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
-_cudart_lib = []
-
-
-def _cudart():
-    if not _cudart_lib:
-        _cudart_lib.append(_load_cudart(_mapped_libraries()))
-    return _cudart_lib[0]
-
-
-def _mapped_libraries(maps_path="/proc/self/maps"):
-    try:
-        with open(maps_path) as f:
-            return [line.split()[-1] for line in f if "/" in line]
-    except OSError:
-        return []
-
-
-def find_cudart(paths):
-    """The path of the libcudart shared object among mapped file paths, or None (static or no CUDA runtime)."""
-    for path in paths:
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith("libcudart.so") or name.startswith("libcudart-") and ".so" in name:
-            return path
-    return None
-
-
-def _load_cudart(paths):
-    import ctypes
-    path = find_cudart(paths)
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)  # already loaded by torch: this returns the same instance
-        lib.cudaGetLastError.restype = ctypes.c_int
-        return lib
-    except (OSError, AttributeError):
-        return None

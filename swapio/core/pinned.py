@@ -8,7 +8,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from . import _C
+from .. import _C
+from ._cudart import clear_last_error
 from ._errors import check_int, warn_once
 
 _lock = threading.Lock()
@@ -58,7 +59,6 @@ def _cuda_register_block(start: int, end: int, device: Optional[Union[int, torch
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         rc = int(torch.cuda.cudart().cudaHostRegister(start, end - start, _CUDA_HOST_REGISTER_PORTABLE))
     if rc != 0:
-        from .cuda_copy import clear_last_error
         clear_last_error()  # the failure is handled here; a later launch check must not report it
         warn_once("cudaHostRegister", f"cudaHostRegister failed ({rc}); host-to-device copies from "
                                       "swapio buffers will not be asynchronous")

@@ -23,9 +23,9 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from . import _C
+from .. import _C
 from . import quant
-from ._errors import SwapioWarning
+from ..core._errors import SwapioWarning
 from ._hyper import check_adam_hyper, check_lion_hyper, check_step
 
 Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a one-element tensor

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from . import _C
+from .. import _C
 from ._closeable import Closeable
 from ._errors import StrPath, check_int, check_path, warn_once
 from .futures import Future
