@@ -14,16 +14,12 @@ import struct
 
 import torch
 
+from ..core._align import ALIGN, round_up
 from .dtypes import stored_shape
 
-ALIGN = 4096
 SMALL = 1 << 20  # = load.DIRECT_MIN
 FORMAT, VERSION = "swapio.checkpoint", "1"
 META_FORMAT, META_VERSION, META_STRUCTURE = "format", "format_version", "structure"
-
-
-def round_up(x, a=ALIGN):
-    return (x + a - 1) // a * a
 
 
 class Plan:

@@ -34,6 +34,22 @@ def write_and_replace(tmp, final, write, written=None, mode="wb"):
     fsync_path(os.path.dirname(final) or ".", directory=True)
 
 
+def commit_data_and_index(tmp_data, data_path, tmp_index, index_path, write_index, mode="wb"):
+    """The two-file commit of optimizer checkpoints and offload directories: the finished data file tmp_data is
+    published as data_path, then the index naming it is written (write_index(f)) and renamed over index_path,
+    the commit point. A failure, a signal included, removes what this commit made, except after the commit
+    point: the data file is then the new index's, and stays. Removing older data files is the caller's."""
+    written = []
+    try:
+        publish(tmp_data, data_path)
+        write_and_replace(tmp_index, index_path, write_index, written, mode)
+    except BaseException:
+        # a signal can land between the rename and any flag set after it: ask the file system what is committed
+        committed = bool(written) and is_file(index_path, written[0])
+        discard(tmp_data, tmp_index, *(() if committed else (data_path,)))
+        raise
+
+
 def is_file(path, ident):
     """True when path is the file with (st_dev, st_ino) ident."""
     try:

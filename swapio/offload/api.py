@@ -19,7 +19,7 @@ from .prepare import buffer_owners_outside, compute_buffers, retie
 from .safetensors_format import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
-from .units import collect, set_entry, trainable_modules
+from .units import collect, get_entry, set_entry, table_of, trainable_modules
 
 
 
@@ -107,7 +107,7 @@ def _current(units):
     out = {}
     for unit in units:
         for attr, kind, slot in unit.entries:
-            out.setdefault(slot, getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr])
+            out.setdefault(slot, get_entry(unit.module, attr, kind))
     return out
 
 
@@ -122,7 +122,7 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
     """Resident tensors go to the execution device; those on meta are read from `locations` (by name)."""
     done = {}
     for module, attr, kind, name in resident:
-        table = module._parameters if kind == "param" else module._buffers
+        table = table_of(module, kind)
         t = table[attr]
         if id(t) in done:
             table[attr] = done[id(t)]

@@ -10,6 +10,7 @@ import torch
 from ..core import cuda_copy
 from ..core.pinned import empty_pinned
 from .registry import unregister
+from .units import move_to
 
 
 def last_copy(events):
@@ -77,7 +78,7 @@ class CpuOffloadHook:
             self.load()
         if self.execution_device.type == "cpu":
             return None
-        move = lambda x: x.to(self.execution_device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        move = move_to(self.execution_device)
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     def load(self):

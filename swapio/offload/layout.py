@@ -5,13 +5,10 @@ tied weight gets a record of its own, shared by the units that use it). A record
 memory: on disk, its tensors' byte ranges are merged into spans read with single aligned requests (start rounded
 down, end rounded up to 4 KiB, so each is one O_DIRECT request straight into a 4 KiB-aligned pinned region).
 """
-ALIGN = 4096
+from ..core._align import ALIGN, round_up
+
 TENSOR_ALIGN = 64      # tensors packed by swapio start at 64-byte boundaries, like torch's own allocations
 MERGE_GAP = 256 << 10  # byte ranges closer than this in one file are read as one span, gap included
-
-
-def round_up(x, a=ALIGN):
-    return (x + a - 1) // a * a
 
 
 def read_end(data_end, file_size):

@@ -126,12 +126,11 @@ def write(directory, records, source_of, handle, chunk=CHUNK, claim=None, progre
             if bar is not None:
                 bar.close()
         pieces.clear()
-        _durable.publish(tmp_data, data_path)
         index = {"format": FORMAT, "version": VERSION, "data": data_name, "data_bytes": end, "tensors": entries}
-        _durable.write_and_replace(tmp_index, os.path.join(directory, INDEX), lambda f: json.dump(index, f),
-                                   mode="w")
+        _durable.commit_data_and_index(tmp_data, data_path, tmp_index, os.path.join(directory, INDEX),
+                                       lambda f: json.dump(index, f), mode="w")
     except BaseException:
-        _durable.discard(tmp_data, tmp_index, data_path)
+        _durable.discard(tmp_data, tmp_index)  # and data_path, unless committed: commit_data_and_index's
         raise
     finally:
         if claim is not None:

@@ -17,7 +17,7 @@ from ..core._ranges import section
 from . import saved_tensors
 from .fetch import view
 from .schedule import Schedule
-from .units import install_placeholders, set_entry
+from .units import install_placeholders, move_to, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 _NONE = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -126,7 +126,7 @@ class WeightStreamer:
             raise
 
     def _move_inputs(self, module, args, kwargs):
-        move = lambda x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        move = move_to(self.device)
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------

@@ -133,8 +133,22 @@ def install_placeholders(units):
     """Points every offloaded attribute at its meta placeholder (frees the model's own copy when unshared)."""
     for unit in units:
         for attr, kind, slot in unit.entries:
-            getattr(unit.module, "_parameters" if kind == "param" else "_buffers")[attr] = slot.placeholder
+            set_entry(unit.module, attr, kind, slot.placeholder)
+
+
+def table_of(module, kind):
+    """The module's own dict that holds an entry of this kind: _parameters for "param", else _buffers."""
+    return module._parameters if kind == "param" else module._buffers
+
+
+def get_entry(module, attr, kind):
+    return table_of(module, kind)[attr]
 
 
 def set_entry(module, attr, kind, value):
-    getattr(module, "_parameters" if kind == "param" else "_buffers")[attr] = value
+    table_of(module, kind)[attr] = value
+
+
+def move_to(device):
+    """The function that moves a forward's tensor inputs to `device` (asynchronously) and passes anything else."""
+    return lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x

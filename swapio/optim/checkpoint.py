@@ -101,7 +101,7 @@ def _save(opt, path, progress=False):
         os.close(fd)
     tmp_meta = os.path.join(path, f"{META_TMP_PREFIX}{secrets.token_hex(4)}.tmp")
     meta_path = os.path.join(path, META)
-    sums, written = {}, []
+    sums = {}
     bar = _bar(progress, payload, "swapio: saving optimizer")
     try:
         with state_transfer.io_handles(opt) as (_, wh):
@@ -117,27 +117,19 @@ def _save(opt, path, progress=False):
 
             opt.read_state(stateful, sink)
             wh.wait()
-        _durable.publish(tmp_data, data_path)
         for p, offs in offsets.items():
             entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
                                                   else _checksum.Stream().intdigest() for name in offs}
         meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
                 "param_groups": groups, "state": entries, "data": data_name, "data_bytes": end,
                 "checksum": _checksum.ALGORITHM}
-        _durable.write_and_replace(tmp_meta, meta_path, lambda f: torch.save(meta, f), written)  # the commit
     except BaseException:
-        # After the commit the new data file is the checkpoint's: keep it, whatever interrupted us (a signal can
-        # land between the rename and any flag set after it, so ask the file system what is committed).
-        committed = bool(written) and _durable.is_file(meta_path, written[0])
-        for leftover in (tmp_data, tmp_meta) if committed else (tmp_data, tmp_meta, data_path):
-            try:
-                os.unlink(leftover)
-            except FileNotFoundError:
-                pass
+        _durable.discard(tmp_data)
         raise
     finally:
         if bar is not None:
             bar.close()
+    _durable.commit_data_and_index(tmp_data, data_path, tmp_meta, meta_path, lambda f: torch.save(meta, f))
     # Data of earlier checkpoints, and whatever interrupted saves left (this save holds the directory's lock, so
     # no other save is under way: their temporary files are leftovers).
     _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
