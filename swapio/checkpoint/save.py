@@ -62,11 +62,7 @@ def _write(h, pending, total, pieces, staging, direct, segments):
     except OSError as exc:
         error = exc
     finally:
-        for f in futures:
-            try:
-                f.wait()
-            except OSError as exc:
-                error = error or exc
+        error = writer.wait_all(futures, error)
     if error is not None:
         raise error
 

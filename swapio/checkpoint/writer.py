@@ -116,11 +116,18 @@ def write(handle, path, total, pieces, staging, identity=None, segments=None):
                     break  # the segment goes on in the next window
                 si += 1
     finally:
-        for fs in pending:
-            for f in fs:
-                try:
-                    f.wait()
-                except OSError as exc:
-                    error = error or exc
+        error = wait_all([f for fs in pending for f in fs], error)
     if error is not None:
         raise error
+
+
+def wait_all(futures, error=None):
+    """Waits for every future (none may still write into memory about to be reused or freed when an error
+    propagates) and returns the first OSError: `error` if one was already caught, else the first a future
+    raised, else None."""
+    for f in futures:
+        try:
+            f.wait()
+        except OSError as exc:
+            error = error or exc
+    return error

@@ -105,7 +105,26 @@ def _make_offload_optimizers_load_references() -> None:
         setattr(OffloadOptimizer, "load_state_dict", _reference_aware(OffloadOptimizer.load_state_dict))
 
 
-class StreamingCheckpointCallback(TrainerCallback):
+class _SavesBeforeTrainer(TrainerCallback):
+    """Writes the optimizer's checkpoint right before Trainer saves (on_step_end / on_epoch_end with should_save:
+    subclasses' _save) and leaves a reference for optimizer.pt; on_save drops a reference Trainer did not take."""
+
+    def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
+        raise NotImplementedError
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._save(args, state, control, optimizer)
+
+    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        if opt is not None and hasattr(opt, _PENDING):
+            getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it
+
+
+class StreamingCheckpointCallback(_SavesBeforeTrainer):
     """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
     (see the module)."""
 
@@ -122,16 +141,6 @@ class StreamingCheckpointCallback(TrainerCallback):
         opt.save(path)
         getattr(opt, _PENDING)["ref"] = reference(path)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._save(args, state, control, optimizer)
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._save(args, state, control, optimizer)
-
-    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        opt = _offload_optimizer(optimizer)
-        if opt is not None and hasattr(opt, _PENDING):
-            getattr(opt, _PENDING).pop("ref", None)  # Trainer did not ask for it: drop it
 
 
 # ---- any torch optimizer, through swapio.checkpoint ---------------------------------------------------------
@@ -147,7 +156,7 @@ def _load_optimizer_file(opt: Any, path: str) -> None:
     type(opt).load_state_dict(opt, load(path))
 
 
-class SwapioCheckpointCallback(TrainerCallback):
+class SwapioCheckpointCallback(_SavesBeforeTrainer):
     """Trainer checkpoints of any torch optimizer's state through swapio.checkpoint: checkpoint-N/optimizer.safetensors
     (O_DIRECT, fsynced, atomic), with optimizer.pt holding only a reference to it, loaded back on
     resume_from_checkpoint. The model is left to Trainer, which writes model.safetensors already. The same
@@ -179,13 +188,3 @@ class SwapioCheckpointCallback(TrainerCallback):
         save(type(opt).state_dict(opt), path)
         getattr(opt, _PENDING)["ref"] = reference(path)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._save(args, state, control, optimizer)
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        self._save(args, state, control, optimizer)
-
-    def on_save(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        opt = getattr(optimizer, "optimizer", optimizer)
-        if opt is not None and hasattr(opt, _PENDING):
-            getattr(opt, _PENDING).pop("ref", None)
