@@ -6,6 +6,8 @@ an in-place build (`python setup.py build_ext --inplace`) as they are.
 import os
 import statistics
 import sys
+import threading
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -33,3 +35,28 @@ def print_table(headers, rows):
     print(line.format(*headers))
     for row in rows:
         print(line.format(*row))
+
+
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed_with_peak_rss(fn):
+    """(seconds, peak resident growth in bytes, result) of fn(), sampling RSS every 2 ms on a helper thread."""
+    base = resident_bytes()
+    peak, done = [base], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_bytes())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    done.set()
+    t.join()
+    return seconds, max(peak[0], resident_bytes()) - base, result

@@ -24,7 +24,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import threading
 import time
 import warnings
 
@@ -66,28 +65,9 @@ def tensors_of(state):
     return out
 
 
-def resident_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def timed(fn):
     """(seconds, peak RSS growth, result) of fn()."""
-    base, peak, done = resident_bytes(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_bytes())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    start = time.perf_counter()
-    result = fn()
-    seconds = time.perf_counter() - start
-    done.set()
-    t.join()
-    return seconds, max(peak[0], resident_bytes()) - base, result
+    return _common.timed_with_peak_rss(fn)
 
 
 def fsync_file(path):

@@ -8,8 +8,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import threading
-import time
 
 import _common  # noqa: F401  (puts the checkout first on sys.path)
 import torch
@@ -18,29 +16,10 @@ import swapio.optim as so
 from swapio.tools import parse_size
 
 
-def resident_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def peak_growth(fn):
-    """(seconds, peak resident growth in bytes) of fn(), sampling RSS every 2 ms on a helper thread."""
-    base = resident_bytes()
-    peak, done = [base], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_bytes())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    done.set()
-    t.join()
-    return seconds, max(peak[0], resident_bytes()) - base
+    """(seconds, peak resident growth in bytes) of fn()."""
+    seconds, growth, _ = _common.timed_with_peak_rss(fn)
+    return seconds, growth
 
 
 def main():

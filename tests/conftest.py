@@ -207,3 +207,20 @@ def readonly_dir(tmp_path):
         if r.returncode != 0:
             pytest.skip(f"cannot remount the bind mount read-only: {r.stderr.strip()}")
         yield d
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """Every bar swapio draws (tqdm objects), and no SWAPIO_PROGRESS from the environment running the tests."""
+    from swapio import _progress
+    monkeypatch.delenv(_progress.ENV, raising=False)
+    drawn, real = [], _progress.bar
+
+    def recording(*args, **kwargs):
+        b = real(*args, **kwargs)
+        if b is not None:
+            drawn.append(b)
+        return b
+
+    monkeypatch.setattr(_progress, "bar", recording)
+    return drawn

@@ -1,10 +1,11 @@
 """Tiny transformers models of four architectures (random init from a config, no download), saved with
 save_pretrained, and their resident reference outputs: Llama, Qwen2 (tied embeddings), Mistral (RoPE models with
 a non-persistent inv_freq buffer) and T5 (encoder-decoder, tied shared embeddings)."""
-import contextlib
 
 import pytest
 import torch
+
+from offload_helpers import one_thread
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -54,16 +55,6 @@ def build_empty(name, how):
 
 def inputs():
     return torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-
-
-@contextlib.contextmanager
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run(model):

@@ -15,6 +15,7 @@ import torch
 ops = pytest.importorskip("swapio.ops", reason="swapio is not built (python setup.py build_ext --inplace)")
 so = pytest.importorskip("swapio.optim")
 from swapio import quant  # noqa: E402
+from test_optim_state_dtype import kernel_state  # noqa: E402
 
 LEVELS = ops.cpu_capabilities()
 N = 3 * 256 + 5
@@ -34,15 +35,7 @@ def gradients(n=N, steps=STEPS, huge_at=1):
 
 
 def state(kind, state_dtype, n=N):
-    names = ("exp_avg",) if kind == "lion" else ("exp_avg", "exp_avg_sq")
-    out = {}
-    for name in names:
-        if state_dtype == "int8":
-            out[name] = torch.zeros(n, dtype=torch.uint8)
-            out[name + "_scale"] = torch.zeros(quant.num_blocks(n))
-        else:
-            out[name] = torch.zeros(n)
-    return out
+    return kernel_state(n, kind, state_dtype)
 
 
 def step_all(fn, kind, state_dtype, **kw):

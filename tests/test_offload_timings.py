@@ -107,19 +107,6 @@ def test_a_profiler_trace_of_a_gpu_forward_names_the_copies(tmp_path):
 
 
 # ---- progress (item 12) -------------------------------------------------------------------------------------
-@pytest.fixture
-def bars(monkeypatch):
-    monkeypatch.delenv(_progress.ENV, raising=False)
-    drawn, real = [], _progress.bar
-
-    def recording(*args, **kwargs):
-        b = real(*args, **kwargs)
-        if b is not None:
-            drawn.append(b)
-        return b
-
-    monkeypatch.setattr(_progress, "bar", recording)
-    return drawn
 
 
 def _data_file_bytes(directory):

@@ -103,20 +103,6 @@ def test_without_a_profiler_the_ranges_cost_nothing():
 
 
 # ---- progress (item 12) -------------------------------------------------------------------------------------
-@pytest.fixture
-def bars(monkeypatch):
-    """Every bar swapio draws (tqdm objects), and no SWAPIO_PROGRESS from the environment running the tests."""
-    monkeypatch.delenv(_progress.ENV, raising=False)
-    drawn, real = [], _progress.bar
-
-    def recording(*args, **kwargs):
-        b = real(*args, **kwargs)
-        if b is not None:
-            drawn.append(b)
-        return b
-
-    monkeypatch.setattr(_progress, "bar", recording)
-    return drawn
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
