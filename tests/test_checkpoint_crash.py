@@ -12,6 +12,7 @@ import torch
 import swapio
 from checkpoint_crash_child import loaded_k, saver, uniform_state
 from checkpoint_helpers import leftovers
+from crash_helpers import kill_while_saving
 from conftest import REPO
 from swapio.checkpoint.commit import PendingFile, reclaim
 
@@ -29,17 +30,10 @@ def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monke
     for i in range(ITERATIONS):
         asynchronous = bool(i % 2)
         sig = (signal.SIGKILL, signal.SIGINT)[(i // 2) % 2]
-        saved, saving = ctx.Value("q", -1, lock=False), ctx.Value("b", 0, lock=False)
-        proc = ctx.Process(target=saver, args=(ckpt, last + 1, saved, saving, asynchronous), daemon=True)
-        proc.start()
-        while saved.value < 0 and saving.value == 0:
-            assert proc.is_alive() and time.monotonic() < deadline, "the saver never started"
-            time.sleep(0.001)
-        time.sleep(rng.uniform(0, 0.05))
-        in_save += saving.value
-        os.kill(proc.pid, sig)
-        proc.join(30)
-        assert proc.exitcode is not None
+        saved, was_saving = kill_while_saving(
+            ctx, saver, lambda saved, saving: (ckpt, last + 1, saved, saving, asynchronous), sig, deadline,
+            rng.uniform(0, 0.05))
+        in_save += was_saving
         debris_seen += bool(leftovers(tmp_path))
         k = loaded_k(ckpt)
         assert k in (max(saved.value, last), max(saved.value, last) + 1), (i, k, saved.value, last)

@@ -11,6 +11,7 @@ import warnings
 from swapio.optim import checkpoint
 from conftest import REPO
 from crash_child import loaded_k, make_optimizer, saver, uniform_state
+from crash_helpers import kill_while_saving
 
 ITERATIONS = 48
 
@@ -33,17 +34,10 @@ def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monke
         for i in range(ITERATIONS):
             mode = ("cpu", "nvme")[i % 2]
             sig = (signal.SIGKILL, signal.SIGINT)[(i // 2) % 2]
-            saved, saving = ctx.Value("q", -1, lock=False), ctx.Value("b", 0, lock=False)
-            proc = ctx.Process(target=saver, args=(mode, swap_dir, ckpt, last + 1, saved, saving), daemon=True)
-            proc.start()
-            while saved.value < 0 and saving.value == 0:  # until its first save is under way
-                assert proc.is_alive() and time.monotonic() < deadline, "the saver never started"
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0, 0.08))
-            in_save += saving.value
-            os.kill(proc.pid, sig)
-            proc.join(30)
-            assert proc.exitcode is not None
+            saved, was_saving = kill_while_saving(
+                ctx, saver, lambda saved, saving: (mode, swap_dir, ckpt, last + 1, saved, saving), sig, deadline,
+                rng.uniform(0, 0.08))
+            in_save += was_saving
             killed_nvme += mode == "nvme" and sig == signal.SIGKILL
             done = saved.value
             k = loaded_k(ckpt, mode, swap_dir)  # in nvme mode this also reclaims a killed saver's directory

@@ -88,23 +88,33 @@ def _intact_after(opt, params, failing_load, tmp_path, state_dtype):
     ref.close()
 
 
+def _trained_int8(mode, tmp_path):
+    params = make_params()
+    opt = make_opt("adamw", params, mode, tmp_path, "int8")
+    train(opt, params, 1, 2)
+    return params, opt
+
+
+def _refused_and_intact(opt, params, load, named, tmp_path):
+    """load() raises a ValueError naming `named`, and the int8 optimizer trains on as if it had not been tried."""
+    def failing_load():
+        with pytest.raises(ValueError, match=named):
+            load()
+
+    _intact_after(opt, params, failing_load, tmp_path, "int8")
+    opt.close()
+
+
 @pytest.mark.parametrize("damage", sorted(META_DAMAGE))
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_damaged_checkpoint_metadata_is_refused_and_the_state_kept(mode, damage, tmp_path):
     edit, named = META_DAMAGE[damage]
-    params = make_params()
-    opt = make_opt("adamw", params, mode, tmp_path, "int8")
-    train(opt, params, 1, 2)
+    params, opt = _trained_int8(mode, tmp_path)
     ckpt = tmp_path / "ckpt"
     opt.save(ckpt)
     _edit_meta(ckpt, edit)
 
-    def failing_load():
-        with pytest.raises(ValueError, match=named):
-            opt.load(ckpt)
-
-    _intact_after(opt, params, failing_load, tmp_path, "int8")
-    opt.close()
+    _refused_and_intact(opt, params, lambda: opt.load(ckpt), named, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
@@ -159,19 +169,12 @@ STATE_DICT_DAMAGE = {
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_bad_state_dict_is_refused_and_the_state_kept(mode, damage, tmp_path):
     edit, named = STATE_DICT_DAMAGE[damage]
-    params = make_params()
-    opt = make_opt("adamw", params, mode, tmp_path, "int8")
-    train(opt, params, 1, 2)
+    params, opt = _trained_int8(mode, tmp_path)
     sd = opt.state_dict()
     sd = {"param_groups": sd["param_groups"], "state": {k: dict(st) for k, st in sd["state"].items()}}
     edit(sd["state"])
 
-    def failing_load():
-        with pytest.raises(ValueError, match=named):
-            opt.load_state_dict(sd)
-
-    _intact_after(opt, params, failing_load, tmp_path, "int8")
-    opt.close()
+    _refused_and_intact(opt, params, lambda: opt.load_state_dict(sd), named, tmp_path)
 
 
 @pytest.mark.parametrize("via", ["state_dict", "save"])
