@@ -82,6 +82,16 @@ def test_unknown_choices_raise_value_error(kwargs):
         memplan.plan(10**9, **kwargs)
 
 
-def test_int8_block_matches_the_kernels_quantisation_block():
-    from swapio import quant
-    assert memplan.INT8_BLOCK == quant.BLOCK
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_state_bytes_are_what_an_optimizer_holds(dtype, state_dtype):
+    """The plan's state per parameter against the RAM a cpu-mode OffloadAdamW reports for the same parameters."""
+    import torch
+    import swapio
+    n = 256 * 1000
+    p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16))
+    opt = swapio.optim.OffloadAdamW([p], state_dtype=state_dtype)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.memory_report()["state_bytes"] == memplan.per_param(dtype, "adamw", state_dtype).state * n
+    opt.close()

@@ -1,4 +1,4 @@
-"""The memory arithmetic behind `swapio plan`, as pure functions (no torch, no I/O): bytes per parameter for
+"""The memory arithmetic behind `swapio plan`, as pure functions (no I/O): bytes per parameter for
 weights, gradients and optimizer state, and where they sit with and without swapio's optimizer offload.
 
 Per parameter, with weights and gradients in `dtype`:
@@ -13,10 +13,11 @@ Activations, the CUDA context and allocator slack are not counted: they depend o
 import dataclasses
 import re
 
+from ..kernels.quant import state_bytes_per_element
+
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1}
-INT8_BLOCK = 256  # elements per fp32 scale of int8 moments: swapio.quant.BLOCK (kept in sync by a test)
-STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCK}
+STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", "int8")}  # the kernels' own figures
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
