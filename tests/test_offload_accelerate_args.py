@@ -94,3 +94,15 @@ def test_cuda_execution_device_without_cuda_is_a_clear_error(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="execution_device='cuda.*' needs CUDA, but"):
         fn(model())
     assert not (tmp_path / "od").exists()  # reported before anything was written
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu"])
+@pytest.mark.parametrize("call", ["cpu_offload", "disk_offload"])
+def test_an_execution_device_that_cannot_compute_is_refused_at_once(tmp_path, call, device):
+    fn = {"cpu_offload": lambda m: cpu_offload(m, execution_device=device),
+          "disk_offload": lambda m: disk_offload(m, tmp_path / "od", execution_device=device)}[call]
+    m = model()
+    with pytest.raises(ValueError, match=f"not '{device}'"):
+        fn(m)
+    assert not (tmp_path / "od").exists()
+    assert all(p.device.type == "cpu" for p in m.parameters())  # the model is as it was

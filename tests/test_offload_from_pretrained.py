@@ -58,6 +58,15 @@ def test_bf16_checkpoint_gives_a_bf16_model(tmp_path):
     assert_same(got, want)
 
 
+def test_dtype_auto_and_a_dtype_it_cannot_serve(tmp_path):
+    hf_tiny.resident("qwen2").to(torch.bfloat16).save_pretrained(tmp_path)
+    assert from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype="auto").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="without converting"):
+        from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype must be"):
+        from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype="float16")
+
+
 def test_bad_arguments_are_clear_errors(saved, tmp_path):
     directory, _ = saved("llama")
     with pytest.raises(TypeError, match="transformers model class .* or a transformers config"):

@@ -71,6 +71,9 @@ def _check_available(execution_device):
         device = torch.device(execution_device)
     else:
         return  # normalize_device reports the type
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"execution_device={execution_device!r}: offloaded weights are computed on 'cpu' or a "
+                         f"CUDA device, not {device.type!r}")
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():

@@ -48,8 +48,8 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, **disk
     """A transformers model with its weights offloaded to the save_pretrained directory `checkpoint_dir`, in eval
     mode. `model_class_or_config`: a model class (LlamaForCausalLM, or an Auto class such as
     AutoModelForCausalLM), with the config read from the directory; or a config, whose `architectures` names the
-    class (AutoModel's mapping when it names none). `dtype`: the checkpoint's by default (the model must match
-    it: weights are read in place, not converted). Other keyword arguments go to disk_offload (prefetch,
+    class (AutoModel's mapping when it names none). `dtype`: None or "auto" (the default), the checkpoint's;
+    another dtype is a ValueError, since the weights are read in place, not converted. Other keyword arguments go to disk_offload (prefetch,
     buffer_bytes, execution_device, keep_resident, handle, offload_buffers)."""
     try:
         import transformers
@@ -65,8 +65,15 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, **disk
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir {directory} is not a directory (save_pretrained's output)")
     config, build = _model_class(transformers, model_class_or_config, directory)
-    if dtype is None:
-        dtype = _checkpoint_dtype(open_checkpoint(directory)) or torch.get_default_dtype()
+    stored = _checkpoint_dtype(open_checkpoint(directory)) or torch.get_default_dtype()
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        dtype = stored
+    elif not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+    elif dtype != stored:
+        raise ValueError(f"{directory} holds {stored} weights, and from_pretrained reads them in place without "
+                         f"converting: dtype={dtype} cannot be served. Use dtype='auto' (or None), or convert the "
+                         "checkpoint once (transformers' from_pretrained(torch_dtype=...) then save_pretrained)")
     with torch.device("meta"):
         model = build(dtype=dtype)
     generation = os.path.join(directory, "generation_config.json")
