@@ -92,3 +92,26 @@ def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one
         assert torch.equal(flat["w"], state["w"]) and torch.equal(flat["v"], state["v"]), i
     swapio.checkpoint.release_buffers()
     assert buffers._spare == {}
+
+
+def test_a_save_after_an_async_save_to_the_same_path_lands_last(tmp_path, monkeypatch):
+    """save(B) called after async_save(A) must win even while A's write is still queued (no data loss)."""
+    import importlib
+    writer = importlib.import_module("swapio.checkpoint.writer")
+    real = writer.write
+    first = []
+
+    def held(*args, **kwargs):
+        if not first:
+            first.append(1)
+            threading.Event().wait(0.5)  # the async write is slow
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write", held)
+    path = tmp_path / "c.safetensors"
+    fut = swapio.checkpoint.async_save({"k": "A", "t": torch.full((1000,), 1.0)}, path)
+    swapio.checkpoint.save({"k": "B", "t": torch.full((10,), 2.0)}, path)
+    assert fut.done()
+    fut.wait(timeout=60)
+    assert swapio.checkpoint.load(path)["k"] == "B"
+    assert leftovers(tmp_path) == []

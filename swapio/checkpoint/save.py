@@ -4,7 +4,7 @@ whose addresses it can match, layout._congruent_chain), the header and the rest 
 import os
 
 from ..core.handle import AioHandle
-from . import layout, writer
+from . import background, layout, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile
 from .structure import flatten
@@ -86,7 +86,9 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
          group=None):
     """Writes `state` to the safetensors file `path`; returns the file's size in bytes. metadata: more {str: str}
     for the header's __metadata__. distributed=True: a collective of `group` (default: the world) where each rank
-    saves its own state into the directory `path` (sharded.py)."""
+    saves its own state into the directory `path` (sharded.py). Saves land in the order they were called: this
+    first waits for every async_save queued before it (their errors stay with their futures)."""
+    background.wait_all()
     if distributed:
         from . import sharded
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle)
