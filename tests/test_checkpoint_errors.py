@@ -132,3 +132,13 @@ def test_a_failed_save_leaves_no_file_and_the_old_one(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert_same(swapio.checkpoint.load(path), old)
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_header_over_the_safetensors_limit_is_refused_before_any_file(tmp_path, asynchronous):
+    """A header (JSON incl. __metadata__) over 100 MiB would make a file no reader (ours included) accepts."""
+    path = tmp_path / "c.safetensors"
+    fn = swapio.checkpoint.async_save if asynchronous else swapio.checkpoint.save
+    with pytest.raises(ValueError, match="104857600 bytes"):
+        fn({"note": "x" * (101 * MiB), "t": torch.ones(3)}, path)
+    assert os.listdir(tmp_path) == []

@@ -15,6 +15,7 @@ import struct
 import torch
 
 from ..core._align import ALIGN, round_up
+from ..offload.safetensors_header import MAX_HEADER
 from .dtypes import stored_shape
 
 SMALL = 1 << 20  # = load.DIRECT_MIN
@@ -87,6 +88,10 @@ def plan(skeleton, entries, extra_metadata=None):
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
     data_start = round_up(8 + len(text) - residue) + residue  # congruent to the chain's residue (0: aligned)
     text += b" " * (data_start - 8 - len(text))
+    if len(text) > MAX_HEADER:
+        raise ValueError(f"the checkpoint's header (tensor names, shapes and the JSON of the non-tensor values) "
+                         f"would be {len(text)} bytes, over the {MAX_HEADER} bytes (100 MiB) limit that "
+                         "safetensors readers accept: store big non-tensor values as tensors, or in fewer tensors")
     raw = struct.pack("<Q", len(text)) + text
     head = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return Plan(head, entries, [data_start + r for r in relative], data_start + begin)
