@@ -142,3 +142,17 @@ def test_a_header_over_the_safetensors_limit_is_refused_before_any_file(tmp_path
     with pytest.raises(ValueError, match="104857600 bytes"):
         fn({"note": "x" * (101 * MiB), "t": torch.ones(3)}, path)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: {"a": torch.zeros(3000), "b": torch.zeros(1, dtype=torch.int64).expand(500)}, r"'model\.b'.*sharing"),
+    (lambda: (lambda big: {"a": big[:3000], "b": big[1000:2000].view(torch.int64)})(torch.zeros(4000)),
+     r"'model\.a' and 'model\.b' share memory"),
+], ids=["expanded", "aliased"])
+def test_out_tensors_sharing_memory_are_refused_before_any_byte_is_written(tmp_path, make, match):
+    path = _saved(tmp_path)
+    inner = make()
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(path, out={"model": inner})
+    assert "c.safetensors" in str(info.value)
+    assert not inner["a"].any() and not inner["b"].any()  # out= unchanged

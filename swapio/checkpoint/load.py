@@ -113,7 +113,43 @@ def _match_out(out, targets, where):
         if tuple(t.shape) != tg.shape or t.dtype != tg.dtype:
             raise ValueError(f"{where}: tensor {name!r} is {tg.dtype} {list(tg.shape)} in the file, out= has "
                              f"{t.dtype} {list(t.shape)}")
+    _check_writable(given, where)
     return given
+
+
+def _span(t):
+    """(device, first byte, end byte) of the memory t's elements occupy."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps_itself(t):
+    """True when two elements of t may share memory (an expand()ed tensor, stride 0, an as_strided overlap)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    reach = 0  # the farthest element offset the smaller-stride dimensions reach
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def _check_writable(given, where):
+    """Every out= tensor can take its bytes without one element landing on another: none overlaps itself and
+    no two (under different names) share memory. Checked before a byte is written."""
+    spans = []
+    for name, t in given.items():
+        if t.numel() == 0:
+            continue
+        if _overlaps_itself(t):
+            raise ValueError(f"{where}: out= tensor {name!r} has elements sharing memory (an expand()ed view, "
+                             f"strides {list(t.stride())}): it cannot be loaded into; pass a tensor of its own")
+        spans.append((*_span(t), name))
+    spans.sort(key=lambda x: (str(x[0]), x[1]))
+    for (dev_a, _, end_a, name_a), (dev_b, start_b, _, name_b) in zip(spans, spans[1:]):
+        if dev_a == dev_b and start_b < end_a:
+            raise ValueError(f"{where}: out= tensors {name_a!r} and {name_b!r} share memory: loading into both "
+                             "would overwrite one with the other; pass tensors of their own")
 
 
 def _runs(pairs, gap=RUN_GAP):
