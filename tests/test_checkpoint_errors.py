@@ -156,3 +156,37 @@ def test_out_tensors_sharing_memory_are_refused_before_any_byte_is_written(tmp_p
         swapio.checkpoint.load(path, out={"model": inner})
     assert "c.safetensors" in str(info.value)
     assert not inner["a"].any() and not inner["b"].any()  # out= unchanged
+
+
+def _nested(depth):
+    state = leaf = {}
+    for _ in range(depth - 1):
+        leaf["a"] = {}
+        leaf = leaf["a"]
+    leaf["t"] = torch.ones(2)
+    return state
+
+
+def test_a_cyclic_or_too_deep_state_is_a_type_error_and_100_levels_save(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cyclic = {"x": [1]}
+    cyclic["x"].append(cyclic)
+    with pytest.raises(TypeError, match=r"state\['x'\]\[1\].*cycle"):
+        swapio.checkpoint.save(cyclic, path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(3000), path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(101), path)
+    assert os.listdir(tmp_path) == []
+    shared = [1, 2]
+    swapio.checkpoint.save({"a": shared, "b": shared, "deep": _nested(99)}, path)  # shared is no cycle
+    assert_same(swapio.checkpoint.load(path), {"a": [1, 2], "b": [1, 2], "deep": _nested(99)})
+
+
+def test_a_deeply_nested_structure_in_the_file_is_a_value_error_naming_it(tmp_path):
+    path = _saved(tmp_path)
+    deep = json.dumps({"__metadata__": {"format": "swapio.checkpoint", "format_version": "1",
+                                        "structure": "[" * 100000 + "]" * 100000}}).encode()
+    path.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*structure.*deeper"):
+        swapio.checkpoint.load(path)

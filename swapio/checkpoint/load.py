@@ -24,7 +24,8 @@ from . import layout
 from .bytes_of import copyable, copyable_dtype
 from .save import new_handle
 from .dtypes import dtype_from_name
-from .structure import flatten, tensor_nodes, unflatten
+from ..offload.safetensors_header import _max_depth
+from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # tensors at least this big are read straight into their memory when it can be aligned
@@ -42,7 +43,10 @@ def _skeleton(path, locations):
         if int(metadata.get(layout.META_VERSION, "0")) > int(layout.VERSION):
             raise ValueError(f"{files[0]}: checkpoint format version {metadata[layout.META_VERSION]}; this swapio "
                              f"reads up to {layout.VERSION}")
-        skeleton = json.loads(metadata[layout.META_STRUCTURE])
+        text = metadata[layout.META_STRUCTURE]
+        if _max_depth(text) > MAX_STRUCTURE_DEPTH:  # json.loads would recurse that deep (RecursionError)
+            raise ValueError(f"nests deeper than {MAX_STRUCTURE_DEPTH} levels; save allows {MAX_NESTING}")
+        skeleton = json.loads(text)
         tensor_nodes(skeleton)
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
