@@ -190,3 +190,9 @@ def test_a_deeply_nested_structure_in_the_file_is_a_value_error_naming_it(tmp_pa
     path.write_bytes(struct.pack("<Q", len(deep)) + deep)
     with pytest.raises(ValueError, match=r"c\.safetensors.*structure.*deeper"):
         swapio.checkpoint.load(path)
+
+
+def test_a_sharded_index_with_an_empty_weight_map_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*empty"):
+        swapio.checkpoint.load(tmp_path)
