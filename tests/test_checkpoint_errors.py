@@ -196,3 +196,16 @@ def test_a_sharded_index_with_an_empty_weight_map_is_a_value_error_naming_it(tmp
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*empty"):
         swapio.checkpoint.load(tmp_path)
+
+
+def test_a_missing_file_is_file_not_found_and_a_fifo_a_value_error_without_blocking(tmp_path):
+    for missing in (tmp_path / "nothing.safetensors", tmp_path / "no" / "dir.safetensors"):
+        with pytest.raises(FileNotFoundError) as info:
+            swapio.checkpoint.load(missing)
+        assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    os.symlink(tmp_path / "gone", tmp_path / "link.safetensors")
+    with pytest.raises(FileNotFoundError):
+        swapio.checkpoint.load(tmp_path / "link.safetensors")
+    os.mkfifo(tmp_path / "fifo.safetensors")  # never opened: opening a FIFO blocks until a writer comes
+    with pytest.raises(ValueError, match="fifo.safetensors.*not a file"):
+        swapio.checkpoint.load(tmp_path / "fifo.safetensors")

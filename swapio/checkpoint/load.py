@@ -12,6 +12,7 @@ header is parsed, and the bytes streamed, by swapio.offload's reader (safetensor
 reader in the library. Everything is checked before a byte is read into `out`: that the file holds every
 tensor, whole (not truncated), with the dtype and shape of the tensor it goes into.
 """
+import errno
 import json
 import os
 
@@ -194,6 +195,8 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
     state (group: the process group, default the world)."""
     path = os.fspath(path)
+    if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)
     from . import sharded
     if sharded.is_sharded(path):
         return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
