@@ -209,3 +209,11 @@ def test_a_missing_file_is_file_not_found_and_a_fifo_a_value_error_without_block
     os.mkfifo(tmp_path / "fifo.safetensors")  # never opened: opening a FIFO blocks until a writer comes
     with pytest.raises(ValueError, match="fifo.safetensors.*not a file"):
         swapio.checkpoint.load(tmp_path / "fifo.safetensors")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda")])
+def test_loading_onto_cuda_without_cuda_is_a_runtime_error_saying_so(tmp_path, device):
+    path = _saved(tmp_path)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        swapio.checkpoint.load(path, device=device)

@@ -189,6 +189,18 @@ def _aligned_empty(tg, device):
     return backing[shift:shift + tg.loc.nbytes].view(copyable_dtype(tg.dtype)).view(tg.shape).view(tg.dtype)
 
 
+def _device(device):
+    """load's device as a torch.device; a RuntimeError saying so when it is CUDA and this torch has none."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        cuda = True  # an int means a CUDA device
+    else:
+        cuda = isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"swapio.checkpoint.load: device={device!r} but CUDA is not available (this torch "
+                           "has no CUDA, or no GPU is visible); load onto the CPU (device='cpu')")
+    return cuda_copy.normalize_device(device)
+
+
 def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
@@ -200,7 +212,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     from . import sharded
     if sharded.is_sharded(path):
         return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
-    device = cuda_copy.normalize_device(device)
+    device = _device(device)
     locations = open_checkpoint(path)
     skeleton, where = _skeleton(path, locations)
     targets = _targets(skeleton, locations, where)
