@@ -217,3 +217,18 @@ def test_loading_onto_cuda_without_cuda_is_a_runtime_error_saying_so(tmp_path, d
     path = _saved(tmp_path)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         swapio.checkpoint.load(path, device=device)
+
+
+def test_a_nested_tensor_is_a_type_error_naming_its_key(tmp_path):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"state\['m'\]\['n'\]: a nested tensor"):
+        swapio.checkpoint.save({"m": {"n": nested}}, tmp_path / "c.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "c.safetensors"
+    h = json.dumps({"a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'a'.*overflows"):
+        swapio.checkpoint.load(path)

@@ -88,6 +88,9 @@ def flatten(state):
 
     def walk_leaf(x, path):
         if isinstance(x, torch.Tensor):
+            if x.is_nested:
+                raise TypeError(f"{_describe(path)}: a nested tensor (torch.nested) cannot be stored (store its "
+                                "components, x.unbind(), instead)")
             if x.layout != torch.strided:
                 raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
             if x.device.type == "meta":
