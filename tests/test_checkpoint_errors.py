@@ -232,3 +232,26 @@ def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_t
     path.write_bytes(struct.pack("<Q", len(h)) + h)
     with pytest.raises(ValueError, match=r"c\.safetensors.*'a'.*overflows"):
         swapio.checkpoint.load(path)
+
+
+@pytest.mark.parametrize("staging, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                            (None, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("call", ["save", "async_save", "load"])
+def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
+    path = tmp_path / "c.safetensors"
+    if call == "load":
+        swapio.checkpoint.save({"t": torch.ones(3)}, path)
+    with pytest.raises(error, match="staging_bytes must be a positive int"):
+        if call == "load":
+            swapio.checkpoint.load(path, staging_bytes=staging)
+        else:
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, staging_bytes=staging)
+    assert os.listdir(tmp_path) == (["c.safetensors"] if call == "load" else [])
+
+
+@pytest.mark.parametrize("key", ["format", "format_version", "structure"])
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call, key):
+    with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
+        getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
+    assert os.listdir(tmp_path) == []

@@ -83,6 +83,10 @@ def plan(skeleton, entries, extra_metadata=None):
     metadata = dict(extra_metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")
+    reserved = sorted(set(metadata) & {META_FORMAT, META_VERSION, META_STRUCTURE})
+    if reserved:
+        raise ValueError(f"metadata key {reserved[0]!r} is reserved: swapio.checkpoint writes "
+                         f"{META_FORMAT!r}, {META_VERSION!r} and {META_STRUCTURE!r} itself; use another key")
     metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
                      META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()

@@ -23,7 +23,7 @@ from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import layout
 from .bytes_of import copyable, copyable_dtype
-from .save import new_handle
+from .save import check_staging_bytes, new_handle
 from .dtypes import dtype_from_name
 from ..offload.safetensors_header import _max_depth
 from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
@@ -213,6 +213,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
     state (group: the process group, default the world)."""
     path = os.fspath(path)
+    check_staging_bytes(staging_bytes)
     if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
         raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)
     from . import sharded

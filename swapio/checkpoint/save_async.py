@@ -11,7 +11,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     """Captures `state` and writes it to the safetensors file `path` in the background. The returned
     swapio.Future's wait() gives the file's size, or raises what made the save fail (the previous file at path
     is then intact). A save submitted while another is in flight starts when that one has finished."""
-    plan, pending = prepare(state, os.fspath(path), metadata)
+    plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
     try:
         pieces, staging = capture(plan, staging_bytes)
     except BaseException:
