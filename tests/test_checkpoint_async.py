@@ -115,3 +115,40 @@ def test_a_save_after_an_async_save_to_the_same_path_lands_last(tmp_path, monkey
     fut.wait(timeout=60)
     assert swapio.checkpoint.load(path)["k"] == "B"
     assert leftovers(tmp_path) == []
+
+
+def test_at_most_one_capture_waits_behind_the_save_being_written(tmp_path, monkeypatch):
+    """A third async_save while one is written and one waits blocks until the first is done (bounded memory)."""
+    import importlib
+    writer = importlib.import_module("swapio.checkpoint.writer")
+    release = threading.Event()
+    real = writer.write
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write", held)
+    path = tmp_path / "c.safetensors"
+    futs = [swapio.checkpoint.async_save({"k": k, "t": torch.full((1000,), float(k))}, path) for k in (1, 2)]
+    third = threading.Thread(target=lambda: futs.append(swapio.checkpoint.async_save({"k": 3}, path)))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and len(futs) == 2  # blocked: two captures are held already
+    release.set()
+    third.join(60)
+    assert not third.is_alive()
+    for f in futs:
+        f.wait(timeout=60)
+    assert swapio.checkpoint.load(path)["k"] == 3
+
+
+def test_a_capture_holds_about_the_file_not_a_window_more(tmp_path):
+    """The pinned block of an async_save's image is at most the file's size (a 64 MiB + header file once took a
+    128 MiB block: 2x the state)."""
+    from swapio.checkpoint import buffers
+    swapio.checkpoint.release_buffers()
+    size = swapio.checkpoint.async_save({"v": torch.zeros(16 * MiB)}, tmp_path / "c.safetensors").wait(timeout=60)
+    held = sum(t.numel() for t in buffers._spare.values())
+    swapio.checkpoint.release_buffers()
+    assert held <= size + 2 * 4096, (held, size)
