@@ -2,6 +2,7 @@
 values it had at the call (torch DCP's bug #144657 must not happen here), whether the tensor was captured into
 the pinned staging or into the unpinned snapshot; saves queue in order; wait() raises the save's error."""
 import errno
+import os
 import threading
 
 import pytest
@@ -152,3 +153,26 @@ def test_a_capture_holds_about_the_file_not_a_window_more(tmp_path):
     held = sum(t.numel() for t in buffers._spare.values())
     swapio.checkpoint.release_buffers()
     assert held <= size + 2 * 4096, (held, size)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_failed_commit_names_the_checkpoint_not_the_temporary_file(tmp_path, monkeypatch, asynchronous):
+    """The path becomes a directory between the call and the commit (the rename fails with EISDIR)."""
+    from swapio.checkpoint import commit
+    path = tmp_path / "c.safetensors"
+    real = commit.PendingFile.commit
+
+    def late_dir(self, size):
+        os.mkdir(path)
+        return real(self, size)
+
+    monkeypatch.setattr(commit.PendingFile, "commit", late_dir)
+    with pytest.raises(OSError) as info:
+        if asynchronous:
+            swapio.checkpoint.async_save({"a": torch.ones(10)}, path).wait(timeout=60)
+        else:
+            swapio.checkpoint.save({"a": torch.ones(10)}, path)
+    assert info.value.errno == errno.EISDIR
+    assert info.value.filename == str(path) and info.value.filename2 is None
+    assert "swapio-ckpt" not in str(info.value.filename)
+    assert leftovers(tmp_path) == []

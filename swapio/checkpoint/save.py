@@ -54,7 +54,11 @@ def write_and_commit(plan, pending, pieces, staging, handle=None, direct=(), seg
             if own:
                 h.close()
         staging.release()  # (not after an interruption: a request may still be reading them)
-        pending.commit(plan.total)
+        try:
+            pending.commit(plan.total)
+        except OSError as exc:  # named after the checkpoint, not the temporary file (nor the rename's pair)
+            raise OSError(exc.errno, f"committing the checkpoint {pending.final} failed: {exc.strerror or exc}",
+                          pending.final) from exc
     finally:
         pending.abort()  # a no-op once committed
     return plan.total
