@@ -2,6 +2,7 @@
 values it had at the call (torch DCP's bug #144657 must not happen here), whether the tensor was captured into
 the pinned staging or into the unpinned snapshot; saves queue in order; wait() raises the save's error."""
 import errno
+import os
 import threading
 
 import pytest
@@ -92,3 +93,86 @@ def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one
         assert torch.equal(flat["w"], state["w"]) and torch.equal(flat["v"], state["v"]), i
     swapio.checkpoint.release_buffers()
     assert buffers._spare == {}
+
+
+def test_a_save_after_an_async_save_to_the_same_path_lands_last(tmp_path, monkeypatch):
+    """save(B) called after async_save(A) must win even while A's write is still queued (no data loss)."""
+    import importlib
+    writer = importlib.import_module("swapio.checkpoint.writer")
+    real = writer.write
+    first = []
+
+    def held(*args, **kwargs):
+        if not first:
+            first.append(1)
+            threading.Event().wait(0.5)  # the async write is slow
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write", held)
+    path = tmp_path / "c.safetensors"
+    fut = swapio.checkpoint.async_save({"k": "A", "t": torch.full((1000,), 1.0)}, path)
+    swapio.checkpoint.save({"k": "B", "t": torch.full((10,), 2.0)}, path)
+    assert fut.done()
+    fut.wait(timeout=60)
+    assert swapio.checkpoint.load(path)["k"] == "B"
+    assert leftovers(tmp_path) == []
+
+
+def test_at_most_one_capture_waits_behind_the_save_being_written(tmp_path, monkeypatch):
+    """A third async_save while one is written and one waits blocks until the first is done (bounded memory)."""
+    import importlib
+    writer = importlib.import_module("swapio.checkpoint.writer")
+    release = threading.Event()
+    real = writer.write
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write", held)
+    path = tmp_path / "c.safetensors"
+    futs = [swapio.checkpoint.async_save({"k": k, "t": torch.full((1000,), float(k))}, path) for k in (1, 2)]
+    third = threading.Thread(target=lambda: futs.append(swapio.checkpoint.async_save({"k": 3}, path)))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and len(futs) == 2  # blocked: two captures are held already
+    release.set()
+    third.join(60)
+    assert not third.is_alive()
+    for f in futs:
+        f.wait(timeout=60)
+    assert swapio.checkpoint.load(path)["k"] == 3
+
+
+def test_a_capture_holds_about_the_file_not_a_window_more(tmp_path):
+    """The pinned block of an async_save's image is at most the file's size (a 64 MiB + header file once took a
+    128 MiB block: 2x the state)."""
+    from swapio.checkpoint import buffers
+    swapio.checkpoint.release_buffers()
+    size = swapio.checkpoint.async_save({"v": torch.zeros(16 * MiB)}, tmp_path / "c.safetensors").wait(timeout=60)
+    held = sum(t.numel() for t in buffers._spare.values())
+    swapio.checkpoint.release_buffers()
+    assert held <= size + 2 * 4096, (held, size)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_failed_commit_names_the_checkpoint_not_the_temporary_file(tmp_path, monkeypatch, asynchronous):
+    """The path becomes a directory between the call and the commit (the rename fails with EISDIR)."""
+    from swapio.checkpoint import commit
+    path = tmp_path / "c.safetensors"
+    real = commit.PendingFile.commit
+
+    def late_dir(self, size):
+        os.mkdir(path)
+        return real(self, size)
+
+    monkeypatch.setattr(commit.PendingFile, "commit", late_dir)
+    with pytest.raises(OSError) as info:
+        if asynchronous:
+            swapio.checkpoint.async_save({"a": torch.ones(10)}, path).wait(timeout=60)
+        else:
+            swapio.checkpoint.save({"a": torch.ones(10)}, path)
+    assert info.value.errno == errno.EISDIR
+    assert info.value.filename == str(path) and info.value.filename2 is None
+    assert "swapio-ckpt" not in str(info.value.filename)
+    assert leftovers(tmp_path) == []

@@ -132,3 +132,126 @@ def test_a_failed_save_leaves_no_file_and_the_old_one(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert_same(swapio.checkpoint.load(path), old)
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_header_over_the_safetensors_limit_is_refused_before_any_file(tmp_path, asynchronous):
+    """A header (JSON incl. __metadata__) over 100 MiB would make a file no reader (ours included) accepts."""
+    path = tmp_path / "c.safetensors"
+    fn = swapio.checkpoint.async_save if asynchronous else swapio.checkpoint.save
+    with pytest.raises(ValueError, match="104857600 bytes"):
+        fn({"note": "x" * (101 * MiB), "t": torch.ones(3)}, path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: {"a": torch.zeros(3000), "b": torch.zeros(1, dtype=torch.int64).expand(500)}, r"'model\.b'.*sharing"),
+    (lambda: (lambda big: {"a": big[:3000], "b": big[1000:2000].view(torch.int64)})(torch.zeros(4000)),
+     r"'model\.a' and 'model\.b' share memory"),
+], ids=["expanded", "aliased"])
+def test_out_tensors_sharing_memory_are_refused_before_any_byte_is_written(tmp_path, make, match):
+    path = _saved(tmp_path)
+    inner = make()
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(path, out={"model": inner})
+    assert "c.safetensors" in str(info.value)
+    assert not inner["a"].any() and not inner["b"].any()  # out= unchanged
+
+
+def _nested(depth):
+    state = leaf = {}
+    for _ in range(depth - 1):
+        leaf["a"] = {}
+        leaf = leaf["a"]
+    leaf["t"] = torch.ones(2)
+    return state
+
+
+def test_a_cyclic_or_too_deep_state_is_a_type_error_and_100_levels_save(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cyclic = {"x": [1]}
+    cyclic["x"].append(cyclic)
+    with pytest.raises(TypeError, match=r"state\['x'\]\[1\].*cycle"):
+        swapio.checkpoint.save(cyclic, path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(3000), path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(101), path)
+    assert os.listdir(tmp_path) == []
+    shared = [1, 2]
+    swapio.checkpoint.save({"a": shared, "b": shared, "deep": _nested(99)}, path)  # shared is no cycle
+    assert_same(swapio.checkpoint.load(path), {"a": [1, 2], "b": [1, 2], "deep": _nested(99)})
+
+
+def test_a_deeply_nested_structure_in_the_file_is_a_value_error_naming_it(tmp_path):
+    path = _saved(tmp_path)
+    deep = json.dumps({"__metadata__": {"format": "swapio.checkpoint", "format_version": "1",
+                                        "structure": "[" * 100000 + "]" * 100000}}).encode()
+    path.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*structure.*deeper"):
+        swapio.checkpoint.load(path)
+
+
+def test_a_sharded_index_with_an_empty_weight_map_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*empty"):
+        swapio.checkpoint.load(tmp_path)
+
+
+def test_a_missing_file_is_file_not_found_and_a_fifo_a_value_error_without_blocking(tmp_path):
+    for missing in (tmp_path / "nothing.safetensors", tmp_path / "no" / "dir.safetensors"):
+        with pytest.raises(FileNotFoundError) as info:
+            swapio.checkpoint.load(missing)
+        assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    os.symlink(tmp_path / "gone", tmp_path / "link.safetensors")
+    with pytest.raises(FileNotFoundError):
+        swapio.checkpoint.load(tmp_path / "link.safetensors")
+    os.mkfifo(tmp_path / "fifo.safetensors")  # never opened: opening a FIFO blocks until a writer comes
+    with pytest.raises(ValueError, match="fifo.safetensors.*not a file"):
+        swapio.checkpoint.load(tmp_path / "fifo.safetensors")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda")])
+def test_loading_onto_cuda_without_cuda_is_a_runtime_error_saying_so(tmp_path, device):
+    path = _saved(tmp_path)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        swapio.checkpoint.load(path, device=device)
+
+
+def test_a_nested_tensor_is_a_type_error_naming_its_key(tmp_path):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"state\['m'\]\['n'\]: a nested tensor"):
+        swapio.checkpoint.save({"m": {"n": nested}}, tmp_path / "c.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "c.safetensors"
+    h = json.dumps({"a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'a'.*overflows"):
+        swapio.checkpoint.load(path)
+
+
+@pytest.mark.parametrize("staging, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                            (None, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("call", ["save", "async_save", "load"])
+def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
+    path = tmp_path / "c.safetensors"
+    if call == "load":
+        swapio.checkpoint.save({"t": torch.ones(3)}, path)
+    with pytest.raises(error, match="staging_bytes must be a positive int"):
+        if call == "load":
+            swapio.checkpoint.load(path, staging_bytes=staging)
+        else:
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, staging_bytes=staging)
+    assert os.listdir(tmp_path) == (["c.safetensors"] if call == "load" else [])
+
+
+@pytest.mark.parametrize("key", ["format", "format_version", "structure"])
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call, key):
+    with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
+        getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
+    assert os.listdir(tmp_path) == []

@@ -7,6 +7,18 @@ from ..core.futures import Future
 
 _lock = threading.Lock()
 _last = None  # the _Job most recently submitted
+QUEUED = 2  # captures held at once: the one being written and one waiting behind it
+_slots = threading.BoundedSemaphore(QUEUED)
+
+
+def reserve():
+    """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished); the slot is given
+    back when the save submitted with it finishes, or by release() if none is submitted."""
+    _slots.acquire()
+
+
+def release():
+    _slots.release()
 
 
 class _Job:
@@ -29,6 +41,7 @@ class _Job:
         finally:
             self._fn = None
             self._done.set()
+            _slots.release()  # (its capture is freed or kept for the next save: buffers.py)
 
     def done(self):
         return self._done.is_set()
@@ -44,7 +57,7 @@ class _Job:
 
 
 def submit(fn):
-    """A swapio.Future of fn() run in the background after every earlier submit()."""
+    """A swapio.Future of fn() run in the background after every earlier submit(); the caller reserve()d."""
     global _last
     with _lock:
         job = _Job(fn, _last)

@@ -67,7 +67,7 @@ def _copy_all(jobs, threads):
 
 def capture(plan, staging_bytes):
     """(pieces, staging) with every byte of the file copied out of the live tensors into staging."""
-    staging = writer.Staging(staging_bytes, plan.total)
+    staging = writer.Staging(staging_bytes, plan.total, image=True)
     try:
         staging.add_tail(plan.total)
         head = plan.header.numel()

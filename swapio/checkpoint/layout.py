@@ -15,6 +15,7 @@ import struct
 import torch
 
 from ..core._align import ALIGN, round_up
+from ..offload.safetensors_header import MAX_HEADER
 from .dtypes import stored_shape
 
 SMALL = 1 << 20  # = load.DIRECT_MIN
@@ -82,11 +83,19 @@ def plan(skeleton, entries, extra_metadata=None):
     metadata = dict(extra_metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")
+    reserved = sorted(set(metadata) & {META_FORMAT, META_VERSION, META_STRUCTURE})
+    if reserved:
+        raise ValueError(f"metadata key {reserved[0]!r} is reserved: swapio.checkpoint writes "
+                         f"{META_FORMAT!r}, {META_VERSION!r} and {META_STRUCTURE!r} itself; use another key")
     metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
                      META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
     data_start = round_up(8 + len(text) - residue) + residue  # congruent to the chain's residue (0: aligned)
     text += b" " * (data_start - 8 - len(text))
+    if len(text) > MAX_HEADER:
+        raise ValueError(f"the checkpoint's header (tensor names, shapes and the JSON of the non-tensor values) "
+                         f"would be {len(text)} bytes, over the {MAX_HEADER} bytes (100 MiB) limit that "
+                         "safetensors readers accept: store big non-tensor values as tensors, or in fewer tensors")
     raw = struct.pack("<Q", len(text)) + text
     head = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return Plan(head, entries, [data_start + r for r in relative], data_start + begin)

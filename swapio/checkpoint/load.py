@@ -12,6 +12,7 @@ header is parsed, and the bytes streamed, by swapio.offload's reader (safetensor
 reader in the library. Everything is checked before a byte is read into `out`: that the file holds every
 tensor, whole (not truncated), with the dtype and shape of the tensor it goes into.
 """
+import errno
 import json
 import os
 
@@ -22,9 +23,10 @@ from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import layout
 from .bytes_of import copyable, copyable_dtype
-from .save import new_handle
+from .save import check_staging_bytes, new_handle
 from .dtypes import dtype_from_name
-from .structure import flatten, tensor_nodes, unflatten
+from ..offload.safetensors_header import _max_depth
+from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # tensors at least this big are read straight into their memory when it can be aligned
@@ -42,7 +44,10 @@ def _skeleton(path, locations):
         if int(metadata.get(layout.META_VERSION, "0")) > int(layout.VERSION):
             raise ValueError(f"{files[0]}: checkpoint format version {metadata[layout.META_VERSION]}; this swapio "
                              f"reads up to {layout.VERSION}")
-        skeleton = json.loads(metadata[layout.META_STRUCTURE])
+        text = metadata[layout.META_STRUCTURE]
+        if _max_depth(text) > MAX_STRUCTURE_DEPTH:  # json.loads would recurse that deep (RecursionError)
+            raise ValueError(f"nests deeper than {MAX_STRUCTURE_DEPTH} levels; save allows {MAX_NESTING}")
+        skeleton = json.loads(text)
         tensor_nodes(skeleton)
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
@@ -68,6 +73,12 @@ class _Target:
             self.shape = tuple(loc.shape[:-1])
         else:
             self.dtype, self.shape = loc.dtype, tuple(loc.shape)
+        extent = self.dtype.itemsize
+        for n in self.shape:
+            extent *= max(n, 1)  # torch multiplies every dimension, a zero one included, and checks for overflow
+        if extent >= 1 << 63:
+            raise ValueError(f"{where}: tensor {name!r} has shape {list(self.shape)}, whose storage size overflows "
+                             "64 bits")
         self.stride = None
         if "stride" in node:
             stride = tuple(node["stride"])
@@ -113,7 +124,43 @@ def _match_out(out, targets, where):
         if tuple(t.shape) != tg.shape or t.dtype != tg.dtype:
             raise ValueError(f"{where}: tensor {name!r} is {tg.dtype} {list(tg.shape)} in the file, out= has "
                              f"{t.dtype} {list(t.shape)}")
+    _check_writable(given, where)
     return given
+
+
+def _span(t):
+    """(device, first byte, end byte) of the memory t's elements occupy."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps_itself(t):
+    """True when two elements of t may share memory (an expand()ed tensor, stride 0, an as_strided overlap)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    reach = 0  # the farthest element offset the smaller-stride dimensions reach
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def _check_writable(given, where):
+    """Every out= tensor can take its bytes without one element landing on another: none overlaps itself and
+    no two (under different names) share memory. Checked before a byte is written."""
+    spans = []
+    for name, t in given.items():
+        if t.numel() == 0:
+            continue
+        if _overlaps_itself(t):
+            raise ValueError(f"{where}: out= tensor {name!r} has elements sharing memory (an expand()ed view, "
+                             f"strides {list(t.stride())}): it cannot be loaded into; pass a tensor of its own")
+        spans.append((*_span(t), name))
+    spans.sort(key=lambda x: (str(x[0]), x[1]))
+    for (dev_a, _, end_a, name_a), (dev_b, start_b, _, name_b) in zip(spans, spans[1:]):
+        if dev_a == dev_b and start_b < end_a:
+            raise ValueError(f"{where}: out= tensors {name_a!r} and {name_b!r} share memory: loading into both "
+                             "would overwrite one with the other; pass tensors of their own")
 
 
 def _runs(pairs, gap=RUN_GAP):
@@ -148,16 +195,31 @@ def _aligned_empty(tg, device):
     return backing[shift:shift + tg.loc.nbytes].view(copyable_dtype(tg.dtype)).view(tg.shape).view(tg.dtype)
 
 
+def _device(device):
+    """load's device as a torch.device; a RuntimeError saying so when it is CUDA and this torch has none."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        cuda = True  # an int means a CUDA device
+    else:
+        cuda = isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"swapio.checkpoint.load: device={device!r} but CUDA is not available (this torch "
+                           "has no CUDA, or no GPU is visible); load onto the CPU (device='cpu')")
+    return cuda_copy.normalize_device(device)
+
+
 def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
     those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
     state (group: the process group, default the world)."""
     path = os.fspath(path)
+    check_staging_bytes(staging_bytes)
+    if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)
     from . import sharded
     if sharded.is_sharded(path):
         return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
-    device = cuda_copy.normalize_device(device)
+    device = _device(device)
     locations = open_checkpoint(path)
     skeleton, where = _skeleton(path, locations)
     targets = _targets(skeleton, locations, where)

@@ -4,7 +4,7 @@ whose addresses it can match, layout._congruent_chain), the header and the rest 
 import os
 
 from ..core.handle import AioHandle
-from . import layout, writer
+from . import background, layout, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile
 from .structure import flatten
@@ -18,8 +18,18 @@ def new_handle():
     return AioHandle(block_size=1 << 20, queue_depth=32, threads=2)
 
 
-def prepare(state, path, extra_metadata=None):
+def check_staging_bytes(staging_bytes):
+    """staging_bytes must be a positive int (TypeError / ValueError otherwise)."""
+    if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool):
+        raise TypeError(f"staging_bytes must be a positive int (bytes), got {type(staging_bytes).__name__} "
+                        f"{staging_bytes!r}")
+    if staging_bytes <= 0:
+        raise ValueError(f"staging_bytes must be a positive int (bytes), got {staging_bytes}")
+
+
+def prepare(state, path, extra_metadata=None, staging_bytes=DEFAULT_STAGING):
     """(plan, pending file): everything checked (TypeError for what cannot be stored) before a file exists."""
+    check_staging_bytes(staging_bytes)
     skeleton, entries = flatten(state)
     plan = layout.plan(skeleton, entries, extra_metadata)
     return plan, PendingFile(path)
@@ -44,7 +54,11 @@ def write_and_commit(plan, pending, pieces, staging, handle=None, direct=(), seg
             if own:
                 h.close()
         staging.release()  # (not after an interruption: a request may still be reading them)
-        pending.commit(plan.total)
+        try:
+            pending.commit(plan.total)
+        except OSError as exc:  # named after the checkpoint, not the temporary file (nor the rename's pair)
+            raise OSError(exc.errno, f"committing the checkpoint {pending.final} failed: {exc.strerror or exc}",
+                          pending.final) from exc
     finally:
         pending.abort()  # a no-op once committed
     return plan.total
@@ -86,11 +100,14 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
          group=None):
     """Writes `state` to the safetensors file `path`; returns the file's size in bytes. metadata: more {str: str}
     for the header's __metadata__. distributed=True: a collective of `group` (default: the world) where each rank
-    saves its own state into the directory `path` (sharded.py)."""
+    saves its own state into the directory `path` (sharded.py). Saves land in the order they were called: this
+    first waits for every async_save queued before it (their errors stay with their futures)."""
+    check_staging_bytes(staging_bytes)
+    background.wait_all()
     if distributed:
         from . import sharded
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle)
-    plan, pending = prepare(state, os.fspath(path), metadata)
+    plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
     try:
         pieces, segments, direct = split_pieces(plan)
         span = segments[-1][2] + segments[-1][1] - segments[-1][0]

@@ -11,11 +11,16 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     """Captures `state` and writes it to the safetensors file `path` in the background. The returned
     swapio.Future's wait() gives the file's size, or raises what made the save fail (the previous file at path
     is then intact). A save submitted while another is in flight starts when that one has finished."""
-    plan, pending = prepare(state, os.fspath(path), metadata)
+    background.reserve()  # at most one capture waits behind the one being written: else block until one is done
     try:
-        pieces, staging = capture(plan, staging_bytes)
+        plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
+        try:
+            pieces, staging = capture(plan, staging_bytes)
+        except BaseException:
+            pending.abort()
+            raise
+        plan.entries = None  # the live tensors are not needed any more (nor kept alive)
+        return background.submit(lambda: write_and_commit(plan, pending, pieces, staging, handle))
     except BaseException:
-        pending.abort()
+        background.release()
         raise
-    plan.entries = None  # the live tensors are not needed any more (nor kept alive)
-    return background.submit(lambda: write_and_commit(plan, pending, pieces, staging, handle))

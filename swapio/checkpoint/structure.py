@@ -19,6 +19,8 @@ import torch
 from .dtypes import dtype_name, stored_as
 
 _PLAIN = (int, float, bool, str, type(None))
+MAX_NESTING = 100  # dicts/lists/tuples within each other; deeper (or a cycle) is a TypeError
+MAX_STRUCTURE_DEPTH = 3 * MAX_NESTING + 8  # JSON brackets of the skeleton of such a state (load refuses deeper)
 _KEYS = (str, int, float, bool, type(None))
 
 
@@ -67,8 +69,28 @@ def flatten(state):
         taken.add(name)
         return name
 
+    on_path = set()  # ids of the containers being walked: one met again is a cycle
+
     def walk(x, path):
+        if isinstance(x, (dict, list, tuple)) and not isinstance(x, torch.Tensor):
+            if id(x) in on_path:
+                raise TypeError(f"{_describe(path)}: the state contains itself (a reference cycle) and cannot be "
+                                "stored")
+            if len(path) >= MAX_NESTING:
+                raise TypeError(f"{_describe(path[:5])}...: the state nests deeper than {MAX_NESTING} levels of "
+                                "dicts, lists and tuples")
+            on_path.add(id(x))
+            try:
+                return walk_container(x, path)
+            finally:
+                on_path.discard(id(x))
+        return walk_leaf(x, path)
+
+    def walk_leaf(x, path):
         if isinstance(x, torch.Tensor):
+            if x.is_nested:
+                raise TypeError(f"{_describe(path)}: a nested tensor (torch.nested) cannot be stored (store its "
+                                "components, x.unbind(), instead)")
             if x.layout != torch.strided:
                 raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
             if x.device.type == "meta":
@@ -86,6 +108,12 @@ def flatten(state):
             if ident is not None:
                 seen[ident] = node
             return node
+        if isinstance(x, _PLAIN) and type(x) in _PLAIN:  # not a subclass (an IntEnum would come back an int)
+            return {"V": x}
+        raise TypeError(f"{_describe(path)}: a {type(x).__name__} cannot be stored in a checkpoint (tensors, "
+                        "dicts, lists, tuples, int, float, bool, str and None can)")
+
+    def walk_container(x, path):
         if isinstance(x, dict):
             items = []
             for k, v in x.items():

@@ -26,10 +26,13 @@ class Staging:
     `tail`: optional plain memory holding the file's bytes past the block (async_save's capture image): window
     j >= n is then tail's, written from there as it is."""
 
-    def __init__(self, staging_bytes, total, window_bytes=64 * MiB):
+    def __init__(self, staging_bytes, total, window_bytes=64 * MiB, image=False):
         w = max(MiB, min(window_bytes, staging_bytes // 2) // MiB * MiB)
         self.window = min(w, round_up(max(total, 1), MiB))
-        self.n = max(1, min(staging_bytes // self.window, -(-total // self.window)))
+        # image (async_save's capture): the block holds whole windows of the file only, never more than the file
+        # (the rest goes to the tail), so a capture costs about the file's size, not up to a window more
+        needed = total // self.window if image else -(-total // self.window)
+        self.n = max(1, min(staging_bytes // self.window, needed))
         self.room = self.n * self.window
         self._whole = {"pinned": buffers.take("pinned", self.room)}
         self.block = self._whole["pinned"][:self.room]

@@ -83,6 +83,8 @@ def checkpoint_files(checkpoint):
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path}: not a safetensors index (needs a JSON object with a 'weight_map')")
+    if not weight_map:
+        raise ValueError(f"{path}: the index's 'weight_map' is empty: it names no tensor and no shard file")
     base = os.path.dirname(path)
     by_name = {name: _confined(base, shard, path) for name, shard in weight_map.items()}
     files = list(dict.fromkeys(by_name.values()))
