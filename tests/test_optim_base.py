@@ -156,18 +156,6 @@ def test_functional_picks_the_reference_off_the_cpu_and_refuses_an_unknown_kerne
         functional.lion(t, t, {"exp_avg": t}, kernel="fused", **kw)
 
 
-@pytest.mark.parametrize("key, value", [("state_dtype", "fp32"), ("offload", "nvme"), ("buffer_bytes", 1 << 20)])
-def test_an_optimizer_wide_option_in_a_param_group_is_refused(key, value):
-    p, q = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
-    opt = swapio.optim.OffloadAdamW([p], state_dtype="int8")
-    with pytest.raises(ValueError, match=f"'{key}' is an option of the whole optimizer"):
-        opt.add_param_group({"params": [q], key: value})
-    assert len(opt.param_groups) == 1
-    with pytest.raises(ValueError, match="option of the whole optimizer"):
-        swapio.optim.OffloadAdamW([{"params": [q], "state_dtype": "bf16"}])
-    opt.close()
-
-
 def test_step_report_reset_must_be_a_bool():
     p = torch.nn.Parameter(torch.ones(8))
     opt = swapio.optim.OffloadAdamW([p])

@@ -114,15 +114,7 @@ class OffloadOptimizer(Optimizer):
             group["decoupled_weight_decay"] = True
         self._rule.hyper(group)  # a group's options must suit the state format (amsgrad with int8)
 
-    # Options of the whole optimizer: one state layout and one place for all of it, so a group cannot differ.
-    _OPTIMIZER_WIDE = ("offload", "state_dtype", "swap_dir", "buffer_bytes", "buffer_count")
-
     def add_param_group(self, param_group):
-        if isinstance(param_group, dict):
-            for key in self._OPTIMIZER_WIDE:
-                if key in param_group:
-                    raise ValueError(f"{key!r} is an option of the whole optimizer, not of a param group: pass it "
-                                     f"to {type(self).__name__}(...)")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
