@@ -49,9 +49,7 @@ def _skeleton(path, locations):
             raise ValueError(f"nests deeper than {MAX_STRUCTURE_DEPTH} levels; save allows {MAX_NESTING}")
         skeleton = json.loads(text)
         tensor_nodes(skeleton)
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
-    except ValueError as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
     return skeleton, files[0]
 

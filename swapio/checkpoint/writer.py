@@ -1,4 +1,5 @@
-"""The one streaming writer: a file's bytes, gathered from many tensors, written as large aligned O_DIRECT
+"""swapio.checkpoint's streaming writer (offload_dir._stream is its older twin for offload directories; merging
+the two is open work): a file's bytes, gathered from many tensors, written as large aligned O_DIRECT
 requests from a few pinned windows, several in flight.
 
 The file is cut into windows of W bytes (a whole number of MiB) at offsets j*W. Window j is assembled in

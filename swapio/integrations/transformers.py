@@ -17,16 +17,14 @@ subclass overriding create_optimizer.
 How: saving: right before Trainer saves (on_step_end / on_epoch_end with should_save) the callback writes the
 checkpoint and gives the optimizer instance a state_dict of its own that returns the reference once. Loading:
 Trainer may build the optimizer inside train() (optimizer_cls_and_kwargs, a create_optimizer override) and loads
-the checkpoint right after, with no callback event in between, so no instance can be patched in time. Instead,
-constructing the callback makes OffloadOptimizer.load_state_dict (the base class's, so OffloadAdam[W] and
-OffloadLion alike) recognise a reference; any other state
-dict goes to the original method unchanged. Other optimizers are left alone, and refuse a reference.
+the checkpoint right after, with no callback event in between, so no instance can be patched in time. So the
+offloaded optimizers' own load_state_dict (OffloadOptimizer's) recognises a reference and streams the checkpoint
+in with opt.load(); other optimizers refuse a reference.
 
 SwapioCheckpointCallback (at the end) does the same for any torch optimizer, writing its state with
 swapio.checkpoint (checkpoint-N/optimizer.safetensors); there the instance given to Trainer gets a load_state_dict
 that loads the reference (_install's load_reference).
 """
-import functools
 import os
 from typing import Any, Callable, Dict, Optional
 
@@ -35,9 +33,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core._errors import warn_once
 from ..optim import OffloadOptimizer
+from ..optim.optimizer import REFERENCE_KEY
 
 SUBDIR = "swapio-optim"
-REFERENCE_KEY = "swapio_checkpoint"
 _PENDING = "_swapio_pending_reference"  # attribute of a patched optimizer: the reference its state_dict returns
 
 
@@ -80,31 +78,6 @@ def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = No
     setattr(opt, "load_state_dict", load_state_dict)
 
 
-def _reference_aware(load_state_dict: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps OffloadOptimizer.load_state_dict: a reference streams the checkpoint in with opt.load(); anything else
-    goes to the wrapped method."""
-
-    @functools.wraps(load_state_dict)
-    def load_reference_or_state_dict(self: OffloadOptimizer, state_dict: Dict[str, Any]) -> Any:
-        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
-        if path is None:
-            return load_state_dict(self, state_dict)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
-                                    "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
-        self.load(path)
-
-    setattr(load_reference_or_state_dict, "swapio_reference_aware", True)  # marks the wrapper: wrap once
-    return load_reference_or_state_dict
-
-
-def _make_offload_optimizers_load_references() -> None:
-    """Idempotent. The natural home of this is OffloadOptimizer.load_state_dict itself (swapio.optim); until it
-    recognises references there, the integration wraps it once."""
-    if not getattr(OffloadOptimizer.load_state_dict, "swapio_reference_aware", False):
-        setattr(OffloadOptimizer, "load_state_dict", _reference_aware(OffloadOptimizer.load_state_dict))
-
-
 class _SavesBeforeTrainer(TrainerCallback):
     """Writes the optimizer's checkpoint right before Trainer saves (on_step_end / on_epoch_end with should_save:
     subclasses' _save) and leaves a reference for optimizer.pt; on_save drops a reference Trainer did not take."""
@@ -127,10 +100,6 @@ class _SavesBeforeTrainer(TrainerCallback):
 class StreamingCheckpointCallback(_SavesBeforeTrainer):
     """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
     (see the module)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        _make_offload_optimizers_load_references()
 
     def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)

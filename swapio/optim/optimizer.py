@@ -10,6 +10,7 @@ The step is split so that an update can be driven from outside step(): _step_par
 given parameters with the gradients grad_of(p) returns (step() passes every parameter and p.grad), with the
 same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
+import os
 import warnings
 
 import torch
@@ -38,6 +39,10 @@ def _check_betas_kind(betas):
 
 def _grad_attribute(p):
     return p.grad
+
+
+# The key of a state dict that refers to a streaming checkpoint (opt.save's directory) instead of holding the state.
+REFERENCE_KEY = "swapio_checkpoint"
 
 
 class OffloadOptimizer(Optimizer):
@@ -331,8 +336,16 @@ class OffloadOptimizer(Optimizer):
     def load_state_dict(self, state_dict):
         """Loads torch's format (from this optimizer or its torch.optim counterpart), keeping the state in fp32 even
         for bf16/fp16 parameters. Without "master", the master weights are taken from the parameters. torch's
-        Optimizer.load_state_dict() does the work (its hooks included); see swapio.optim.state_dict_hooks."""
+        Optimizer.load_state_dict() does the work (its hooks included); see swapio.optim.state_dict_hooks.
+        A reference ({REFERENCE_KEY: directory}: what the Trainer integration leaves in optimizer.pt instead of
+        the state) loads that streaming checkpoint with load()."""
         self._check_open()
+        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
+        if path is not None:
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
+                                        "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
+            return self.load(path)
         live_state, live_groups = dict(self.state), self.param_groups
         try:
             super().load_state_dict(state_dict)
