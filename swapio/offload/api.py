@@ -12,6 +12,7 @@ from . import dir_owner, grafting, preload
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
+from .weight_store import DiskStore, HostStore
 from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
@@ -230,8 +231,8 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
                             set_entry(unit.module, attr, kind, slot.placeholder)
                 del current[slot]
         _place_resident(resident, device)
-        streamer = WeightStreamer(model, units, slots, records, Fetcher(records, device, hosts=hosts), device,
-                               prefetch)
+        fetcher = Fetcher(records, device, hosts=hosts)
+        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, HostStore(fetcher))
     except BaseException:
         _put_back(units, original)
         raise
@@ -274,9 +275,10 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     their forward (accelerate's argument). progress: a bar of the weights written to offload_dir, on stderr
     (None: only when stderr is a terminal or SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm).
     Returns the model."""
-    if (offload_dir is None) == (checkpoint is None):
-        raise ValueError("disk_offload needs exactly one of offload_dir (write the model's weights there) or "
-                         "checkpoint (read them from a safetensors checkpoint)")
+    if offload_dir is None and checkpoint is None:
+        raise ValueError("disk_offload needs offload_dir (write the model's weights there) or checkpoint (read "
+                         "them from a safetensors checkpoint), or both (train weights read from a checkpoint: "
+                         "offload_dir receives the trained ones)")
     _check_model(model)
     prefetch = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
@@ -308,24 +310,31 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
             origin, by_name = os.fspath(checkpoint), names  # the header read once
+            if offload_dir is not None and odir.has_index(offload_dir):
+                by_name = {**names, **odir.read_index(offload_dir)}  # weights trained earlier, then the checkpoint
         elif any(t.device.type == "meta" for t in current.values()):
             if not odir.has_index(offload_dir):
                 meta = next(s.name for s, t in current.items() if t.device.type == "meta")
                 raise ValueError(f"{meta} is on the meta device and {os.fspath(offload_dir)} holds no swapio "
                                  "offload: pass checkpoint=..., or a model with its weights")
             origin, by_name = os.fspath(offload_dir), odir.read_index(offload_dir)
+        writable = None
         if by_name is not None:
             locations = {s: check_against(by_name, checkpoint_names(s.names), s.shape, s.dtype, origin).as_tuple()
                          for s in slots}
+            if offload_dir is not None and odir.has_index(offload_dir):
+                writable = odir.data_path(offload_dir)
         else:
             pack(records)
             locations = odir.write(offload_dir, records, current.__getitem__, handle, claim=dir_claim,
                                    progress=progress)
+            writable = next(iter(locations.values()))[0] if locations else None
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
-        streamer = WeightStreamer(model, units, slots, records,
-                               Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes), device, prefetch)
+        fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes)
+        store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
+        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store)
         if own:
             streamer.extra_close.append(handle.close)
         if dir_claim is not None:  # given up by remove_offload, or when the model is collected

@@ -21,6 +21,8 @@ from .ring import PinnedRing
 
 
 # Counters (swapio.offload.stats): wait_s and forward_s are seconds the streamer measures (streamer.py)
+REWRITING = object()  # Fetcher.writing's mark of a record whose new bytes an optimizer step computes now
+
 ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 
@@ -56,6 +58,7 @@ class Fetcher:
         self._spare, self._spare_user = None, None
         self.fetches = {}     # record -> Fetch, in the order they were started
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
+        self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = threading.RLock()
         self.stats = dict(ZERO_STATS)
 
@@ -140,6 +143,15 @@ class Fetcher:
             if fetch is not None:
                 fetch.copy = fetch.copy or copy
                 return fetch
+            written = self.writing.get(record)
+            if written is REWRITING:  # an optimizer step is computing its new bytes: read ahead later
+                if not required:
+                    return None
+                raise RuntimeError(f"a module needs the weights of {record} while an optimizer step rewrites them "
+                                   "(a forward running during step()?)")
+            if written is not None:  # the new bytes are on their way to the file: read them, not the old
+                del self.writing[record]
+                written.wait()
             if self.hosts is not None:
                 fetch = Fetch(record, self.hosts[record], ("host",), copy)
             else:
@@ -214,6 +226,45 @@ class Fetcher:
         holds only what runs or comes next, and the spare is reused only after that copy finished (event)."""
         fetch.device, fetch.copy = None, False
 
+    def resize_spare(self, nbytes):
+        """Records changed size (moved to offload_dir for training): the spare fits the largest again."""
+        with self.lock:
+            self.spare_bytes = nbytes
+            if self._spare is not None and self._spare.numel() < round_up(nbytes) and self._spare_user is None:
+                self._spare = None
+
+    def forget(self, record):
+        """Before the record's bytes are rewritten (training): drops its fetch, so that the next start() reads the
+        new bytes, after waiting for any read into it and any device copy out of it (whose source may be the
+        very host copy about to change). RuntimeError if a running module uses it now."""
+        with self.lock:
+            fetch = self.fetches.get(record)
+            if fetch is not None:
+                if fetch.users:
+                    raise RuntimeError(f"the weights of {record} are rewritten by an optimizer step while a module "
+                                       "runs with them (step() or a gradient inside that module's forward?)")
+                self._drop(fetch)
+            for event, f in self._deferred:
+                if f.record is record:
+                    event.synchronize()  # that one copy only
+            self._reclaim(block=False)
+
+    def rewriting(self, record):
+        """An optimizer step starts computing the record's new bytes: forget() it, and read it ahead no more
+        until wrote()."""
+        with self.lock:
+            self.forget(record)
+            self.writing[record] = REWRITING
+
+    def wrote(self, record, future):
+        """The record's new bytes are in place (future None) or being written by `future`, which the next
+        start() of it waits for first."""
+        with self.lock:
+            if future is None:
+                self.writing.pop(record, None)
+            else:
+                self.writing[record] = future
+
     def drop_unused(self, keep):
         """Drops the ring's fetches that nobody uses and that are not in `keep` (read ahead for modules that no
         longer come next); returns whether it dropped any."""
@@ -239,6 +290,10 @@ class Fetcher:
     def drain(self):
         """Waits for everything in flight and gives all memory back (remove_offload, errors)."""
         with self.lock:
+            for written in self.writing.values():
+                if written is not REWRITING:
+                    written.exception()  # waits; the writer reports its own error
+            self.writing = {}
             for fetch in list(self.fetches.values()):
                 self._drop(fetch)
             for event, fetch in self._deferred:

@@ -139,6 +139,12 @@ def write(directory, records, source_of, handle, chunk=CHUNK, claim=None, progre
     return locations
 
 
+def data_path(directory):
+    """The data file the index of `directory` names (read_index has checked it)."""
+    with open(os.path.join(os.fspath(directory), INDEX), "rb") as f:
+        return os.path.join(os.fspath(directory), strict_json(f.read(MAX_HEADER + 1), INDEX)["data"])
+
+
 def has_index(directory):
     return os.path.isfile(os.path.join(os.fspath(directory), INDEX))
 

@@ -17,6 +17,7 @@ from ..core._ranges import section
 from . import saved_tensors
 from .fetch import view
 from .schedule import Schedule
+from .training import Training
 from .units import install_placeholders, move_to, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
@@ -89,16 +90,8 @@ class _Outer(threading.local):
     inside = False  # every thread starts outside any offloaded forward
 
 
-def _gradient_error(name):
-    def hook(grad):
-        raise ValueError(f"a gradient reached the offloaded weight {name!r}, which requires grad: swapio.offload "
-                         "streams frozen weights only. Freeze it (requires_grad_(False)) before offloading, or "
-                         "keep it resident with keep_resident=[its module's name]")
-    return hook
-
-
 class WeightStreamer:
-    def __init__(self, model, units, slots, records, fetcher, device, prefetch):
+    def __init__(self, model, units, slots, records, fetcher, device, prefetch, store):
         self.model, self.units, self.slots, self.records = model, units, slots, records
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
@@ -107,6 +100,8 @@ class WeightStreamer:
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
         self.outer = _Outer()  # per thread: inside an offloaded forward already (stats' forward_s)
+        self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
+        self.extra_close.append(store.close)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
 
     # ---- hooks ----------------------------------------------------------------------------------------------
@@ -121,6 +116,7 @@ class WeightStreamer:
             if self.device.type != "cpu":
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
+            self.training.register(self.slots)
         except BaseException:
             self.detach()
             raise
@@ -172,7 +168,7 @@ class WeightStreamer:
             if kind == "param":
                 t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
                 if slot.requires_grad and grad:
-                    t.register_hook(_gradient_error(slot.name))
+                    self.training.watch(slot, t)
             set_entry(unit.module, attr, kind, t)
         if grad:
             unit.hooks_entered.append(self.saved.enter())
@@ -258,6 +254,7 @@ class WeightStreamer:
         for h in reversed(self.handles):
             h.remove()
         self.handles = []
+        self.training.unregister(self.slots)
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:

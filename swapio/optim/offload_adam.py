@@ -27,6 +27,9 @@ class OffloadAdam(OffloadOptimizer):
     cpu_threads: threads of the Adam kernel (None: torch.get_num_threads()).
     io_config: a JSON file (or dict) written by `swapio tune`; **io_kwargs: AioHandle settings (block_size,
         queue_depth, threads, engine, direct) overriding it. Used for the swap file and for save()/load().
+    in_backward: update each offloaded module's weights during backward, as soon as their gradients are
+        complete, on a CPU thread while backward goes on (the gradient is never stored); step() finishes what
+        backward started. One backward per step, no clip_grad_norm_. See docs/offload.md, "Training".
     state_dtype: how the moments are stored: "fp32" (default), "bf16" (stochastic rounding) or "int8"
         (block-wise dynamic quantisation, 256 elements a block); the master copy stays fp32. Not with amsgrad.
         See swapio.optim.state_format and docs/optim.md ("Smaller state").
@@ -39,12 +42,13 @@ class OffloadAdam(OffloadOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
                  buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32",
-                 **io_kwargs):
+                 in_backward=False, **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "decoupled_weight_decay": bool(decoupled_weight_decay)}
         super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
-                         state_dtype=state_dtype, io_kwargs=io_kwargs)
+                         state_dtype=state_dtype, io_kwargs=io_kwargs,
+                         in_backward=in_backward)
 
 
 class OffloadAdamW(OffloadAdam):
@@ -54,8 +58,10 @@ class OffloadAdamW(OffloadAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
-                 cpu_threads=None, io_config=None, state_dtype="fp32", **io_kwargs):
+                 cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
+                 **io_kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
-                         state_dtype=state_dtype, **io_kwargs)
+                         state_dtype=state_dtype, in_backward=in_backward,
+                         **io_kwargs)

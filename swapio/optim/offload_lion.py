@@ -23,8 +23,10 @@ class OffloadLion(OffloadOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, offload="cpu",
                  swap_dir=None, buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None,
-                 state_dtype="fp32", **io_kwargs):
+                 state_dtype="fp32", in_backward=False,
+                 **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
-                         state_dtype=state_dtype, io_kwargs=io_kwargs)
+                         state_dtype=state_dtype, io_kwargs=io_kwargs,
+                         in_backward=in_backward)

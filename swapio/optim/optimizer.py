@@ -22,6 +22,7 @@ from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
 from .ctrl_c import DeferredSigint
 from .nvme_state import NvmeState
+from .offloaded import OffloadedParams
 from .options import BufferBudget, io_settings
 from .params import FP32, PARAM_DTYPES, shard
 from .work import Work
@@ -59,7 +60,7 @@ class OffloadOptimizer(Optimizer):
     _decoupled = False  # every group's decoupled_weight_decay is forced True (AdamW)
 
     def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
-                 cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None):
+                 cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None, in_backward=False):
         if self._rule_type is None:
             raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW and OffloadLion: build one of "
                             "those (or a subclass that sets _rule_type)")
@@ -80,6 +81,7 @@ class OffloadOptimizer(Optimizer):
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._last_step = self._step_total = None  # step_report()
+        self._offloaded = OffloadedParams(self, in_backward)  # weights of swapio-offloaded models (offloaded.py)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
@@ -89,6 +91,11 @@ class OffloadOptimizer(Optimizer):
             self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io)
         else:
             self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io)
+        try:
+            self._offloaded.start(offload, self._backend, self._io)
+        except BaseException:
+            self.close()
+            raise
 
     # ---- torch.optim.Optimizer protocol ------------------------------------------------------------------------
     def __setstate__(self, state):
@@ -124,11 +131,13 @@ class OffloadOptimizer(Optimizer):
         group = self.param_groups[-1]
         for p in group["params"]:
             problem = None
+            if p.device.type == "meta" and self._offloaded.adopt(p):
+                continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
             p = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
             if p.dtype not in PARAM_DTYPES:
                 problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
             elif p.device.type not in ("cpu", "cuda"):
-                problem = f"device {p.device} (supported: cpu, cuda)"
+                problem = f"device {p.device} (supported: cpu, cuda, and weights offloaded by swapio.offload)"
             elif p.layout != torch.strided:
                 problem = f"layout {p.layout} (only dense parameters)"
             if problem is not None:
@@ -179,15 +188,60 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
         self._step_params(None, _grad_attribute)
         return loss
 
-    def _step_params(self, params, grad_of):
+    def zero_grad(self, set_to_none=True):
+        """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped."""
+        self._offloaded.zero_grad()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ over every gradient this optimizer owns (resident parameters' .grad and
+        offloaded weights' sums), computed as torch computes it; scales them by min(1, max_norm / (norm + 1e-6)),
+        applied to the offloaded sums where they are read next. Returns the total norm. Only the 2-norm. Not with
+        in_backward=True: each update runs before the last gradient exists (docs/offload.md, "Training")."""
+        self._check_open()
+        if self._offloaded.in_backward:
+            raise RuntimeError(f"clip_grad_norm_ needs every gradient before any update, but this "
+                               f"{type(self).__name__} has in_backward=True and updates each module during backward; "
+                               "build it with in_backward=False (gradients summed until step()) to clip")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
+        self._offloaded.wait()
+        params = [p for g in self.param_groups for p in g["params"]]
+        offloaded = self._offloaded.grads.norms([p for p in params if p in self._offloaded.entries])
+        resident = [p.grad for p in params if p not in self._offloaded.entries and p.grad is not None]
+        norms = [n.to("cpu") for n in torch._foreach_norm(resident)] if resident else []
+        norms += [offloaded[p] for p in params if p in offloaded]
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                               "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                               "norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device in {g.device for g in resident}:
+            torch._foreach_mul_([g for g in resident if g.device == device], coef.to(device))
+        self._offloaded.grads.scale(coef)
+        return total
+
+    def param_value(self, p):
+        """p's current value: the parameter itself, or for an offloaded weight a copy read from its storage."""
+        if p in self._offloaded.entries:
+            return self._offloaded.current(p)
+        return shard(p).detach()
+
+    def _step_params(self, params, grad_of, data_of=None):
         """Steps `params` (None: every parameter; else an iterable of this optimizer's parameters) with the
         gradients grad_of(p) gives (None: p is skipped), all or nothing per parameter. The seam for updates
         driven from outside step(): optimizer-in-backward stepping a module's parameters once their gradients
-        are complete, gradients accumulated somewhere other than p.grad."""
-        works, nonfinite = self._works(params, grad_of)
+        are complete, gradients accumulated somewhere other than p.grad. data_of(p): for an offloaded weight, the
+        CPU tensor that holds its current compute-dtype value and receives the new one (else None)."""
+        works, nonfinite = self._works(params, grad_of, data_of)
         if not works:
             return
         clock = self._backend.clock
@@ -213,7 +267,7 @@ class OffloadOptimizer(Optimizer):
                           "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
                           stacklevel=4)
 
-    def _works(self, params, grad_of):
+    def _works(self, params, grad_of, data_of=None):
         """(a Work for each wanted parameter that has a gradient, in param-group order; the int8 non-finite
         counter or None). Checks every gradient before anything is stepped."""
         rule, works, index = self._rule, [], -1
@@ -233,7 +287,8 @@ class OffloadOptimizer(Optimizer):
                                        "consider torch.optim.SparseAdam instead")
                 if g.dtype not in PARAM_DTYPES:
                     raise RuntimeError(f"gradient dtype {g.dtype} is not supported (float32, bfloat16, float16)")
-                gs, t = shard(g), shard(p)
+                data = data_of(p) if data_of is not None else None
+                gs, t = shard(g), data if data is not None else shard(p)
                 if gs.shape != t.shape or gs.device != t.device:
                     raise RuntimeError(f"gradient of shape {tuple(gs.shape)} on {gs.device} does not match its "
                                        f"parameter of shape {tuple(t.shape)} on {t.device}")
@@ -241,7 +296,8 @@ class OffloadOptimizer(Optimizer):
                 new = not st
                 step = 1 if new else int(st["step"].item()) + 1
                 works.append(Work(p, g, step, rule.fields(p, group), rule.update, hyper, new,
-                                  edited=not new and self._edited_outside(p), seed=index, nonfinite=nonfinite))
+                                  edited=not new and data is None and self._edited_outside(p), seed=index,
+                                  nonfinite=nonfinite, data=data))
         return works, nonfinite
 
     def _commit(self, works):
@@ -258,7 +314,7 @@ class OffloadOptimizer(Optimizer):
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
             st.update(w.created or {})
-            if w.master:
+            if w.master and not w.external:
                 self._written[w.p] = (w.t._version, w.t.data_ptr())
 
     def _edited_outside(self, p):
@@ -313,6 +369,7 @@ class OffloadOptimizer(Optimizer):
         def commit():
             self.__setstate__({"state": state, "param_groups": groups})
             self._torn = set()
+            self._offloaded.rewrite_from_master()  # the offload storage holds the weights the state implies
 
         self._backend.fill(entries, source, placement, state, check, commit)
 
@@ -366,6 +423,7 @@ class OffloadOptimizer(Optimizer):
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._check_whole()
+        self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
         checkpoint.save(self, path, progress)
 
     def load(self, path, *, progress=None):
@@ -383,6 +441,7 @@ class OffloadOptimizer(Optimizer):
         params = sum(shard(p).numel() for p in stateful)
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
         report.update(self._backend.memory())
+        report["grad_bytes"] = self._offloaded.grad_bytes()  # offloaded weights' gradient sums (RAM, or file)
         report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0
         return report
 
@@ -410,6 +469,9 @@ class OffloadOptimizer(Optimizer):
     def close(self):
         """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
         backend, self._backend = getattr(self, "_backend", None), None
+        offloaded = self.__dict__.get("_offloaded")
+        if offloaded is not None:
+            offloaded.close()  # before the backend's directory, which may hold the gradient sums, goes
         if backend is not None:
             backend.close()
 

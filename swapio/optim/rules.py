@@ -44,7 +44,8 @@ class Rule:
         alone could pick other scales (the signed map has no -1, so a block whose largest magnitude is negative
         decodes to 0.993 of its scale), while with the scales the codes are found again exactly."""
         moments = self.moments(group)
-        return moments + ((MASTER,) if shard(p).dtype in LOW_PRECISION else ()) + self.format.scales_of(moments)
+        master = shard(p).dtype in LOW_PRECISION or shard(p).is_meta  # meta: an offloaded weight's placeholder
+        return moments + ((MASTER,) if master else ()) + self.format.scales_of(moments)
 
     def hyper(self, group):
         raise NotImplementedError

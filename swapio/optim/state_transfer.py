@@ -94,7 +94,7 @@ def install(opt, new_groups, steps, fields, source, extra_state=None, check=None
     def filled(p, a, b, views):
         if MASTER in views and MASTER not in fields[p]:
             views = dict(views)
-            views.pop(MASTER).copy_(shard(p).detach().reshape(-1)[a:b])
+            views.pop(MASTER).copy_(opt.param_value(p).reshape(-1)[a:b])
         return source(p, a, b, views)
 
     opt.install_state(new_groups, state, {p: kept[p] for p in steps}, filled, list(kept.items()),

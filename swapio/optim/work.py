@@ -14,10 +14,13 @@ class Work:
     tensors in `created` (cpu mode); the optimizer then advances the count (OffloadOptimizer._commit)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started", "external")
 
-    def __init__(self, p, grad, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None):
-        t = shard(p)  # p: the parameter (the state's key); t: the tensor stepped
+    def __init__(self, p, grad, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None, data=None):
+        # p: the parameter (the state's key); t: the tensor stepped. data: for an offloaded weight (p is its meta
+        # placeholder), the CPU tensor that receives the new compute-dtype values (and holds the current ones)
+        self.external = data is not None
+        t = data if self.external else shard(p)
         self.p, self.t, self.numel, self.step, self.new = p, t, t.numel(), step, new
         self.seed, self.nonfinite = seed, nonfinite
         self.done, self.created = False, None
@@ -26,7 +29,7 @@ class Work:
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
         self.cuda = t.device.type == "cuda"
-        self.master = needs_master(t)
+        self.master = self.external or needs_master(t)  # an offloaded weight's master is the optimizer's
         self.low = t.dtype in LOW_PRECISION
         g = shard(grad).detach()
         self.grad = g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)

@@ -1,0 +1,117 @@
+"""Trainable offloaded weights: the streamer's side (gradients out, new weights in).
+
+model.parameters() of an offloaded model yields each offloaded weight's meta placeholder, one object per weight
+(ties kept). A swapio optimizer built from them claims their slots (OffloadedParams in swapio.optim.offloaded):
+it keeps the fp32 master with the moments and rewrites the compute-dtype copy in the offload storage at every
+step (WeightStore below), so the next forward reads the new weights.
+
+Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
+(watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
+never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped. `pending`
+counts, per slot, the leaves whose gradient has not arrived yet: at 0 the slot's gradient for this backward is
+complete, which is when an optimizer stepping in backward may update it. A trainable weight with no owner is a
+ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
+"""
+import threading
+import weakref
+
+import torch
+
+_by_placeholder = {}  # id(placeholder) -> (weakref to it, weakref to Training, slot); tensors compare by value
+OWNERS = "OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim)"
+
+
+def _forget(key):
+    entry = _by_placeholder.get(key)
+    if entry is not None and entry[0]() is None:
+        del _by_placeholder[key]
+
+
+def lookup(p):
+    """(Training, slot) of an offloaded weight's placeholder, or None for any other tensor."""
+    entry = _by_placeholder.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    training = entry[1]()
+    return None if training is None else (training, entry[2])
+
+
+class Training:
+    """Per offloaded model: who owns each trainable slot, and the gradients in flight."""
+
+    def __init__(self, streamer, store):
+        self._streamer = weakref.ref(streamer)
+        self.store = store  # WeightStore: where the compute-dtype copies are rewritten
+        self.owners = {}    # slot -> weakref to the OffloadedParams that owns it
+        self.pending = {}   # slot -> leaves made by forwards whose gradient has not arrived yet
+        self.lock = threading.Lock()
+
+    @property
+    def streamer(self):
+        return self._streamer()
+
+    def register(self, slots):
+        for slot in slots:
+            if slot.is_param:
+                key = id(slot.placeholder)
+                _by_placeholder[key] = (weakref.ref(slot.placeholder, lambda _, k=key: _forget(k)),
+                                        weakref.ref(self), slot)
+
+    def unregister(self, slots):
+        for slot in slots:
+            entry = _by_placeholder.get(id(slot.placeholder))
+            if entry is not None and entry[1]() is self:
+                del _by_placeholder[id(slot.placeholder)]
+
+    # ---- ownership --------------------------------------------------------------------------------------------
+    def claim(self, slot, owner):
+        with self.lock:
+            current = self.owners.get(slot)
+            current = current() if current is not None else None
+            if current is not None and current is not owner:
+                raise ValueError(f"the offloaded weight {slot.name!r} is already trained by another swapio optimizer "
+                                 "(close() it, or give each optimizer its own weights)")
+            self.owners[slot] = weakref.ref(owner)
+
+    def release(self, owner):
+        with self.lock:
+            for slot in [s for s, o in self.owners.items() if o() is owner or o() is None]:
+                del self.owners[slot]
+
+    def owner_of(self, slot):
+        ref = self.owners.get(slot)
+        return ref() if ref is not None else None
+
+    def owners_alive(self):
+        return {o for o in (r() for r in list(self.owners.values())) if o is not None}
+
+    # ---- gradients --------------------------------------------------------------------------------------------
+    def watch(self, slot, leaf):
+        """A forward made `leaf` for the trainable `slot`: its gradient goes to the slot's owner."""
+        with self.lock:
+            self.pending[slot] = self.pending.get(slot, 0) + 1
+        leaf.register_post_accumulate_grad_hook(lambda t: self._arrived(slot, t))
+
+    def _arrived(self, slot, leaf):
+        grad, leaf.grad = leaf.grad, None
+        with self.lock:
+            left = self.pending.get(slot, 1) - 1
+            self.pending[slot] = max(left, 0)
+        owner = self.owner_of(slot)
+        if owner is None:
+            raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
+                             f"swapio optimizer owns it: build an {OWNERS} over model.parameters() to train it (a "
+                             "torch.optim optimizer would step the meta placeholder and never update the weight), "
+                             "or freeze it (requires_grad_(False)), or keep its module resident with "
+                             "keep_resident=[...]")
+        owner.gradient(slot, grad, complete=left <= 0)
+
+    def complete(self, slot):
+        """No leaf of the slot waits for its gradient."""
+        with self.lock:
+            return self.pending.get(slot, 0) == 0
+
+    def reset(self):
+        """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
+        with self.lock:
+            self.pending.clear()

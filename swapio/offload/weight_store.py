@@ -1,0 +1,172 @@
+"""Where an optimizer step rewrites an offloaded model's compute-dtype weights: a record at a time.
+
+An optimizer updates every trainable slot of a record, then the record's bytes go back where the streamer reads
+them: cpu_offload's host copy is rewritten in place (HostStore); on disk (DiskStore) the record is written
+whole, with one aligned O_DIRECT request from a pinned buffer, over its place in swapio's own data file in
+offload_dir. A record that mixes frozen and trainable weights, or a first step (which needs the current values
+for the fp32 master), reads the record first. The fetcher forgets its copy of the record before, and reads it
+again only after the write finished (Fetcher.forget / wrote).
+
+A checkpoint= is never written to: before the first step, the records an optimizer trains move into a new data
+file in offload_dir (offload_dir.write, committed with its index), and the streamer reads them from there. So
+training a model offloaded from a checkpoint needs disk_offload(model, checkpoint=..., offload_dir=...); a new
+process that offloads the same way reads the trained weights from offload_dir again.
+"""
+import os
+
+import torch
+
+from ..core.pinned import empty_pinned
+from . import offload_dir as odir
+from .fetch import view
+from .layout import pack, place_on_disk, round_up
+
+
+def current_value(fetcher, slot):
+    """A CPU copy of the slot's value as the streamer reads it now."""
+    fetch = fetcher.acquire(slot.record)
+    try:
+        return view(fetch, slot).to("cpu", copy=True)
+    finally:
+        fetcher.release(fetch)
+
+
+class HostStore:
+    """cpu_offload: the records' host copies are the storage."""
+
+    def __init__(self, fetcher):
+        self.fetcher = fetcher
+
+    def ensure_owned(self, records):
+        pass
+
+    def begin(self, record, need_current):
+        """The record's memory to write the new values into (holding the current ones)."""
+        self.fetcher.rewriting(record)  # and waits for a device copy out of the host copy still in flight
+        return self.fetcher.hosts[record][:record.nbytes]
+
+    def end(self, record, buf, keep=()):
+        self.fetcher.wrote(record, None)  # written in place; weights not stepped (keep) were never touched
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class DiskStore:
+    """disk_offload: records in swapio's packed data file of offload_dir, rewritten in place. `locations`: slot ->
+    (path, offset, nbytes) as the streamer reads it; `writable`: the data file swapio owns (None: checkpoint only)."""
+
+    def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable):
+        self.records, self.fetcher, self.handle = streamer_records, fetcher, handle
+        self.locations, self.offload_dir, self.claim, self.writable = locations, offload_dir, claim, writable
+        self._buffers = [None, None]   # pinned, grown to the largest record written
+        self._pending = [None, None]   # the write out of each buffer
+        self._turn = 0
+
+    def owned(self, record):
+        spans = record.spans
+        return (len(spans) == 1 and spans[0][0] == self.writable and spans[0][3] == 0
+                and spans[0][2] == record.nbytes)
+
+    def ensure_owned(self, records):
+        """Moves the records not yet in swapio's own data file there (with every record already in it)."""
+        moving = [r for r in records if not self.owned(r)]
+        if not moving:
+            return
+        if self.offload_dir is None:
+            names = ", ".join(repr(s.name) for s in moving[0].slots[:3])
+            raise ValueError(f"the offloaded weights ({names}, ...) are read from a checkpoint, which swapio never "
+                             "writes to: to train them, offload with disk_offload(model, checkpoint=..., "
+                             "offload_dir=<a directory>), where each step writes the trained weights")
+        self.flush()
+        keep = [r for r in self.records if self.owned(r) or r in moving]
+        for record in keep:
+            self.fetcher.forget(record)
+        old = dict(self.locations)
+
+        def source_of(slot):
+            path, offset, nbytes = old[slot]
+            t = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                self.handle.pread(t, path, offset).wait()
+            return t
+
+        saved = {r: (dict(r.offsets), r.nbytes, list(r.spans)) for r in keep}
+        try:
+            pack(keep)
+            new = odir.write(self.offload_dir, keep, source_of, self.handle, claim=self.claim)
+        except BaseException:
+            for r, (offsets, nbytes, spans) in saved.items():
+                r.offsets, r.nbytes, r.spans = offsets, nbytes, spans
+            raise
+        self.writable = next(iter(new.values()))[0]
+        place_on_disk(keep, new, {self.writable: os.path.getsize(self.writable)})
+        self.locations.update(new)
+        self.fetcher.resize_spare(max(r.nbytes for r in self.records))
+
+    def begin(self, record, need_current):
+        k = self._turn
+        self._turn ^= 1
+        pending, self._pending[k] = self._pending[k], None
+        if pending is not None:
+            pending.wait()
+        buf = self._buffers[k]
+        if buf is None or buf.numel() < record.nbytes:
+            buf = self._buffers[k] = None
+            buf = self._buffers[k] = empty_pinned(round_up(record.nbytes), torch.uint8)
+        buf = buf[:record.nbytes]
+        with self.fetcher.lock:
+            written = self.fetcher.writing.pop(record, None)
+        if written is not None:  # the last step's write of this record
+            written.wait()
+        self.fetcher.rewriting(record)
+        try:
+            if need_current:
+                path, offset, length, _ = record.spans[0]
+                self.handle.pread(buf[:length], path, offset).wait()
+            else:
+                buf.zero_()  # the padding between tensors
+        except BaseException:
+            self.fetcher.wrote(record, None)  # the old bytes are still the record's
+            raise
+        return buf
+
+    def end(self, record, buf, keep=()):
+        """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
+        before them, on a buffer begin() did not fill), read back from the file first."""
+        path, offset, length, _ = record.spans[0]
+        try:
+            if keep:
+                old = torch.empty(record.nbytes, dtype=torch.uint8)
+                self.handle.pread(old[:length], path, offset).wait()
+                for slot in keep:
+                    at = record.offsets[slot]
+                    buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
+            future = self.handle.pwrite(buf[:length], path, offset)
+        except BaseException:
+            self.fetcher.wrote(record, None)
+            raise
+        self.fetcher.wrote(record, future)
+        k = self._turn ^ 1  # the buffer begin() handed out last
+        self._pending[k] = future
+
+    def flush(self):
+        """Waits for every write; raises the first error."""
+        error = None
+        for k, f in enumerate(self._pending):
+            self._pending[k] = None
+            if f is not None:
+                exc = f.exception()
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def close(self):
+        for f in self._pending:
+            if f is not None:
+                f.exception()
+        self._pending = [None, None]
+        self._buffers = [None, None]

@@ -1,0 +1,254 @@
+"""An optimizer's offloaded parameters: weights of a model offloaded by swapio.offload that it trains.
+
+Such a parameter is the weight's meta placeholder (what model.parameters() yields); the optimizer keeps its fp32
+master with the moments (state field "master", in RAM or in the swap file) and, after each update, writes the
+compute-dtype copy back into the offload storage, a record (a module's weights) at a time
+(swapio.offload.weight_store). Gradients arrive from the streamer's hooks (swapio.offload.training), off the
+execution device as soon as each module's backward produced them, and are either
+  summed in fp32 (grad_store: RAM in cpu mode, a file beside the state in nvme mode) until step(), or,
+  with in_backward=True, handed to a worker thread that updates each record as soon as all of its gradients are
+  in, while backward goes on with earlier modules: the gradient is never stored. step() waits for that worker,
+  updates what backward left (weights whose gradient was still incomplete) and then the resident parameters.
+At most two records wait for the worker; a third gradient waits in backward (memory stays bounded).
+"""
+import threading
+import weakref
+
+import torch
+
+from ..core import cuda_copy
+from ..core.pinned import empty_pinned
+from ..offload.training import lookup
+from .grad_store import FileGrads, RamGrads
+from .params import FP32, MASTER
+
+MAX_QUEUED = 2
+
+
+def to_host(g):
+    """The gradient in host memory: a CPU gradient as it is; a CUDA one copied on the side copy stream into a
+    pinned tensor, after the compute stream's work that produced it, waiting for that copy only."""
+    if g.device.type == "cpu":
+        return g
+    stream = cuda_copy.copy_stream(g.device)
+    host = empty_pinned(tuple(g.shape), g.dtype)
+    produced = torch.cuda.Event()
+    produced.record(torch.cuda.current_stream(g.device))
+    stream.wait_event(produced)
+    with torch.cuda.stream(stream):
+        host.copy_(g, non_blocking=True)
+    g.record_stream(stream)  # its memory is not reused before the copy ran
+    copied = torch.cuda.Event()
+    copied.record(stream)
+    copied.synchronize()
+    return host
+
+
+class OffloadedParams:
+    def __init__(self, opt, in_backward):
+        if not isinstance(in_backward, bool):
+            raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
+        self._opt = weakref.ref(opt)
+        self.in_backward = in_backward
+        self.entries = {}    # p -> (Training, slot)
+        self.param_of = {}   # slot -> p
+        self.grads = None    # RamGrads | FileGrads, from start()
+        self.partial = {}    # in_backward: p -> fp32 gradient of this backward, until its record is updated
+        self.queued = set()  # in_backward: records handed to the worker since the last step()
+        self.futures = []
+        self.executor = None
+        self.error = None
+        self.lock = threading.Lock()
+
+    def __bool__(self):
+        return bool(self.entries)
+
+    # ---- setting up --------------------------------------------------------------------------------------------
+    def adopt(self, p):
+        """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
+        found = lookup(p)
+        if found is None:
+            return False
+        training, slot = found
+        training.claim(slot, self)
+        self.entries[p], self.param_of[slot] = (training, slot), p
+        return True
+
+    def start(self, offload, backend, io_settings):
+        """After the state backend exists: gradient sums beside it, and the trained records in storage swapio owns."""
+        if self.grads is None:
+            self.grads = FileGrads(backend.directory, io_settings) if offload == "nvme" else RamGrads()
+        for training, records in self._records().items():
+            training.store.ensure_owned(records)
+
+    def _records(self):
+        """{Training: its records holding a weight of this optimizer, in the streamer's order}."""
+        out = {}
+        for training, slot in self.entries.values():
+            out.setdefault(training, set()).add(slot.record)
+        return {t: [r for r in t.streamer.records if r in rs] for t, rs in out.items() if t.streamer is not None}
+
+    # ---- gradients (the backward thread) --------------------------------------------------------------------
+    def gradient(self, slot, g, complete):
+        self._raise_error()
+        p = self.param_of[slot]
+        g = to_host(g)
+        if not self.in_backward:
+            self.grads.add(p, g)
+            return
+        training = self.entries[p][0]
+        with self.lock:
+            if slot.record in self.queued:
+                raise RuntimeError(f"{slot.name!r} got a gradient after this backward already updated it: with "
+                                   "in_backward=True every backward is one step, so call step() (and zero_grad()) "
+                                   "after each backward; to sum the gradients of several backward passes, build "
+                                   "the optimizer with in_backward=False")
+            s = self.partial.get(p)
+            self.partial[p] = g.to(FP32, copy=True) if s is None else s.add_(g)
+        if complete:
+            self._maybe_queue(training, slot.record)
+
+    def _maybe_queue(self, training, record):
+        owned = [s for s in record.slots if s in self.param_of]
+        with self.lock:
+            if record in self.queued or not all(training.complete(s) for s in owned):
+                return
+            grads = {self.param_of[s]: self.partial.pop(self.param_of[s]) for s in owned
+                     if self.param_of[s] in self.partial}
+            if not grads:
+                return
+            self.queued.add(record)
+        while len(self.futures) >= MAX_QUEUED:  # backward waits: at most MAX_QUEUED records' gradients held
+            self.futures.pop(0).result()
+        if self.executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
+        self.futures.append(self.executor.submit(self._update_guarded, training, record, grads))
+
+    def _update_guarded(self, training, record, grads):
+        try:
+            with torch.no_grad():
+                self.update(training, record, grads)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def _raise_error(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def wait(self):
+        """Waits for every update handed to the worker; raises the first error."""
+        error = None
+        while self.futures:
+            try:
+                self.futures.pop(0).result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+                error = error or exc
+        self.error = None
+        if error is not None:
+            raise error
+
+    # ---- updates -------------------------------------------------------------------------------------------
+    def update(self, training, record, grads):
+        """Steps this optimizer's weights in `record` with grads {p: fp32 gradient} and writes the record back."""
+        opt = self._opt()
+        params = [self.param_of[s] for s in record.slots if self.param_of.get(s) in grads]
+        if not params:
+            return
+        steps = {p: _step_of(opt, p) for p in params}
+        need_current = any(n == 0 for n in steps.values()) or len(params) < len(record.slots)
+        store = training.store
+        buf = store.begin(record, need_current)
+        data = {p: _slot_view(buf, record, self.entries[p][1]) for p in params}
+        try:
+            opt._step_params(params, grads.get, data.get)
+        finally:
+            kept = [self.entries[p][1] for p in params if _step_of(opt, p) == steps[p]]  # not stepped: old bytes
+            store.end(record, buf, keep=kept if kept and not need_current else ())
+
+    def finish(self):
+        """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
+        self.wait()
+        try:
+            for training, records in self._records().items():
+                for record in records:
+                    owned = [self.param_of[s] for s in record.slots if s in self.param_of]
+                    if self.in_backward:
+                        grads = {p: self.partial.pop(p) for p in owned if p in self.partial}
+                    else:
+                        grads = {p: self.grads.read(p, k) for k, p in enumerate(owned) if self.grads.has(p)}
+                    if grads:
+                        self.update(training, record, grads)
+                training.store.flush()
+        finally:
+            for training in self._records():
+                training.reset()
+            self.queued.clear()
+            self.partial.clear()
+
+    def flush(self):
+        self.wait()
+        for training in self._records():
+            training.store.flush()
+
+    def zero_grad(self):
+        self.wait()
+        if self.grads is not None:
+            self.grads.clear()
+        self.partial.clear()
+
+    def rewrite_from_master(self):
+        """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest
+        even, as the kernels round), so the storage holds the weights the loaded state implies."""
+        opt = self._opt()
+        self.wait()
+        for training, records in self._records().items():
+            for record in records:
+                owned = [self.param_of[s] for s in record.slots if s in self.param_of]
+                stateful = [p for p in owned if _step_of(opt, p) > 0]
+                if not stateful:
+                    continue
+                buf = training.store.begin(record, len(stateful) < len(record.slots))
+                views = {p: _slot_view(buf, record, self.entries[p][1]).view(-1) for p in stateful}
+
+                def sink(p, a, b, fields, views=views):
+                    views[p][a:b].copy_(fields[MASTER][:b - a])
+
+                opt.read_state(stateful, sink)
+                training.store.end(record, buf)
+            training.store.flush()
+
+    def current(self, p):
+        """p's compute-dtype value as the offload storage holds it (a CPU copy)."""
+        from ..offload.weight_store import current_value
+        training, slot = self.entries[p]
+        return current_value(training.streamer.fetcher, slot)
+
+    def grad_bytes(self):
+        return self.grads.nbytes() if self.grads is not None else 0
+
+    def close(self):
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - closing: the error was the step's to report
+            pass
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+        for training in self._records():
+            training.release(self)
+        if self.grads is not None:
+            self.grads.close()
+            self.grads = None
+
+
+def _step_of(opt, p):
+    st = opt.state.get(p)
+    return int(st["step"].item()) if st and "step" in st else 0
+
+
+def _slot_view(buf, record, slot):
+    off = record.offsets[slot]
+    return buf[off:off + slot.nbytes].view(slot.dtype).view(slot.shape)
