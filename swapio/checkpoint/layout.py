@@ -71,15 +71,6 @@ def plan(skeleton, entries, extra_metadata=None):
     chained = set(chain)
     order = chain + sorted((i for i in range(len(entries)) if i not in chained),
                            key=lambda i: (-entries[i].tensor.element_size(), entries[i].nbytes >= SMALL))  # stable
-    relative, begin = [0] * len(entries), 0
-    header = {}
-    for i in order:
-        e = entries[i]
-        relative[i] = begin
-        header[e.name] = {"dtype": e.dtype_name,
-                          "shape": stored_shape(e.tensor.shape, e.tensor.dtype, e.raw),
-                          "data_offsets": [begin, begin + e.nbytes]}
-        begin += e.nbytes
     metadata = dict(extra_metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")
@@ -89,6 +80,29 @@ def plan(skeleton, entries, extra_metadata=None):
                          f"{META_FORMAT!r}, {META_VERSION!r} and {META_STRUCTURE!r} itself; use another key")
     metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
                      META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
+    return _pack(entries, order, metadata, residue)
+
+
+def plain(entries, metadata):
+    """The plan of a plain safetensors file, what save_pretrained writes (no swapio structure: `metadata` is the
+    whole __metadata__), data 4 KiB-aligned. Tensors by element size, largest first, else in the order given
+    (swapio.offload.export orders them so that each offloaded record is fetched once)."""
+    order = sorted(range(len(entries)), key=lambda i: -entries[i].tensor.element_size())  # stable
+    return _pack(entries, order, metadata, 0)
+
+
+def _pack(entries, order, metadata, residue):
+    """The Plan of entries laid out back to back in `order`, the data starting at an offset congruent to
+    `residue` modulo 4 KiB."""
+    relative, begin = [0] * len(entries), 0
+    header = {}
+    for i in order:
+        e = entries[i]
+        relative[i] = begin
+        header[e.name] = {"dtype": e.dtype_name,
+                          "shape": stored_shape(e.tensor.shape, e.tensor.dtype, e.raw),
+                          "data_offsets": [begin, begin + e.nbytes]}
+        begin += e.nbytes
     text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
     data_start = round_up(8 + len(text) - residue) + residue  # congruent to the chain's residue (0: aligned)
     text += b" " * (data_start - 8 - len(text))

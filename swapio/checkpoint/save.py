@@ -42,26 +42,38 @@ def write_and_commit(plan, pending, pieces, staging, handle=None, direct=(), seg
     """Writes the file (pieces through staging, direct: (offset, bytes) written from the tensors' own memory),
     then publishes it. On any failure the temporary file is removed."""
     try:
-        own = handle is None
-        h = new_handle() if own else handle
-        try:
-            _write(h, pending, plan.total, pieces, staging, direct, segments)
-        except OSError as exc:
-            staging.release()  # every request was waited for: the buffers are free
-            raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
-                                     f"{exc.strerror or exc}", pending.final) from exc
-        finally:
-            if own:
-                h.close()
-        staging.release()  # (not after an interruption: a request may still be reading them)
-        try:
-            pending.commit(plan.total)
-        except OSError as exc:  # named after the checkpoint, not the temporary file (nor the rename's pair)
-            raise OSError(exc.errno, f"committing the checkpoint {pending.final} failed: {exc.strerror or exc}",
-                          pending.final) from exc
+        write_pending(plan, pending, pieces, staging, handle, direct, segments)
+        commit_pending(pending, plan.total)
     finally:
         pending.abort()  # a no-op once committed
     return plan.total
+
+
+def write_pending(plan, pending, pieces, staging, handle=None, direct=(), segments=None):
+    """The bytes of the file into its temporary file, not yet published (swapio.offload.export writes every
+    shard before it publishes any); OSError named after the checkpoint. The caller aborts `pending` on failure."""
+    own = handle is None
+    h = new_handle() if own else handle
+    try:
+        _write(h, pending, plan.total, pieces, staging, direct, segments)
+    except OSError as exc:
+        staging.release()  # every request was waited for: the buffers are free
+        raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
+                                 f"{exc.strerror or exc}", pending.final) from exc
+    finally:
+        if own:
+            h.close()
+    staging.release()  # (not after an interruption: a request may still be reading them)
+
+
+def commit_pending(pending, size):
+    """Publishes a file of `size` bytes written to pending; OSError named after the checkpoint, not the temporary
+    file."""
+    try:
+        pending.commit(size)
+    except OSError as exc:  # (nor the rename's pair)
+        raise OSError(exc.errno, f"committing the checkpoint {pending.final} failed: {exc.strerror or exc}",
+                      pending.final) from exc
 
 
 def _write(h, pending, total, pieces, staging, direct, segments):

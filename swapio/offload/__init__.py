@@ -1,12 +1,14 @@
 """swapio.offload: run models whose weights do not fit, streaming them from pinned RAM or NVMe with prefetch.
 
 accelerate's names and arguments (cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload), so that
-switching is one import; see docs/offload.md.
+switching is one import; save_checkpoint writes an offloaded model's current weights as safetensors. See
+docs/offload.md.
 """
 from .api import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload, stats
 from .chain import CpuOffloadHook
+from .export import save_checkpoint
 from .load import load_file
 from .pretrained import from_pretrained
 
 __all__ = ["CpuOffloadHook", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "from_pretrained", "load_file",
-           "remove_offload", "stats"]
+           "remove_offload", "save_checkpoint", "stats"]

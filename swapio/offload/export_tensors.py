@@ -1,0 +1,96 @@
+"""What save_checkpoint stores, and where each tensor's bytes come from.
+
+The tensors are the model's state_dict, in its order, each stored once under its first name: a tied weight (one
+Slot with several names, or one resident tensor reached from several modules) is dropped under its later names,
+as save_pretrained drops tied duplicates; non-persistent buffers are not in state_dict, so not stored. An
+offloaded tensor's bytes are read through the model's own fetcher (never from the offload files directly: the
+fetcher knows where the current weights are, whoever rewrites them); a resident one comes from the model.
+"""
+import torch
+
+from ..checkpoint.bytes_of import flat_bytes
+from ..checkpoint.structure import Entry
+from .fetch import view
+
+
+class Item:
+    """One stored tensor: its Entry (name, shape, dtype, bytes) and either its Slot or its resident tensor."""
+
+    __slots__ = ("entry", "slot", "tensor")
+
+    def __init__(self, entry, slot, tensor):
+        self.entry, self.slot, self.tensor = entry, slot, tensor
+
+
+def _key(t):
+    """Resident tensors that are the same view of the same memory are one tensor (a tie)."""
+    if not t.numel():
+        return ("id", id(t))
+    return ("view", t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def items(model, streamer=None):
+    """[Item] in state_dict order, each tensor once. TypeError for what safetensors cannot hold, ValueError for a
+    tensor on meta that swapio does not stream (it has no value)."""
+    by_name, by_id = {}, {}
+    for slot in streamer.slots if streamer is not None else ():
+        by_name.update((n, slot) for n in slot.names)
+        by_id.update((id(t), slot) for t in (slot.placeholder, slot.stand_in) if t is not None)
+    seen, out = set(), []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__} (a module's extra state), which a "
+                            "safetensors checkpoint cannot hold")
+        slot = by_name.get(name) or by_id.get(id(t))
+        if slot is None and t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device and not offloaded by swapio: it has no value to save")
+        key = ("slot", slot.index) if slot is not None else _key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        entry = Entry(name, slot.placeholder if slot is not None else t, name)
+        if entry.raw:
+            raise TypeError(f"{name} is {t.dtype}, which safetensors has no name for: other readers would see raw "
+                            "bytes (cast it to a safetensors dtype first)")
+        out.append(Item(entry, slot, None if slot is not None else t.detach()))
+    return out
+
+
+class Reader:
+    """The bytes of each item, asked in file order (the streaming writer's sources: one at a time, each copied
+    into staging before the next is asked). An offloaded tensor's record is acquired as materialize() does, the
+    next `ahead` records of the file started meanwhile (as far as the ring has room), and released when the file
+    moves on to another record: one record held at a time, whatever the model's size."""
+
+    def __init__(self, streamer, items_in_file_order):
+        self.fetcher = streamer.fetcher if streamer is not None else None
+        self.ahead = max(2, streamer.prefetch) if streamer is not None else 0
+        self.sequence = []  # the records in the order the file reaches them (zero-byte tensors are never asked)
+        for it in items_in_file_order:
+            record = it.slot.record if it.slot is not None and it.entry.nbytes else None
+            if record is not None and (not self.sequence or self.sequence[-1] is not record):
+                self.sequence.append(record)
+        self.next, self.held = 0, None
+
+    def source(self, item):
+        """The callable the writer asks for the item's bytes (a 1-D uint8 tensor)."""
+        if item.slot is None:
+            return lambda: flat_bytes(item.tensor)
+        return lambda: self._offloaded(item.slot)
+
+    def _offloaded(self, slot):
+        if self.held is None or self.held.record is not slot.record:
+            self.release()
+            while self.sequence[self.next] is not slot.record:
+                self.next += 1
+            self.next += 1
+            for later in self.sequence[self.next:self.next + self.ahead]:
+                if self.fetcher.start(later) is None:
+                    break  # the ring is full: reads go on from here at the next record
+            self.held = self.fetcher.acquire(slot.record)
+        return flat_bytes(view(self.held, slot))
+
+    def release(self):
+        held, self.held = self.held, None
+        if held is not None:
+            self.fetcher.release(held)
