@@ -360,6 +360,8 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
+    for optimizer in owner.training.owners_alive():
+        optimizer.flush()  # updates still running in backward: the weights come back as the last step left them
     resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:
         owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back

@@ -45,6 +45,7 @@ class Training:
         self.owners = {}    # slot -> weakref to the OffloadedParams that owns it
         self.pending = {}   # slot -> leaves made by forwards whose gradient has not arrived yet
         self.lock = threading.Lock()
+        self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
 
     @property
     def streamer(self):
@@ -58,6 +59,7 @@ class Training:
                                         weakref.ref(self), slot)
 
     def unregister(self, slots):
+        self.closed = True
         for slot in slots:
             entry = _by_placeholder.get(id(slot.placeholder))
             if entry is not None and entry[1]() is self:

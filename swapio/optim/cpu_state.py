@@ -26,7 +26,7 @@ class CpuState:
         self.io_settings = io_settings
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
 
-    def place(self, placement):
+    def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 
     def step(self, works, threads, ctrl_c):

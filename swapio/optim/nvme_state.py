@@ -141,9 +141,11 @@ class NvmeState:
             probe.n -= 1024
         return probe.n
 
-    def place(self, params_fields):
+    def place(self, params_fields, group_of=None):
         """Places parameters not placed yet (or whose kind changed while they have no state). params_fields:
-        (p, the rule's fields for p) pairs."""
+        (p, the rule's fields for p) pairs. group_of(p): parameters stepped together apart from the rest (an
+        offloaded module's weights, stepped a record at a time) share no chunk with other groups, so stepping
+        one group reads and writes no other group's state."""
         new = []
         for p, fields in params_fields:
             cuda = shard(p).device.type == "cuda"
@@ -168,8 +170,13 @@ class NvmeState:
             # than buffer_bytes pins about its own size (buffer_count slots of its largest record), not more.
             share = -(-sum(shard(p).numel() for p in params) // self.buffer_count)
             cap = min(self.capacity(fields, cuda), max(1024, -(-share // 1024) * 1024))
-            chunk = None
+            chunk, group = None, None
             for p in params:
+                mine = group_of(p) if group_of is not None else None
+                if mine is not None or group is not None:
+                    if mine is not group:
+                        chunk = None  # a new group starts a new chunk
+                    group = mine
                 segs = []
                 a, numel = 0, shard(p).numel()
                 while a < numel:

@@ -63,6 +63,11 @@ class OffloadedParams:
     def __bool__(self):
         return bool(self.entries)
 
+    def group_of(self, p):
+        """The record of an offloaded weight (stepped a record at a time), else None."""
+        entry = self.entries.get(p)
+        return entry[1].record if entry is not None else None
+
     # ---- setting up --------------------------------------------------------------------------------------------
     def adopt(self, p):
         """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
@@ -171,6 +176,11 @@ class OffloadedParams:
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
+        for training, slot in self.entries.values():
+            if training.closed or training.streamer is None:
+                raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
+                                   "dropped): its weights are resident parameters now, which this optimizer does "
+                                   "not own; build a new optimizer over model.parameters()")
         try:
             for training, records in self._records().items():
                 for record in records:

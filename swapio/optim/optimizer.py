@@ -249,7 +249,8 @@ class OffloadOptimizer(Optimizer):
         with DeferredSigint() as ctrl_c:
             try:
                 with section("swapio::step"):
-                    self._backend.place(self.param_fields())  # parameters seen for the first time get their place
+                    # parameters seen for the first time get their place
+                    self._backend.place(self.param_fields(), self._offloaded.group_of)
                     self._backend.step(works, self.cpu_threads, ctrl_c)
             finally:  # also when interrupted: the parameters fully stepped get their new count
                 self._commit(works)
