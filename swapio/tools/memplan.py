@@ -85,19 +85,39 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     """The ways to train, in this order: with a GPU, torch's optimizer with its state on the GPU,
     OffloadAdamW(offload="cpu") with the state in RAM, OffloadAdamW(offload="nvme") with the state on disk and
     `buffer_bytes` of pinned RAM; then without a GPU (training on the CPU), OffloadAdamW(offload="cpu") with
-    everything in RAM and OffloadAdamW(offload="nvme") with the weights and gradients in RAM, the state on disk."""
+    everything in RAM and OffloadAdamW(offload="nvme") with the weights and gradients in RAM, the state on disk;
+    then the weights offloaded too (issue 18: swapio.offload + a swapio optimizer), where the GPU, if any, holds
+    a few modules at a time: cpu_offload with everything in RAM (fp32 gradient sums), and disk_offload with
+    offload="nvme", weights, fp32 gradient sums and state on disk (or no gradient sums with in_backward=True),
+    `buffer_bytes` of pinned RAM for the state and as much again for the weights' ring (not counted: the
+    largest modules' working copies, activations)."""
     weights_and_grads = round(params * (per.weights + per.grads))
     state = round(params * per.state)
     pipeline = min(buffer_bytes, state)
+    weights, grad_sums = round(params * per.weights), params * 4  # offloaded weights' gradients sum in fp32
     ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
             ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
             ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
             ('no GPU, offload="cpu" (all in RAM)', 0, weights_and_grads + state, 0),
-            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state)]
+            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state),
+            ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + state, 0),
+            ('weights offloaded, "nvme" (all on disk)', 0, 2 * pipeline, weights + grad_sums + state),
+            ('  the same, in_backward=True', 0, 2 * pipeline, weights + state)]
     have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
     return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
                                    if need})
             for name, g, r, d in ways]
+
+
+def offloaded_step_seconds(weight_bytes, params, state_bytes, read_bytes_per_s, write_bytes_per_s,
+                           in_backward=False):
+    """A training step of offloaded weights and state (disk_offload + offload="nvme"): the weights are read in
+    forward and again in backward and written once; the state read and written; with accumulation, the fp32
+    gradient sums written in backward and read in step() (in_backward=True: never stored)."""
+    grads = 0 if in_backward else params * 4
+    read = 2 * weight_bytes + state_bytes + grads
+    written = weight_bytes + state_bytes + grads
+    return read / read_bytes_per_s + written / write_bytes_per_s
 
 
 def nvme_step_seconds(state_bytes, read_bytes_per_s, write_bytes_per_s):
@@ -120,8 +140,12 @@ def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=No
            "capacity": {"gpu": gpu_mem, "ram": ram, "disk_free": disk_free},
            "buffer_bytes": buffer_bytes,
            "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes)],
-           "nvme_step_seconds": None}
+           "nvme_step_seconds": None, "offloaded_step_seconds": None}
     if read_bytes_per_s and write_bytes_per_s:
+        out["offloaded_step_seconds"] = {
+            mode: offloaded_step_seconds(totals["weights"], params, totals["optimizer_state"], read_bytes_per_s,
+                                         write_bytes_per_s, in_backward=mode == "in_backward")
+            for mode in ("accumulate", "in_backward")}
         out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state"], read_bytes_per_s,
                                                      write_bytes_per_s)
     return out

@@ -111,6 +111,10 @@ def plan_text(p):
                      f"{_rate(disk['read_bytes_per_s'])} read + at {_rate(disk['write_bytes_per_s'])} write = "
                      f"{p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam compute runs "
                      "under the I/O.")
+        o = p["offloaded_step_seconds"]
+        lines.append(f"weights offloaded too (disk_offload + offload=\"nvme\"): weights read twice and written once, "
+                     f"the state read and written, the fp32 gradient sums written and read: {o['accumulate']:.1f} s "
+                     f"per step; with in_backward=True (no gradient sums) {o['in_backward']:.1f} s, I/O only.")
     else:
         lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
     lines += [f"nvme mode holds min(buffer_bytes, state) = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
@@ -123,10 +127,9 @@ def plan_text(p):
 
 
 def _weights_exceed_gpu(tot, gpu):
-    """What to do when weights + gradients alone do not fit the GPU. swapio.offload streams weights in for the
-    forward and backward passes, but OffloadAdamW cannot yet update offloaded weights: say what works today."""
+    """What to do when weights + gradients alone do not fit the GPU: offload the weights too."""
     return [f"Weights + gradients alone ({_gb(tot['weights'] + tot['grads'])}) exceed the GPU ({_gb(gpu)}): "
-            "optimizer offload is not enough. What works today: fine-tuning with the base weights frozen and "
-            "offloaded (swapio.offload.cpu_offload / disk_offload) and small trainable weights on the GPU, e.g. "
-            "LoRA adapters (peft). Full training of offloaded weights is not supported yet; for that, shard the "
-            "model over several GPUs (FSDP, DeepSpeed ZeRO), or train on the CPU (the no GPU rows)."]
+            "optimizer offload is not enough. Offload the weights too (the 'weights offloaded' rows): "
+            "swapio.offload.cpu_offload or disk_offload(model, offload_dir) and an OffloadAdamW over "
+            "model.parameters() train them, the GPU holding a few modules at a time (docs/offload.md, "
+            "\"Training offloaded weights\"); or LoRA adapters (peft) over frozen offloaded weights."]
