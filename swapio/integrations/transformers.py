@@ -21,7 +21,10 @@ the checkpoint right after, with no callback event in between, so no instance ca
 offloaded optimizers' own load_state_dict (OffloadOptimizer's) recognises a reference and streams the checkpoint
 in with opt.load(); other optimizers refuse a reference.
 
-SwapioCheckpointCallback (at the end) does the same for any torch optimizer, writing its state with
+SwapioTrainer / OffloadedTrainerMixin (at the end) train a model offloaded by swapio.offload with a swapio
+optimizer: placement, clipping, zero_grad, model checkpoints and resume (docs/offload.md).
+
+SwapioCheckpointCallback does the same for any torch optimizer, writing its state with
 swapio.checkpoint (checkpoint-N/optimizer.safetensors); there the instance given to Trainer gets a load_state_dict
 that loads the reference (_install's load_reference).
 """
@@ -157,3 +160,164 @@ class SwapioCheckpointCallback(_SavesBeforeTrainer):
         save(type(opt).state_dict(opt), path)
         getattr(opt, _PENDING)["ref"] = reference(path)
 
+
+
+# ---- training offloaded weights (swapio.offload) with Trainer -------------------------------------------------
+def _offloaded(model: Any) -> bool:
+    """Whether swapio.offload (disk_offload / cpu_offload) streams any of the model's modules."""
+    from ..offload.registry import offloaded
+    return model is not None and any(offloaded.get(m) is not None for m in model.modules())
+
+
+def _owned_optimizer(optimizer: Any) -> Optional[OffloadOptimizer]:
+    """The swapio optimizer inside Trainer's optimizer when it trains offloaded weights, else None."""
+    opt = _offload_optimizer(optimizer)
+    return opt if opt is not None and bool(opt._offloaded) else None
+
+
+class _OffloadedGrads(TrainerCallback):
+    """Trainer clears gradients with model.zero_grad(), which cannot reach offloaded weights' gradient sums (they
+    live in the optimizer, not in .grad): right after each optimizer step they are dropped with opt.zero_grad()."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        opt = _owned_optimizer(optimizer)
+        if opt is not None:
+            opt.zero_grad()
+
+
+class OffloadedTrainerMixin:
+    """Makes a Trainer (or a subclass: SFTTrainer...) train a model offloaded by swapio.offload.disk_offload /
+    cpu_offload with a swapio optimizer that owns its offloaded weights (docs/offload.md, "Training offloaded
+    weights with Trainer"):
+
+        class OffloadedTrainer(OffloadedTrainerMixin, Trainer): ...   # or swapio's SwapioTrainer below
+
+    What it changes, only when the model is offloaded:
+    - placement: the model stays where swapio streams it (Trainer's and accelerate's model.to(device) would try to
+      copy the meta placeholders of the offloaded weights);
+    - clipping (max_grad_norm) and the logged grad_norm go through opt.clip_grad_norm_, the global norm over
+      every gradient the optimizer owns: model.parameters() shows no .grad for offloaded weights;
+    - gradients are cleared with opt.zero_grad() after each step (model.zero_grad() does not reach them);
+    - checkpoints: the model's current weights are streamed by swapio.offload.save_checkpoint (the shards and
+      index save_pretrained writes, never a full state dict in RAM), the optimizer by opt.save
+      (StreamingCheckpointCallback, added unless a swapio checkpoint callback is given); resume_from_checkpoint
+      reads only the resident tensors from the checkpoint, and the optimizer's load rewrites every offloaded
+      weight from its fp32 master;
+    - DDP / FSDP / DeepSpeed over offloaded weights: a ValueError (not supported)."""
+
+    # Trainer's, which the mixin is put in front of (annotations only, for type checkers)
+    model: Any
+    args: Any
+    accelerator: Any
+    optimizer: Any
+    processing_class: Any
+    callback_handler: Any
+    add_callback: Callable[..., Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if not _offloaded(self.model):
+            return
+        if not any(isinstance(c, _SavesBeforeTrainer) for c in self.callback_handler.callbacks):
+            self.add_callback(StreamingCheckpointCallback())
+        self.add_callback(_OffloadedGrads())
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        if not _offloaded(model):
+            super()._move_model_to_device(model, device)  # type: ignore[misc]
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        if not _offloaded(self.model):
+            return
+        accelerator = self.accelerator
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))  # DistributedType
+        if kind != "NO" or self.args.world_size > 1:
+            raise ValueError(f"training a model offloaded by swapio.offload under {kind} "
+                             "is not supported: its offloaded weights live in one process's offload storage and "
+                             "optimizer (no DDP, FSDP or DeepSpeed over them); train on one process")
+        accelerator.device_placement = False  # prepare() leaves the model where swapio streams it
+        generic = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            opt = _owned_optimizer(self.optimizer)
+            if opt is None:
+                return generic(parameters, max_norm, norm_type=norm_type)
+            if opt._offloaded.in_backward and max_norm == float("inf"):
+                return None  # only the logged norm (max_grad_norm=0): backward already stepped, none to give
+            return opt.clip_grad_norm_(max_norm, norm_type)  # in_backward with max_grad_norm > 0: its error
+
+        setattr(accelerator, "clip_grad_norm_", clip_grad_norm_)  # this instance only
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        optimizer = super().create_optimizer(model)  # type: ignore[misc]
+        if _offloaded(self.model) and _owned_optimizer(optimizer) is None \
+                and any(p.device.type == "meta" and p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"{type(optimizer).__name__} cannot train the offloaded weights of this model: give "
+                             "Trainer an OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim) built over "
+                             "model.parameters(), with optimizers=(opt, scheduler) or optimizer_cls_and_kwargs")
+        return optimizer
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:
+        if not _offloaded(self.model):
+            return super()._save(output_dir, state_dict)  # type: ignore[misc]
+        from ..offload import save_checkpoint
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return None
+        os.makedirs(output_dir, exist_ok=True)
+        save_checkpoint(self.model, output_dir)  # shards + model.safetensors.index.json, as save_pretrained writes
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        model = self.model if model is None else model
+        if not _offloaded(model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        _load_resident(model, resume_from_checkpoint)
+        return None
+
+
+def _load_resident(model: Any, directory: str) -> None:
+    """Copies the checkpoint's values into the model's resident tensors (kept_resident modules, buffers), one
+    tensor at a time; offloaded weights (meta placeholders) are left to the optimizer's load, which rewrites them
+    from their fp32 master."""
+    import json
+    from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    import torch
+    index = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = json.load(f)["weight_map"]
+    elif os.path.isfile(os.path.join(directory, SAFE_WEIGHTS_NAME)):
+        files = None
+    else:
+        raise FileNotFoundError(f"{directory} holds no model weights ({SAFE_WEIGHTS_INDEX_NAME} or "
+                                f"{SAFE_WEIGHTS_NAME})")
+    wanted = {name: t for name, t in model.state_dict(keep_vars=True).items()
+              if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    with torch.no_grad():
+        for name, t in wanted.items():
+            file = SAFE_WEIGHTS_NAME if files is None else files.get(name)
+            if file is None:
+                continue  # a tie stored under another name: its twin is copied
+            with safe_open(os.path.join(directory, file), framework="pt") as f:
+                if name in f.keys():
+                    t.copy_(f.get_tensor(name))
+
+
+def _swapio_trainer() -> Any:
+    from transformers import Trainer
+
+    class SwapioTrainer(OffloadedTrainerMixin, Trainer):
+        """Trainer that also trains models offloaded by swapio.offload (OffloadedTrainerMixin)."""
+
+    return SwapioTrainer
+
+
+SwapioTrainer = _swapio_trainer()
