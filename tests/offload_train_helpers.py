@@ -187,3 +187,39 @@ def resident_run(cls, dtype, opt_name, data, tmp, micro=1, opt_kw=None):
     with build_opt(opt_name, model.parameters(), os.path.join(str(tmp), "ref-swap"), **opt_kw) as opt:
         losses = train(model, opt, data, micro, fp32_accumulate=fp32_acc)
     return losses, weights(model)
+
+
+# ---- a second process for resume tests ----------------------------------------------------------------------
+def child(spec):
+    """Runs in a new process (python -c): spec is a dict (see test_offload_train_resume.py).
+    phase "first": offloads a fresh model, trains spec["steps"] steps, saves the optimizer to spec["save"], then
+    trains spec["extra"] more steps (the storage moves past the checkpoint) and dies without any cleanup.
+    phase "resume": builds the model on meta, offloads it from spec["od"] (and spec["ckpt"]), a new optimizer,
+    load(spec["save"]), trains the steps from spec["start"] to spec["end"], then writes the weights to spec["out"]."""
+    import json  # noqa: F401
+    dtype = getattr(torch, spec["dtype"])
+    data = batches(MLP, spec["total"])
+    kw = dict(offload=spec["offload"], state_dtype=spec["state_dtype"], in_backward=spec["in_backward"])
+    swap = spec["swap"]
+    os.makedirs(swap, exist_ok=True)
+    if spec["phase"] == "first":
+        model = make_model(MLP, dtype)
+        if spec.get("ckpt"):  # written by the test from the same model
+            model = disk_offload(meta_model(MLP, dtype), checkpoint=spec["ckpt"], offload_dir=spec["od"])
+        else:
+            model = disk_offload(model, spec["od"])
+        opt = build_opt("AdamW", model.parameters(), swap, swap_dir=swap, **kw)
+        train(model, opt, data[:spec["steps"]])
+        opt.save(spec["save"])
+        train(model, opt, data[spec["steps"]:spec["steps"] + spec["extra"]])
+        os._exit(0)  # as a crash would: no close, no remove_offload
+    if spec.get("ckpt"):
+        model = disk_offload(meta_model(MLP, dtype), checkpoint=spec["ckpt"], offload_dir=spec["od"])
+    else:
+        model = disk_offload(meta_model(MLP, dtype), offload_dir=spec["od"])
+    opt = build_opt("AdamW", model.parameters(), swap, swap_dir=swap, **kw)
+    opt.load(spec["save"])
+    losses = train(model, opt, data[spec["start"]:spec["end"]])
+    opt.close()
+    remove_offload(model)
+    torch.save({"weights": weights(model), "losses": losses}, spec["out"])
