@@ -137,6 +137,7 @@ class WeightStreamer:
         unit.depth += 1
         if unit.depth > 1:
             return
+        self.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
         with section("swapio::fetch"):
             self._fetch_in(unit)
 

@@ -84,6 +84,11 @@ class Training:
         ref = self.owners.get(slot)
         return ref() if ref is not None else None
 
+    def settle(self):
+        """Waits for the updates the owners run on their own threads (in_backward) before a forward reads weights."""
+        for owner in self.owners_alive():
+            owner.settle()
+
     def owners_alive(self):
         return {o for o in (r() for r in list(self.owners.values())) if o is not None}
 

@@ -42,6 +42,9 @@ class RamGrads:
     def norms(self, params):
         return {p: _norm(self.sums[p]) for p in params if p in self.sums}
 
+    def drop(self, p):
+        self.sums.pop(p, None)
+
     def scale(self, coef):
         for s in self.sums.values():
             s.mul_(coef)
@@ -131,6 +134,9 @@ class FileGrads:
 
     def norms(self, params):
         return {p: self.held[p][0] for p in params if p in self.held}
+
+    def drop(self, p):
+        self.held.pop(p, None)  # its extent stays, for its next sum
 
     def scale(self, coef):
         for p, (norm, scale) in self.held.items():

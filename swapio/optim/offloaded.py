@@ -54,6 +54,8 @@ class OffloadedParams:
         self.param_of = {}   # slot -> p
         self.grads = None    # RamGrads | FileGrads, from start()
         self.partial = {}    # in_backward: p -> fp32 gradient of this backward, until its record is updated
+        self.parts = {}      # p -> the sum of its uses' gradients in this backward, until the last arrives
+        self.markers = {}    # p -> (meta tensor set as p.grad while p has a gradient sum, its version then)
         self.queued = set()  # in_backward: records handed to the worker since the last step()
         self.futures = []
         self.executor = None
@@ -95,11 +97,26 @@ class OffloadedParams:
 
     # ---- gradients (the backward thread) --------------------------------------------------------------------
     def gradient(self, slot, g, complete):
+        """A gradient of `slot` arrived (complete: the last of this backward). The gradients of a weight used
+        several times in a forward (ties, a module called twice) are summed first, in their own dtype and in
+        arrival order, as autograd sums a leaf's inputs before accumulating them into .grad."""
         self._raise_error()
         p = self.param_of[slot]
         g = to_host(g)
+        with self.lock:
+            part = self.parts.pop(p, None)
+            g = g if part is None else part + g
+            if not complete:
+                self.parts[p] = g
+                return
+        self._accept(p, slot, g)
+
+    def _accept(self, p, slot, g):
         if not self.in_backward:
+            if self.grads.has(p) and not self._marked(p):
+                self.grads.drop(p)  # p.grad was set to None (model.zero_grad()): the sum is gone, as in torch
             self.grads.add(p, g)
+            self._mark(p)
             return
         training = self.entries[p][0]
         with self.lock:
@@ -110,8 +127,25 @@ class OffloadedParams:
                                    "the optimizer with in_backward=False")
             s = self.partial.get(p)
             self.partial[p] = g.to(FP32, copy=True) if s is None else s.add_(g)
-        if complete:
-            self._maybe_queue(training, slot.record)
+        self._maybe_queue(training, slot.record)
+
+    def _mark(self, p):
+        """p.grad shows whether p has a gradient sum, as .grad does in torch: a meta tensor (no memory) while it
+        has one, so that model.zero_grad() (p.grad = None, or .zero_()) drops the sum too."""
+        if p.grad is None or p.grad is not self.markers.get(p, (None,))[0]:
+            p.grad = torch.empty_like(p)
+        self.markers[p] = (p.grad, p.grad._version)
+
+    def _marked(self, p):
+        marker = self.markers.get(p)
+        return marker is not None and p.grad is marker[0] and marker[0]._version == marker[1]
+
+    def _flush_parts(self):
+        """Gradients whose last use never got one (an unused output): taken as they are."""
+        with self.lock:
+            parts, self.parts = self.parts, {}
+        for p, g in parts.items():
+            self._accept(p, self.entries[p][1], g)
 
     def _maybe_queue(self, training, record):
         owned = [s for s in record.slots if s in self.param_of]
@@ -142,6 +176,11 @@ class OffloadedParams:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+
+    def settle(self):
+        """A forward is about to read weights: the updates handed to the worker finish first."""
+        if self.futures:
+            self.wait()
 
     def wait(self):
         """Waits for every update handed to the worker; raises the first error."""
@@ -176,6 +215,7 @@ class OffloadedParams:
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
+        self._flush_parts()
         for training, slot in self.entries.values():
             if training.closed or training.streamer is None:
                 raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
@@ -188,7 +228,8 @@ class OffloadedParams:
                     if self.in_backward:
                         grads = {p: self.partial.pop(p) for p in owned if p in self.partial}
                     else:
-                        grads = {p: self.grads.read(p, k) for k, p in enumerate(owned) if self.grads.has(p)}
+                        grads = {p: self.grads.read(p, k) for k, p in enumerate(owned)
+                                 if self.grads.has(p) and self._marked(p)}
                     if grads:
                         self.update(training, record, grads)
                 training.store.flush()
@@ -197,6 +238,14 @@ class OffloadedParams:
                 training.reset()
             self.queued.clear()
             self.partial.clear()
+
+    def norms(self):
+        """{p: the 2-norm of p's gradient sum} (clip_grad_norm_), gradients still partial included."""
+        self.wait()
+        self._flush_parts()
+        for p in [p for p in self.entries if self.grads.has(p) and not self._marked(p)]:
+            self.grads.drop(p)
+        return self.grads.norms(list(self.entries))
 
     def flush(self):
         self.wait()
@@ -208,6 +257,11 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.clear()
         self.partial.clear()
+        self.parts.clear()
+        self.queued.clear()
+        self.markers.clear()
+        for training in self._records():
+            training.reset()
 
     def rewrite_from_master(self):
         """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest

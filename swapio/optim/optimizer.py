@@ -38,10 +38,6 @@ def _check_betas_kind(betas):
         raise ValueError("betas must be either both floats or both Tensors")
 
 
-def _grad_attribute(p):
-    return p.grad
-
-
 # The key of a state dict that refers to a streaming checkpoint (opt.save's directory) instead of holding the state.
 REFERENCE_KEY = "swapio_checkpoint"
 
@@ -189,7 +185,8 @@ class OffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
-        self._step_params(None, _grad_attribute)
+        offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
+        self._step_params(None, lambda p: None if p in offloaded else p.grad)
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -210,12 +207,13 @@ class OffloadOptimizer(Optimizer):
                                "build it with in_backward=False (gradients summed until step()) to clip")
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
-        self._offloaded.wait()
         params = [p for g in self.param_groups for p in g["params"]]
-        offloaded = self._offloaded.grads.norms([p for p in params if p in self._offloaded.entries])
+        offloaded = self._offloaded.norms()
         resident = [p.grad for p in params if p not in self._offloaded.entries and p.grad is not None]
-        norms = [n.to("cpu") for n in torch._foreach_norm(resident)] if resident else []
-        norms += [offloaded[p] for p in params if p in offloaded]
+        resident_norms = iter(n.to("cpu") for n in torch._foreach_norm(resident)) if resident else iter(())
+        # in parameter order, as torch stacks them (a reduction in another order may round differently)
+        norms = [offloaded[p] if p in self._offloaded.entries else next(resident_norms) for p in params
+                 if (p in offloaded) or (p not in self._offloaded.entries and p.grad is not None)]
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
