@@ -9,6 +9,7 @@ that copy's event, never on a whole-stream synchronize, and the region goes back
 event completed. Host memory for weights is therefore bounded by buffer_bytes + the largest record (temporary
 buffers beyond that only when nested modules hold both, counted in stats["temp"]).
 """
+import errno
 import threading
 
 import torch
@@ -150,8 +151,14 @@ class Fetcher:
                 raise RuntimeError(f"a module needs the weights of {record} while an optimizer step rewrites them "
                                    "(a forward running during step()?)")
             if written is not None:  # the new bytes are on their way to the file: read them, not the old
+                failed = written.exception()
+                if failed is not None:  # kept until a write succeeds: the bytes in the file are unknown
+                    if not required:
+                        return None
+                    raise OSError(getattr(failed, "errno", None) or errno.EIO,
+                                  f"the last write of the trained weights of {record} failed ({failed}): load() "
+                                  "an optimizer checkpoint, which rewrites them", getattr(failed, "filename", None))
                 del self.writing[record]
-                written.wait()
             if self.hosts is not None:
                 fetch = Fetch(record, self.hosts[record], ("host",), copy)
             else:

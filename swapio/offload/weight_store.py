@@ -13,12 +13,13 @@ training a model offloaded from a checkpoint needs disk_offload(model, checkpoin
 process that offloads the same way reads the trained weights from offload_dir again.
 """
 import os
+import threading
 
 import torch
 
 from ..core.pinned import empty_pinned
 from . import offload_dir as odir
-from .fetch import view
+from .fetch import REWRITING, view
 from .layout import pack, place_on_disk, round_up
 
 
@@ -48,6 +49,9 @@ class HostStore:
     def end(self, record, buf, keep=()):
         self.fetcher.wrote(record, None)  # written in place; weights not stepped (keep) were never touched
 
+    def abort(self, record):
+        self.fetcher.wrote(record, None)
+
     def flush(self):
         pass
 
@@ -65,6 +69,10 @@ class DiskStore:
         self._buffers = [None, None]   # pinned, grown to the largest record written
         self._pending = [None, None]   # the write out of each buffer
         self._turn = 0
+        self._current = None           # the buffer begin() handed out, until end() or abort()
+        self._error = None             # a write that failed, found by begin(), raised by flush()
+        self._lock = threading.Lock()  # held from begin() to end()/abort(): one rewrite at a time (optimizers
+                                       # of one model stepping in backward on their own threads)
 
     def owned(self, record):
         spans = record.spans
@@ -108,59 +116,78 @@ class DiskStore:
         self.fetcher.resize_spare(max(r.nbytes for r in self.records))
 
     def begin(self, record, need_current):
-        k = self._turn
-        self._turn ^= 1
-        pending, self._pending[k] = self._pending[k], None
-        if pending is not None:
-            pending.wait()
-        buf = self._buffers[k]
-        if buf is None or buf.numel() < record.nbytes:
-            buf = self._buffers[k] = None
-            buf = self._buffers[k] = empty_pinned(round_up(record.nbytes), torch.uint8)
-        buf = buf[:record.nbytes]
-        with self.fetcher.lock:
-            written = self.fetcher.writing.pop(record, None)
-        if written is not None:  # the last step's write of this record
-            written.wait()
-        self.fetcher.rewriting(record)
+        """A pinned buffer for the record's new bytes (holding the current ones when need_current); end() writes
+        it, abort() gives it up. The record is not read ahead meanwhile (Fetcher.rewriting)."""
+        self._lock.acquire()
         try:
-            if need_current:
-                path, offset, length, _ = record.spans[0]
-                self.handle.pread(buf[:length], path, offset).wait()
-            else:
-                buf.zero_()  # the padding between tensors
+            k = self._current = self._turn
+            self._turn ^= 1
+            pending, self._pending[k] = self._pending[k], None
+            if pending is not None:
+                failed = pending.exception()  # the buffer is free either way; the error is flush()'s to raise
+                self._error = self._error or failed
+            buf = self._buffers[k]
+            if buf is None or buf.numel() < record.nbytes:
+                buf = self._buffers[k] = None
+                buf = self._buffers[k] = empty_pinned(round_up(record.nbytes), torch.uint8)
+            buf = buf[:record.nbytes]
+            with self.fetcher.lock:
+                written = self.fetcher.writing.pop(record, None)
+            if written is not None and written is not REWRITING:
+                written.exception()  # the last step's write of this record (failed: rewritten now anyway)
+            self.fetcher.rewriting(record)
+            try:
+                if need_current:
+                    path, offset, length, _ = record.spans[0]
+                    self.handle.pread(buf[:length], path, offset).wait()
+                else:
+                    buf.zero_()  # the padding between tensors
+            except BaseException:
+                self.fetcher.wrote(record, None)  # the old bytes are still the record's
+                raise
         except BaseException:
-            self.fetcher.wrote(record, None)  # the old bytes are still the record's
+            self._lock.release()
             raise
         return buf
+
+    def abort(self, record):
+        """Gives up a begin() without writing: the record's bytes are as they were."""
+        try:
+            self.fetcher.wrote(record, None)
+        finally:
+            self._lock.release()
 
     def end(self, record, buf, keep=()):
         """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
         before them, on a buffer begin() did not fill), read back from the file first."""
-        path, offset, length, _ = record.spans[0]
         try:
-            if keep:
-                old = torch.empty(record.nbytes, dtype=torch.uint8)
-                self.handle.pread(old[:length], path, offset).wait()
-                for slot in keep:
-                    at = record.offsets[slot]
-                    buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
-            future = self.handle.pwrite(buf[:length], path, offset)
-        except BaseException:
-            self.fetcher.wrote(record, None)
-            raise
-        self.fetcher.wrote(record, future)
-        k = self._turn ^ 1  # the buffer begin() handed out last
-        self._pending[k] = future
+            path, offset, length, _ = record.spans[0]
+            try:
+                if keep:
+                    old = torch.empty(record.nbytes, dtype=torch.uint8)
+                    self.handle.pread(old[:length], path, offset).wait()
+                    for slot in keep:
+                        at = record.offsets[slot]
+                        buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
+                future = self.handle.pwrite(buf[:length], path, offset)
+            except BaseException:
+                self.fetcher.wrote(record, None)
+                raise
+            self.fetcher.wrote(record, future)
+            self._pending[self._current] = future
+        finally:
+            self._lock.release()
 
     def flush(self):
-        """Waits for every write; raises the first error."""
-        error = None
-        for k, f in enumerate(self._pending):
-            self._pending[k] = None
-            if f is not None:
-                exc = f.exception()
-                error = error or exc
+        """Waits for every write; raises the first error (the record stays marked failed in the fetcher until
+        a later write of it succeeds)."""
+        with self._lock:
+            error, self._error = self._error, None
+            for k, f in enumerate(self._pending):
+                self._pending[k] = None
+                if f is not None:
+                    exc = f.exception()
+                    error = error or exc
         if error is not None:
             raise error
 

@@ -178,6 +178,12 @@ def _load(opt, path, progress=False):
         if tuple(entry["shape"]) != tuple(t.shape):
             raise ValueError(f"{path}: parameter {k} has shape {tuple(t.shape)}; its checkpointed state is for "
                              f"shape {tuple(entry['shape'])}")
+        saved_dtype = entry.get("dtype", "float32")
+        if opt.is_offloaded(p) and saved_dtype != str(t.dtype).replace("torch.", ""):
+            # its weights are rewritten from the loaded master in the offload storage's dtype: a checkpoint of
+            # another model (a resident parameter may change dtype between runs, as with torch)
+            raise ValueError(f"{path}: parameter {k} is an offloaded weight of dtype {t.dtype}; its checkpointed "
+                             f"state is for a weight of dtype {saved_dtype}")
         steps[p] = validate.step_count(entry["step"], f"{path}: parameter {k}")
         fields[p] = {name for name in entry["fields"] if not saved_fmt.is_scale(name)}
         offsets[p] = entry["fields"]

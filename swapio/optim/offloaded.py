@@ -25,22 +25,36 @@ from .params import FP32, MASTER
 MAX_QUEUED = 2
 
 
+_staging = {}  # CUDA device -> the pinned buffer gradients are copied into (one at a time: see to_host)
+
+
+def _reused(t):
+    return any(t.untyped_storage().data_ptr() == b.data_ptr() for b in _staging.values())
+
+
 def to_host(g):
-    """The gradient in host memory: a CPU gradient as it is; a CUDA one copied on the side copy stream into a
-    pinned tensor, after the compute stream's work that produced it, waiting for that copy only."""
+    """The gradient in host memory: a CPU gradient as it is; a CUDA one copied on the side copy stream into the
+    device's pinned staging buffer, after the compute stream's work that produced it, waiting for that copy
+    only (not the device). The result is a view of that buffer, valid until the next call: autograd runs a
+    device's hooks on one thread, and every caller consumes it (adds, copies) before returning."""
     if g.device.type == "cpu":
         return g
+    nbytes = g.numel() * g.element_size()
+    buf = _staging.get(g.device)
+    if buf is None or buf.numel() < nbytes:
+        _staging[g.device] = None
+        buf = _staging[g.device] = empty_pinned(max(nbytes, 1), torch.uint8)
+    host = buf[:nbytes].view(g.dtype).view(g.shape)
     stream = cuda_copy.copy_stream(g.device)
-    host = empty_pinned(tuple(g.shape), g.dtype)
     produced = torch.cuda.Event()
     produced.record(torch.cuda.current_stream(g.device))
     stream.wait_event(produced)
     with torch.cuda.stream(stream):
         host.copy_(g, non_blocking=True)
-    g.record_stream(stream)  # its memory is not reused before the copy ran
+    g.record_stream(stream)  # the caching allocator may not hand g's memory out before the copy ran
     copied = torch.cuda.Event()
     copied.record(stream)
-    copied.synchronize()
+    copied.synchronize()  # this copy only; the buffer is reused by the next gradient
     return host
 
 
@@ -105,6 +119,7 @@ class OffloadedParams:
         g = to_host(g)
         with self.lock:
             part = self.parts.pop(p, None)
+            g = g.clone() if part is None and not complete and g.device.type == "cpu" and _reused(g) else g
             g = g if part is None else part + g
             if not complete:
                 self.parts[p] = g
@@ -159,22 +174,26 @@ class OffloadedParams:
             self.queued.add(record)
         while len(self.futures) >= MAX_QUEUED:  # backward waits: at most MAX_QUEUED records' gradients held
             self.futures.pop(0).result()
+        self._raise_error()
         if self.executor is None:
             from concurrent.futures import ThreadPoolExecutor
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
         self.futures.append(self.executor.submit(self._update_guarded, training, record, grads))
 
     def _update_guarded(self, training, record, grads):
+        """The worker's task. Its error is kept in self.error and raised once, by the next gradient() (in
+        backward) or by wait() (step, zero_grad, save...), not through the future."""
         try:
             with torch.no_grad():
                 self.update(training, record, grads)
-        except BaseException as exc:
-            self.error = self.error or exc
-            raise
+        except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
+            with self.lock:
+                self.error = self.error or exc
 
     def _raise_error(self):
-        if self.error is not None:
+        with self.lock:
             error, self.error = self.error, None
+        if error is not None:
             raise error
 
     def settle(self):
@@ -183,16 +202,10 @@ class OffloadedParams:
             self.wait()
 
     def wait(self):
-        """Waits for every update handed to the worker; raises the first error."""
-        error = None
+        """Waits for every update handed to the worker; raises the first error not raised yet."""
         while self.futures:
-            try:
-                self.futures.pop(0).result()
-            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
-                error = error or exc
-        self.error = None
-        if error is not None:
-            raise error
+            self.futures.pop(0).result()
+        self._raise_error()
 
     # ---- updates -------------------------------------------------------------------------------------------
     def update(self, training, record, grads):
@@ -205,8 +218,8 @@ class OffloadedParams:
         need_current = any(n == 0 for n in steps.values()) or len(params) < len(record.slots)
         store = training.store
         buf = store.begin(record, need_current)
-        data = {p: _slot_view(buf, record, self.entries[p][1]) for p in params}
         try:
+            data = {p: _slot_view(buf, record, self.entries[p][1]) for p in params}
             opt._step_params(params, grads.get, data.get)
         finally:
             kept = [self.entries[p][1] for p in params if _step_of(opt, p) == steps[p]]  # not stepped: old bytes
@@ -275,12 +288,16 @@ class OffloadedParams:
                 if not stateful:
                     continue
                 buf = training.store.begin(record, len(stateful) < len(record.slots))
-                views = {p: _slot_view(buf, record, self.entries[p][1]).view(-1) for p in stateful}
+                try:
+                    views = {p: _slot_view(buf, record, self.entries[p][1]).view(-1) for p in stateful}
 
-                def sink(p, a, b, fields, views=views):
-                    views[p][a:b].copy_(fields[MASTER][:b - a])
+                    def sink(p, a, b, fields, views=views):
+                        views[p][a:b].copy_(fields[MASTER][:b - a])
 
-                opt.read_state(stateful, sink)
+                    opt.read_state(stateful, sink)
+                except BaseException:
+                    training.store.abort(record)  # the record keeps its bytes; a later load rewrites it
+                    raise
                 training.store.end(record, buf)
             training.store.flush()
 

@@ -227,6 +227,10 @@ class OffloadOptimizer(Optimizer):
         self._offloaded.grads.scale(coef)
         return total
 
+    def is_offloaded(self, p):
+        """Whether p is the placeholder of a weight offloaded by swapio.offload that this optimizer trains."""
+        return p in self._offloaded.entries
+
     def param_value(self, p):
         """p's current value: the parameter itself, or for an offloaded weight a copy read from its storage."""
         if p in self._offloaded.entries:
