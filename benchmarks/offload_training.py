@@ -14,7 +14,8 @@ Weights (bf16) + fp32 gradient sums + fp32 master and moments take 18 bytes a pa
 Per step it prints forward, backward and step seconds, bytes read and written (/proc/self/io: what reached the
 disk), and peak RSS (VmHWM, reset every step). The bound of a step, measured in the same run:
   I/O    bytes read / the best read bandwidth + bytes written / the best write bandwidth of swapio's handle (a
-         file of --bw-gib GiB written and read back with O_DIRECT, two handle configurations);
+         file of --bw-gib GiB overwritten and read back with O_DIRECT, two handle configurations; overwritten,
+         as training overwrites its files: extending a file is slower on this disk);
   compute  forward + backward of one resident layer of the same shape x layers, + the embedding and head, + the
          Adam kernel (OffloadAdamW in cpu mode on a resident bf16 tensor) scaled to the parameter count;
   bound = max(I/O, compute). Goals (issue 18): accumulate step <= 1.25 x bound; in_backward <= 0.75 x accumulate.
@@ -92,6 +93,12 @@ def child_bandwidth(args):
     buf = empty_pinned(chunk, torch.uint8)
     buf.random_(0, 255)
     total = args.bw_gib * GiB
+    h = AioHandle(**CONFIGS[0])
+    try:  # the file's blocks exist before any timed write: training overwrites its files in place
+        for f in [h.pwrite(buf, path, off) for off in range(0, total, chunk)]:
+            f.wait()
+    finally:
+        h.close()
     out = []
     for cfg in CONFIGS:
         h = AioHandle(**cfg)

@@ -82,7 +82,7 @@ def _run(tmp_path, name, od, resume=False, kill="none", dtype="float32", in_back
 KILLS = [
     "swapio.offload.streamer.WeightStreamer.enter:11",        # mid-forward of step 4 (3 modules a forward)
     "swapio.offload.training.Training._arrived:16",           # mid-backward of step 3 (6 gradients a backward)
-    "swapio.optim.offloaded.OffloadedParams.update:8",        # mid-step of step 3, between modules
+    "swapio.offload.weight_store.DiskStore.begin:8",          # mid-step of step 3, between modules
     "swapio.offload.weight_store.DiskStore.end:9",            # step 3's last weight write
     "swapio.core._durable.commit_data_and_index:4",           # the save after step 4, data written, not committed
 ]

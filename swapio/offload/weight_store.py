@@ -59,20 +59,24 @@ class HostStore:
         pass
 
 
+POOL_BYTES = 512 << 20  # pinned buffers for records being rewritten (a larger record gets one buffer of its size)
+
+
 class DiskStore:
     """disk_offload: records in swapio's packed data file of offload_dir, rewritten in place. `locations`: slot ->
     (path, offset, nbytes) as the streamer reads it; `writable`: the data file swapio owns (None: checkpoint only)."""
 
-    def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable):
+    def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable,
+                 pool_bytes=POOL_BYTES):
         self.records, self.fetcher, self.handle = streamer_records, fetcher, handle
         self.locations, self.offload_dir, self.claim, self.writable = locations, offload_dir, claim, writable
-        self._buffers = [None, None]   # pinned, grown to the largest record written
-        self._pending = [None, None]   # the write out of each buffer
-        self._turn = 0
-        self._current = None           # the buffer begin() handed out, until end() or abort()
-        self._error = None             # a write that failed, found by begin(), raised by flush()
-        self._lock = threading.Lock()  # held from begin() to end()/abort(): one rewrite at a time (optimizers
-                                       # of one model stepping in backward on their own threads)
+        self.pool_bytes = pool_bytes
+        self._free = []                # pinned buffers no write uses
+        self._writes = []              # (future, buffer) of the writes in flight, oldest first
+        self._taken = {}               # record -> its buffer, from begin() to end() / abort()
+        self._pool = 0                 # bytes of pinned buffers allocated
+        self._error = None             # a write that failed, found while reusing its buffer, raised by flush()
+        self._lock = threading.Lock()  # the pool is shared by the optimizers of one model (their own threads)
 
     def owned(self, record):
         spans = record.spans
@@ -115,27 +119,47 @@ class DiskStore:
         self.locations.update(new)
         self.fetcher.resize_spare(max(r.nbytes for r in self.records))
 
+    # ---- the pinned buffers: a pool, bounded by `pool_bytes` (more only for one record larger than that) ----
+    def _take(self, nbytes):
+        """A free buffer of at least nbytes (its last write finished), reusing, else allocating while the pool
+        stays under its bound, else waiting for the oldest write."""
+        while True:
+            with self._lock:
+                fits = [b for b in self._free if b.numel() >= nbytes]
+                if fits:
+                    buf = min(fits, key=lambda b: b.numel())
+                    self._free = [b for b in self._free if b is not buf]  # by identity: tensors compare by value
+                    return buf
+                oldest = self._writes[0] if self._writes else None
+                if oldest is None or self._pool + round_up(nbytes) <= self.pool_bytes:
+                    if self._free and self._pool + round_up(nbytes) > self.pool_bytes:
+                        self._pool -= self._free.pop(0).numel()  # too small for this record: make room
+                    self._pool += round_up(nbytes)
+                    break
+            self._reap(oldest)
+        return empty_pinned(round_up(nbytes), torch.uint8)
+
+    def _reap(self, entry):
+        """Waits for one write (future, buffer) and puts its buffer back; its error is flush()'s to raise."""
+        failed = entry[0].exception()
+        with self._lock:
+            if any(e is entry for e in self._writes):
+                self._writes = [e for e in self._writes if e is not entry]
+                self._free.append(entry[1])
+            self._error = self._error or failed
+
     def begin(self, record, need_current):
         """A pinned buffer for the record's new bytes (holding the current ones when need_current); end() writes
-        it, abort() gives it up. The record is not read ahead meanwhile (Fetcher.rewriting)."""
-        self._lock.acquire()
+        it, abort() gives it up. The record is not read ahead meanwhile (Fetcher.rewriting). Several records may
+        be begun at once (one update of a batch of records)."""
+        with self.fetcher.lock:
+            written = self.fetcher.writing.pop(record, None)
+        if written is not None and written is not REWRITING:
+            written.exception()  # the last step's write of this record (failed: rewritten now anyway)
+        self.fetcher.rewriting(record)
         try:
-            k = self._current = self._turn
-            self._turn ^= 1
-            pending, self._pending[k] = self._pending[k], None
-            if pending is not None:
-                failed = pending.exception()  # the buffer is free either way; the error is flush()'s to raise
-                self._error = self._error or failed
-            buf = self._buffers[k]
-            if buf is None or buf.numel() < record.nbytes:
-                buf = self._buffers[k] = None
-                buf = self._buffers[k] = empty_pinned(round_up(record.nbytes), torch.uint8)
-            buf = buf[:record.nbytes]
-            with self.fetcher.lock:
-                written = self.fetcher.writing.pop(record, None)
-            if written is not None and written is not REWRITING:
-                written.exception()  # the last step's write of this record (failed: rewritten now anyway)
-            self.fetcher.rewriting(record)
+            whole = self._take(record.nbytes)
+            buf = whole[:record.nbytes]
             try:
                 if need_current:
                     path, offset, length, _ = record.spans[0]
@@ -143,57 +167,64 @@ class DiskStore:
                 else:
                     buf.zero_()  # the padding between tensors
             except BaseException:
-                self.fetcher.wrote(record, None)  # the old bytes are still the record's
+                with self._lock:
+                    self._free.append(whole)
                 raise
         except BaseException:
-            self._lock.release()
+            self.fetcher.wrote(record, None)  # the old bytes are still the record's
             raise
+        with self._lock:
+            self._taken[record] = whole
         return buf
 
     def abort(self, record):
         """Gives up a begin() without writing: the record's bytes are as they were."""
-        try:
-            self.fetcher.wrote(record, None)
-        finally:
-            self._lock.release()
+        with self._lock:
+            whole = self._taken.pop(record, None)
+            if whole is not None:
+                self._free.append(whole)
+        self.fetcher.wrote(record, None)
 
     def end(self, record, buf, keep=()):
         """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
         before them, on a buffer begin() did not fill), read back from the file first."""
+        with self._lock:
+            whole = self._taken.pop(record)
+        path, offset, length, _ = record.spans[0]
         try:
-            path, offset, length, _ = record.spans[0]
-            try:
-                if keep:
-                    old = torch.empty(record.nbytes, dtype=torch.uint8)
-                    self.handle.pread(old[:length], path, offset).wait()
-                    for slot in keep:
-                        at = record.offsets[slot]
-                        buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
-                future = self.handle.pwrite(buf[:length], path, offset)
-            except BaseException:
-                self.fetcher.wrote(record, None)
-                raise
-            self.fetcher.wrote(record, future)
-            self._pending[self._current] = future
-        finally:
-            self._lock.release()
+            if keep:
+                old = torch.empty(record.nbytes, dtype=torch.uint8)
+                self.handle.pread(old[:length], path, offset).wait()
+                for slot in keep:
+                    at = record.offsets[slot]
+                    buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
+            future = self.handle.pwrite(buf[:length], path, offset)
+        except BaseException:
+            with self._lock:
+                self._free.append(whole)
+            self.fetcher.wrote(record, None)
+            raise
+        self.fetcher.wrote(record, future)
+        with self._lock:
+            self._writes.append((future, whole))
 
     def flush(self):
         """Waits for every write; raises the first error (the record stays marked failed in the fetcher until
         a later write of it succeeds)."""
+        while True:
+            with self._lock:
+                entry = self._writes[0] if self._writes else None
+            if entry is None:
+                break
+            self._reap(entry)
         with self._lock:
             error, self._error = self._error, None
-            for k, f in enumerate(self._pending):
-                self._pending[k] = None
-                if f is not None:
-                    exc = f.exception()
-                    error = error or exc
         if error is not None:
             raise error
 
     def close(self):
-        for f in self._pending:
-            if f is not None:
-                f.exception()
-        self._pending = [None, None]
-        self._buffers = [None, None]
+        try:
+            self.flush()
+        except OSError:  # reported by the step that wrote it
+            pass
+        self._free, self._pool = [], 0

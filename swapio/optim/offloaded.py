@@ -9,7 +9,9 @@ execution device as soon as each module's backward produced them, and are either
   with in_backward=True, handed to a worker thread that updates each record as soon as all of its gradients are
   in, while backward goes on with earlier modules: the gradient is never stored. step() waits for that worker,
   updates what backward left (weights whose gradient was still incomplete) and then the resident parameters.
-At most two records wait for the worker; a third gradient waits in backward (memory stays bounded).
+Records are updated in batches (consecutive records, up to batch_bytes of gradients) so that the state pipeline
+flows from one record to the next; in backward, at most two batches' gradients wait for the worker, beyond
+that backward waits (memory stays bounded).
 """
 import threading
 import weakref
@@ -20,9 +22,8 @@ from ..core import cuda_copy
 from ..core.pinned import empty_pinned
 from ..offload.training import lookup
 from .grad_store import FileGrads, RamGrads
+from .finish import finish_all
 from .params import FP32, MASTER
-
-MAX_QUEUED = 2
 
 
 _staging = {}  # CUDA device -> the pinned buffer gradients are copied into (one at a time: see to_host)
@@ -59,7 +60,7 @@ def to_host(g):
 
 
 class OffloadedParams:
-    def __init__(self, opt, in_backward):
+    def __init__(self, opt, in_backward, batch_bytes):
         if not isinstance(in_backward, bool):
             raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
         self._opt = weakref.ref(opt)
@@ -71,10 +72,14 @@ class OffloadedParams:
         self.parts = {}      # p -> the sum of its uses' gradients in this backward, until the last arrives
         self.markers = {}    # p -> (meta tensor set as p.grad while p has a gradient sum, its version then)
         self.queued = set()  # in_backward: records handed to the worker since the last step()
-        self.futures = []
+        self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
+        self.ready_bytes = 0
+        self.working = None  # the worker's future while it runs
+        self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.executor = None
         self.error = None
         self.lock = threading.Lock()
+        self.ready_changed = threading.Condition(self.lock)
 
     def __bool__(self):
         return bool(self.entries)
@@ -164,7 +169,7 @@ class OffloadedParams:
 
     def _maybe_queue(self, training, record):
         owned = [s for s in record.slots if s in self.param_of]
-        with self.lock:
+        with self.ready_changed:
             if record in self.queued or not all(training.complete(s) for s in owned):
                 return
             grads = {self.param_of[s]: self.partial.pop(self.param_of[s]) for s in owned
@@ -172,23 +177,45 @@ class OffloadedParams:
             if not grads:
                 return
             self.queued.add(record)
-        while len(self.futures) >= MAX_QUEUED:  # backward waits: at most MAX_QUEUED records' gradients held
-            self.futures.pop(0).result()
+            nbytes = sum(g.nbytes for g in grads.values())
+            self.ready.append((training, record, grads, nbytes))
+            self.ready_bytes += nbytes
+            if not self.working:
+                if self.executor is None:
+                    from concurrent.futures import ThreadPoolExecutor
+                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
+                self.working = self.executor.submit(self._work)
+            # backward waits while more gradients than two batches' worth wait for the worker
+            while self.ready_bytes > 2 * self.batch_bytes and self.working:
+                self.ready_changed.wait()
         self._raise_error()
-        if self.executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
-        self.futures.append(self.executor.submit(self._update_guarded, training, record, grads))
 
-    def _update_guarded(self, training, record, grads):
-        """The worker's task. Its error is kept in self.error and raised once, by the next gradient() (in
-        backward) or by wait() (step, zero_grad, save...), not through the future."""
-        try:
-            with torch.no_grad():
-                self.update(training, record, grads)
-        except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
-            with self.lock:
-                self.error = self.error or exc
+    def _work(self):
+        """The worker: updates the ready records, a batch at a time (consecutive records of one model, up to
+        batch_bytes of gradients: one pass of the state pipeline), until none is ready. Its error is kept in
+        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...)."""
+        while True:
+            with self.ready_changed:
+                if not self.ready:
+                    self.working = None
+                    self.ready_changed.notify_all()
+                    return
+                batch, size = [self.ready.pop(0)], 0
+                size = batch[0][3]
+                while self.ready and self.ready[0][0] is batch[0][0] and size + self.ready[0][3] <= self.batch_bytes:
+                    batch.append(self.ready.pop(0))
+                    size += batch[-1][3]
+            try:
+                grads = {p: g for _, _, gs, _ in batch for p, g in gs.items()}
+                with torch.no_grad():
+                    self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
+            except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
+                with self.lock:
+                    self.error = self.error or exc
+            finally:
+                with self.ready_changed:
+                    self.ready_bytes -= size
+                    self.ready_changed.notify_all()
 
     def _raise_error(self):
         with self.lock:
@@ -198,32 +225,59 @@ class OffloadedParams:
 
     def settle(self):
         """A forward is about to read weights: the updates handed to the worker finish first."""
-        if self.futures:
+        if self.working:
             self.wait()
 
     def wait(self):
-        """Waits for every update handed to the worker; raises the first error not raised yet."""
-        while self.futures:
-            self.futures.pop(0).result()
+        """Waits until the worker has updated every ready record; raises the first error not raised yet."""
+        while True:
+            with self.lock:
+                working = self.working
+            if not working:
+                break
+            working.result()
         self._raise_error()
 
     # ---- updates -------------------------------------------------------------------------------------------
-    def update(self, training, record, grads):
-        """Steps this optimizer's weights in `record` with grads {p: fp32 gradient} and writes the record back."""
+    def update(self, training, records, grads):
+        """Steps this optimizer's weights in `records` (consecutive, of one model) with grads {p: fp32 gradient}
+        in one pass of the state pipeline, and writes each record back; a record none of whose weights got
+        stepped (an error before it) keeps its bytes."""
         opt = self._opt()
-        params = [self.param_of[s] for s in record.slots if self.param_of.get(s) in grads]
-        if not params:
-            return
-        steps = {p: _step_of(opt, p) for p in params}
-        need_current = any(n == 0 for n in steps.values()) or len(params) < len(record.slots)
-        store = training.store
-        buf = store.begin(record, need_current)
+        plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads]) for r in records]
+        plan = [(r, params) for r, params in plan if params]
+        steps = {p: _step_of(opt, p) for _, params in plan for p in params}
+        store, begun = training.store, []
         try:
-            data = {p: _slot_view(buf, record, self.entries[p][1]) for p in params}
-            opt._step_params(params, grads.get, data.get)
+            for record, params in plan:
+                need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
+                begun.append((record, store.begin(record, need_current), need_current, params))
+            data = {p: _slot_view(buf, record, self.entries[p][1]) for record, buf, _, params in begun
+                    for p in params}
+            opt._step_params([p for _, _, _, params in begun for p in params], grads.get, data.get)
         finally:
-            kept = [self.entries[p][1] for p in params if _step_of(opt, p) == steps[p]]  # not stepped: old bytes
-            store.end(record, buf, keep=kept if kept and not need_current else ())
+            finish_all(lambda b=b: self._end(store, opt, steps, *b) for b in begun)
+
+    def _end(self, store, opt, steps, record, buf, need_current, params):
+        stepped = {id(p) for p in params if _step_of(opt, p) != steps[p]}
+        if not stepped:
+            store.abort(record)
+            return
+        kept = [self.entries[p][1] for p in params if id(p) not in stepped]  # not stepped: the old bytes
+        store.end(record, buf, keep=kept if kept and not need_current else ())
+
+    def _batches(self, records, nbytes_of):
+        """Consecutive runs of `records` holding up to batch_bytes (at least one record each)."""
+        batch, size = [], 0
+        for record in records:
+            n = nbytes_of(record)
+            if batch and size + n > self.batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(record)
+            size += n
+        if batch:
+            yield batch
 
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
@@ -236,15 +290,22 @@ class OffloadedParams:
                                    "not own; build a new optimizer over model.parameters()")
         try:
             for training, records in self._records().items():
-                for record in records:
-                    owned = [self.param_of[s] for s in record.slots if s in self.param_of]
+                def owned(record):
+                    return [self.param_of[s] for s in record.slots if s in self.param_of]
+
+                def pending(record):
                     if self.in_backward:
-                        grads = {p: self.partial.pop(p) for p in owned if p in self.partial}
+                        return [p for p in owned(record) if p in self.partial]
+                    return [p for p in owned(record) if self.grads.has(p) and self._marked(p)]
+
+                with_grads = [r for r in records if pending(r)]
+                for batch in self._batches(with_grads, lambda r: sum(4 * _numel(p) for p in pending(r))):
+                    if self.in_backward:
+                        grads = {p: self.partial.pop(p) for r in batch for p in pending(r)}
                     else:
-                        grads = {p: self.grads.read(p, k) for k, p in enumerate(owned)
-                                 if self.grads.has(p) and self._marked(p)}
-                    if grads:
-                        self.update(training, record, grads)
+                        wanted = [p for r in batch for p in pending(r)]
+                        grads = {p: self.grads.read(p, k) for k, p in enumerate(wanted)}
+                    self.update(training, batch, grads)
                 training.store.flush()
         finally:
             for training in self._records():
@@ -323,6 +384,10 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.close()
             self.grads = None
+
+
+def _numel(p):
+    return p.numel()
 
 
 def _step_of(opt, p):
