@@ -15,6 +15,7 @@ import torch
 from ..core._align import round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
+from .finish import finish_all
 from .params import FP32, shard
 
 
@@ -36,8 +37,9 @@ class RamGrads:
     def has(self, p):
         return p in self.sums
 
-    def read(self, p, k=0):
-        return self.sums.get(p)
+    def start_reads(self, params, arena=0):
+        """A callable giving {p: sum} for params (all in RAM: nothing to read)."""
+        return lambda: {p: self.sums[p] for p in params}
 
     def norms(self, params):
         return {p: _norm(self.sums[p]) for p in params if p in self.sums}
@@ -69,7 +71,7 @@ class FileGrads:
         self.end = 0
         self.held = {}      # p -> (norm of the sum on disk, pending clip scale or None)
         self._buffers, self._pending, self._turn = [None, None], [None, None], 0
-        self._read_buffers = {}  # k -> pinned buffer: read(p, k) hands out views of buffer k (a record's k-th)
+        self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
 
     def _buffer(self, nbytes):
         k = self._turn
@@ -115,22 +117,30 @@ class FileGrads:
     def has(self, p):
         return p in self.held
 
-    def read(self, p, k=0):
-        """p's sum (its clip scale applied) in read buffer k, valid until the next read(_, k); or None."""
-        if p not in self.held:
-            return None
+    def start_reads(self, params, arena=0):
+        """Starts reading the sums of params (a batch) into read arena `arena` (0 or 1: the next batch is read
+        while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
+        its clip scale applied}, views valid until the arena's next start_reads."""
         self._wait_writes()
-        shape = shard(p).shape
-        n = shard(p).numel()
-        buf = self._read_buffers.get(k)
-        if buf is None or buf.numel() < round_up(n * 4):
-            self._read_buffers[k] = None
-            buf = self._read_buffers[k] = empty_pinned(round_up(n * 4), torch.uint8)
-        buf = buf[:round_up(n * 4)]
-        self.handle.pread(buf, self.path, self.extents[p]).wait()
-        s = buf[:n * 4].view(FP32).view(shape)
-        scale = self.held[p][1]
-        return s.mul_(scale) if scale is not None else s
+        sizes = [round_up(shard(p).numel() * 4) for p in params]
+        buf = self._read_buffers.get(arena)
+        if buf is None or buf.numel() < sum(sizes):
+            self._read_buffers[arena] = None
+            buf = self._read_buffers[arena] = empty_pinned(max(sum(sizes), 1), torch.uint8)
+        views, futures, at = {}, [], 0
+        for p, size in zip(params, sizes):
+            futures.append(self.handle.pread(buf[at:at + size], self.path, self.extents[p]))
+            views[p] = buf[at:at + shard(p).numel() * 4].view(FP32).view(shard(p).shape)
+            at += size
+
+        def result():
+            finish_all(f.wait for f in futures)
+            for p, v in views.items():
+                scale = self.held[p][1]
+                if scale is not None:
+                    v.mul_(scale)
+            return views
+        return result
 
     def norms(self, params):
         return {p: self.held[p][0] for p in params if p in self.held}

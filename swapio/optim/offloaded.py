@@ -299,13 +299,23 @@ class OffloadedParams:
                     return [p for p in owned(record) if self.grads.has(p) and self._marked(p)]
 
                 with_grads = [r for r in records if pending(r)]
-                for batch in self._batches(with_grads, lambda r: sum(4 * _numel(p) for p in pending(r))):
-                    if self.in_backward:
-                        grads = {p: self.partial.pop(p) for r in batch for p in pending(r)}
-                    else:
-                        wanted = [p for r in batch for p in pending(r)]
-                        grads = {p: self.grads.read(p, k) for k, p in enumerate(wanted)}
-                    self.update(training, batch, grads)
+                batches = list(self._batches(with_grads, lambda r: sum(4 * _numel(p) for p in pending(r))))
+                wanted = [[p for r in batch for p in pending(r)] for batch in batches]
+                if self.in_backward:
+                    reads = [lambda ps=ps: {p: self.partial.pop(p) for p in ps} for ps in wanted]
+                else:  # the next batch's sums are read while this one steps
+                    reads = [None] * len(batches)
+                    if batches:
+                        reads[0] = self.grads.start_reads(wanted[0], 0)
+                try:
+                    for i, batch in enumerate(batches):
+                        grads, reads[i] = reads[i](), None
+                        if not self.in_backward and i + 1 < len(batches):
+                            reads[i + 1] = self.grads.start_reads(wanted[i + 1], (i + 1) % 2)
+                        self.update(training, batch, grads)
+                finally:  # no read may still fill an arena when the error propagates
+                    if not self.in_backward:
+                        finish_all(r for r in reads if r is not None)
                 training.store.flush()
         finally:
             for training in self._records():
