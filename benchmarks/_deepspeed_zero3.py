@@ -6,7 +6,8 @@ of benchmarks/offload_training.py, run by it in a Python that has deepspeed (and
 Prints one JSON line per step (forward_s, backward_s, step_s, total_s, read, written, peak_rss, loss). The model
 is the same GPT-2 shape, built in RAM in bf16 and partitioned by deepspeed.initialize (deepspeed.zero.Init fails
 under torch 2.13: its Tensor.__new__ patch does not match torch's dynamo polyfill); DeepSpeed's own random
-init, bf16, its AdamW (DeepSpeedCPUAdam), its default aio settings but a 1 MiB block and queue depth 32.
+init, bf16, its AdamW (DeepSpeedCPUAdam), its default aio settings but a 1 MiB block and queue depth 32, and
+offload_param's buffer_size raised to the largest parameter (its default, 1e8 elements, asserts on GPT-2's wte).
 """
 import json
 import os
@@ -52,7 +53,13 @@ def main():
                    "overlap_events": True}}
     config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 128, vocab_size=vocab,
                                      n_positions=1024)
-    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16).eval()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 at once: no fp32 copy of the model in RAM
+    model = transformers.GPT2LMHeadModel(config).eval()
+    torch.set_default_dtype(torch.float32)
+    # its parameter swapper's buffers (default 1e8 elements) must hold the largest parameter, else "More elements
+    # ... than buffer size" (DeepSpeed #3062): what a user sets after that assert
+    largest = max(p.numel() for p in model.parameters())
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = max(int(1e8), largest)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     del model
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))

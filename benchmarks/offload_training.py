@@ -189,6 +189,9 @@ def run_deepspeed(args):
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     steps = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode == -9:
+        return steps or None, ("killed by SIGKILL (the kernel's OOM killer: dmesg says) after "
+                               f"{len(steps)} step(s)")
     if out.returncode:
         last = [x for x in out.stderr.strip().splitlines() if x.strip()][-1:] or ["?"]
         return steps or None, f"failed (exit {out.returncode}): {last[0][:300]}"
@@ -245,7 +248,7 @@ def main(argv=None):
     print(f"compute only: layer {comp['layer_s']:.3f} s x {args.layers} + head {comp['head_s']:.3f} s + Adam "
           f"{comp['adam_s_per_param'] * n:.2f} s = {compute_s:.2f} s")
     results, rows = {}, []
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         res = run_child(args, mode)
         results[mode] = res
         for i, s in enumerate(res["steps"]):
