@@ -14,19 +14,12 @@ import os
 import sys
 import time
 
+from _common import io_bytes  # this directory is on sys.path when the script runs
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29513"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                    ("LOCAL_RANK", "0")):
     os.environ.setdefault(key, value)
-
-
-def _io():
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k] = int(v)
-    return out["read_bytes"], out["write_bytes"]
 
 
 def _peak_rss():
@@ -69,7 +62,7 @@ def main():
                 f.write("5")
         except OSError:
             pass
-        r0, w0 = _io()
+        r0, w0 = io_bytes()
         t0 = time.perf_counter()
         loss = engine(ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -77,7 +70,7 @@ def main():
         t2 = time.perf_counter()
         engine.step()
         t3 = time.perf_counter()
-        r1, w1 = _io()
+        r1, w1 = io_bytes()
         print(json.dumps(dict(loss=float(loss.detach()), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2,
                               total_s=t3 - t0, read=r1 - r0, written=w1 - w0, peak_rss=_peak_rss())), flush=True)
 

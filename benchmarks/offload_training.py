@@ -32,20 +32,11 @@ import subprocess
 import sys
 import time
 
-from _common import REPO, print_table  # first: the checkout's swapio
+from _common import REPO, io_bytes, print_table  # first: the checkout's swapio
 from param_offload import _meta_model, _reset_peak, _status, write_checkpoint
 
 GiB = 1 << 30
 CONFIGS = [dict(block_size=1 << 20, queue_depth=32, threads=1), dict(block_size=4 << 20, queue_depth=16, threads=2)]
-
-
-def _io():
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k] = int(v)
-    return out["read_bytes"], out["write_bytes"]
 
 
 def child_train(args):
@@ -68,7 +59,7 @@ def child_train(args):
     steps = []
     for _ in range(args.steps):
         _reset_peak()
-        r0, w0 = _io()
+        r0, w0 = io_bytes()
         t0 = time.perf_counter()
         loss = model(ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -77,7 +68,7 @@ def child_train(args):
         opt.step()
         opt.zero_grad()
         t3 = time.perf_counter()
-        r1, w1 = _io()
+        r1, w1 = io_bytes()
         steps.append(dict(loss=float(loss.detach()), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2, total_s=t3 - t0,
                           read=r1 - r0, written=w1 - w0, peak_rss=_status("VmHWM")))
         print(json.dumps(steps[-1]), file=sys.stderr, flush=True)

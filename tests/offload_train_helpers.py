@@ -7,12 +7,11 @@ offloaded weight's gradients of several backward passes are summed in fp32 (issu
 parameter's .grad in bf16; for bf16 weights with accumulation the reference therefore sums p.grad.float() itself
 and steps with the optimizer's _step_params seam (the update is the same kernel, fed the same fp32 sum).
 """
-import contextlib
-import copy
 import os
 
 import torch
 
+from offload_helpers import one_thread  # noqa: F401 - the tests import it from here too
 from swapio.offload import cpu_offload, disk_offload, remove_offload
 from swapio.optim import OffloadAdam, OffloadAdamW, OffloadLion
 
@@ -53,14 +52,6 @@ class Tied(torch.nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(ids))))
 
 
-@contextlib.contextmanager
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def make_model(cls=MLP, dtype=torch.float32, seed=0):
@@ -196,7 +187,6 @@ def child(spec):
     trains spec["extra"] more steps (the storage moves past the checkpoint) and dies without any cleanup.
     phase "resume": builds the model on meta, offloads it from spec["od"] (and spec["ckpt"]), a new optimizer,
     load(spec["save"]), trains the steps from spec["start"] to spec["end"], then writes the weights to spec["out"]."""
-    import json  # noqa: F401
     dtype = getattr(torch, spec["dtype"])
     data = batches(MLP, spec["total"])
     kw = dict(offload=spec["offload"], state_dtype=spec["state_dtype"], in_backward=spec["in_backward"])
