@@ -220,7 +220,7 @@ class OffloadOptimizer(Optimizer):
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
                                "cannot be clipped. To disable this error and scale the gradients by the non-finite "
                                "norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
