@@ -77,9 +77,9 @@ class OffloadOptimizer(Optimizer):
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._last_step = self._step_total = None  # step_report()
-        # weights of swapio-offloaded models (offloaded.py), updated in batches of half the buffer budget's bytes
+        # weights of swapio-offloaded models (offloaded.py), updated in batches of the buffer budget's bytes
         # of fp32 gradients: one pass of the state pipeline each
-        self._offloaded = OffloadedParams(self, in_backward, max(budget.total // 2, 1 << 20))
+        self._offloaded = OffloadedParams(self, in_backward, max(budget.total, 1 << 20))
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
