@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from swapio.offload import remove_offload
+from swapio.offload import disk_offload, remove_offload
+from swapio.optim import OffloadAdamW
 from offload_train_helpers import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
-                                   make_model, meta_model, offload, one_thread, resident_run, save_checkpoint_file,
+                                   make_model, offload, one_thread, resident_run,
                                    train, weights, loss_of)
 
 pytest.importorskip("safetensors")
@@ -331,3 +332,45 @@ def test_resident_model_dtype_preserved_after_remove(tmp_path):
         train(model, opt, batches(MLP, 2))
     remove_offload(model)
     assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("in_backward", [False, True], ids=["accumulate+clip", "in_backward"])
+def test_llama_and_qwen2_style_models_train_exactly_like_resident(tmp_path, arch, in_backward):
+    """The models people fine-tune (RMSNorm, RoPE, GQA, SwiGLU; Qwen2's attention biases), offloaded to disk with
+    nvme state: losses and weights equal the resident run, with clipping or with in_backward."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=200)
+
+    def make():
+        torch.manual_seed(0)
+        if arch == "llama":
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).eval()
+
+    ids = [torch.randint(0, 200, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def train_model(model, opt):
+        losses = []
+        with one_thread():
+            for x in ids:
+                loss = model(x, labels=x).loss
+                loss.backward()
+                if not in_backward:
+                    opt.clip_grad_norm_(0.5)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return losses
+
+    ref = make()
+    want = train_model(ref, OffloadAdamW(ref.parameters(), lr=1e-2, in_backward=in_backward))
+    model = disk_offload(make(), str(tmp_path / "od"))
+    got = train_model(model, OffloadAdamW(model.parameters(), lr=1e-2, offload="nvme", swap_dir=str(tmp_path),
+                                          in_backward=in_backward))
+    remove_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name

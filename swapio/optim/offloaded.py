@@ -15,12 +15,14 @@ that backward waits (memory stays bounded).
 """
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..core import cuda_copy
 from ..core.pinned import empty_pinned
 from ..offload.training import lookup
+from ..offload.weight_store import current_value
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
@@ -182,7 +184,6 @@ class OffloadedParams:
             self.ready_bytes += nbytes
             if not self.working:
                 if self.executor is None:
-                    from concurrent.futures import ThreadPoolExecutor
                     self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
                 self.working = self.executor.submit(self._work)
             # backward waits while more gradients than two batches' worth wait for the worker
@@ -299,7 +300,7 @@ class OffloadedParams:
                     return [p for p in owned(record) if self.grads.has(p) and self._marked(p)]
 
                 with_grads = [r for r in records if pending(r)]
-                batches = list(self._batches(with_grads, lambda r: sum(4 * _numel(p) for p in pending(r))))
+                batches = list(self._batches(with_grads, lambda r: sum(4 * p.numel() for p in pending(r))))
                 wanted = [[p for r in batch for p in pending(r)] for batch in batches]
                 if self.in_backward:
                     reads = [lambda ps=ps: {p: self.partial.pop(p) for p in ps} for ps in wanted]
@@ -374,7 +375,6 @@ class OffloadedParams:
 
     def current(self, p):
         """p's compute-dtype value as the offload storage holds it (a CPU copy)."""
-        from ..offload.weight_store import current_value
         training, slot = self.entries[p]
         return current_value(training.streamer.fetcher, slot)
 
@@ -394,10 +394,6 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.close()
             self.grads = None
-
-
-def _numel(p):
-    return p.numel()
 
 
 def _step_of(opt, p):
