@@ -95,6 +95,8 @@ def main():
     ap.add_argument("--dir", default=".", help="directory for the checkpoints (on the disk to measure)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--staging", default="256M", help="swapio's staging budget (default 256M)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="swapio and the raw O_DIRECT limit only (no torch, safetensors or DCP): a quicker check")
     args = ap.parse_args()
     total, staging = parse_size(args.size), parse_size(args.staging)
     warnings.filterwarnings("ignore")
@@ -161,6 +163,9 @@ def main():
              "safetensors.load_file": lambda: touch(st.load_file(paths["safetensors"]).values()),
              "dcp.load": lambda: touch(dcp_load()),
              "raw O_DIRECT read": raw_read}
+    if args.no_peers:
+        saves = {k: v for k, v in saves.items() if k.startswith(("swapio", "raw"))}
+        loads = {k: v for k, v in loads.items() if k.startswith(("swapio", "raw"))}
     results, failed = {}, {}
 
     def record(name, fn):
@@ -180,7 +185,7 @@ def main():
                            ("dcp.async_save", lambda: (shutil.rmtree(paths["dcp-async"], ignore_errors=True),
                                                        dcp.async_save({"state": flat},
                                                                       checkpoint_id=paths["dcp-async"]))[1])):
-            if name in failed:
+            if name in failed or (args.no_peers and not name.startswith("swapio")):
                 continue
             _common.drop_caches()
             try:

@@ -72,3 +72,34 @@ def test_a_defective_index_is_a_value_error_before_anything_is_attached(offload_
     model = disk_offload(model, offload_dir)  # the same model, once the index is right again
     assert_same_outputs(model)
     remove_offload(model)
+
+
+def test_data_file_holds_the_weights_and_zeros_between_them_across_reused_windows(tmp_path, monkeypatch):
+    """offload_dir's data file goes through the library's streaming writer, whose two pinned windows are reused:
+    each tensor's bytes land where the index says, and the padding between tensors and records is zeros, never
+    bytes of an earlier window (read back from the file, independently of swapio's reader)."""
+    import torch
+    from swapio.offload import offload_dir
+    monkeypatch.setattr(offload_dir, "CHUNK", 1 << 20)  # 1 MiB windows: the ~14 MiB file reuses each many times
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(300, 301) for _ in range(40)])
+    for p in model.parameters():
+        p.data.add_(3.0)  # no zero bytes in any weight: a stale byte in the padding cannot pass for one
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    disk_offload(model, offload_dir=str(tmp_path))
+    try:
+        with open(tmp_path / "swapio-weights.json") as f:
+            index = json.load(f)
+        data = (tmp_path / index["data"]).read_bytes()
+        assert len(data) == index["data_bytes"] > 8 << 20
+        covered = bytearray(len(data))
+        for entry in index["tensors"].values():
+            start, end = entry["offset"], entry["offset"] + entry["nbytes"]
+            stored = torch.frombuffer(bytearray(data[start:end]), dtype=torch.float32).view(entry["shape"])
+            for name in entry["names"]:
+                assert torch.equal(stored, expected[name]), name
+            covered[start:end] = b"\x01" * (end - start)
+        padding = bytes(b for b, c in zip(data, covered) if not c)
+        assert padding and padding.count(0) == len(padding)
+    finally:
+        remove_offload(model)

@@ -3,8 +3,9 @@
 Files: `swapio-weights-<token>.bin` holds the records one after the other, each starting at a 4 KiB boundary
 with its tensors at 64-byte boundaries (so a record is one O_DIRECT read into a pinned region);
 `swapio-weights.json` names that file and, per tensor, its names, offset, byte count, dtype and shape.
-Writing never holds more than two staging chunks beyond the model itself: tensors are copied chunk by chunk into
-pinned buffers and written while the next chunk fills. The space is reserved first (a full disk fails before a
+Writing never holds more than two staging windows beyond the model itself: the library's one streaming writer
+(swapio.checkpoint.writer) copies the tensors window by window into pinned buffers and writes one window while the
+next fills. The space is reserved first (a full disk fails before a
 byte is written), the data file is fsynced and renamed, then the index is written, fsynced and renamed over the
 old one (the commit point). Any failure removes everything this call created: nothing partial is left.
 """
@@ -18,8 +19,7 @@ import torch
 
 from .. import _progress
 from ..core import _durable
-from ..core.pinned import empty_pinned
-from .layout import ALIGN, round_up
+from ..checkpoint import writer
 from .safetensors_header import MAX_HEADER, Location, strict_json
 
 from .dir_owner import DATA_PREFIX, DATA_SUFFIX, INDEX, remove_leftovers
@@ -45,52 +45,7 @@ def _reserve(path, nbytes):
         os.close(fd)
 
 
-def _stream(handle, path, pieces, total, chunk, bar=None):
-    """Writes `pieces` [(file offset, nbytes, getter of a uint8 1-D tensor)], sorted and not overlapping,
-    zero-filling the rest of [0, total), through two pinned chunks. Each getter is called once, when its
-    bytes are reached, so at most one tensor's contiguous copy exists at a time. `bar`: a progress bar (or
-    None) advanced by each chunk once its write is done."""
-    chunk = max(ALIGN, min(chunk, round_up(total)))
-    bufs, pending, lengths = [empty_pinned(chunk, torch.uint8) for _ in range(2)], [None, None], [0, 0]
-    k = i = 0
-    data = None
-    try:
-        for window in range(0, total, chunk):
-            buf, length = bufs[k], min(chunk, total - window)
-            if pending[k] is not None:
-                pending[k].wait()
-                pending[k] = None
-                if bar is not None:
-                    bar.update(lengths[k])
-            buf[:length].zero_()
-            while i < len(pieces) and pieces[i][0] < window + length:
-                offset, nbytes, getter = pieces[i]
-                if data is None:
-                    data = getter()
-                a, b = max(offset, window), min(offset + nbytes, window + length)
-                if a < b:
-                    buf[a - window:b - window].copy_(data[a - offset:b - offset])
-                if offset + nbytes > window + length:
-                    break  # continues in the next window
-                data = None
-                i += 1
-            pending[k], lengths[k] = handle.pwrite(buf[:length], path, window), length
-            k ^= 1
-    finally:
-        error = None
-        for f, length in zip(pending, lengths):
-            if f is not None:
-                try:
-                    f.wait()
-                    if bar is not None:
-                        bar.update(length)
-                except OSError as exc:
-                    error = error or exc
-        if error is not None:
-            raise error
-
-
-def write(directory, records, source_of, handle, chunk=CHUNK, claim=None, progress=False):
+def write(directory, records, source_of, handle, chunk=None, claim=None, progress=False):
     """Writes every slot of `records` (packed layout) from source_of(slot), a tensor on any device, into
     `directory`, which the caller claimed (dir_owner.claim; `claim`: that claim, told which files a SIGTERM
     should remove). progress: swapio._progress's rule for a bar of the bytes written (None: on a terminal).
@@ -120,9 +75,12 @@ def write(directory, records, source_of, handle, chunk=CHUNK, claim=None, progre
                                lambda s=slot: source_of(s).detach().contiguous().reshape(-1).view(torch.uint8)))
         bar = _progress.bar(progress, total=end, unit="B", unit_scale=True, unit_divisor=1024,
                             desc="swapio: writing offloaded weights")
+        chunk = chunk or CHUNK
+        staging = writer.Staging(2 * chunk, end, window_bytes=chunk, keep=False)
         try:
-            _stream(handle, tmp_data, pieces, end, chunk, bar)
+            writer.write(handle, tmp_data, end, pieces, staging, bar=bar)
         finally:
+            staging.release()  # a request still in flight after an interruption keeps its memory (its handle does)
             if bar is not None:
                 bar.close()
         pieces.clear()
