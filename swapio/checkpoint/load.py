@@ -205,6 +205,16 @@ def _device(device):
     return cuda_copy.normalize_device(device)
 
 
+def locate(path):
+    """The structure saved in the file `path` with each tensor's Location (file, offset, bytes, dtype, shape) in
+    its place ({name: Location} for a file swapio did not write): the header and structure checked as load()
+    checks them, nothing else read. For readers that stream the bytes themselves (swapio.optim.checkpoint)."""
+    locations = open_checkpoint(path)
+    skeleton, where = _skeleton(path, locations)
+    targets = _targets(skeleton, locations, where)
+    return unflatten(skeleton, {name: tg.loc for name, tg in targets.items()})
+
+
 def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
