@@ -160,14 +160,13 @@ def read_meta(path):
     if os.path.exists(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
         structure = locate(where)
         meta = _meta_of(structure, where)
+        _check_arrays(structure["state"], meta, where)  # first: the checks of offsets take these sizes as given
     else:
         where = os.path.join(path, LEGACY_META)
         if not os.path.exists(where):
             raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({FILE} is missing)")
         meta = _legacy_meta(where)
     validate.checkpoint_meta(meta, where, VERSION, _checksum.ALGORITHM)
-    if meta["data"] == FILE:
-        _check_arrays(structure["state"], meta, where)
     return meta
 
 
@@ -221,17 +220,18 @@ def _meta_of(structure, file):
         if not isinstance(saved, dict):
             raise ValueError(f"{where}: its entry must be a dict")
         fields = {name: loc for name, loc in saved.items() if name != "step"}
-        _no_arrays(saved.get("step"), where)
+        _no_arrays(saved.get("step"), f"{where}: 'step'")
         for name, loc in fields.items():
             if not isinstance(loc, Location):
                 raise ValueError(f"{where}: {name!r} must be a tensor, got {type(loc).__name__}")
         shapes = [loc.shape for name, loc in fields.items() if not StateFormat.is_scale(name)]
         shape = tuple(shapes[0]) if shapes else None
         checksums = sums.get(k)
+        if not isinstance(checksums, dict):  # (only versions 1 of the old format had none)
+            raise ValueError(f"{where}: 'checksums' has no dict of its fields' checksums")
         entries[k] = {"step": saved.get("step"), "shape": shape, "numel": math.prod(shape) if shape else None,
                       "dtype": dtypes.get(k), "fields": {name: loc.offset for name, loc in fields.items()},
-                      "checksums": {name: _checksum_value(c) for name, c in checksums.items()}
-                      if isinstance(checksums, dict) else checksums}
+                      "checksums": {name: _checksum_value(c) for name, c in checksums.items()}}
     meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum",
                                                "param_groups")}
     meta.update(state=entries, data=FILE, data_bytes=os.path.getsize(file))
@@ -244,6 +244,8 @@ def _check_arrays(state, meta, file):
     fmt = StateFormat(meta.get("state_dtype", "fp32"))
     for k, saved in state.items():
         numel, shape = meta["state"][k]["numel"], meta["state"][k]["shape"]
+        if shape is None:
+            continue  # no moment: validate.checkpoint_meta refuses it
         for name in meta["state"][k]["fields"]:
             loc = saved[name]
             want = (fmt.count(name, numel),) if fmt.is_scale(name) else shape
