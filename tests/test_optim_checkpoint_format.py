@@ -101,3 +101,21 @@ def test_a_new_checkpoint_beside_an_old_one_wins(tmp_path):
     assert_same(snapshot(other, params), snapshot(opt, params))
     opt.close()
     other.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_zero_dimensional_and_empty_parameters_round_trip(mode, tmp_path):
+    shapes = [(), (0,), (5,)]
+    params = [torch.ones(s, requires_grad=True) for s in shapes]
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    opt = swapio.optim.OffloadAdamW(params, offload=mode, **extra)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    other = swapio.optim.OffloadAdamW([p.detach().clone().requires_grad_(True) for p in params], offload=mode,
+                                      **extra)
+    other.load(tmp_path / "ckpt")
+    assert_same({**snapshot(other, params), "params": []}, {**snapshot(opt, params), "params": []})
+    opt.close()
+    other.close()

@@ -120,34 +120,42 @@ def _finish_header(plan, structure, streams):
 
 def _save(opt, path, progress=False):
     structure, slots, stateful, index = _structure(opt)
-    fmt = opt.state_format
     plan, pending = prepare(structure, os.path.join(path, FILE), placeholders=True)
     try:
         at = {id(e.original): offset for e, offset in zip(plan.entries, plan.offsets)}
         offsets = {key: at[id(t)] for key, t in slots.items()}
-        streams = {key: _checksum.Stream() for key in slots}
-        pieces, segments, _ = split_pieces(plan)  # the header: every array is a placeholder
+        streams = {key: _checksum.Stream() for key in slots}  # (an empty array's is never fed)
+        pieces, segments, _ = split_pieces(plan)  # the header alone: every array is a placeholder
         staging = staging_for(segments, STAGING)
-        bar = _bar(progress, sum(t.numel() * t.element_size() for t in slots.values()), "swapio: saving optimizer")
-        with _closing(bar), state_transfer.io_handles(opt) as (_, wh):
+        total = sum(t.numel() * t.element_size() for t in slots.values())
+        with _closing(_bar(progress, total, "swapio: saving optimizer")) as bar, \
+                state_transfer.io_handles(opt) as (_, wh):
             def stream(write):
-                def sink(p, a, b, views):
-                    futures, k = [], index[id(p)]
-                    for name in structure["checksums"][k]:
-                        view, first = views[name], fmt.first(name, a)
-                        streams[k, name].update(first, view)
-                        futures.append(write(offsets[k, name] + first * view.element_size(), view))
-                        if bar is not None:  # written when the future finishes; queued now, close enough
-                            bar.update(view.nbytes)
-                    return futures
-
-                opt.read_state(stateful, sink)
+                _stream_arrays(opt, stateful, index, offsets, streams, write, bar)
                 _finish_header(plan, structure, streams)
 
             write_pending(plan, pending, pieces, staging, wh, segments=segments, stream=stream)
         commit_pending(pending, plan.total)
     finally:
         pending.abort()  # a no-op once committed
+
+
+def _stream_arrays(opt, params, index, offsets, streams, write, bar):
+    """Writes the stored arrays of params piece by piece as opt.read_state hands them over: each piece at its
+    array's offset ({(index, field): offset}) plus its place in the array, fed to its checksum stream."""
+    fmt, fields_of = opt.state_format, opt.exported_fields()
+
+    def sink(p, a, b, views):
+        futures, k = [], index[id(p)]
+        for name in fields_of[p]:
+            view, first = views[name], fmt.first(name, a)
+            streams[k, name].update(first, view)
+            futures.append(write(offsets[k, name] + first * view.element_size(), view))
+            if bar is not None:  # written when the future finishes; queued now, close enough to watch
+                bar.update(view.nbytes)
+        return futures
+
+    opt.read_state(params, sink)
 
 
 def read_meta(path):
@@ -229,7 +237,8 @@ def _meta_of(structure, file):
         checksums = sums.get(k)
         if not isinstance(checksums, dict):  # (only versions 1 of the old format had none)
             raise ValueError(f"{where}: 'checksums' has no dict of its fields' checksums")
-        entries[k] = {"step": saved.get("step"), "shape": shape, "numel": math.prod(shape) if shape else None,
+        numel = None if shape is None else math.prod(shape)  # (a 0-d parameter's shape is (): 1 element)
+        entries[k] = {"step": saved.get("step"), "shape": shape, "numel": numel,
                       "dtype": dtypes.get(k), "fields": {name: loc.offset for name, loc in fields.items()},
                       "checksums": {name: _checksum_value(c) for name, c in checksums.items()}}
     meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum",
