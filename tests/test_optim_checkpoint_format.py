@@ -119,3 +119,35 @@ def test_zero_dimensional_and_empty_parameters_round_trip(mode, tmp_path):
     assert_same({**snapshot(other, params), "params": []}, {**snapshot(opt, params), "params": []})
     opt.close()
     other.close()
+
+
+def _set_field(key, value):
+    return lambda meta: meta["state"][0]["fields"].__setitem__(key, value)
+
+
+LEGACY_DAMAGE = {
+    "data outside the directory": (lambda meta: meta.__setitem__("data", "../swapio-optim-00.bin"), "data"),
+    "data_bytes not an integer": (lambda meta: meta.__setitem__("data_bytes", 1.5), "data_bytes"),
+    "negative offset": (_set_field("exp_avg", -4096), "offset"),
+    "offset past the end": (_set_field("exp_avg", 1 << 40), "outside"),
+    "overlapping arrays": (lambda meta: _set_field("exp_avg", meta["state"][0]["fields"]["exp_avg_sq"])(meta),
+                           "overlap"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(LEGACY_DAMAGE))
+def test_damaged_version_3_metadata_is_refused_and_the_state_kept(damage, tmp_path):
+    edit, named = LEGACY_DAMAGE[damage]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(DATA, "int8-state"), ckpt)
+    meta = torch.load(ckpt / checkpoint.LEGACY_META, weights_only=True)
+    edit(meta)
+    torch.save(meta, ckpt / checkpoint.LEGACY_META)
+    params = make_params(shapes=V3_SHAPES)
+    opt = make_opt("adamw", params, "cpu", tmp_path, "int8")
+    train(opt, params, 1, 1)
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=named):
+        opt.load(ckpt)
+    assert_same(snapshot(opt, params), before)
+    opt.close()
