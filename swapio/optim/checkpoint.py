@@ -165,7 +165,7 @@ def read_meta(path):
     data}, checksums {field: int}}}. ValueError naming the first problem."""
     path = os.fspath(path)
     where = os.path.join(path, FILE)
-    if os.path.exists(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
+    if os.path.isfile(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
         structure = locate(where)
         meta = _meta_of(structure, where)
         _check_arrays(structure["state"], meta, where)  # first: the checks of offsets take these sizes as given
@@ -195,11 +195,9 @@ def _no_arrays(value, where):
     """ValueError if a tensor hides where plain values belong (a forged file)."""
     if isinstance(value, Location):
         raise ValueError(f"{where}: a tensor where a plain value belongs")
-    if isinstance(value, dict):
-        value = value.values()
-    if isinstance(value, (list, tuple, type({}.values()))):
-        for v in value:
-            _no_arrays(v, where)
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for v in inner:
+        _no_arrays(v, where)
 
 
 def _dict(structure, key, where):
