@@ -33,12 +33,12 @@ def _arm(opt, point, at, sig):
     elif point == "swap_write":
         _fire_at(swapio.AioHandle, "pwrite", at, sig,
                  lambda self, t, path, *a, **k: os.path.dirname(os.fspath(path)) == opt.swap_path)
-    elif point == "data_write":
+    elif point == "data_write":  # the at-th write into the checkpoint's temporary file
         _fire_at(swapio.AioHandle, "pwrite", at, sig,
-                 lambda self, t, path, *a, **k: os.path.basename(os.fspath(path)).startswith(checkpoint.DATA_PREFIX))
-    elif point == "metadata":
-        _fire_at(torch, "save", at, sig)
-    elif point == "dir_fsync":  # 0: data published, 1: metadata renamed into place (the commit)
+                 lambda self, t, path, *a, **k: os.path.basename(os.fspath(path)).startswith(f".{checkpoint.FILE}"))
+    elif point == "file_fsync":  # 0: the temporary file written whole, before it is renamed into place
+        _fire_at(_durable, "fsync_path", at, sig, lambda path, directory=False: not directory)
+    elif point == "dir_fsync":  # 0: the file renamed into place (the commit)
         _fire_at(_durable, "fsync_path", at, sig, lambda path, directory=False: directory)
     else:
         raise ValueError(point)

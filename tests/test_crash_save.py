@@ -45,7 +45,7 @@ def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monke
             last = k
     print(f"{ITERATIONS} kills, {in_save} of them inside save()")  # the README's figure (pytest -s)
     assert in_save >= ITERATIONS // 4  # most kills landed inside save()
-    assert checkpoint.META in os.listdir(ckpt)
+    assert checkpoint.FILE in os.listdir(ckpt)
     reclaimed = [w for w in caught if "died without cleaning up" in str(w.message)]
     # Every SIGKILLed saver's swap directory was found and removed (and any a SIGINTed one left: a
     # multiprocessing child ends with os._exit, so its finalizers may not run).

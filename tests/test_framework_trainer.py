@@ -67,7 +67,7 @@ def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
     checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_AT}"
     ref = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert ref == {"state": {}, "param_groups": [], "swapio_checkpoint": str(checkpoint / "swapio-optim")}
-    assert (checkpoint / "swapio-optim" / "swapio-optim.pt").is_file()
+    assert (checkpoint / "swapio-optim" / "swapio-optim.safetensors").is_file()
     with pytest.raises(ValueError):  # another optimizer refuses the reference instead of loading nothing
         torch.optim.AdamW(tiny_gpt2().parameters()).load_state_dict(ref)
 

@@ -1,6 +1,7 @@
 """State from outside is validated before anything is installed: a checkpoint whose metadata was damaged or
 forged, or a state dict with bad fields, raises ValueError naming the problem, and the optimizer goes on
 exactly as if the load had not been tried (cpu and nvme)."""
+import json
 import math
 
 import pytest
@@ -13,14 +14,28 @@ from optim_helpers import one_thread  # noqa: F401
 from resume_helpers import assert_same, make_opt, make_params, snapshot, train
 
 
-def _meta_path(ckpt):
-    return ckpt / checkpoint.META
+def _file(ckpt):
+    return ckpt / checkpoint.FILE
 
 
-def _edit_meta(ckpt, edit):
-    meta = torch.load(_meta_path(ckpt), weights_only=True)
-    edit(meta)
-    torch.save(meta, _meta_path(ckpt))
+def _edit_structure(ckpt, edit):
+    """Rewrites the checkpoint with its structure edited (swapio.checkpoint reads and writes it: a forged file
+    as well formed as a save's)."""
+    state = swapio.checkpoint.load(_file(ckpt))
+    edit(state)
+    swapio.checkpoint.save(state, _file(ckpt))
+
+
+def _edit_header(ckpt, edit):
+    """Edits the safetensors header's JSON in place, keeping its length (a forged or damaged header)."""
+    with open(_file(ckpt), "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        edit(header)
+        text = json.dumps(header).encode()
+        assert len(text) <= n
+        f.seek(8)
+        f.write(text.ljust(n))
 
 
 def _set(*keys, value):
@@ -41,38 +56,54 @@ def _drop(*keys):
     return edit
 
 
-def _swap_offsets(meta):
-    fields = meta["state"][0]["fields"]
-    fields["exp_avg"] = fields["exp_avg_sq"]  # two arrays at one place
-
-
 def _two_params_one_id(meta):
     meta["param_groups"][0]["params"][1] = meta["param_groups"][0]["params"][0]
 
 
-META_DAMAGE = {
-    "nan step": (_set("state", 0, "step", value=torch.tensor(math.nan)), "step"),
-    "negative step": (_set("state", 0, "step", value=torch.tensor(-3.0)), "step"),
-    "fractional step": (_set("state", 1, "step", value=torch.tensor(2.5)), "step"),
+def _transposed(meta):
+    for name in ("exp_avg", "exp_avg_sq"):  # int8 codes; their block scales count the same
+        meta["state"][1][name] = meta["state"][1][name].reshape(33, 17)
+
+
+def _same_offsets(header):
+    header["state.0.exp_avg_sq"]["data_offsets"] = header["state.0.exp_avg"]["data_offsets"]
+
+
+def _past_the_end(header):
+    begin, end = header["state.2.exp_avg"]["data_offsets"]
+    header["state.2.exp_avg"]["data_offsets"] = [begin + (1 << 40), end + (1 << 40)]
+
+
+STRUCTURE_DAMAGE = {
+    "nan step": (_set("state", 0, "step", value=math.nan), "step"),
+    "negative step": (_set("state", 0, "step", value=-3), "step"),
+    "fractional step": (_set("state", 1, "step", value=2.5), "step"),
     "step not a number": (_set("state", 1, "step", value="3"), "step"),
-    "step of several elements": (_set("state", 1, "step", value=torch.ones(2)), "step"),
-    "missing int8 scale": (_drop("state", 0, "fields", "exp_avg_scale"), "exp_avg_scale"),
-    "unknown field": (_set("state", 0, "fields", "exp_avg_cube", value=0), "exp_avg_cube"),
-    "negative offset": (_set("state", 0, "fields", "exp_avg", value=-4096), "offset"),
-    "offset past the end": (_set("state", 2, "fields", "exp_avg", value=1 << 40), "outside"),
-    "overlapping arrays": (_swap_offsets, "overlap"),
-    "data outside the directory": (_set("data", value="../swapio-optim-00.bin"), "data"),
-    "data_bytes not an integer": (_set("data_bytes", value=1.5), "data_bytes"),
-    "shape of another parameter": (_set("state", 1, "shape", value=(33, 17)), "shape"),
-    "numel unlike shape": (_set("state", 1, "numel", value=7), "numel"),
-    "parameter dtype": (_set("state", 0, "dtype", value="int64"), "dtype"),
-    "checksum not an integer": (_set("state", 0, "checksums", "exp_avg", value="x"), "checksums"),
-    "state of no parameter": (_set("state", 99, value={}), "99"),
+    "step a tensor": (_set("state", 1, "step", value=torch.ones(2)), "step"),
+    "missing int8 scale": (_drop("state", 0, "exp_avg_scale"), "exp_avg_scale"),
+    "unknown field": (_set("state", 0, "exp_avg_cube", value=torch.zeros(3000, dtype=torch.uint8)), "exp_avg_cube"),
+    "field not a tensor": (_set("state", 0, "exp_avg", value=0), "exp_avg"),
+    "moment of another dtype": (_set("state", 0, "exp_avg", value=torch.zeros(3000)), "stores it as"),
+    "moment of another size": (_set("state", 0, "exp_avg_sq", value=torch.zeros(2999, dtype=torch.uint8)),
+                               "stores it as"),
+    "shape of another parameter": (_transposed, "shape"),
+    "parameter dtype": (_set("param_dtypes", 0, value="int64"), "dtype"),
+    "checksum not hex": (_set("checksums", 0, "exp_avg", value="x"), "checksums"),
+    "checksums missing": (_drop("checksums", 0), "checksums"),
+    "state of no parameter": (_set("state", 99, value={"step": 1}), "99"),
     "one id twice": (_two_params_one_id, "distinct"),
     "state_dtype": (_set("state_dtype", value="int4"), "state_dtype"),
     "version": (_set("version", value="3"), "version"),
+    "format": (_set("format", value="swapio.other"), "not a swapio optimizer checkpoint"),
     "param_groups": (_set("param_groups", value={"params": []}), "param_groups"),
     "lr": (_set("param_groups", 0, "lr", value=math.nan), "learning rate"),
+    "a tensor as lr": (_set("param_groups", 0, "lr", value=torch.tensor(0.1)), "plain value"),
+}
+HEADER_DAMAGE = {
+    "overlapping arrays": (_same_offsets, "overlaps"),
+    "array past the end": (_past_the_end, "truncated"),
+    "structure not JSON": (lambda h: h["__metadata__"].__setitem__("structure", "{"), "malformed"),
+    "array of another dtype": (lambda h: h["state.0.exp_avg"].__setitem__("dtype", "I8"), "stores it as"),
 }
 
 
@@ -105,14 +136,14 @@ def _refused_and_intact(opt, params, load, named, tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("damage", sorted(META_DAMAGE))
+@pytest.mark.parametrize("damage", sorted(STRUCTURE_DAMAGE) + sorted(HEADER_DAMAGE))
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_damaged_checkpoint_metadata_is_refused_and_the_state_kept(mode, damage, tmp_path):
-    edit, named = META_DAMAGE[damage]
+    edit, named = STRUCTURE_DAMAGE.get(damage) or HEADER_DAMAGE[damage]
     params, opt = _trained_int8(mode, tmp_path)
     ckpt = tmp_path / "ckpt"
     opt.save(ckpt)
-    _edit_meta(ckpt, edit)
+    (_edit_structure if damage in STRUCTURE_DAMAGE else _edit_header)(ckpt, edit)
 
     _refused_and_intact(opt, params, lambda: opt.load(ckpt), named, tmp_path)
 
@@ -126,7 +157,7 @@ def test_integer_steps_load_as_torch_accepts_them(mode, tmp_path):
     ckpt = tmp_path / "ckpt"
     opt.save(ckpt)
     sd = opt.state_dict()
-    _edit_meta(ckpt, lambda meta: [st.__setitem__("step", 2) for st in meta["state"].values()])
+    _edit_structure(ckpt, lambda meta: [st.__setitem__("step", 2) for st in meta["state"].values()])
     opt.load(ckpt)
     sd = {"param_groups": sd["param_groups"], "state": {k: {**st, "step": 2} for k, st in sd["state"].items()}}
     opt.load_state_dict(sd)

@@ -1,5 +1,5 @@
 """Whatever a killed swapio optimizer leaves in a directory, the next swapio user of that directory reclaims,
-never touching what a live process is using: temporary files of a save killed while writing its metadata
+never touching what a live process is using: the temporary file of a save killed before its commit
 (checkpoint directory), the private directory of an optimizer that ran out of file descriptors (swap_dir)."""
 import errno
 import json
@@ -9,20 +9,21 @@ import time
 
 import pytest
 
+from swapio.checkpoint import commit
 from swapio.optim import checkpoint
 from fork_helpers import forkserver, run_child  # noqa: F401
 from resume_helpers import make_opt, make_params, train
 
-META_TMP = f".{checkpoint.META}."  # + <hex>.tmp: metadata being written
+TMP = f".{checkpoint.FILE}{commit.TAG}"  # + <hex>.tmp: the checkpoint being written
 
 
 def _killed_saver(forkserver, ckpt, swap_dir, sig):
-    """A process that saved a checkpoint, then signals itself (SIGKILL, SIGSTOP) inside its next save, at the
-    write of the metadata. Returns it (stopped, or ended)."""
+    """A process that saved a checkpoint, then signals itself (SIGKILL, SIGSTOP) inside its next save, once the
+    temporary file is written, before its commit. Returns it (stopped, or ended)."""
     import matrix_child
 
     proc = forkserver.Process(target=matrix_child.child, daemon=True,
-                              args=("cpu", str(swap_dir), str(ckpt), str(ckpt) + ".dump", "save", "metadata", 0, sig))
+                              args=("cpu", str(swap_dir), str(ckpt), str(ckpt) + ".dump", "save", "file_fsync", 0, sig))
     proc.start()
     deadline = time.monotonic() + 60
     while proc.is_alive():
@@ -36,18 +37,19 @@ def _killed_saver(forkserver, ckpt, swap_dir, sig):
 
 def test_save_reclaims_what_killed_saves_left(forkserver, tmp_path):
     ckpt = tmp_path / "ckpt"
-    for _ in range(2):  # two savers killed while writing the metadata
+    for _ in range(2):  # two savers killed before their commit
         proc = _killed_saver(forkserver, ckpt, tmp_path, signal.SIGKILL)
         proc.join(60)
         assert proc.exitcode == -signal.SIGKILL
     left = sorted(os.listdir(ckpt))
     # the second saver's first save removed what the first one left; the second's own leftovers remain
-    assert sum(n.startswith(META_TMP) for n in left) == 1, left
+    saves = {n[len(TMP):].split(".")[0] for n in left if n.startswith(TMP)}  # its file, and the link to the old
+    assert len(saves) == 1, left
     params = make_params()
     opt = make_opt("adamw", params, "cpu", None)
     train(opt, params, 1, 2)
     opt.save(ckpt)
-    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.META, checkpoint.read_meta(ckpt)["data"]])
+    assert os.listdir(ckpt) == [checkpoint.FILE]
     opt.load(ckpt)
     opt.close()
 
@@ -57,7 +59,7 @@ def test_save_never_touches_the_files_of_a_live_save(forkserver, tmp_path):
     proc = _killed_saver(forkserver, ckpt, tmp_path, signal.SIGSTOP)  # stopped in the middle of its save
     try:
         theirs = sorted(os.listdir(ckpt))
-        assert any(n.startswith(META_TMP) for n in theirs), theirs
+        assert any(n.startswith(TMP) for n in theirs), theirs
         params = make_params()
         opt = make_opt("adamw", params, "cpu", None)
         train(opt, params, 1, 1)
@@ -70,7 +72,7 @@ def test_save_never_touches_the_files_of_a_live_save(forkserver, tmp_path):
     proc.join(60)
     assert proc.exitcode == 0
     opt.save(ckpt)  # now it may: the other save is over
-    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.META, checkpoint.read_meta(ckpt)["data"]])
+    assert os.listdir(ckpt) == [checkpoint.FILE]
     opt.close()
 
 

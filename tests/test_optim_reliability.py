@@ -62,9 +62,9 @@ def test_interrupt_after_the_commit_keeps_the_new_checkpoint(mode, tmp_path, mon
     real_fsync = _durable.fsync_path
 
     def fsync(path, directory=False):
-        if directory and os.path.exists(os.path.join(path, checkpoint.META)) and \
-                checkpoint.read_meta(path)["state"][0]["step"].item() == 2:
-            raise KeyboardInterrupt  # Ctrl-C right after the metadata was renamed into place
+        if directory and os.path.exists(os.path.join(path, checkpoint.FILE)) and \
+                checkpoint.read_meta(path)["state"][0]["step"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C right after the checkpoint was renamed into place
         real_fsync(path, directory)
 
     monkeypatch.setattr(_durable, "fsync_path", fsync)
@@ -72,7 +72,7 @@ def test_interrupt_after_the_commit_keeps_the_new_checkpoint(mode, tmp_path, mon
         opt.save(ckpt)
     monkeypatch.undo()
     other = _opt([p.detach().clone().requires_grad_(True) for p in params], mode, tmp_path)
-    other.load(ckpt)  # the committed checkpoint is whole: its data file was not deleted
+    other.load(ckpt)  # the committed checkpoint is whole
     _same_state(other.state_dict(), expected)
     opt.close()
     other.close()
@@ -85,7 +85,7 @@ def _failing_pread(monkeypatch, fail_at):
 
     def pread(self, tensor, path, offset=0, **kw):
         calls["n"] += 1
-        if calls["n"] - 1 == fail_at and os.path.basename(os.fspath(path)).startswith(checkpoint.DATA_PREFIX):
+        if calls["n"] - 1 == fail_at and os.path.basename(os.fspath(path)) == checkpoint.FILE:
             raise OSError(errno.EIO, "injected read error", os.fspath(path))
         return real(self, tensor, path, offset, **kw)
 

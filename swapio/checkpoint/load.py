@@ -205,6 +205,21 @@ def _device(device):
     return cuda_copy.normalize_device(device)
 
 
+def _open(path):
+    """(skeleton, {name: _Target}, the file named in errors) of a checkpoint, its header and structure checked."""
+    locations = open_checkpoint(path)
+    skeleton, where = _skeleton(path, locations)
+    return skeleton, _targets(skeleton, locations, where), where
+
+
+def locate(path):
+    """The structure saved in the file `path` with each tensor's Location (file, offset, bytes, dtype, shape) in
+    its place ({name: Location} for a file swapio did not write): the header and structure checked as load()
+    checks them, nothing else read. For readers that stream the bytes themselves (swapio.optim.checkpoint)."""
+    skeleton, targets, _ = _open(path)
+    return unflatten(skeleton, {name: tg.loc for name, tg in targets.items()})
+
+
 def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
     """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
@@ -218,9 +233,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     if sharded.is_sharded(path):
         return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
     device = _device(device)
-    locations = open_checkpoint(path)
-    skeleton, where = _skeleton(path, locations)
-    targets = _targets(skeleton, locations, where)
+    skeleton, targets, where = _open(path)
     given = _match_out(out, targets, where) if out is not None else None
     tensors, pairs, after, direct = {}, [], [], []
     for name, tg in targets.items():

@@ -27,10 +27,11 @@ def check_staging_bytes(staging_bytes):
         raise ValueError(f"staging_bytes must be a positive int (bytes), got {staging_bytes}")
 
 
-def prepare(state, path, extra_metadata=None, staging_bytes=DEFAULT_STAGING):
-    """(plan, pending file): everything checked (TypeError for what cannot be stored) before a file exists."""
+def prepare(state, path, extra_metadata=None, staging_bytes=DEFAULT_STAGING, placeholders=False):
+    """(plan, pending file): everything checked (TypeError for what cannot be stored) before a file exists.
+    placeholders: meta tensors stand for bytes a `stream` writes (see write_pending)."""
     check_staging_bytes(staging_bytes)
-    skeleton, entries = flatten(state)
+    skeleton, entries = flatten(state, placeholders)
     plan = layout.plan(skeleton, entries, extra_metadata)
     return plan, PendingFile(path)
 
@@ -49,13 +50,17 @@ def write_and_commit(plan, pending, pieces, staging, handle=None, direct=(), seg
     return plan.total
 
 
-def write_pending(plan, pending, pieces, staging, handle=None, direct=(), segments=None):
+def write_pending(plan, pending, pieces, staging, handle=None, direct=(), segments=None, stream=None):
     """The bytes of the file into its temporary file, not yet published (swapio.offload.export writes every
-    shard before it publishes any); OSError named after the checkpoint. The caller aborts `pending` on failure."""
+    shard before it publishes any); OSError named after the checkpoint. The caller aborts `pending` on failure.
+    stream: None, or stream(write) that produces the bytes of the placeholder tensors (flatten's) piece by piece
+    from memory it reuses: write(offset, bytes) submits a positional write and returns its future, which stream
+    waits before reusing that memory. It runs after the direct writes are submitted and before the staged pieces
+    are assembled, so a staged source (the header) may depend on what it streamed (checksums)."""
     own = handle is None
     h = new_handle() if own else handle
     try:
-        _write(h, pending, plan.total, pieces, staging, direct, segments)
+        _write(h, pending, plan.total, pieces, staging, direct, segments, stream)
     except OSError as exc:
         staging.release()  # every request was waited for: the buffers are free
         raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
@@ -76,14 +81,20 @@ def commit_pending(pending, size):
                       pending.final) from exc
 
 
-def _write(h, pending, total, pieces, staging, direct, segments):
+def _write(h, pending, total, pieces, staging, direct, segments, stream):
     """The direct requests are all submitted first (the handle copies misaligned memory through its own
-    bounce buffers, pipelined with the device), then the staged pieces follow; every request is waited for
-    before this returns or raises."""
+    bounce buffers, pipelined with the device), then the stream's, then the staged pieces follow; every request
+    is waited for before this returns or raises."""
     futures, error = [], None
+
+    def submit(offset, view):
+        return h.pwrite(view, pending.path, offset, identity=pending.identity)
+
     try:
         for offset, view in direct:
-            futures.append(h.pwrite(view, pending.path, offset, identity=pending.identity))
+            futures.append(submit(offset, view))
+        if stream is not None:
+            stream(submit)
         writer.write(h, pending.path, total, pieces, staging, identity=pending.identity, segments=segments)
     except OSError as exc:
         error = exc
@@ -95,17 +106,25 @@ def _write(h, pending, total, pieces, staging, direct, segments):
 
 def split_pieces(plan):
     """(staged pieces at staging positions, segments, direct): big contiguous CPU tensors are written from
-    their own memory, the header and the rest through staging (writer.segments_of)."""
+    their own memory, the header and the rest through staging (writer.segments_of); placeholders (meta tensors)
+    are left to the caller's stream."""
     staged, direct = [(0, plan.header.numel(), lambda: plan.header)], []
     for offset, i in plan.pieces():
         e = plan.entries[i]
         t = e.tensor
+        if t.device.type == "meta":
+            continue
         if e.nbytes >= DIRECT_MIN and t.device.type == "cpu" and t.is_contiguous():
             direct.append((offset, flat_bytes(t)))
         else:
             staged.append((offset, e.nbytes, lambda t=t: flat_bytes(t)))
     segments, moved = writer.segments_of(staged)
     return moved, segments, direct
+
+
+def staging_for(segments, staging_bytes):
+    """Pinned staging (writer.Staging) for the staged pieces' segments, within staging_bytes."""
+    return writer.Staging(staging_bytes, segments[-1][2] + segments[-1][1] - segments[-1][0])
 
 
 def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None, distributed=False,
@@ -122,8 +141,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
     try:
         pieces, segments, direct = split_pieces(plan)
-        span = segments[-1][2] + segments[-1][1] - segments[-1][0]
-        staging = writer.Staging(staging_bytes, span)
+        staging = staging_for(segments, staging_bytes)
     except BaseException:
         pending.abort()
         raise

@@ -57,8 +57,10 @@ def _dense_permuted(t):
     return True
 
 
-def flatten(state):
-    """(skeleton, [Entry]) of a state; TypeError naming the key of anything that cannot be stored."""
+def flatten(state, placeholders=False):
+    """(skeleton, [Entry]) of a state; TypeError naming the key of anything that cannot be stored.
+    placeholders=True: meta tensors are taken as stand-ins for bytes the caller streams into the file itself
+    (swapio.optim.checkpoint), each stored on its own."""
     entries, taken, seen = [], set(), {}
 
     def name_for(path):
@@ -93,9 +95,10 @@ def flatten(state):
                                 "components, x.unbind(), instead)")
             if x.layout != torch.strided:
                 raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
-            if x.device.type == "meta":
+            meta = x.device.type == "meta"
+            if meta and not placeholders:
                 raise TypeError(f"{_describe(path)}: a tensor on the meta device has no data to store")
-            ident = _identity(x)
+            ident = None if meta else _identity(x)  # (meta tensors all have address 0: never "shared")
             if ident is not None and ident in seen:
                 return dict(seen[ident])
             entry = Entry(name_for(path), x, _describe(path))

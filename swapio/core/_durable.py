@@ -1,5 +1,5 @@
-"""Crash-safe commits of files, shared by optimizer checkpoints (swapio.optim.checkpoint) and offload directories
-(swapio.offload.offload_dir): data is written under a temporary name, fsynced, renamed into place, and the
+"""Crash-safe commits of files, shared by checkpoints (swapio.checkpoint.commit, which the optimizers' save uses
+too) and offload directories (swapio.offload.offload_dir): data is written under a temporary name, fsynced, renamed into place, and the
 directory fsynced, so after a crash a reader finds the old file or the new one, never a torn one."""
 import os
 
@@ -35,7 +35,7 @@ def write_and_replace(tmp, final, write, written=None, mode="wb"):
 
 
 def commit_data_and_index(tmp_data, data_path, tmp_index, index_path, write_index, mode="wb"):
-    """The two-file commit of optimizer checkpoints and offload directories: the finished data file tmp_data is
+    """The two-file commit of offload directories: the finished data file tmp_data is
     published as data_path, then the index naming it is written (write_index(f)) and renamed over index_path,
     the commit point. A failure, a signal included, removes what this commit made, except after the commit
     point: the data file is then the new index's, and stays. Removing older data files is the caller's."""

@@ -1,50 +1,61 @@
 """Streaming, atomic checkpoints of the offloaded optimizers (opt.save(dir) / opt.load(dir)).
 
-A checkpoint is a directory holding two files:
-  swapio-optim.pt               metadata (torch.save, loaded with weights_only=True): format, version, the
-                                optimizer class, its state_dtype (version 3), param_groups as in state_dict(),
-                                per parameter index its step, shape, dtype and the byte offset of each array in
-                                the data file, and an xxh3-64 checksum of each array (version 2)
-  swapio-optim-<token>.bin      the arrays as the optimizer stores them (swapio.optim.state_format): exp_avg,
-                                exp_avg_sq, max_exp_avg_sq (amsgrad), master (bf16/fp16 parameters only), the
-                                int8 scales; each parameter's fields one after the other, each 4 KiB aligned
-The data go to "<name>.bin.tmp", are fsynced and renamed; then the metadata go to a temporary name, are fsynced
-and renamed over swapio-optim.pt (the commit point) and the directory is fsynced. A crash or a signal at any
-moment leaves either the previous checkpoint or the new one under swapio-optim.pt: once the rename is done,
-nothing the new metadata names is ever deleted, whatever fails after it. A save holds the directory's flock
-(swapio.optim.dir_lock) exclusively, a load shared: a save while another live process saves or loads there
-raises OSError(EBUSY), and a save that holds it removes what earlier saves left behind (data files no metadata
-names, temporary data and metadata files of saves that were killed).
+A checkpoint is a directory holding one file, swapio-optim.safetensors, written by swapio.checkpoint's machinery
+(the one writer in the library: layout, commit, save): a safetensors file that safetensors.torch.load_file reads
+and swapio.checkpoint.load(file) returns as an optimizer state dict,
+    {"format", "version" (4), "optimizer" (the class), "state_dtype", "checksum" (the algorithm),
+     "param_groups": as in state_dict(),
+     "state": {index: {"step": int, "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"][, "<moment>_scale"]}},
+     "param_dtypes": {index: the parameter's dtype}, "checksums": {index: {field: xxh3-64, 16 hex digits}}}
+whose tensors are the arrays as the optimizer stores them (swapio.optim.state_format): fp32, bf16 or int8-code
+moments shaped like the parameter, fp32 masters (bf16/fp16 parameters only), flat fp32 int8 block scales.
 
-load() is all or nothing: it validates the metadata, reads every array into new storage (new tensors in cpu
-mode, a new swap file in nvme mode: the disk briefly holds both), verifies the checksums, and only then swaps
-the new state in; a failure at any point leaves the optimizer exactly as it was.
+Saving never holds a second copy of the state: the header is planned with meta tensors standing for the arrays
+(layout.plan), the arrays stream chunk by chunk through the optimizer's pinned buffers (nvme mode) or straight
+from the state tensors (cpu mode) as positional O_DIRECT writes at their planned offsets (save.write_pending's
+stream), and the header, its checksums then known (fixed-width, so it keeps its size), goes last through the
+staging window. The file is committed as every swapio checkpoint is (commit.PendingFile: a locked temporary file,
+fsync, rename, directory fsync): a crash or a signal at any moment leaves the previous checkpoint or the new one.
+A save holds the directory's flock (swapio.optim.dir_lock) exclusively, a load shared: a save while another live
+process saves or loads there raises OSError(EBUSY); a save removes what killed saves left (their temporary
+files) and, after its commit, the files of a version <= 3 checkpoint.
 
-The arrays stream chunk by chunk through the optimizer's pinned buffers (nvme mode) or straight from/to the
-state tensors (cpu mode), so saving or loading never holds more than a chunk beyond the live state. A checkpoint
-from either mode loads into either mode; the layout does not depend on buffer sizes. A checkpoint of another
-state_dtype loads too: its moments are decoded to fp32 and stored in this optimizer's format.
+load() is all or nothing: it validates the header and structure (swapio.checkpoint.load.locate: the library's one
+reader) and the metadata, reads every array into new storage (new tensors in cpu mode, a new swap file in nvme
+mode: the disk briefly holds both), verifies the checksums, and only then swaps the new state in; a failure at
+any point leaves the optimizer exactly as it was. A checkpoint from either mode loads into either mode; one of
+another state_dtype loads too (its moments decoded to fp32 and stored in this optimizer's format).
+
+Versions <= 3 (swapio-optim.pt, torch.save metadata with offsets and checksums, beside a raw
+swapio-optim-<hex>.bin) still load: only where the offsets and checksums come from differs (read_meta).
 """
 import contextlib
 import errno
+import math
 import os
-import secrets
 
 import torch
 
 from .. import _progress
+from ..checkpoint import commit, layout
+from ..checkpoint.dtypes import dtype_name
+from ..checkpoint.load import locate
+from ..checkpoint.save import commit_pending, prepare, split_pieces, staging_for, write_pending
+from ..checkpoint.structure import flatten
 from ..core import _checksum, _durable
-from ..core._align import round_up
+from ..offload.safetensors_header import Location
 from . import dir_lock, state_transfer, validate
 from .params import shard
 from .state_format import SCALE, StateFormat
 
-META = "swapio-optim.pt"
-META_TMP_PREFIX = f".{META}."  # + <hex>.tmp: metadata being written
-DATA_PREFIX = "swapio-optim-"
-DATA_SUFFIX = ".bin"
+FILE = "swapio-optim.safetensors"
 FORMAT = "swapio.optim.checkpoint"
-VERSION = 3  # 2: checksums; 3: state_dtype (bf16/int8 arrays)
+VERSION = 4  # 2: checksums; 3: state_dtype (bf16/int8 arrays); 4: one safetensors file
+_UNSET = "0" * 16  # a checksum's place in the header while the arrays stream: as long as any, so the header
+#                    keeps its size (and the arrays their offsets) when the checksums are filled in
+STAGING = 4 << 20  # pinned staging for the header: the arrays stream through the optimizer's own buffers
+LEGACY_META = "swapio-optim.pt"  # versions <= 3: this metadata and a swapio-optim-<hex>.bin, read only
+_LEGACY = (("swapio-optim-", (".bin", ".bin.tmp")), (f".{LEGACY_META}.", (".tmp",)))  # (prefix, suffixes)
 
 
 def _bar(progress, total, desc):
@@ -66,81 +77,108 @@ def save(opt, path, progress=False):
     os.makedirs(path, exist_ok=True)
     with dir_lock.locked(path, exclusive=True):
         _save(opt, path, progress)
+        # the files this checkpoint replaced: the previous one (unlinked by a helper thread), a version <= 3 one
+        commit.wait_for_unlinks()
+        _durable.discard(os.path.join(path, LEGACY_META))
+        for prefix, suffixes in _LEGACY:
+            _durable.remove_others(path, prefix, suffixes, keep=None)
+
+
+def _structure(opt):
+    """(the checkpoint's structure, its arrays' meta placeholders {(index, field): tensor}, [stateful params],
+    {id(p): index}): every array as a meta tensor of its stored dtype and shape, the checksums unset."""
+    groups, index = state_transfer.pack_groups(opt.param_groups)
+    fields_of, fmt = opt.exported_fields(), opt.state_format
+    state, dtypes, sums, slots, stateful = {}, {}, {}, {}, []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            k = index[id(p)]
+            if not opt.state.get(p) or k in state:
+                continue
+            stateful.append(p)
+            t = shard(p)
+            state[k] = {"step": int(opt.state[p]["step"].item())}
+            for name in fields_of[p]:
+                shape = (fmt.count(name, t.numel()),) if fmt.is_scale(name) else tuple(t.shape)
+                state[k][name] = slots[k, name] = torch.empty(shape, dtype=fmt.dtype(name), device="meta")
+            dtypes[k], sums[k] = dtype_name(t.dtype), dict.fromkeys(fields_of[p], _UNSET)
+    structure = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
+                 "checksum": _checksum.ALGORITHM, "param_groups": groups, "state": state, "param_dtypes": dtypes,
+                 "checksums": sums}
+    return structure, slots, stateful, index
+
+
+def _finish_header(plan, structure, streams):
+    """Writes the arrays' checksums into the planned header, in place (the same size: _UNSET)."""
+    for (k, name), stream in streams.items():
+        structure["checksums"][k][name] = f"{stream.intdigest():016x}"
+    final = layout.plan(*flatten(structure, placeholders=True))
+    if final.header.numel() != plan.header.numel() or final.offsets != plan.offsets:
+        raise AssertionError("the optimizer checkpoint's header changed size with its checksums")
+    plan.header.copy_(final.header)
 
 
 def _save(opt, path, progress=False):
-    groups, index = state_transfer.pack_groups(opt.param_groups)
-    fields_of = opt.exported_fields()
-    fmt = opt.state_format
-    stateful, seen, entries, offsets = [], set(), {}, {}
-    end = payload = 0  # payload: the arrays' bytes without the alignment padding, what the bar counts
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if not st or id(p) in seen:
-                continue
-            seen.add(id(p))
-            stateful.append(p)
-            t, offs = shard(p), {}
-            for name in fields_of[p]:
-                offs[name] = end
-                nbytes = fmt.count(name, t.numel()) * fmt.dtype(name).itemsize
-                payload += nbytes
-                end += round_up(nbytes)
-            offsets[p] = offs
-            entries[index[id(p)]] = {"step": st["step"].detach().clone(), "shape": tuple(t.shape),
-                                     "numel": t.numel(), "dtype": str(t.dtype).replace("torch.", ""),
-                                     "fields": dict(offs)}
-    data_name = f"{DATA_PREFIX}{secrets.token_hex(8)}{DATA_SUFFIX}"
-    data_path = os.path.join(path, data_name)
-    tmp_data = data_path + ".tmp"
-    fd = os.open(tmp_data, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    structure, slots, stateful, index = _structure(opt)
+    plan, pending = prepare(structure, os.path.join(path, FILE), placeholders=True)
     try:
-        os.ftruncate(fd, end)
-    finally:
-        os.close(fd)
-    tmp_meta = os.path.join(path, f"{META_TMP_PREFIX}{secrets.token_hex(4)}.tmp")
-    meta_path = os.path.join(path, META)
-    sums = {}
-    bar = _bar(progress, payload, "swapio: saving optimizer")
-    try:
-        with state_transfer.io_handles(opt) as (_, wh):
-            def sink(p, a, b, views):
-                futures = []
-                for name, off in offsets[p].items():
-                    view, first = views[name], fmt.first(name, a)
-                    sums.setdefault(p, {}).setdefault(name, _checksum.Stream()).update(first, view)
-                    futures.append(wh.pwrite(view, tmp_data, off + first * view.element_size()))
-                    if bar is not None:  # written when the future finishes; queued now, close enough to watch
-                        bar.update(view.nbytes)
-                return futures
+        at = {id(e.original): offset for e, offset in zip(plan.entries, plan.offsets)}
+        offsets = {key: at[id(t)] for key, t in slots.items()}
+        streams = {key: _checksum.Stream() for key in slots}  # (an empty array's is never fed)
+        pieces, segments, _ = split_pieces(plan)  # the header alone: every array is a placeholder
+        staging = staging_for(segments, STAGING)
+        total = sum(t.numel() * t.element_size() for t in slots.values())
+        with _closing(_bar(progress, total, "swapio: saving optimizer")) as bar, \
+                state_transfer.io_handles(opt) as (_, wh):
+            def stream(write):
+                _stream_arrays(opt, stateful, index, offsets, streams, write, bar)
+                _finish_header(plan, structure, streams)
 
-            opt.read_state(stateful, sink)
-            wh.wait()
-        for p, offs in offsets.items():
-            entries[index[id(p)]]["checksums"] = {name: sums[p][name].intdigest() if name in sums.get(p, {})
-                                                  else _checksum.Stream().intdigest() for name in offs}
-        meta = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
-                "param_groups": groups, "state": entries, "data": data_name, "data_bytes": end,
-                "checksum": _checksum.ALGORITHM}
-    except BaseException:
-        _durable.discard(tmp_data)
-        raise
+            write_pending(plan, pending, pieces, staging, wh, segments=segments, stream=stream)
+        commit_pending(pending, plan.total)
     finally:
-        if bar is not None:
-            bar.close()
-    _durable.commit_data_and_index(tmp_data, data_path, tmp_meta, meta_path, lambda f: torch.save(meta, f))
-    # Data of earlier checkpoints, and whatever interrupted saves left (this save holds the directory's lock, so
-    # no other save is under way: their temporary files are leftovers).
-    _durable.remove_others(path, DATA_PREFIX, (DATA_SUFFIX, DATA_SUFFIX + ".tmp"), keep=data_name)
-    _durable.remove_others(path, META_TMP_PREFIX, (".tmp",), keep=None)
+        pending.abort()  # a no-op once committed
+
+
+def _stream_arrays(opt, params, index, offsets, streams, write, bar):
+    """Writes the stored arrays of params piece by piece as opt.read_state hands them over: each piece at its
+    array's offset ({(index, field): offset}) plus its place in the array, fed to its checksum stream."""
+    fmt, fields_of = opt.state_format, opt.exported_fields()
+
+    def sink(p, a, b, views):
+        futures, k = [], index[id(p)]
+        for name in fields_of[p]:
+            view, first = views[name], fmt.first(name, a)
+            streams[k, name].update(first, view)
+            futures.append(write(offsets[k, name] + first * view.element_size(), view))
+            if bar is not None:  # written when the future finishes; queued now, close enough to watch
+                bar.update(view.nbytes)
+        return futures
+
+    opt.read_state(params, sink)
 
 
 def read_meta(path):
-    """The checkpoint's metadata, validated (swapio.optim.validate): ValueError naming the first problem."""
-    meta_path = os.path.join(os.fspath(path), META)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({META} is missing)")
+    """The checkpoint's metadata, validated (swapio.optim.validate), in one form for every version: format,
+    version, optimizer, state_dtype, checksum, param_groups, data (the file holding the arrays, in `path`),
+    data_bytes, and state {index: {step, shape, numel, dtype (the parameter's), fields {field: byte offset in
+    data}, checksums {field: int}}}. ValueError naming the first problem."""
+    path = os.fspath(path)
+    where = os.path.join(path, FILE)
+    if os.path.isfile(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
+        structure = locate(where)
+        meta = _meta_of(structure, where)
+        _check_arrays(structure["state"], meta, where)  # first: the checks of offsets take these sizes as given
+    else:
+        where = os.path.join(path, LEGACY_META)
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({FILE} is missing)")
+        meta = _legacy_meta(where)
+    validate.checkpoint_meta(meta, where, VERSION, _checksum.ALGORITHM)
+    return meta
+
+
+def _legacy_meta(meta_path):
     try:
         meta = torch.load(meta_path, map_location="cpu", weights_only=True)
     except OSError:
@@ -149,8 +187,78 @@ def read_meta(path):
         raise ValueError(f"{meta_path} is not a readable swapio optimizer checkpoint: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path} is not a swapio optimizer checkpoint")
-    validate.checkpoint_meta(meta, meta_path, VERSION, _checksum.ALGORITHM)
+    validate.legacy_data_name(meta, meta_path)
     return meta
+
+
+def _no_arrays(value, where):
+    """ValueError if a tensor hides where plain values belong (a forged file)."""
+    if isinstance(value, Location):
+        raise ValueError(f"{where}: a tensor where a plain value belongs")
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for v in inner:
+        _no_arrays(v, where)
+
+
+def _dict(structure, key, where):
+    value = structure.get(key)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {key!r} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _checksum_value(text):
+    """The int of a checksum as the header writes it (16 hex digits); anything else as it is, for
+    validate.checkpoint_meta to refuse."""
+    return int(text, 16) if isinstance(text, str) and len(text) == 16 and text.strip("0123456789abcdef") == "" \
+        else text
+
+
+def _meta_of(structure, file):
+    """read_meta's form of a version 4 file's structure (each array's Location in its place)."""
+    if not isinstance(structure, dict) or structure.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a swapio optimizer checkpoint")
+    state, dtypes, sums = (_dict(structure, key, file) for key in ("state", "param_dtypes", "checksums"))
+    _no_arrays([v for key, v in structure.items() if key != "state"], file)
+    entries = {}
+    for k, saved in state.items():
+        where = f"{file}: parameter {k!r}"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where}: its entry must be a dict")
+        fields = {name: loc for name, loc in saved.items() if name != "step"}
+        _no_arrays(saved.get("step"), f"{where}: 'step'")
+        for name, loc in fields.items():
+            if not isinstance(loc, Location):
+                raise ValueError(f"{where}: {name!r} must be a tensor, got {type(loc).__name__}")
+        shapes = [loc.shape for name, loc in fields.items() if not StateFormat.is_scale(name)]
+        shape = tuple(shapes[0]) if shapes else None
+        checksums = sums.get(k)
+        if not isinstance(checksums, dict):  # (only versions 1 of the old format had none)
+            raise ValueError(f"{where}: 'checksums' has no dict of its fields' checksums")
+        numel = None if shape is None else math.prod(shape)  # (a 0-d parameter's shape is (): 1 element)
+        entries[k] = {"step": saved.get("step"), "shape": shape, "numel": numel,
+                      "dtype": dtypes.get(k), "fields": {name: loc.offset for name, loc in fields.items()},
+                      "checksums": {name: _checksum_value(c) for name, c in checksums.items()}}
+    meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum",
+                                               "param_groups")}
+    meta.update(state=entries, data=FILE, data_bytes=os.path.getsize(file))
+    return meta
+
+
+def _check_arrays(state, meta, file):
+    """Each array is stored with the dtype and shape its field has in the checkpoint's state_dtype (the header's
+    byte ranges are the reader's: whole, inside the file, not overlapping)."""
+    fmt = StateFormat(meta.get("state_dtype", "fp32"))
+    for k, saved in state.items():
+        numel, shape = meta["state"][k]["numel"], meta["state"][k]["shape"]
+        if shape is None:
+            continue  # no moment: validate.checkpoint_meta refuses it
+        for name in meta["state"][k]["fields"]:
+            loc = saved[name]
+            want = (fmt.count(name, numel),) if fmt.is_scale(name) else shape
+            if loc.dtype != fmt.dtype(name) or tuple(loc.shape) != tuple(want):
+                raise ValueError(f"{file}: parameter {k}: {name!r} is {loc.dtype} {list(loc.shape)}; state_dtype "
+                                 f"{fmt.name!r} stores it as {fmt.dtype(name)} {list(want)}")
 
 
 def load(opt, path, progress=False):
@@ -159,8 +267,6 @@ def load(opt, path, progress=False):
         raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
     with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read
         _load(opt, path, progress)
-
-
 def _load(opt, path, progress=False):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))

@@ -422,9 +422,10 @@ class OffloadOptimizer(Optimizer):
             state_dict_hooks.discard_taken(self)
 
     def save(self, path, *, progress=None):
-        """Writes the optimizer (param groups and all state) to the directory `path`, streaming one chunk at a
-        time, durably and atomically: data then metadata are fsynced, and the metadata file is renamed into
-        place last, so a crash leaves the previous checkpoint (or none) readable. See swapio.optim.checkpoint.
+        """Writes the optimizer (param groups and all state) to the directory `path` as one safetensors file,
+        swapio-optim.safetensors, streaming one chunk at a time, durably and atomically: the file is fsynced and
+        renamed into place, so a crash leaves the previous checkpoint (or none) readable. See
+        swapio.optim.checkpoint.
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._check_whole()
@@ -432,7 +433,8 @@ class OffloadOptimizer(Optimizer):
         checkpoint.save(self, path, progress)
 
     def load(self, path, *, progress=None):
-        """Loads a checkpoint written by save() (from either offload mode), streaming one chunk at a time.
+        """Loads a checkpoint written by save() (from either offload mode, or an older swapio's format version 3),
+        streaming one chunk at a time.
         progress: a bar of the bytes read, as for save()."""
         self._check_open()
         checkpoint.load(self, path, progress)

@@ -69,11 +69,18 @@ def _require(ok, path, message):
         raise ValueError(f"{path}: {message}")
 
 
+def legacy_data_name(meta, path):
+    """Raises unless a version <= 3 checkpoint's metadata (swapio-optim.pt) names its data file by a plain
+    swapio-optim-<hex>.bin name in the checkpoint's directory."""
+    data = meta.get("data")
+    _require(isinstance(data, str) and _DATA_NAME.fullmatch(data) is not None, path,
+             f"'data' must name a swapio-optim-<hex>.bin file beside it, got {data!r}")
+
+
 def checkpoint_meta(meta, path, version, checksum_algorithm):
-    """Raises unless the metadata of a checkpoint (torch.load of swapio-optim.pt) is well formed: every field of
-    the right type and range, the data file a plain name in the checkpoint's directory, each parameter's arrays
-    inside the data file and not overlapping. What must also match the optimizer (the number of parameters,
-    their shapes, the hyperparameters) is checked by load()."""
+    """Raises unless the metadata of a checkpoint (swapio.optim.checkpoint.read_meta) is well formed: every field
+    of the right type and range, each parameter's arrays inside the data file and not overlapping. What must also
+    match the optimizer (the number of parameters, their shapes, the hyperparameters) is checked by load()."""
     _require(is_int(meta.get("version")) and 1 <= meta["version"] <= version, path,
              f"'version' must be an integer from 1 to {version}, got {meta.get('version')!r}")
     state_dtype = meta.get("state_dtype", "fp32")
@@ -82,9 +89,6 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
     _require(isinstance(meta.get("optimizer", ""), str), path, "'optimizer' must be a string")
     _require(meta.get("checksum", checksum_algorithm) == checksum_algorithm, path,
              f"'checksum' must be {checksum_algorithm!r}, got {meta.get('checksum')!r}")
-    data = meta.get("data")
-    _require(isinstance(data, str) and _DATA_NAME.fullmatch(data) is not None, path,
-             f"'data' must name a swapio-optim-<hex>.bin file beside it, got {data!r}")
     size = meta.get("data_bytes")
     _require(is_int(size) and size >= 0, path, f"'data_bytes' must be an integer >= 0, got {size!r}")
     groups = meta.get("param_groups")
