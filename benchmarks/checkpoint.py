@@ -11,7 +11,10 @@ measurement, medians. Per round:
             file, as every save writes one (the limit); raw overwrite: the same into the existing file's blocks
             (printed for reference: on some disks, ext4 on virtio here, writing new blocks is much slower)
   load      swapio.checkpoint.load | load(out=) into preallocated tensors | torch.load(weights_only) |
-            safetensors.torch.load_file | dcp.load (into preallocated tensors) | raw O_DIRECT read;
+            safetensors.torch.load_file | dcp.load (into preallocated tensors) | raw O_DIRECT read (into the
+            pinned buffer, the issue's limit) | raw O_DIRECT read into new memory (each tensor's bytes into a new
+            allocation, as a load that returns new tensors must; on a VM that hands freed memory back to its
+            host (virtio-balloon free page reporting), new memory costs the host page faults this line includes);
             every load is followed by touching one byte per page of every tensor (an mmap-backed tensor is read
             from disk only when touched)
   async     swapio.checkpoint.async_save and dcp.async_save: time until the call returns (the training stall)
@@ -130,6 +133,19 @@ def main():
             handle.pread(pinned[:min(chunk, nbytes - o)], paths["raw"], o)
         handle.wait()
 
+    def raw_read_new_memory():
+        """The same bytes, each tensor's into new memory at an address congruent to its offset (no copy), as a
+        load that returns new tensors must: the limit for load() where new memory costs more than reused."""
+        got, offset = [], 0
+        for t in flat.values():
+            backing = torch.empty(t.nbytes + 4096, dtype=torch.uint8)
+            shift = (offset - backing.data_ptr()) % 4096
+            got.append(backing)
+            handle.pread(backing[shift:shift + t.nbytes], paths["raw"], offset)
+            offset += t.nbytes
+        handle.wait()
+        return got
+
     def torch_save():
         with open(paths["torch"], "wb") as f:
             torch.save(state, f)
@@ -162,7 +178,7 @@ def main():
              "torch.load": lambda: touch(tensors_of(torch.load(paths["torch"], weights_only=True)).values()),
              "safetensors.load_file": lambda: touch(st.load_file(paths["safetensors"]).values()),
              "dcp.load": lambda: touch(dcp_load()),
-             "raw O_DIRECT read": raw_read}
+             "raw O_DIRECT read": raw_read, "raw O_DIRECT read, new memory": lambda: touch(raw_read_new_memory())}
     if args.no_peers:
         saves = {k: v for k, v in saves.items() if k.startswith(("swapio", "raw"))}
         loads = {k: v for k, v in loads.items() if k.startswith(("swapio", "raw"))}
@@ -240,7 +256,7 @@ def main():
     for other in ("raw O_DIRECT write", "raw O_DIRECT overwrite", "torch.save+fsync", "safetensors+fsync",
                   "dcp.save"):
         print(f"  save vs {other}: {ratio('swapio.save', other)}")
-    for other in ("raw O_DIRECT read", "torch.load", "safetensors.load_file", "dcp.load"):
+    for other in ("raw O_DIRECT read", "raw O_DIRECT read, new memory", "torch.load", "safetensors.load_file", "dcp.load"):
         print(f"  load vs {other}: {ratio('swapio.load', other)}   load(out=) vs {other}: "
               f"{ratio('swapio.load(out=)', other)}")
     if "swapio.async_save" in results and "swapio.save" in med:
