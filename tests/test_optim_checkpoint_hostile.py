@@ -3,6 +3,7 @@ and hyperparameters must give a ValueError naming the file (never TypeError/Over
 hang) and leave the optimizer exactly as it was; what save() writes must load; cpu and nvme checkpoints mix."""
 import json
 import os
+import shutil
 import threading
 import warnings
 
@@ -71,26 +72,80 @@ def _refused_intact(opt, params, ckpt, tmp_path):
     ref.close()
 
 
-SKELETON_DAMAGE = {
+def _rename_field(key):
+    def edit(skeleton):  # state.0's "exp_avg" (and its checksum) under another dict key
+        for node in (_node(skeleton, "state", 0), _node(skeleton, "checksums", 0)):
+            next(item for item in node["D"] if item[0] == "exp_avg")[0] = key
+    return edit
+
+
+SKELETON_DAMAGE = {  # (edit, whether swapio.checkpoint.load itself must refuse the file)
     # a dict key the skeleton gives as a JSON list: unflatten() builds a dict with it (TypeError: unhashable)
-    "list as a state key": lambda s: _node(s, "state")["D"][0].__setitem__(0, [0]),
-    "list as a top-level key": lambda s: s["D"][0].__setitem__(0, ["format"]),
+    "list as a state key": (lambda s: _node(s, "state")["D"][0].__setitem__(0, [0]), True),
+    "list as a top-level key": (lambda s: s["D"][0].__setitem__(0, ["format"]), True),
     # a tensor node's strides not a list: _Target does tuple(node["stride"]) (TypeError)
-    "stride an int": lambda s: _node(s, "state", 0, "exp_avg").__setitem__("stride", 5),
-    "stride null": lambda s: _node(s, "state", 0, "exp_avg").__setitem__("stride", None),
+    "stride an int": (lambda s: _node(s, "state", 0, "exp_avg").__setitem__("stride", 5), True),
+    "stride null": (lambda s: _node(s, "state", 0, "exp_avg").__setitem__("stride", None), True),
+    # a field named by a non-string key (the skeleton allows int/float/bool/None keys): StateFormat.is_scale
+    # calls name.endswith (AttributeError) before any check of the names
+    "an int field name": (_rename_field(7), False),
+    "a null field name": (_rename_field(None), False),
 }
 
 
 @pytest.mark.parametrize("damage", sorted(SKELETON_DAMAGE))
 def test_malformed_skeleton_is_a_value_error_naming_the_file(damage, tmp_path):
+    edit, reader_refuses = SKELETON_DAMAGE[damage]
     opt, params = _trained(tmp_path)
     ckpt = tmp_path / "ckpt"
     opt.save(ckpt)
-    _edit_skeleton(ckpt, SKELETON_DAMAGE[damage])
-    with pytest.raises(ValueError, match=checkpoint.FILE):  # the library's reader, as used on its own
-        swapio.checkpoint.load(ckpt / checkpoint.FILE)
+    _edit_skeleton(ckpt, edit)
+    if reader_refuses:
+        with pytest.raises(ValueError, match=checkpoint.FILE):  # the library's reader, as used on its own
+            swapio.checkpoint.load(ckpt / checkpoint.FILE)
     _refused_intact(opt, params, ckpt, tmp_path)
     opt.close()
+
+
+def test_a_non_string_field_name_in_version_3_metadata_is_a_value_error(tmp_path):
+    # validate.checkpoint_meta slices name[:-len("_scale")] for int8 state: TypeError on an int name
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "optim-v3", "int8-state")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(data, ckpt)
+    meta = torch.load(ckpt / checkpoint.LEGACY_META, weights_only=True)
+    entry = meta["state"][0]
+    entry["fields"] = {7: entry["fields"].pop("exp_avg"), **entry["fields"]}
+    entry["checksums"] = {7: entry["checksums"].pop("exp_avg"), **entry["checksums"]}
+    torch.save(meta, ckpt / checkpoint.LEGACY_META)
+    params = [torch.randn(s).requires_grad_(True) for s in [(300,), (17, 33), (513,)]]
+    opt = make_opt("adamw", params, "cpu", tmp_path, "int8")
+    train(opt, params, 1, 1)
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=checkpoint.LEGACY_META):
+        opt.load(ckpt)
+    assert_same(snapshot(opt, params), before)
+    opt.close()
+
+
+def test_an_optimizer_with_a_tensor_lr_saves_a_checkpoint_that_loads(tmp_path):
+    # the constructor and step() take lr=torch.tensor(...) (as torch does) and state_dict() round-trips it, but
+    # save() stores the lr as a tensor and load() then refuses its own file ("a tensor where a plain value
+    # belongs"): found only when resuming. Either save() refuses up front or load() takes the file back.
+    params = _params()
+    opt = swapio.optim.OffloadAdamW(params, lr=torch.tensor(0.01))
+    train(opt, params, 1, 2)
+    opt.load_state_dict(opt.state_dict())
+    try:
+        opt.save(tmp_path / "ckpt")
+    except (ValueError, TypeError):
+        return
+    other_params = [p.detach().clone().requires_grad_(True) for p in params]
+    other = swapio.optim.OffloadAdamW(other_params, lr=1e-3)
+    other.load(tmp_path / "ckpt")
+    train(opt, params, 3, 3)
+    train(other, other_params, 3, 3)
+    assert_same({**snapshot(other, other_params), "groups": []}, {**snapshot(opt, params), "groups": []})
+    assert float(other.param_groups[0]["lr"]) == float(opt.param_groups[0]["lr"])
 
 
 HYPER_DAMAGE = {
