@@ -91,6 +91,24 @@ def _rewrite_header(path, edit):
     path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
 
 
+def _structure(step='{"V": 7}', a='{"T": "model.a"}'):
+    """The saved file's structure (model.a, model.b, step) with `step` or `a` replaced by a damaged node."""
+    return '{"D": [["model", {"D": [["a", %s], ["b", {"T": "model.b"}]]}], ["step", %s]]}' % (a, step)
+
+
+# Structure nodes flatten never writes (each a TypeError from deep inside the loader before they were checked)
+_BAD_STRUCTURES = {
+    "key-a-list": (_structure(step='{"D": [[["k"], {"V": 1}]]}'), "structure.*malformed.*dict key"),
+    "key-a-dict": (_structure(step='{"D": [[{"k": 1}, {"V": 1}]]}'), "structure.*malformed.*dict key"),
+    "items-a-dict": (_structure(step='{"D": {"k": {"V": 1}}}'), "structure.*malformed.*'D' must be a list"),
+    "item-not-a-pair": (_structure(step='{"D": [["k"]]}'), "structure.*malformed.*'D' must be a list"),
+    "list-a-dict": (_structure(step='{"L": {"k": 1}}'), "structure.*malformed.*'L' and 'U' must be lists"),
+    "value-a-list": (_structure(step='{"V": [1, 2]}'), "structure.*malformed"),
+    "stride-an-int": (_structure(a='{"T": "model.a", "stride": 5}'), r"'model\.a' has malformed strides"),
+    "stride-null": (_structure(a='{"T": "model.a", "stride": null}'), r"'model\.a' has malformed strides"),
+}
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda h: h["model.a"].update(shape=[3001]), r"'model\.a'.*\[3001\]"),
     (lambda h: h["model.b"].update(data_offsets=[12000, 16008]), r"'model\.b'.*(truncated|spans)"),
@@ -99,7 +117,9 @@ def _rewrite_header(path, edit):
     (lambda h: h.pop("model.b"), r"leaves bytes \[0, 4000\) unused"),  # the entries must tile the data
     (lambda h: h["__metadata__"].update(structure='{"D": [["a", {"Q": 1}]]}'), "structure.*malformed"),
     (lambda h: h["__metadata__"].update(structure="{not json"), "structure.*malformed"),
-], ids=["shape", "offsets", "dtype", "missing-tensor", "dropped-entry", "bad-node", "bad-json"])
+    *[(lambda h, text=text: h["__metadata__"].update(structure=text), match)
+      for text, match in _BAD_STRUCTURES.values()],
+], ids=["shape", "offsets", "dtype", "missing-tensor", "dropped-entry", "bad-node", "bad-json", *_BAD_STRUCTURES])
 def test_tampered_header_is_a_value_error_and_out_is_unchanged(tmp_path, edit, match):
     path = _saved(tmp_path)
     _rewrite_header(path, edit)

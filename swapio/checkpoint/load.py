@@ -79,10 +79,11 @@ class _Target:
                              "64 bits")
         self.stride = None
         if "stride" in node:
-            stride = tuple(node["stride"])
-            if len(stride) != len(self.shape) or not all(isinstance(s, int) and s >= 0 for s in stride):
+            stride = node["stride"]
+            if not isinstance(stride, list) or len(stride) != len(self.shape) \
+                    or not all(type(s) is int and s >= 0 for s in stride):
                 raise ValueError(f"{where}: tensor {name!r} has malformed strides {node['stride']!r}")
-            self.stride = stride
+            self.stride = tuple(stride)
 
     def byte_view(self, t):
         """t's bytes as the file stores them (t contiguous)."""

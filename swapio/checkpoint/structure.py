@@ -141,7 +141,8 @@ def flatten(state, placeholders=False):
 
 
 def tensor_nodes(skeleton):
-    """The {"T": ...} nodes of a skeleton, in order (shared tensors once per place)."""
+    """The {"T": ...} nodes of a skeleton, in order (shared tensors once per place). The skeleton comes from a
+    file: every node is checked to be what flatten writes (ValueError otherwise), so unflatten cannot fail on it."""
     stack, out = [skeleton], []
     while stack:
         node = stack.pop()
@@ -150,12 +151,27 @@ def tensor_nodes(skeleton):
         if "T" in node:
             out.append(node)
         elif "D" in node:
-            stack.extend(v for _, v in reversed(node["D"]))
+            items = node["D"]
+            if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'D' must be a list of [key, node]")
+            for k, _ in items:
+                if not isinstance(k, _KEYS):
+                    raise ValueError(f"malformed skeleton node {_short(node)}: a dict key may be str, int, float, "
+                                     f"bool or None, not {type(k).__name__}")
+            stack.extend(v for _, v in reversed(items))
         elif "L" in node or "U" in node:
-            stack.extend(reversed(node.get("L", node.get("U"))))
-        elif "V" not in node:
-            raise ValueError(f"malformed skeleton node {node!r}")
+            items = node.get("L", node.get("U"))
+            if not isinstance(items, list):
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'L' and 'U' must be lists")
+            stack.extend(reversed(items))
+        elif "V" not in node or not isinstance(node["V"], _PLAIN):
+            raise ValueError(f"malformed skeleton node {_short(node)}")
     return out
+
+
+def _short(node):
+    text = repr(node)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def unflatten(skeleton, tensors):
