@@ -228,6 +228,8 @@ def _meta_of(structure, file):
         fields = {name: loc for name, loc in saved.items() if name != "step"}
         _no_arrays(saved.get("step"), f"{where}: 'step'")
         for name, loc in fields.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{where}: a field name must be a string, got {name!r}")
             if not isinstance(loc, Location):
                 raise ValueError(f"{where}: {name!r} must be a tensor, got {type(loc).__name__}")
         shapes = [loc.shape for name, loc in fields.items() if not StateFormat.is_scale(name)]

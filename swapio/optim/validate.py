@@ -117,6 +117,7 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
         fields = entry.get("fields")
         _require(isinstance(fields, dict) and fields, where, "'fields' must be a non-empty dict")
         for name, off in fields.items():
+            _require(isinstance(name, str), where, f"a field name must be a string, got {name!r}")
             known = name == "master" or name in MOMENTS or (fmt.has_scales and name[:-len(SCALE)] in MOMENTS
                                                              and name.endswith(SCALE))
             _require(known, where, f"unknown field {name!r} for state_dtype {state_dtype!r}")
