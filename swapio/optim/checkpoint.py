@@ -345,11 +345,10 @@ def _load(opt, path, progress=False):
         raise ValueError(f"{data_path}: {'missing' if size < 0 else f'{size} bytes'}; the checkpoint needs "
                          f"{meta['data_bytes']} bytes")
     file = meta["file"]
-    _check_optimizer(opt, meta.get("optimizer"), file)
     try:
         id_map, new_groups = state_transfer.remap_groups(opt.param_groups, meta["param_groups"])
     except ValueError as exc:
-        raise ValueError(f"{file}: {exc}") from None
+        raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
     _check_same_parameters(opt.param_groups, meta["param_groups"], file)
     _check_groups(opt, new_groups, file)
     steps, fields, offsets, expected = {}, {}, {}, {}
@@ -421,25 +420,16 @@ def _load(opt, path, progress=False):
         except ValueError as exc:  # a mismatch with this optimizer (its fields, amsgrad with int8 state)
             if file in str(exc) or data_path in str(exc):
                 raise
-            raise ValueError(f"{file}: {exc}") from exc
+            raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from exc
 
 
-def _family(cls):
-    """The update rule of an optimizer class (Adam and AdamW share Adam's: AdamW is Adam with
-    decoupled_weight_decay=True, a group key the checkpoint carries)."""
-    return getattr(cls, "_rule_type", None)
-
-
-def _check_optimizer(opt, saved, file):
-    """ValueError when the checkpoint was saved by an optimizer of another update rule (OffloadLion's into
-    OffloadAdamW, say). An unknown class name (a user's subclass, a file without one) is not refused here: the
-    fields and hyperparameters are checked against this optimizer anyway."""
-    from . import offload_adam, offload_lion
-    known = {c.__name__: c for c in (offload_adam.OffloadAdam, offload_adam.OffloadAdamW, offload_lion.OffloadLion)}
-    cls = known.get(saved) if isinstance(saved, str) else None
-    if cls is not None and _family(type(opt)) is not None and _family(cls) is not _family(type(opt)):
-        raise ValueError(f"{file} was saved by {saved}, whose update rule ({_family(cls).__name__}) differs from "
-                         f"{type(opt).__name__}'s ({_family(type(opt)).__name__}): its state does not load there")
+def _saved_by(opt, saved):
+    """A note for a mismatch when the checkpoint's optimizer class is not this one's. Another class is not
+    refused as such: load() takes what this optimizer uses, as load_state_dict() does (an AdamW checkpoint
+    loads into OffloadLion, its exp_avg_sq unused; docs/optim.md), and refuses what lacks a field it needs."""
+    mine = type(opt).__name__
+    return f" (the checkpoint was saved by {saved}; this optimizer is {mine})" \
+        if isinstance(saved, str) and saved != mine else ""
 
 
 def _check_same_parameters(param_groups, saved_groups, file):
