@@ -60,6 +60,14 @@ def _two_params_one_id(meta):
     meta["param_groups"][0]["params"][1] = meta["param_groups"][0]["params"][0]
 
 
+def _two_params_one_id_consistent(meta):
+    """As a group holding one parameter twice saves (its index twice, one state entry), for an optimizer whose
+    group holds distinct parameters there."""
+    _two_params_one_id(meta)
+    for key in ("state", "param_dtypes", "checksums"):
+        del meta[key][1]
+
+
 def _transposed(meta):
     for name in ("exp_avg", "exp_avg_sq"):  # int8 codes; their block scales count the same
         meta["state"][1][name] = meta["state"][1][name].reshape(33, 17)
@@ -91,13 +99,17 @@ STRUCTURE_DAMAGE = {
     "checksum not hex": (_set("checksums", 0, "exp_avg", value="x"), "checksums"),
     "checksums missing": (_drop("checksums", 0), "checksums"),
     "state of no parameter": (_set("state", 99, value={"step": 1}), "99"),
-    "one id twice": (_two_params_one_id, "distinct"),
+    "one id twice": (_two_params_one_id, "not a parameter of 'param_groups'"),
+    "one id twice, as a group holding one parameter twice saves": (_two_params_one_id_consistent, "distinct"),
     "state_dtype": (_set("state_dtype", value="int4"), "state_dtype"),
     "version": (_set("version", value="3"), "version"),
     "format": (_set("format", value="swapio.other"), "not a swapio optimizer checkpoint"),
     "param_groups": (_set("param_groups", value={"params": []}), "param_groups"),
     "lr": (_set("param_groups", 0, "lr", value=math.nan), "learning rate"),
-    "a tensor as lr": (_set("param_groups", 0, "lr", value=torch.tensor(0.1)), "plain value"),
+    # a one-element tensor lr loads (as torch's state_dict holds it: test_optim_checkpoint_hostile); others not
+    "a two-element tensor as lr": (_set("param_groups", 0, "lr", value=torch.ones(2)), "one-element tensor"),
+    "a tensor as a parameter index": (_set("param_groups", 0, "params", 0, value=torch.tensor(0)), "plain value"),
+    "a tensor as the state_dtype": (_set("state_dtype", value=torch.tensor(0)), "plain value"),
 }
 HEADER_DAMAGE = {
     "overlapping arrays": (_same_offsets, "overlaps"),

@@ -33,6 +33,7 @@ import contextlib
 import errno
 import math
 import os
+import stat
 
 import torch
 
@@ -165,22 +166,55 @@ def read_meta(path):
     data}, checksums {field: int}}}. ValueError naming the first problem."""
     path = os.fspath(path)
     where = os.path.join(path, FILE)
-    if os.path.isfile(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
+    if _regular(where):  # a version <= 3 checkpoint beside it is older: a save removes it after its commit
         structure = locate(where)
         meta = _meta_of(structure, where)
         _check_arrays(structure["state"], meta, where)  # first: the checks of offsets take these sizes as given
     else:
         where = os.path.join(path, LEGACY_META)
-        if not os.path.exists(where):
+        if not os.path.lexists(where):
             raise FileNotFoundError(f"{path}: no swapio optimizer checkpoint ({FILE} is missing)")
         meta = _legacy_meta(where)
     validate.checkpoint_meta(meta, where, VERSION, _checksum.ALGORITHM)
+    meta["file"] = where  # what errors name
     return meta
 
 
-def _legacy_meta(meta_path):
+def _kind(mode):
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")
+
+
+def _regular(where):
+    """True for a regular file (symlinks followed), False when nothing is there; ValueError for anything else
+    there (a directory, a FIFO that would block the reader, a device): never reported as missing."""
     try:
-        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+        mode = os.stat(where).st_mode
+    except FileNotFoundError:
+        if os.path.islink(where):
+            raise FileNotFoundError(errno.ENOENT, "a dangling symlink in place of the checkpoint file", where) \
+                from None
+        return False
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{where} is {_kind(mode)}, not a checkpoint file")
+    return True
+
+
+def _legacy_meta(meta_path):
+    # opened without blocking and checked before torch.load reads it: a FIFO in its place would hang the load
+    fd = os.open(meta_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{meta_path} is {_kind(mode)}, not a checkpoint file")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        with f:
+            meta = torch.load(f, map_location="cpu", weights_only=True)
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of a damaged file
@@ -219,7 +253,8 @@ def _meta_of(structure, file):
     if not isinstance(structure, dict) or structure.get("format") != FORMAT:
         raise ValueError(f"{file} is not a swapio optimizer checkpoint")
     state, dtypes, sums = (_dict(structure, key, file) for key in ("state", "param_dtypes", "checksums"))
-    _no_arrays([v for key, v in structure.items() if key != "state"], file)
+    groups = _tensor_hyperparameters(structure.get("param_groups"), file)
+    _no_arrays([groups] + [v for key, v in structure.items() if key not in ("state", "param_groups")], file)
     entries = {}
     for k, saved in state.items():
         where = f"{file}: parameter {k!r}"
@@ -228,6 +263,8 @@ def _meta_of(structure, file):
         fields = {name: loc for name, loc in saved.items() if name != "step"}
         _no_arrays(saved.get("step"), f"{where}: 'step'")
         for name, loc in fields.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{where}: a field name must be a string, got {name!r}")
             if not isinstance(loc, Location):
                 raise ValueError(f"{where}: {name!r} must be a tensor, got {type(loc).__name__}")
         shapes = [loc.shape for name, loc in fields.items() if not StateFormat.is_scale(name)]
@@ -239,10 +276,41 @@ def _meta_of(structure, file):
         entries[k] = {"step": saved.get("step"), "shape": shape, "numel": numel,
                       "dtype": dtypes.get(k), "fields": {name: loc.offset for name, loc in fields.items()},
                       "checksums": {name: _checksum_value(c) for name, c in checksums.items()}}
-    meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum",
-                                               "param_groups")}
-    meta.update(state=entries, data=FILE, data_bytes=os.path.getsize(file))
+    meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum")}
+    meta.update(param_groups=groups, state=entries, data=FILE, data_bytes=os.path.getsize(file))
     return meta
+
+
+MAX_HYPER_BYTES = 4096  # a tensor-valued hyperparameter (lr=torch.tensor(...), as torch allows) is a scalar
+
+
+def _tensor_hyperparameters(groups, file):
+    """The param groups with each tensor-valued hyperparameter (saved as a tensor, as torch's state_dict() holds
+    it) read back as a new CPU tensor; a tensor anywhere else in a group ('params') is left for _no_arrays to
+    refuse. Their values are checked with the rest of the group (_check_groups)."""
+    if not isinstance(groups, list):
+        return groups
+    def value(v, where):
+        if isinstance(v, Location):
+            return _read_small(v, where)
+        if isinstance(v, (list, tuple)):  # betas as a pair of tensors
+            return type(v)(value(x, where) for x in v)
+        return v
+    return [{key: v if key == "params" else value(v, f"{file}: param group {i}: {key!r}")
+             for key, v in g.items()} if isinstance(g, dict) else g for i, g in enumerate(groups)]
+
+
+def _read_small(loc, where):
+    if loc.nbytes > MAX_HYPER_BYTES or not (loc.dtype.is_floating_point or loc.dtype == torch.int64):
+        raise ValueError(f"{where}: a {loc.dtype} tensor of shape {list(loc.shape)} where a hyperparameter (a "
+                         "number or a one-element tensor) belongs")
+    with open(loc.path, "rb") as f:
+        f.seek(loc.offset)
+        raw = f.read(loc.nbytes)
+    if len(raw) != loc.nbytes:
+        raise ValueError(f"{where}: the file ends inside the tensor")
+    return torch.frombuffer(bytearray(raw), dtype=loc.dtype).reshape(tuple(loc.shape)).clone() if raw \
+        else torch.empty(tuple(loc.shape), dtype=loc.dtype)
 
 
 def _check_arrays(state, meta, file):
@@ -272,25 +340,31 @@ def _load(opt, path, progress=False):
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
     fmt = opt.state_format
     data_path = os.path.join(path, meta["data"])
-    size = os.path.getsize(data_path) if os.path.exists(data_path) else -1
+    size = os.path.getsize(data_path) if _regular(data_path) else -1
     if size < meta["data_bytes"]:
         raise ValueError(f"{data_path}: {'missing' if size < 0 else f'{size} bytes'}; the checkpoint needs "
                          f"{meta['data_bytes']} bytes")
-    id_map, new_groups = state_transfer.remap_groups(opt.param_groups, meta["param_groups"])
+    file = meta["file"]
+    try:
+        id_map, new_groups = state_transfer.remap_groups(opt.param_groups, meta["param_groups"])
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
+    _check_same_parameters(opt.param_groups, meta["param_groups"], file)
+    _check_groups(opt, new_groups, file)
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map[k]
         t = shard(p)
         if tuple(entry["shape"]) != tuple(t.shape):
-            raise ValueError(f"{path}: parameter {k} has shape {tuple(t.shape)}; its checkpointed state is for "
+            raise ValueError(f"{file}: parameter {k} has shape {tuple(t.shape)}; its checkpointed state is for "
                              f"shape {tuple(entry['shape'])}")
         saved_dtype = entry.get("dtype", "float32")
         if opt.is_offloaded(p) and saved_dtype != str(t.dtype).replace("torch.", ""):
             # its weights are rewritten from the loaded master in the offload storage's dtype: a checkpoint of
             # another model (a resident parameter may change dtype between runs, as with torch)
-            raise ValueError(f"{path}: parameter {k} is an offloaded weight of dtype {t.dtype}; its checkpointed "
+            raise ValueError(f"{file}: parameter {k} is an offloaded weight of dtype {t.dtype}; its checkpointed "
                              f"state is for a weight of dtype {saved_dtype}")
-        steps[p] = validate.step_count(entry["step"], f"{path}: parameter {k}")
+        steps[p] = validate.step_count(entry["step"], f"{file}: parameter {k}")
         fields[p] = {name for name in entry["fields"] if not saved_fmt.is_scale(name)}
         offsets[p] = entry["fields"]
         expected[p] = (k, entry.get("checksums"))
@@ -341,4 +415,43 @@ def _load(opt, path, progress=False):
                                          f"({_checksum.ALGORITHM} {got:016x}, saved {want:016x}): the file is "
                                          "corrupted; the optimizer state was left as it was")
 
-        state_transfer.install(opt, new_groups, steps, fields, source, check=check)
+        try:
+            state_transfer.install(opt, new_groups, steps, fields, source, check=check)
+        except ValueError as exc:  # a mismatch with this optimizer (its fields, amsgrad with int8 state)
+            if file in str(exc) or data_path in str(exc):
+                raise
+            raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from exc
+
+
+def _saved_by(opt, saved):
+    """A note for a mismatch when the checkpoint's optimizer class is not this one's. Another class is not
+    refused as such: load() takes what this optimizer uses, as load_state_dict() does (an AdamW checkpoint
+    loads into OffloadLion, its exp_avg_sq unused; docs/optim.md), and refuses what lacks a field it needs."""
+    mine = type(opt).__name__
+    return f" (the checkpoint was saved by {saved}; this optimizer is {mine})" \
+        if isinstance(saved, str) and saved != mine else ""
+
+
+def _check_same_parameters(param_groups, saved_groups, file):
+    """The saved indices and this optimizer's parameters correspond one to one. A group may hold one parameter
+    twice (torch allows it, with a warning): save() then writes its index twice, and the file loads where the
+    same places hold one parameter."""
+    to_param, to_index = {}, {}
+    for g, s in zip(param_groups, saved_groups):
+        for p, k in zip(g["params"], s["params"]):
+            if to_param.setdefault(k, p) is not p or to_index.setdefault(id(p), k) != k:
+                raise ValueError(f"{file}: the 'params' of 'param_groups' must be distinct integers but where this "
+                                 f"optimizer's groups hold one parameter twice (index {k} does not match them)")
+
+
+def _check_groups(opt, groups, file):
+    """Each saved group's hyperparameters as this optimizer's constructor checks them (its rule's checks),
+    and its flags (amsgrad, maximize, ...) bools: ValueError naming the file, before anything changes."""
+    for i, g in enumerate(groups):
+        for key, default in opt.defaults.items():
+            if isinstance(default, bool) and key in g and not isinstance(g[key], bool):
+                raise ValueError(f"{file}: param group {i}: {key!r} must be a bool, got {g[key]!r}")
+        try:
+            opt.check_group(g)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"{file}: param group {i}: {exc}") from None

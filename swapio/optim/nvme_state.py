@@ -331,6 +331,9 @@ class NvmeState:
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
         chunks = [c for c in self.chunks if any(seg.p in by_param for seg in c.segments)]
         finished = []  # works whose last segment was computed, in order
+        for w in works:
+            if w.numel == 0:  # no segments, nothing to compute or store: stepped (its count advances, as in cpu
+                w.done = True  # mode and torch)
 
         def work(chunk, views, s):
             for seg in chunk.segments:

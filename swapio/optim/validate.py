@@ -96,8 +96,8 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
                                               for g in groups), path,
              "'param_groups' must be a list of dicts, each with a list 'params'")
     ids = [i for g in groups for i in g["params"]]
-    _require(all(is_int(i) for i in ids) and len(set(ids)) == len(ids), path,
-             "the 'params' of 'param_groups' must be distinct integers")
+    # distinct but where a group holds one parameter twice: load() checks that against the optimizer's groups
+    _require(all(is_int(i) for i in ids), path, "the 'params' of 'param_groups' must be integers")
     state = meta.get("state")
     _require(isinstance(state, dict), path, "'state' must be a dict")
     fmt, spans = StateFormat(state_dtype), []
@@ -117,6 +117,7 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
         fields = entry.get("fields")
         _require(isinstance(fields, dict) and fields, where, "'fields' must be a non-empty dict")
         for name, off in fields.items():
+            _require(isinstance(name, str), where, f"a field name must be a string, got {name!r}")
             known = name == "master" or name in MOMENTS or (fmt.has_scales and name[:-len(SCALE)] in MOMENTS
                                                              and name.endswith(SCALE))
             _require(known, where, f"unknown field {name!r} for state_dtype {state_dtype!r}")
