@@ -232,23 +232,23 @@ struct V {
   static SWAPIO_INLINE U hi16(U r) { return _mm256_srli_epi32(r, 16); }
   // code value * scale, by arithmetic (quant.h, quant_search.h's decode8): the magnitude is one FMA on the rank,
   // with the line of the rank's binade (two vpermps on its exponent field's low 3 bits). The signed map is
-  // symmetric: rank = |code - zero|, vpsignd by the rank clears the zero code's lane (rank 0, whose float has no
-  // binade), and the sign bit of code - zero becomes the value's.
+  // symmetric: r = 4 (code - zero) as a float (exact), whose sign bit vpermps ignores; r * B + (C with r's sign) is
+  // -(|r| B + C) where r < 0, rounded alike; the zero code's r = +0 has the line through 0.
   template <bool kSigned>
   static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
-    const __m256i s = kSigned ? _mm256_sub_epi32(idx, _mm256_set1_epi32(q.zero)) : idx;
-    const __m256i rank = kSigned ? _mm256_abs_epi32(s) : _mm256_add_epi32(idx, _mm256_set1_epi32(1));
-    const F rf = _mm256_cvtepi32_ps(rank);
-    const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(rf), 23);
-    const F mag = _mm256_fmadd_ps(rf, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot),
-                                  _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot));
     if constexpr (kSigned) {
-      const __m256i v = _mm256_or_si256(_mm256_sign_epi32(_mm256_castps_si256(mag), rank),
-                                        _mm256_and_si256(s, _mm256_set1_epi32(INT32_MIN)));
-      return mul(_mm256_castsi256_ps(v), scale);
+      const F r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idx), _mm256_set1_ps(4.0f), _mm256_set1_ps(-4.0f * kSignedZero));
+      const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(r), 23);
+      const F c = _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot),
+                                _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))));
+      return mul(_mm256_fmadd_ps(r, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot), c), scale);
     } else {
-      return mul(mag, scale);
+      const F rf = _mm256_cvtepi32_ps(_mm256_add_epi32(idx, _mm256_set1_epi32(1)));
+      const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(rf), 23);
+      return mul(_mm256_fmadd_ps(rf, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot),
+                                 _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot)),
+                 scale);
     }
   }
   // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
