@@ -326,6 +326,7 @@ struct V {
     alignas(16) uint8_t unused[8];
     encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
   }
+  static SWAPIO_INLINE F max_pos(F acc, F x) { return _mm256_max_ps(acc, x); }
   static SWAPIO_INLINE F max_abs(F acc, F x) {
     return _mm256_max_ps(acc, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
   }
