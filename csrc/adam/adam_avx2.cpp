@@ -253,7 +253,7 @@ struct V {
     }
   }
   // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
-  // The unsigned map's x (second moments) are >= 0 or -0, whose y = -0 takes region 0's line, code 0, as +0 does.
+  // The unsigned map's x (second moments) are >= +0: no abs (a -0 would give y = -0: region 0's line, code 0).
   template <bool kSigned>
   static SWAPIO_INLINE F unit(F x, F inv) {
     if constexpr (!kSigned) return _mm256_mul_ps(x, inv);

@@ -13,8 +13,9 @@
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode<signed> of a finite x,
 //   encode2<signed, signed> (two encodes, in any order), max_abs (max(acc, |x|); any value where x is not finite:
-//   such a block's absmax is taken again), max_pos (the same for x >= +0), hmax, drop_nonfinite (adds, per lane of a U, 1 where m or v is not
-//   finite, and sets both to +0 there), count_sum (the lanes' counts added). The encoders see finite moments only.
+//   such a block's absmax is taken again), max_pos (the same for x >= +0), hmax, drop_nonfinite (adds, per lane
+//   of a U, 1 where m or v is not finite, and sets both to +0 there), count_sum (the lanes' counts added). The
+//   encoders see finite moments only.
 #include <cfloat>
 #include <cstdint>
 
