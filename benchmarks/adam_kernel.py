@@ -21,6 +21,8 @@ smaller state (fp32 grads; each against the same triad bound divided by its own 
   adam-int8     int8 block-wise moments              16.06 B: p r+w, g, m 1+1, v 1+1, scales
   lion-fp32     Lion, fp32 moment                    20 B: p r+w, g, m r+w
   lion-int8     Lion, int8 block-wise moment         14.03 B: p r+w, g, m 1+1, scale
+  int8 / fp32   the time of an int8-state step over that of the fp32-state step of the same optimizer (swapio's fp32
+                Adam, timed again in these rounds; lion-fp32), same level: below 1, int8 state is the faster
 
 Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--repeats 5]
 """
@@ -104,12 +106,13 @@ def run_bench(n, threads, repeats, with_deepspeed):
     t32 = timeit(fp32)
     tmx = timeit(mixed)
     del fused, loop
-    tst = timeit(state_steps(p, g, n, threads, triad))
+    tst = timeit(state_steps(p, g, n, threads, triad, swapio_fp32))
     return t32, tmx, tst
 
 
-def state_steps(p, g, n, threads, triad):
-    """The smaller-state kernels over the same p and g, plus the triad (timed again, interleaved with them)."""
+def state_steps(p, g, n, threads, triad, adam_fp32):
+    """The smaller-state kernels over the same p and g, plus the triad and swapio's fp32 Adam (timed again,
+    interleaved with them)."""
     from swapio import quant
     bf = {k: torch.zeros(n, dtype=torch.bfloat16) for k in ("m", "v")}
     i8 = {}
@@ -131,6 +134,7 @@ def state_steps(p, g, n, threads, triad):
         "lion-int8": lambda: sops.lion_step_(p, g, lq, exp_avg_scale=lq_scale, lr=1e-4, weight_decay=0.1,
                                              threads=threads),
         "triad": triad,
+        "adam-fp32": adam_fp32,
     }
 
 
@@ -184,13 +188,15 @@ def main(argv=None):
     names = list(STATE_BYTES)
     print("smaller state: Gparam/s, and in brackets the fraction of each kernel's own bound "
           "(triad bandwidth / its bytes per param)")
-    hdr = f"{'size':>5} {'thr':>3} | " + " ".join(f"{k:>16}" for k in names) + f" | {'triad GB/s':>10}"
+    hdr = (f"{'size':>5} {'thr':>3} | " + " ".join(f"{k:>16}" for k in names) + f" | {'triad GB/s':>10} | "
+           f"{'int8/fp32 adam':>14} {'lion':>5}")
     print(hdr)
     print("-" * len(hdr))
     for n, t, tst in state_rows:
         bw = 12 * n / tst["triad"]
         cells = " ".join(f"{n / tst[k] / 1e9:7.2f} ({n / tst[k] * STATE_BYTES[k] / bw:5.2f})" for k in names)
-        print(f"{fmt_size(n):>5} {t:>3} | {cells} | {bw / 1e9:10.1f}")
+        print(f"{fmt_size(n):>5} {t:>3} | {cells} | {bw / 1e9:10.1f} | {tst['adam-int8'] / tst['adam-fp32']:14.2f} "
+              f"{tst['lion-int8'] / tst['lion-fp32']:5.2f}")
 
 
 if __name__ == "__main__":

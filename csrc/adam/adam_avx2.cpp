@@ -200,10 +200,11 @@ struct V {
   static SWAPIO_INLINE F flip(F x, uint32_t sign) {
     return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), _mm256_set1_epi32(static_cast<int>(sign))));
   }
+  // +-1.0 with x's sign bit where x is nonzero and not NaN, +0 elsewhere
   static SWAPIO_INLINE F sign(F x) {
-    const F one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), one),
-                         _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one));
+    const F one = _mm256_set1_ps(1.0f), sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+    return _mm256_and_ps(_mm256_or_ps(_mm256_and_ps(x, sign_bit), one),
+                         _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_OQ));
   }
   static SWAPIO_INLINE F load_bf16(const uint16_t* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -232,27 +233,30 @@ struct V {
   static SWAPIO_INLINE U hi16(U r) { return _mm256_srli_epi32(r, 16); }
   // code value * scale, by arithmetic (quant.h, quant_search.h's decode8): the magnitude is one FMA on the rank,
   // with the line of the rank's binade (two vpermps on its exponent field's low 3 bits). The signed map is
-  // symmetric: rank = |code - zero|, vpsignd by the rank clears the zero code's lane (rank 0, whose float has no
-  // binade), and the sign bit of code - zero becomes the value's.
+  // symmetric: r = 4 (code - zero) as a float (exact), whose sign bit vpermps ignores; r * B + (C with r's sign) is
+  // -(|r| B + C) where r < 0, rounded alike; the zero code's r = +0 has the line through 0.
   template <bool kSigned>
   static SWAPIO_INLINE F decode(const uint8_t* code, const QuantMap& q, F scale) {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
-    const __m256i s = kSigned ? _mm256_sub_epi32(idx, _mm256_set1_epi32(q.zero)) : idx;
-    const __m256i rank = kSigned ? _mm256_abs_epi32(s) : _mm256_add_epi32(idx, _mm256_set1_epi32(1));
-    const F rf = _mm256_cvtepi32_ps(rank);
-    const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(rf), 23);
-    const F mag = _mm256_fmadd_ps(rf, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot),
-                                  _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot));
     if constexpr (kSigned) {
-      const __m256i v = _mm256_or_si256(_mm256_sign_epi32(_mm256_castps_si256(mag), rank),
-                                        _mm256_and_si256(s, _mm256_set1_epi32(INT32_MIN)));
-      return mul(_mm256_castsi256_ps(v), scale);
+      const F r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idx), _mm256_set1_ps(4.0f), _mm256_set1_ps(-4.0f * kSignedZero));
+      const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(r), 23);
+      const F c = _mm256_xor_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot),
+                                _mm256_and_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))));
+      return mul(_mm256_fmadd_ps(r, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot), c), scale);
     } else {
-      return mul(mag, scale);
+      const F rf = _mm256_cvtepi32_ps(_mm256_add_epi32(idx, _mm256_set1_epi32(1)));
+      const __m256i slot = _mm256_srli_epi32(_mm256_castps_si256(rf), 23);
+      return mul(_mm256_fmadd_ps(rf, _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_scale8), slot),
+                                 _mm256_permutevar8x32_ps(_mm256_load_ps(q.rank_offset8), slot)),
+                 scale);
     }
   }
   // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
+  // The unsigned map's x (second moments) are >= +0: no abs (a -0 would give y = -0: region 0's line, code 0).
+  template <bool kSigned>
   static SWAPIO_INLINE F unit(F x, F inv) {
+    if constexpr (!kSigned) return _mm256_mul_ps(x, inv);
     return _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), inv);
   }
   // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
@@ -283,13 +287,14 @@ struct V {
     for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
   }
-  // c: the code of +|x| (zero + k); a negative x (its sign bit, for blendvps) takes
-  // zero - min(k, max_neg_k) = 2 zero - min(c, zero + max_neg_k); -0 and a negative NaN have k = 0, where both agree
+  // c: the code of +|x| (zero + k); a negative x (its sign bit, for blendvps) takes zero - min(k, max_neg_k) =
+  // max(2 zero - c, 0), the max by the packs' unsigned saturation (c <= zero + max_neg_k + 1); -0 has k = 0,
+  // where both agree
   template <bool kSigned>
   static SWAPIO_INLINE __m256i signed_codes(F x, __m256i c) {
+    static_assert(kSignedZero + kSignedMaxNegK + 1 == 255, "2 zero - c >= -1");
     if constexpr (!kSigned) return c;
-    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * kSignedZero),
-                                        _mm256_min_epi32(c, _mm256_set1_epi32(kSignedZero + kSignedMaxNegK)));
+    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * kSignedZero), c);
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(cn), x));
   }
   // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements): the codes
@@ -297,7 +302,7 @@ struct V {
   template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
-    const F y0 = unit(x0, inv0), y1 = unit(x1, inv1);
+    const F y0 = unit<kSigned0>(x0, inv0), y1 = unit<kSigned1>(x1, inv1);
     __m256i c0, c1;
     const __m256i u0 = quick_code(y0, q0, c0), u1 = quick_code(y1, q1, c1);
     // a lane defers where rint(P) is a multiple of kPosUnit: the low bits' minimum over both vectors, less 1, < 0
@@ -314,13 +319,14 @@ struct V {
     const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w), _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
     const __m128i both = _mm256_castsi256_si128(b);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out0), both);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out1), _mm_unpackhi_epi64(both, both));
+    _mm_storeh_pi(reinterpret_cast<__m64*>(out1), _mm_castsi128_ps(both));  // vmovhps: a store, no shuffle
   }
   template <bool kSigned>
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     alignas(16) uint8_t unused[8];
     encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
   }
+  static SWAPIO_INLINE F max_pos(F acc, F x) { return _mm256_max_ps(acc, x); }
   static SWAPIO_INLINE F max_abs(F acc, F x) {
     return _mm256_max_ps(acc, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
   }

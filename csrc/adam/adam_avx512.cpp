@@ -321,6 +321,7 @@ struct V {
   static constexpr int kNonFinite = 0x01 | 0x80 | 0x08 | 0x10;
   // vrangeps 0x0B: the larger magnitude with its sign cleared, max(acc, |x|) as acc >= 0
   static SWAPIO_INLINE F max_abs(F acc, F x) { return _mm512_range_ps(acc, x, 0x0B); }
+  static SWAPIO_INLINE F max_pos(F acc, F x) { return _mm512_max_ps(acc, x); }
   static SWAPIO_INLINE float hmax(F a) { return _mm512_reduce_max_ps(a); }
   static SWAPIO_INLINE U drop_nonfinite(U n, F& m, F& v) {
     const __mmask16 bad = _mm512_fpclass_ps_mask(m, kNonFinite) | _mm512_fpclass_ps_mask(v, kNonFinite);

@@ -129,6 +129,7 @@ struct V {
     encode<kSigned0>(out0, x0, inv0, q0);
     encode<kSigned1>(out1, x1, inv1, q1);
   }
+  static SWAPIO_INLINE F max_pos(F acc, F x) { return x > acc ? x : acc; }
   static SWAPIO_INLINE F max_abs(F acc, F x) {
     const float ax = std::fabs(x);
     return ax > acc ? ax : acc;

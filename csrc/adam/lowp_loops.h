@@ -12,9 +12,10 @@
 //   F, U, W, set1, load, store, load_grad<G>, store_out<O>, add, sub, mul, div, sqrt, fma (a*b+c, one
 //   rounding), flip (xor the sign bit), sign (1, -1, or 0 for zero and NaN), load_bf16, store_bf16_sr,
 //   hash (fmix32 of key + index*0x9E3779B9 per lane), decode<is the map signed>, encode<signed> of a finite x,
-//   encode2<signed, signed> (two encodes, in any order), max_abs (max(acc, |x|), x finite), hmax, drop_nonfinite
-//   (adds, per lane of a U, 1 where m or v is not finite, and sets both to +0 there), count_sum (the lanes' counts
-//   added). The moments reach max_abs and the encoders only through drop_nonfinite: always finite.
+//   encode2<signed, signed> (two encodes, in any order), max_abs (max(acc, |x|); any value where x is not finite:
+//   such a block's absmax is taken again), max_pos (the same for x >= +0), hmax, drop_nonfinite (adds, per lane
+//   of a U, 1 where m or v is not finite, and sets both to +0 there), count_sum (the lanes' counts added). The
+//   encoders see finite moments only.
 #include <cfloat>
 #include <cstdint>
 
@@ -180,7 +181,7 @@ struct Loops {
     Slot slots[3];
     const int64_t blocks = (e - b + kQuantBlock - 1) / kQuantBlock;
     int64_t total_nonfinite = 0;
-    U nonfinite{};  // per-lane counts of the block being stepped, added up with its scales
+    F bad = V::set1(0.0f);  // not finite if a moment of the block being stepped is not (step_lane)
     for (int64_t n = -1; n <= blocks; ++n) {  // n: the block stepped in this iteration
       const bool dec = n + 1 < blocks, stp = n >= 0 && n < blocks, enc = n >= 1;
       const int64_t b_dec = b + (n + 1) * kQuantBlock, b_stp = b_dec - kQuantBlock, b_enc = b_stp - kQuantBlock;
@@ -192,7 +193,7 @@ struct Loops {
         for (int64_t j = 0; j < kQuantBlock; j += kStride) {
           prefetch(a, b_dec + kPrefetchBlocks * kQuantBlock + j, e);
           // the step first: its chain through the divider is the longest, the other two fill its wait
-          step_vectors(a, b_stp, j, ss, mmax, vmax, nonfinite);
+          step_vectors(a, b_stp, j, ss, mmax, vmax, bad);
           encode_vectors(a, b_enc, j, se);
           decode_vectors(a, b_dec, j, sd);
         }
@@ -202,17 +203,20 @@ struct Loops {
           const int64_t b1 = end_of(b_stp, e);
           // the lanes past b1 step the decoded zero code of the padding, as elementwise() steps its zero padding
           groups(a, b_stp, b1, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
-            step_lane(a, q, ss.m + (i - b_stp), ss.v + (i - b_stp), mmax, vmax, nonfinite);
+            step_lane(a, q, ss.m + (i - b_stp), ss.v + (i - b_stp), mmax, vmax, bad);
           });
         }
         if (enc) encode_block(a, b_enc, end_of(b_enc, e), se);
       }
       if (stp) {
+        if (!all_finite(bad)) {  // the lanes stepped: the block, or its part rounded up to W
+          const int64_t stepped = e - b_stp < kQuantBlock ? (e - b_stp + W - 1) / W * W : kQuantBlock;
+          total_nonfinite += refit(ss, stepped, mmax, vmax);
+        }
+        bad = V::set1(0.0f);
         const int64_t blk = b_stp / kQuantBlock;
         ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
         if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
-        total_nonfinite += V::count_sum(nonfinite);
-        nonfinite = U{};
       }
     }
     return total_nonfinite;
@@ -235,9 +239,10 @@ struct Loops {
 
   static SWAPIO_INLINE int64_t end_of(int64_t b0, int64_t e) { return b0 + kQuantBlock < e ? b0 + kQuantBlock : e; }
 
-  // One vector: the step on fp32 moments m[0, W) (and v), stored back; the running absmax and non-finite count.
+  // One vector: the step on fp32 moments m[0, W) (and v), stored back; the running absmax, and `bad`, which a
+  // non-finite m or v makes non-finite for good (m * v is inf or NaN then; a finite overflow only costs a refit).
   static SWAPIO_INLINE void step_lane(const LowpArgs& a, const Lane& q, float* mb, float* vb, F& mmax, F& vmax,
-                                      U& nonfinite) {
+                                      F& bad) {
     F p = V::load(q.p);
     F g = V::template load_grad<G>(q.g);
     F m = V::load(mb);
@@ -245,21 +250,39 @@ struct Loops {
     Step::step(a, p, g, m, v);
     V::store(q.p, p);
     V::template store_out<O>(q.out, p);
-    // An element whose m or v is not finite keeps neither: int8 cannot hold inf or NaN, and a finite m beside
-    // a v stored as 0 (g * g overflowed) would move the parameter by m / eps at the next step, where fp32
-    // state's v stays inf and the update 0. Both start over from 0, before the block's absmax sees them.
-    if constexpr (two) {
-      nonfinite = V::drop_nonfinite(nonfinite, m, v);
-    } else {
-      F unused = m;
-      nonfinite = V::drop_nonfinite(nonfinite, m, unused);
-    }
+    bad = two ? V::fma(m, v, bad) : V::add(bad, m);
     V::store(mb, m);
     mmax = V::max_abs(mmax, m);
     if (two) {
       V::store(vb, v);
-      vmax = V::max_abs(vmax, v);
+      vmax = V::max_pos(vmax, v);  // v >= +0: a code's value (>= +0) * beta2 + (1 - beta2) g * g
     }
+  }
+
+  static SWAPIO_INLINE bool all_finite(F x) {
+    F y = x;
+    return V::count_sum(V::drop_nonfinite(U{}, x, y)) == 0;
+  }
+
+  // A block whose `bad` is not finite (rare), its first `stepped` lanes again: an element whose m or v is not
+  // finite keeps neither: int8 cannot hold inf or NaN, and a finite m beside a v stored as 0 (g * g overflowed)
+  // would move the parameter by m / eps at the next step, where fp32 state's v stays inf and the update 0. Both
+  // start over from 0; the absmax is taken again over what stays. Returns how many were dropped. (Checked per
+  // block rather than per vector: the check and the mask cost the int8 loops about 5 % on AVX2.)
+  static __attribute__((noinline)) int64_t refit(Slot& s, int64_t stepped, F& mmax, F& vmax) {
+    U n{};
+    mmax = vmax = V::set1(0.0f);
+    for (int64_t k = 0; k < stepped; k += W) {
+      F m = V::load(s.m + k), v = two ? V::load(s.v + k) : m;
+      n = V::drop_nonfinite(n, m, v);
+      V::store(s.m + k, m);
+      mmax = V::max_abs(mmax, m);
+      if (two) {
+        V::store(s.v + k, v);
+        vmax = V::max_abs(vmax, v);
+      }
+    }
+    return V::count_sum(n);
   }
 
   // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.
@@ -275,8 +298,8 @@ struct Loops {
     }
   }
   static SWAPIO_INLINE void step_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s, F& mmax, F& vmax,
-                                         U& nonfinite) {
-    for (int64_t k = j; k < j + kStride; k += W) step_lane(a, at(a, b0 + k), s.m + k, s.v + k, mmax, vmax, nonfinite);
+                                         F& bad) {
+    for (int64_t k = j; k < j + kStride; k += W) step_lane(a, at(a, b0 + k), s.m + k, s.v + k, mmax, vmax, bad);
   }
   static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;

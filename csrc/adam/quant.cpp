@@ -41,11 +41,18 @@ void build_decades(QuantMap& q) {
   // AVX2: the same lines by the low 3 bits of the exponent field, where ranks 1 .. max_k + rank_bias fall into
   // 8 slots, except the unsigned map's 9 binades: its ranks 1 (0.0) and 256 (1.0) share a slot, whose line
   // B = float(1/255), C = -B gives 0 at rank 1 exactly and rounds 255 B to 1.0 (checked in build()).
+  // The signed map's kernel converts 4 (code - zero) instead, sign included (quant_search.h's decode8): its
+  // binades put ranks 1 .. 127 in slots 1 .. 7 and rank 128 (1.0) in slot 0 with the zero code, whose line
+  // B = 1/512, C = 0 gives both exactly; B / 4 is exact, so 4 rank * B / 4 + C rounds as rank * B + C.
   for (int rank = 1; rank <= q.max_k + q.rank_bias; rank *= 2) {
-    q.rank_scale8[rank_slot(rank) & 7] = q.rank_scale[rank_slot(rank)];
-    q.rank_offset8[rank_slot(rank) & 7] = q.rank_offset[rank_slot(rank)];
+    const int slot = rank_slot(q.is_signed ? 4 * rank : rank) & 7;
+    q.rank_scale8[slot] = q.rank_scale[rank_slot(rank)] / (q.is_signed ? 4 : 1);
+    q.rank_offset8[slot] = q.rank_offset[rank_slot(rank)];
   }
-  if (!q.is_signed) {
+  if (q.is_signed) {
+    q.rank_scale8[rank_slot(4 * q.max_k) & 7] = 1.0f / static_cast<float>(4 * q.max_k);
+    q.rank_offset8[rank_slot(4 * q.max_k) & 7] = 0.0f;
+  } else {
     const int top = q.max_k + q.rank_bias;
     q.rank_scale8[rank_slot(1) & 7] = static_cast<float>(1.0 / (top - 1));
     q.rank_offset8[rank_slot(1) & 7] = -q.rank_scale8[rank_slot(1) & 7];

@@ -62,7 +62,8 @@ struct QuantMap {
   alignas(64) int32_t region_code_max[kRegions];  // the code of +y = min(rint(P) / kPosUnit, region_code_max)
   // The AVX2 kernel's tables, 8 entries each (one vpermps, or one vpshufb of 16 bytes):
   // decode: the line of a rank's binade by the low 3 bits of float(rank)'s exponent field. The unsigned map's ranks
-  // 1 (code 0) and 256 (1.0) share an entry: the line through 0 at rank 1 and 1.0 at rank 256.
+  // 1 (code 0) and 256 (1.0) share an entry: the line through 0 at rank 1 and 1.0 at rank 256. The signed map's
+  // entries are by float(4 rank) (B / 4), where the zero code and 1.0 share the line through 0 (quant.cpp).
   alignas(32) float rank_scale8[8];
   alignas(32) float rank_offset8[8];
   // encode: y's pair of binades (exponent field / 2 - kPairBase, 0 below) gives the region midpoints below it

@@ -47,14 +47,20 @@ static inline int quick_code8(const QuantMap& q, float y, bool* deferred) {
 }
 
 // The AVX2 kernel's decode of a code (before the block scale): rank * B + C in one rounding, B and C the 8-entry
-// tables' at the low 3 bits of float(rank)'s exponent field; the signed map's rank 0 (its zero code) gives +0.
+// tables' at the low 3 bits of float(rank)'s exponent field. The signed map's kernel takes r = 4 (code - zero),
+// exact in float and signed, and computes r * B + (C with r's sign) = sign * (|r| * B + C) (quant.cpp's tables):
+// the zero code's r = +0 meets the line B = 1/512, C = 0 and gives +0.
 static inline float decode8(const QuantMap& q, int code) {
-  const int s = q.is_signed ? code - q.zero : code + 1, rank = s < 0 ? -s : s;
-  if (rank == 0) return 0.0f;
-  const float rf = static_cast<float>(rank);
+  if (q.is_signed) {
+    const float r = std::fma(static_cast<float>(code), 4.0f, -4.0f * static_cast<float>(q.zero));
+    const uint32_t bits = scalar_ops::f32_bits(r);
+    const int slot = static_cast<int>(bits >> 23) & 7;
+    const float c = scalar_ops::f32_from_bits(scalar_ops::f32_bits(q.rank_offset8[slot]) ^ (bits & 0x80000000u));
+    return std::fma(r, q.rank_scale8[slot], c);
+  }
+  const float rf = static_cast<float>(code + 1);
   const int slot = static_cast<int>(scalar_ops::f32_bits(rf) >> 23) & 7;
-  const float mag = std::fma(rf, q.rank_scale8[slot], q.rank_offset8[slot]);
-  return s < 0 ? -mag : mag;
+  return std::fma(rf, q.rank_scale8[slot], q.rank_offset8[slot]);
 }
 
 }  // namespace adam
