@@ -245,6 +245,37 @@ def test_state_left_by_a_ctrl_c_inside_swapio_itself_is_healed_by_the_next_call(
     remove_offload(model)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before-push", "after-push"])
+def test_ctrl_c_around_installing_the_saved_tensor_hooks_leaves_none_installed(tmp_path, monkeypatch, after):
+    """A Ctrl-C just before or just after swapio pushes its saved-tensor hooks (the CI's random-interrupt matrix
+    once hit the gap between the push and its record: the hooks stayed installed for every later backward)."""
+    model = stack()
+    x = torch.randn(3, 64, requires_grad=True)
+    want = model(x)
+    disk_offload(model, tmp_path / "od", buffer_bytes=64 << 10)
+    real = torch._C._autograd._push_saved_tensors_default_hooks
+    calls = []
+
+    def push_then_interrupt(pack, unpack):
+        calls.append(1)
+        if after:
+            real(pack, unpack)
+        if len(calls) == 2:  # the second unit entered: one is entered below it
+            raise KeyboardInterrupt
+        if not after:
+            real(pack, unpack)
+
+    monkeypatch.setattr(torch._C._autograd, "_push_saved_tensors_default_hooks", push_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    monkeypatch.undo()
+    assert_nothing_held(model)
+    got = model(x)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+    remove_offload(model)
+
+
 def test_ctrl_c_inside_remove_offload_leaves_the_model_offloaded_and_working(tmp_path, monkeypatch):
     model = stack()
     x = torch.randn(3, 64)

@@ -26,10 +26,18 @@ class SavedWeights:
         self._cache = {}  # slot -> weakref to its refetched tensor, shared by the nodes unpacking it meanwhile
         self.refetches = 0
 
-    def enter(self):
-        ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        ctx.__enter__()
-        return ctx
+    def enter(self, entered):
+        """Installs the hooks, recorded in `entered` first: a Ctrl-C landing anywhere in here leaves a record that
+        exit() can act on, and exit() tells from the hooks' stack whether the push happened."""
+        entered.append(self)
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+
+    def exit(self):
+        """Takes the hooks enter() installed off the stack, if they are on top of it (they are not when an
+        interrupt came between enter()'s record and its push)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self.pack and top[1] == self.unpack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
 
     def pack(self, t):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":

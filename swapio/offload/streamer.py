@@ -172,7 +172,7 @@ class WeightStreamer:
                     self.training.watch(slot, t)
             set_entry(unit.module, attr, kind, t)
         if grad:
-            unit.hooks_entered.append(self.saved.enter())
+            self.saved.enter(unit.hooks_entered)
 
     def _prefetch(self, walk, unit):
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
@@ -208,7 +208,8 @@ class WeightStreamer:
         if unit.depth > 0:
             return output
         while unit.hooks_entered:
-            unit.hooks_entered.pop().__exit__(None, None, None)
+            unit.hooks_entered[-1].exit()
+            unit.hooks_entered.pop()
         if output is not None and any(f.transient and f.device is None for f in unit.fetches):
             output = self._copy_escaping(output, unit.fetches)
         for attr, kind, slot in unit.entries:

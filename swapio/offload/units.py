@@ -55,7 +55,7 @@ class Unit:
         self.entries, self.records = [], []
         self.depth = 0             # nesting of this module's forward calls in progress
         self.fetches = []          # the records' fetches while the forward runs
-        self.hooks_entered = []    # saved-tensor hook contexts entered with the weights
+        self.hooks_entered = []    # saved-tensor hooks installed with the weights (SavedWeights.enter)
         self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer._NONE)
 
