@@ -256,7 +256,8 @@ def main():
     for other in ("raw O_DIRECT write", "raw O_DIRECT overwrite", "torch.save+fsync", "safetensors+fsync",
                   "dcp.save"):
         print(f"  save vs {other}: {ratio('swapio.save', other)}")
-    for other in ("raw O_DIRECT read", "raw O_DIRECT read, new memory", "torch.load", "safetensors.load_file", "dcp.load"):
+    for other in ("raw O_DIRECT read", "raw O_DIRECT read, new memory", "torch.load", "safetensors.load_file",
+                  "dcp.load"):
         print(f"  load vs {other}: {ratio('swapio.load', other)}   load(out=) vs {other}: "
               f"{ratio('swapio.load(out=)', other)}")
     if "swapio.async_save" in results and "swapio.save" in med:

@@ -30,6 +30,15 @@ def _trained(tmp_path, mode="cpu", state_dtype="fp32"):
     return opt, params
 
 
+def _saved_and_edited(tmp_path, edit):
+    """(optimizer, params, checkpoint dir): a trained optimizer's checkpoint with its skeleton edited."""
+    opt, params = _trained(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    opt.save(ckpt)
+    _edit_skeleton(ckpt, edit)
+    return opt, params, ckpt
+
+
 def _edit_skeleton(ckpt, edit):
     """Rewrites the JSON skeleton in the header's __metadata__ (the tensors' bytes and offsets untouched)."""
     path = ckpt / checkpoint.FILE
@@ -96,10 +105,7 @@ SKELETON_DAMAGE = {  # (edit, whether swapio.checkpoint.load itself must refuse 
 @pytest.mark.parametrize("damage", sorted(SKELETON_DAMAGE))
 def test_malformed_skeleton_is_a_value_error_naming_the_file(damage, tmp_path):
     edit, reader_refuses = SKELETON_DAMAGE[damage]
-    opt, params = _trained(tmp_path)
-    ckpt = tmp_path / "ckpt"
-    opt.save(ckpt)
-    _edit_skeleton(ckpt, edit)
+    opt, params, ckpt = _saved_and_edited(tmp_path, edit)
     if reader_refuses:
         with pytest.raises(ValueError, match=checkpoint.FILE):  # the library's reader, as used on its own
             swapio.checkpoint.load(ckpt / checkpoint.FILE)
@@ -162,10 +168,7 @@ HYPER_DAMAGE = {
 @pytest.mark.parametrize("damage", sorted(HYPER_DAMAGE))
 def test_forged_hyperparameters_are_a_value_error_naming_the_file(damage, tmp_path):
     key, value = HYPER_DAMAGE[damage]
-    opt, params = _trained(tmp_path)
-    ckpt = tmp_path / "ckpt"
-    opt.save(ckpt)
-    _edit_skeleton(ckpt, lambda s: _set(_node(s, "param_groups")["L"][0], key, value))
+    opt, params, ckpt = _saved_and_edited(tmp_path, lambda s: _set(_node(s, "param_groups")["L"][0], key, value))
     _refused_intact(opt, params, ckpt, tmp_path)
     opt.close()
 

@@ -335,6 +335,8 @@ def load(opt, path, progress=False):
         raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
     with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read
         _load(opt, path, progress)
+
+
 def _load(opt, path, progress=False):
     meta = read_meta(path)
     saved_fmt = StateFormat(meta.get("state_dtype", "fp32"))
