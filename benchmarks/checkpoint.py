@@ -163,7 +163,9 @@ def main():
     saves = {"swapio.save": lambda: ckpt.save(state, paths["swapio"], staging_bytes=staging),
              "torch.save+fsync": torch_save, "safetensors+fsync": st_save, "dcp.save": dcp_save,
              "raw O_DIRECT write": raw_write, "raw O_DIRECT overwrite": lambda: raw_write(fresh=False)}
-    dests = {k: torch.empty_like(v) for k, v in flat.items()}
+    # out= and dcp.load fill tensors that exist and have been written, as a model's state dict has: the first load
+    # into never-touched memory would otherwise pay its page faults (see raw O_DIRECT read, new memory)
+    dests = {k: torch.zeros_like(v) for k, v in flat.items()}
     out_state = {"model": {k: dests[f"model.{k}"] for k in state["model"]},
                  "optimizer": {"state": {j: {"exp_avg": dests[f"optimizer.state.{j}.exp_avg"]}
                                          for j in state["optimizer"]["state"]}, "param_groups": [{"lr": 0.0}]},

@@ -224,31 +224,37 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_load_into_tensors_at_congruent_addresses_reads_straight_into_them(tmp_path, monkeypatch):
-    """Tensors load allocated sit at addresses congruent to their file offsets: loading into them again (out=)
-    takes the one-request O_DIRECT path, and must give the new values."""
+def test_big_tensors_load_by_their_own_requests_staged_unless_pinned(tmp_path, monkeypatch):
+    """Big CPU tensors take one request each, not the streamed windows: into ordinary memory staged through the
+    handle's huge-page buffers, into swapio pinned memory straight in; out= gets the new values in place."""
     import importlib
     load_module = importlib.import_module("swapio.checkpoint.load")
     g = torch.Generator().manual_seed(9)
     first = {"a": torch.randn(600_000, generator=g), "b": torch.randn(600_000, generator=g).half()}
-    saved = {k: v.clone() for k, v in first.items()}
     swapio.checkpoint.save(first, tmp_path / "1.safetensors")
-    for v in first.values():  # the same tensors (so the same layout: it follows their addresses), new values
-        v.copy_(torch.randn(v.shape, generator=g))
-    second = first
+    second = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in first.items()}
     swapio.checkpoint.save(second, tmp_path / "2.safetensors")
-    first = saved
+    streamed, staged = [], []
+    real_read_into, real_pread = load_module.read_into, swapio.AioHandle.pread
+    monkeypatch.setattr(load_module, "read_into",
+                        lambda pairs, *a, **k: (streamed.extend(pairs), real_read_into(pairs, *a, **k)))
+
+    def spy(self, tensor, *a, **k):
+        staged.append(k.get("staged", False))
+        return real_pread(self, tensor, *a, **k)
+    monkeypatch.setattr(swapio.AioHandle, "pread", spy)
     held = swapio.checkpoint.load(tmp_path / "1.safetensors")
     assert_same(held, first)
-    streamed = []
-    real = load_module.read_into
-    monkeypatch.setattr(load_module, "read_into",
-                        lambda pairs, *a, **k: (streamed.extend(pairs), real(pairs, *a, **k)))
+    assert staged == [True, True]  # new tensors: ordinary memory
     ptrs = {k: v.data_ptr() for k, v in held.items()}
     back = swapio.checkpoint.load(tmp_path / "2.safetensors", out=held)
-    assert streamed == []  # both tensors went the direct way
     assert {k: v.data_ptr() for k, v in back.items()} == ptrs
     assert_same(back, second)
+    pinned = {k: swapio.empty_pinned(v.shape, v.dtype) for k, v in first.items()}
+    staged.clear()
+    assert_same(swapio.checkpoint.load(tmp_path / "1.safetensors", out=pinned), first)
+    assert staged == [False, False]
+    assert streamed == []  # every tensor went by its own request
 
 
 def test_small_tensors_between_big_ones_are_read_without_rereading_the_big_ones(tmp_path, monkeypatch):

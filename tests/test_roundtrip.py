@@ -144,6 +144,34 @@ def test_roundtrip_of_aligned_pinned_tensor(handle_factory, tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
+@pytest.mark.parametrize("offset", [0, 4096, 4097], ids=lambda o: f"offset{o}")
+def test_staged_requests_go_through_the_bounce_buffers_and_roundtrip(handle_factory, tmp_path, engine, offset):
+    """staged=True: aligned memory takes the bounce-buffer path (the workers' buffers appear only then) and every
+    byte arrives, both ways (at 4097 the memory is off the file's alignment anyway)."""
+    h = handle_factory(engine=engine, direct=True, block_size=64 * 1024)
+    src = swapio.empty_pinned((3 * MiB + 4096,), torch.uint8)
+    src.copy_(random_bytes(src.numel(), seed=12))
+    path = tmp_path / "t.bin"
+    before = swapio._C.held_bytes()["bounce"]
+    if offset % 4096 == 0:  # memory and file aligned alike: straight from src unless staged
+        assert h.pwrite(src, path, offset).wait(timeout=TIMEOUT) == src.numel()
+        assert swapio._C.held_bytes()["bounce"] == before
+    assert h.pwrite(src, path, offset, staged=True).wait(timeout=TIMEOUT) == src.numel()
+    assert swapio._C.held_bytes()["bounce"] > before
+    assert read_file(path)[offset:] == as_bytes(src)
+    out = swapio.empty_pinned((src.numel(),), torch.uint8)
+    out.fill_(0)
+    assert h.pread(out, path, offset, staged=True).wait(timeout=TIMEOUT) == src.numel()
+    assert torch.equal(out, src)
+
+
+def test_staged_must_be_a_bool(handle_factory, tmp_path):
+    h = handle_factory()
+    with pytest.raises(TypeError, match="staged must be a bool"):
+        h.pread(torch.empty(4096, dtype=torch.uint8), tmp_path / "t.bin", staged=1)
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
 @pytest.mark.parametrize("threads", [1, 3], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("offset", [0, 4097], ids=lambda o: f"offset{o}")
 def test_many_small_blocks_over_threads_roundtrip(handle_factory, tmp_path, engine, threads, offset):

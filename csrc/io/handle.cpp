@@ -134,7 +134,8 @@ bool Handle::closed() {
 }
 
 std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, const std::string& path,
-                                        int64_t offset, bool record_latency, std::optional<FileIdentity> expect) {
+                                        int64_t offset, bool record_latency, std::optional<FileIdentity> expect,
+                                        bool staged) {
   if (offset < 0) throw ArgError("offset must be >= 0, got " + std::to_string(offset));
   if (length < 0) throw ArgError("length must be >= 0, got " + std::to_string(length));
   // Headroom for rounding to blocks and alignment, so no position computed from the request can overflow.
@@ -158,7 +159,7 @@ std::shared_ptr<Request> Handle::submit(Op op, uintptr_t buf, int64_t length, co
     L.head_end = std::min(end, round_up(offset, edge));
     L.tail_start = std::max(L.head_end, round_down(end, edge));
     if (L.head_end > offset || L.tail_start < end) at_offset(offset, [&] { file->ensure_buffered_fd(); });
-    L.bounce_middle = (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
+    L.bounce_middle = staged || (buf + static_cast<uintptr_t>(L.head_end - offset)) % file->alignment().mem != 0;
     if (L.bounce_middle) check_memory(op, buf, length, path, offset);
   } else {
     L.head_end = offset;

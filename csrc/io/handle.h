@@ -43,9 +43,12 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
 
   // `length` bytes between memory at `buf` and `path` at `offset`; `expect`: the identity the file at `path`
-  // must have (see OpenFile).
+  // must have (see OpenFile). `staged`: the O_DIRECT part goes through the workers' huge-page bounce buffers even
+  // when the memory is aligned (as misaligned memory always does): on some virtual disks DMA into small pages is
+  // much slower than into the buffers plus the copy (request.h).
   std::shared_ptr<Request> submit(Op op, uintptr_t buf, int64_t length, const std::string& path, int64_t offset,
-                                  bool record_latency, std::optional<FileIdentity> expect = std::nullopt);
+                                  bool record_latency, std::optional<FileIdentity> expect = std::nullopt,
+                                  bool staged = false);
   // Benchmarks: `count` block-sized pieces at random block-aligned offsets below `span`, cycling through
   // the block-sized slots of buf[0, buf_len).
   std::shared_ptr<Request> submit_random(Op op, uintptr_t buf, int64_t buf_len, const std::string& path,

@@ -151,7 +151,7 @@ bool Worker::copy_aside() {
   if (!drain_.empty()) {
     Slot& s = *drain_.back();
     drain_.pop_back();
-    std::memcpy(s.user, s.bounce, s.total);
+    copy_streaming(s.user, s.bounce, s.total);
     s.task->req->add_bytes(static_cast<int64_t>(s.total));
     release(s);
     return true;
@@ -263,7 +263,7 @@ void Worker::prepare(Slot& s, Task& t) {
       s.bounce_size = size;
       g_bounce_bytes += size;
     }
-    if (s.op == Op::write) copy_to_device_buffer(s.bounce, s.user, s.total);
+    if (s.op == Op::write) copy_streaming(s.bounce, s.user, s.total);
     s.buf = s.bounce;
   }
   if (L.record_latency) s.start_ns = now_ns();

@@ -190,14 +190,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("direct"), py::arg("submit_batch") = 1)
       .def("submit", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t length,
                         const std::string& path, int64_t offset, bool record_latency,
-                        std::optional<std::pair<uint64_t, uint64_t>> expect) {
+                        std::optional<std::pair<uint64_t, uint64_t>> expect, bool staged) {
              io::Op o = parse_op(op);
              std::optional<io::FileIdentity> identity;
              if (expect) identity = io::FileIdentity{expect->first, expect->second};
              py::gil_scoped_release nogil;
-             return h.submit(o, buf, length, path, offset, record_latency, identity);
+             return h.submit(o, buf, length, path, offset, record_latency, identity, staged);
            }, py::arg("op"), py::arg("buf"), py::arg("length"), py::arg("path"), py::arg("offset"),
-           py::arg("record_latency") = false, py::arg("expect") = py::none())
+           py::arg("record_latency") = false, py::arg("expect") = py::none(), py::arg("staged") = false)
       .def("submit_random", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t buf_len,
                                const std::string& path, int64_t span, int64_t count, uint64_t seed,
                                bool record_latency) {

@@ -198,15 +198,17 @@ inline uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
 // Writes n pattern bytes from memory `mem_shift` bytes past a page boundary to `path` at `off`, reads them
 // back into memory with the same shift, and checks every byte.
-inline void round_trip(swapio::io::Handle& h, const std::string& path, size_t n, int64_t off, size_t mem_shift) {
+inline void round_trip(swapio::io::Handle& h, const std::string& path, size_t n, int64_t off, size_t mem_shift,
+                       bool staged = false) {
   using swapio::io::Op;
   std::vector<uint8_t> src_store(n + 4096 * 2), dst_store(n + 4096 * 2);
   uint8_t* src = src_store.data() + (4096 - addr(src_store.data()) % 4096) + mem_shift;
   uint8_t* dst = dst_store.data() + (4096 - addr(dst_store.data()) % 4096) + mem_shift;
   auto data = pattern(n, static_cast<uint32_t>(n + static_cast<size_t>(off) + mem_shift));
   std::memcpy(src, data.data(), n);
-  CHECK(h.submit(Op::write, addr(src), static_cast<int64_t>(n), path, off, false)->result() == static_cast<int64_t>(n));
-  CHECK(h.submit(Op::read, addr(dst), static_cast<int64_t>(n), path, off, false)->result() == static_cast<int64_t>(n));
+  const auto len = static_cast<int64_t>(n);
+  CHECK(h.submit(Op::write, addr(src), len, path, off, false, std::nullopt, staged)->result() == len);
+  CHECK(h.submit(Op::read, addr(dst), len, path, off, false, std::nullopt, staged)->result() == len);
   CHECK(std::memcmp(dst, data.data(), n) == 0);
   unlink(path.c_str());
 }
