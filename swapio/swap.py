@@ -125,7 +125,8 @@ class SwappedTensor:
 
         staging = None
         if target.device.type == "cpu" and target.is_contiguous():
-            read = self.store.handle.pread(target.detach().view(-1), self.path, 0, identity=self._file)
+            read = self.store.handle.pread(target.detach().view(-1), self.path, 0, identity=self._file,
+                                           staged="auto")
         else:  # GPU or strided targets: read into pinned memory, then copy
             staging = empty_pinned(self.shape, self.dtype)
             read = self.store.handle.pread(staging.view(-1), self.path, 0, identity=self._file)
@@ -236,7 +237,7 @@ class SwapStore(Closeable):
                 source = staging
             if self.verify:
                 swapped._digest = _checksum.digest(source)
-            swapped._write = self.handle.pwrite(source.view(-1), path, 0, identity=swapped._file)
+            swapped._write = self.handle.pwrite(source.view(-1), path, 0, identity=swapped._file, staged="auto")
         except BaseException:
             with self._lock:
                 self._tensors.pop(name, None)

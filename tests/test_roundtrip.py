@@ -165,10 +165,28 @@ def test_staged_requests_go_through_the_bounce_buffers_and_roundtrip(handle_fact
     assert torch.equal(out, src)
 
 
-def test_staged_must_be_a_bool(handle_factory, tmp_path):
+def test_staged_auto_stages_ordinary_memory_and_not_pinned_memory(handle_factory, tmp_path):
+    path = tmp_path / "t.bin"
+    src = random_bytes(2 * MiB, seed=13)
+    with open(path, "wb") as f:
+        f.write(as_bytes(src))
+    backing = torch.empty(2 * MiB + 4096, dtype=torch.uint8)
+    plain = backing[(-backing.data_ptr()) % 4096:][:2 * MiB]  # aligned, so only "auto" can make it bounce
+    for memory, bounces in ((swapio.empty_pinned((2 * MiB,), torch.uint8), False), (plain, True)):
+        h = handle_factory(direct=True)
+        before = swapio._C.held_bytes()["bounce"]
+        assert h.pread(memory, path, staged="auto").wait(timeout=TIMEOUT) == 2 * MiB
+        assert torch.equal(memory, src)
+        assert (swapio._C.held_bytes()["bounce"] > before) == bounces
+        h.close()
+
+
+def test_staged_must_be_a_bool_or_auto(handle_factory, tmp_path):
     h = handle_factory()
-    with pytest.raises(TypeError, match="staged must be a bool"):
+    with pytest.raises(TypeError, match="staged must be True, False or 'auto'"):
         h.pread(torch.empty(4096, dtype=torch.uint8), tmp_path / "t.bin", staged=1)
+    with pytest.raises(ValueError, match="staged must be True, False or 'auto'"):
+        h.pwrite(torch.empty(4096, dtype=torch.uint8), tmp_path / "t.bin", staged="always")
 
 
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)

@@ -22,7 +22,6 @@ import os
 import torch
 
 from ..core import cuda_copy
-from ..core.pinned import is_pinned
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import layout
@@ -258,8 +257,8 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     own = handle is None
     h = new_handle() if own else handle
     try:
-        # all in flight at once; staged unless in swapio's pinned (huge-page) memory, see the module
-        futures = [h.pread(view, loc.path, loc.offset, staged=not is_pinned(view)) for loc, view in direct]
+        # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
+        futures = [h.pread(view, loc.path, loc.offset, staged="auto") for loc, view in direct]
         try:
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):

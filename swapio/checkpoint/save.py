@@ -88,7 +88,7 @@ def _write(h, pending, total, pieces, staging, direct, segments, stream):
     futures, error = [], None
 
     def submit(offset, view):
-        return h.pwrite(view, pending.path, offset, identity=pending.identity)
+        return h.pwrite(view, pending.path, offset, identity=pending.identity, staged="auto")
 
     try:
         for offset, view in direct:

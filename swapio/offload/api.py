@@ -118,7 +118,7 @@ def _current(units):
 def _read_tensor(handle, loc, device):
     t = torch.empty(loc.shape, dtype=loc.dtype)
     if loc.nbytes:
-        handle.pread(t.view(-1).view(torch.uint8), loc.path, loc.offset).wait()
+        handle.pread(t.view(-1).view(torch.uint8), loc.path, loc.offset, staged="auto").wait()
     return t.to(device)
 
 

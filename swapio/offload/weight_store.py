@@ -103,7 +103,7 @@ class DiskStore:
             path, offset, nbytes = old[slot]
             t = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
-                self.handle.pread(t, path, offset).wait()
+                self.handle.pread(t, path, offset, staged="auto").wait()
             return t
 
         saved = {r: (dict(r.offsets), r.nbytes, list(r.spans)) for r in keep}
