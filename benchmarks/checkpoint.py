@@ -9,7 +9,9 @@ measurement, medians. Per round:
   save      swapio.checkpoint.save | torch.save + fsync | safetensors.torch.save_file + fsync | dcp.save |
             raw: the same byte count written with O_DIRECT from one pinned buffer through AioHandle to a new
             file, as every save writes one (the limit); raw overwrite: the same into the existing file's blocks
-            (printed for reference: on some disks, ext4 on virtio here, writing new blocks is much slower)
+            (printed for reference: on some disks, ext4 on virtio here, writing new blocks is much slower).
+            Each method's previous file is removed before its timing starts (ext4 takes 0.2-0.3 s per GB to free
+            the blocks; swapio.save frees the file it replaces off its own path, so it is not charged either)
   load      swapio.checkpoint.load | load(out=) into preallocated tensors | torch.load(weights_only) |
             safetensors.torch.load_file | dcp.load (into preallocated tensors) | raw O_DIRECT read (into the
             pinned buffer, the issue's limit) | raw O_DIRECT read into new memory (each tensor's bytes into a new
@@ -119,9 +121,7 @@ def main():
     pinned = swapio.empty_pinned(chunk, torch.uint8)
     pinned.fill_(1)
 
-    def raw_write(fresh=True):
-        if fresh and os.path.exists(paths["raw"]):  # a new file, as every checkpoint is (its blocks allocated)
-            os.remove(paths["raw"])
+    def raw_write():
         offs = range(0, nbytes, chunk)
         for o in offs:
             handle.pwrite(pinned[:min(chunk, nbytes - o)], paths["raw"], o)
@@ -157,12 +157,18 @@ def main():
         fsync_file(paths["safetensors"])
 
     def dcp_save():
-        shutil.rmtree(paths["dcp"], ignore_errors=True)
         dcp.save({"state": flat}, checkpoint_id=paths["dcp"])
 
+    def removed(key, fn):
+        """fn, to be timed after the previous file at paths[key] is gone (freeing its blocks takes ext4 0.2-0.3 s
+        per GB: not part of the write; swapio.save frees the checkpoint it replaces off its own path)."""
+        return (lambda: (shutil.rmtree if os.path.isdir(paths[key]) else os.remove)(paths[key])
+                if os.path.exists(paths[key]) else None), fn
+
     saves = {"swapio.save": lambda: ckpt.save(state, paths["swapio"], staging_bytes=staging),
-             "torch.save+fsync": torch_save, "safetensors+fsync": st_save, "dcp.save": dcp_save,
-             "raw O_DIRECT write": raw_write, "raw O_DIRECT overwrite": lambda: raw_write(fresh=False)}
+             "torch.save+fsync": removed("torch", torch_save), "safetensors+fsync": removed("safetensors", st_save),
+             "dcp.save": removed("dcp", dcp_save), "raw O_DIRECT write": removed("raw", raw_write),
+             "raw O_DIRECT overwrite": (lambda: None if os.path.exists(paths["raw"]) else raw_write(), raw_write)}
     # out= and dcp.load fill tensors that exist and have been written, as a model's state dict has: the first load
     # into never-touched memory would otherwise pay its page faults (see raw O_DIRECT read, new memory)
     dests = {k: torch.zeros_like(v) for k, v in flat.items()}
@@ -189,6 +195,9 @@ def main():
     def record(name, fn):
         if name in failed:
             return
+        prepare, fn = fn if isinstance(fn, tuple) else (None, fn)
+        if prepare is not None:
+            prepare()
         _common.drop_caches()
         try:
             sec, rss, _ = timed(fn)
@@ -200,11 +209,11 @@ def main():
     def async_runs():
         for name, call in (("swapio.async_save", lambda: ckpt.async_save(state, paths["async"],
                                                                            staging_bytes=staging)),
-                           ("dcp.async_save", lambda: (shutil.rmtree(paths["dcp-async"], ignore_errors=True),
-                                                       dcp.async_save({"state": flat},
-                                                                      checkpoint_id=paths["dcp-async"]))[1])):
+                           ("dcp.async_save", lambda: dcp.async_save({"state": flat},
+                                                                     checkpoint_id=paths["dcp-async"]))):
             if name in failed or (args.no_peers and not name.startswith("swapio")):
                 continue
+            shutil.rmtree(paths["dcp-async"], ignore_errors=True)  # (outside the timing, as for the saves)
             _common.drop_caches()
             try:
                 start = time.perf_counter()
