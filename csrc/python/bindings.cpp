@@ -14,6 +14,7 @@
 #include "common/errors.h"
 #include "io/engine.h"
 #include "io/file.h"
+#include "io/copy.h"
 #include "io/handle.h"
 #include "io/worker.h"
 #include "mem/pinned.h"
@@ -228,6 +229,13 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("probe_file", &probe_file, py::arg("path"),
         "O_DIRECT support and alignment for an existing file.");
+  m.def("copy_bytes", [](uintptr_t dst, uintptr_t src, size_t n) {
+        if (n && (!dst || !src)) throw ArgError("copy_bytes: null pointer");
+        py::gil_scoped_release nogil;
+        io::copy_streaming(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+      }, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+      "Copies nbytes between two non-overlapping memory ranges with streaming stores, without the GIL (for big "
+      "copies whose destination is not read again soon: the checkpoint capture). Pointers are not checked.");
   m.def("held_bytes", [] {
         py::dict out;
         out["pinned"] = mem::pinned_bytes_mapped();

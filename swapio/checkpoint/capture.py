@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from .. import _C
 from . import writer
 from .bytes_of import flat_bytes, place
 
@@ -33,11 +34,23 @@ def _jobs(staging, offset, t, nbytes):
     return [place(dst, t)]  # typed: a non-contiguous tensor is copied in place without a temporary
 
 
+def _copy(d, s):
+    """d.copy_(s); between contiguous CPU tensors with streaming stores (the image is not read again before the
+    device reads it: that spares the reads of its lines a plain copy makes, a third of the memory traffic)."""
+    nbytes = d.numel() * d.element_size()
+    if (d.device.type == "cpu" and s.device.type == "cpu" and d.is_contiguous() and s.is_contiguous()
+            and s.numel() * s.element_size() == nbytes):
+        if nbytes:
+            _C.copy_bytes(d.data_ptr(), s.data_ptr(), nbytes)
+    else:
+        d.copy_(s)
+
+
 def _copy_all(jobs, threads):
-    """Runs the copies, split by bytes between `threads` threads (torch's copy_ releases the GIL)."""
+    """Runs the copies, split by bytes between `threads` threads (neither copy holds the GIL)."""
     if threads < 2 or len(jobs) < 2:
         for d, s in jobs:
-            d.copy_(s)
+            _copy(d, s)
         return
     total = sum(d.numel() * d.element_size() for d, _ in jobs)
     half, acc, cut = total / 2, 0, len(jobs)
@@ -51,7 +64,7 @@ def _copy_all(jobs, threads):
     def run(part):
         try:
             for d, s in part:
-                d.copy_(s)
+                _copy(d, s)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(exc)
 

@@ -131,7 +131,7 @@ def write(handle, path, total, pieces, staging, identity=None, segments=None, ba
                     if e - s == total:  # the whole file (async_save's image): the last request rounded up
                         b = min(start + round_up(b - start, ALIGN), start + w)
                     pending[j % n].append((handle.pwrite(buf[a - start:b - start], path, s + a - v,
-                                                         identity=identity), b - a))
+                                                         identity=identity, staged="auto"), b - a))
                 if v + e - s > end:
                     break  # the segment goes on in the next window
                 si += 1
