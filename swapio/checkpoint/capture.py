@@ -7,7 +7,8 @@ copy. A tensor that straddles the block's end is split between the two. Both buf
 once the write has finished (buffers.py), so a training loop's later async_saves only pay for the copy.
 While a save is in flight the process thus holds min(staging_bytes, file) pinned and the rest of the file in
 plain memory, on top of the state itself. The copies are split by bytes between the caller's thread and one
-helper thread (about 0.3 s instead of 0.45 s for 2 GiB into kept buffers on the reference VM).
+helper thread, with streaming stores between CPU tensors (2 GiB into kept buffers on the reference VM: 0.45 s on
+one thread with torch's copy, 0.18-0.24 s on two, 0.13-0.14 s streaming).
 """
 import threading
 
