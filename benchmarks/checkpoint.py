@@ -39,6 +39,7 @@ import torch
 
 import swapio
 import swapio.checkpoint as ckpt
+from swapio.checkpoint.buffers import new_handle
 from swapio.tools.report import parse_size
 
 MiB = 1 << 20
@@ -116,7 +117,7 @@ def main():
              "safetensors": os.path.join(work, "st.safetensors"), "dcp": os.path.join(work, "dcp"),
              "raw": os.path.join(work, "raw.bin"), "async": os.path.join(work, "async.safetensors"),
              "dcp-async": os.path.join(work, "dcp-async")}
-    handle = ckpt.save.__globals__["new_handle"]()  # the same handle settings as swapio.checkpoint uses
+    handle = new_handle()  # the same handle settings as swapio.checkpoint uses
     chunk = min(512 * MiB, nbytes)
     pinned = swapio.empty_pinned(chunk, torch.uint8)
     pinned.fill_(1)

@@ -24,9 +24,9 @@ import torch
 from ..core import cuda_copy
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
-from . import layout
+from . import buffers, layout
 from .bytes_of import copyable
-from .save import check_staging_bytes, new_handle
+from .save import check_staging_bytes
 from .dtypes import dtype_from_name
 from ..offload.safetensors_header import _max_depth
 from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
@@ -254,9 +254,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
                 after.append((t, dest))
         tensors[name] = t
         pairs.append((tg.loc, tg.byte_view(dest), dest.device))
-    own = handle is None
-    h = new_handle() if own else handle
-    try:
+    with buffers.handle_for(handle) as h:
         # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
         futures = [h.pread(view, loc.path, loc.offset, staged="auto") for loc, view in direct]
         try:
@@ -268,9 +266,6 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
         finally:
             for f in futures:
                 f.wait()
-    finally:
-        if own:
-            h.close()
     with torch.no_grad():
         for t, dest in after:
             copyable(t).copy_(copyable(dest))

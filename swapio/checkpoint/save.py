@@ -3,19 +3,12 @@ commit.py, writer.py, layout.py): big contiguous CPU tensors from their own memo
 whose addresses it can match, layout._congruent_chain), the header and the rest through pinned staging."""
 import os
 
-from ..core.handle import AioHandle
-from . import background, layout, writer
+from . import background, buffers, layout, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile
 from .structure import flatten
 
 DEFAULT_STAGING = 256 << 20
-
-
-def new_handle():
-    """The handle a checkpoint uses when the caller gives none: 1 MiB requests, 32 in flight per worker, two
-    workers (each takes half of a window), O_DIRECT where the file system allows it."""
-    return AioHandle(block_size=1 << 20, queue_depth=32, threads=2)
 
 
 def check_staging_bytes(staging_bytes):
@@ -57,17 +50,13 @@ def write_pending(plan, pending, pieces, staging, handle=None, direct=(), segmen
     from memory it reuses: write(offset, bytes) submits a positional write and returns its future, which stream
     waits before reusing that memory. It runs after the direct writes are submitted and before the staged pieces
     are assembled, so a staged source (the header) may depend on what it streamed (checksums)."""
-    own = handle is None
-    h = new_handle() if own else handle
     try:
-        _write(h, pending, plan.total, pieces, staging, direct, segments, stream)
+        with buffers.handle_for(handle) as h:
+            _write(h, pending, plan.total, pieces, staging, direct, segments, stream)
     except OSError as exc:
         staging.release()  # every request was waited for: the buffers are free
         raise OSError(exc.errno, f"writing the checkpoint {pending.final} failed: "
                                  f"{exc.strerror or exc}", pending.final) from exc
-    finally:
-        if own:
-            h.close()
     staging.release()  # (not after an interruption: a request may still be reading them)
 
 

@@ -23,7 +23,8 @@ import torch
 
 from ..checkpoint import layout, writer
 from ..checkpoint.commit import PendingFile
-from ..checkpoint.save import DEFAULT_STAGING, commit_pending, new_handle, write_pending
+from ..checkpoint import buffers  # (a module: it imports swapio.offload in turn)
+from ..checkpoint.save import DEFAULT_STAGING, commit_pending, write_pending
 from ..core import _durable
 from .export_tensors import Reader, items
 from .registry import offloaded
@@ -126,7 +127,7 @@ def _write(streamer, groups, plans, pendings):
     """Every shard's bytes into its temporary file; offloaded tensors read in file order, across the shards."""
     in_order = [g[i] for g, plan in zip(groups, plans) for _, i in plan.pieces()]
     reader = Reader(streamer, in_order)
-    handle = new_handle()
+    handle = buffers.new_handle()
     try:
         for g, plan, pending in zip(groups, plans, pendings):
             pieces = [(0, plan.header.numel(), lambda h=plan.header: h)]
