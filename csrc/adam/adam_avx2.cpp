@@ -254,11 +254,13 @@ struct V {
   }
   // |x| * inv (x is finite: lowp_loops.h). Not clamped to 1 (as AVX-512): y < 2 lies in region 8, as 1 does.
   // The unsigned map's x (second moments) are >= +0: no abs (a -0 would give y = -0: region 0's line, code 0).
-  template <bool kSigned>
-  static SWAPIO_INLINE F unit(F x, F inv) {
-    if constexpr (!kSigned) return _mm256_mul_ps(x, inv);
-    return _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), inv);
+  // ax: |x| where the caller has it (encode2a), else x.
+  template <bool kSigned, bool kHaveAbs = false>
+  static SWAPIO_INLINE F unit(F ax, F inv) {
+    if constexpr (!kSigned || kHaveAbs) return _mm256_mul_ps(ax, inv);
+    return _mm256_mul_ps(abs(ax), inv);
   }
+  static SWAPIO_INLINE F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
   // quick_code8, lane by lane); returns rint(P), whose lanes on a multiple of kPosUnit defer to the bucket lookup,
   // and the lanes' codes in `c`.
@@ -287,22 +289,29 @@ struct V {
     for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
   }
-  // c: the code of +|x| (zero + k); a negative x (its sign bit, for blendvps) takes zero - min(k, max_neg_k) =
-  // max(2 zero - c, 0), the max by the packs' unsigned saturation (c <= zero + max_neg_k + 1); -0 has k = 0,
-  // where both agree
+  // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = max(2 zero - c, 0), the max by
+  // the packs' unsigned saturation (c <= zero + max_neg_k + 1). zero + sign(x) (c - zero), by vpsignd on x's bits
+  // as an integer: negative where x's sign bit is set, so also for -0, whose k = 0 (as for +0, where vpsignd gives
+  // 0). Three single-uop operations: vblendvps is 3 uops (p015) on this machine's cores.
   template <bool kSigned>
   static SWAPIO_INLINE __m256i signed_codes(F x, __m256i c) {
     static_assert(kSignedZero + kSignedMaxNegK + 1 == 255, "2 zero - c >= -1");
     if constexpr (!kSigned) return c;
-    const __m256i cn = _mm256_sub_epi32(_mm256_set1_epi32(2 * kSignedZero), c);
-    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(cn), x));
+    const __m256i zero = _mm256_set1_epi32(kSignedZero);
+    return _mm256_add_epi32(_mm256_sign_epi32(_mm256_sub_epi32(c, zero), _mm256_castps_si256(x)), zero);
   }
   // Two vectors at once (two moments of the same elements, or the same moment of adjacent elements): the codes
   // of both packed to bytes together, 8 for out0 then 8 for out1.
   template <bool kSigned0, bool kSigned1>
   static SWAPIO_INLINE void encode2(uint8_t* out0, F x0, F inv0, const QuantMap& q0, uint8_t* out1, F x1, F inv1,
                                     const QuantMap& q1) {
-    const F y0 = unit<kSigned0>(x0, inv0), y1 = unit<kSigned1>(x1, inv1);
+    encode2a<kSigned0, kSigned1, false>(out0, x0, x0, inv0, q0, out1, x1, x1, inv1, q1);
+  }
+  // encode2 given ax = |x| as well (lowp_loops.h's kSticky), or (kHaveAbs false) ax = x
+  template <bool kSigned0, bool kSigned1, bool kHaveAbs = true>
+  static SWAPIO_INLINE void encode2a(uint8_t* out0, F x0, F ax0, F inv0, const QuantMap& q0, uint8_t* out1, F x1,
+                                     F ax1, F inv1, const QuantMap& q1) {
+    const F y0 = unit<kSigned0, kHaveAbs>(ax0, inv0), y1 = unit<kSigned1, kHaveAbs>(ax1, inv1);
     __m256i c0, c1;
     const __m256i u0 = quick_code(y0, q0, c0), u1 = quick_code(y1, q1, c1);
     // a lane defers where rint(P) is a multiple of kPosUnit: the low bits' minimum over both vectors, less 1, < 0
@@ -321,12 +330,57 @@ struct V {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out0), both);
     _mm_storeh_pi(reinterpret_cast<__m64*>(out1), _mm_castsi128_ps(both));  // vmovhps: a store, no shuffle
   }
+  // lowp_loops.h's int8 Adam with kAdamVectors 2: the codes of first moments m0, m1 (8 each, |m| am0, am1) to
+  // mout[0, 16) and of second moments v0, v1 to vout[0, 16). One deferral test for the 32 lanes; the signed map's
+  // k = c - zero, sign(m) k by vpsignd, packed with signed saturation (|k| <= 128) and zero added to the 16 words
+  // at once, the codes of both maps packed to bytes together (-1, zero - 128, saturates to 0 as in signed_codes),
+  // and one vpermd orders them into 16 bytes of m and 16 of v.
+  static SWAPIO_INLINE void encode4a(uint8_t* mout, F m0, F am0, F m1, F am1, F minv, const QuantMap& qm,
+                                     uint8_t* vout, F v0, F v1, F vinv, const QuantMap& qv) {
+    const F y0 = _mm256_mul_ps(am0, minv), y1 = _mm256_mul_ps(am1, minv);
+    const F y2 = _mm256_mul_ps(v0, vinv), y3 = _mm256_mul_ps(v1, vinv);
+    __m256i c0, c1, c2, c3;
+    const __m256i u0 = quick_code(y0, qm, c0), u1 = quick_code(y1, qm, c1);
+    const __m256i u2 = quick_code(y2, qv, c2), u3 = quick_code(y3, qv, c3);
+    const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
+    const __m256i least = _mm256_min_epu32(_mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low)),
+                                           _mm256_min_epu32(_mm256_and_si256(u2, low), _mm256_and_si256(u3, low)));
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
+      c0 = exact_codes(y0, qm);
+      c1 = exact_codes(y1, qm);
+      c2 = exact_codes(y2, qv);
+      c3 = exact_codes(y3, qv);
+    }
+    const __m256i zero = _mm256_set1_epi32(kSignedZero);
+    const __m256i k0 = _mm256_sign_epi32(_mm256_sub_epi32(c0, zero), _mm256_castps_si256(m0));
+    const __m256i k1 = _mm256_sign_epi32(_mm256_sub_epi32(c1, zero), _mm256_castps_si256(m1));
+    // per 128-bit lane: words of m0's 4, m1's 4 (then v0's 4, v1's 4), bytes; dwords 0 4 1 5 (m), 2 6 3 7 (v)
+    const __m256i wm = _mm256_add_epi16(_mm256_packs_epi32(k0, k1), _mm256_set1_epi16(kSignedZero));
+    const __m256i wv = _mm256_packs_epi32(c2, c3);  // codes 0 .. 255
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(wm, wv), order);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(mout), _mm256_castsi256_si128(b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(vout), _mm256_extracti128_si256(b, 1));
+  }
   template <bool kSigned>
   static SWAPIO_INLINE void encode(uint8_t* out, F x, F inv, const QuantMap& q) {
     alignas(16) uint8_t unused[8];
     encode2<kSigned, kSigned>(out, x, inv, q, unused, _mm256_setzero_ps(), inv, q);
   }
   static SWAPIO_INLINE F max_pos(F acc, F x) { return _mm256_max_ps(acc, x); }
+  // lowp_loops.h's kSticky: the running maxima as unsigned integers of the bits (NaN and inf stay in them)
+  static constexpr bool kSticky = true;
+  static constexpr int kAdamVectors = 2;  // lowp_loops.h: the int8 Adam loop's scalar overhead halved
+  static SWAPIO_INLINE F smax(F acc, F x) {
+    return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), _mm256_castps_si256(x)));
+  }
+  static SWAPIO_INLINE uint32_t hmax_bits(F a) {
+    const __m256i u = _mm256_castps_si256(a);
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    m = _mm_max_epu32(m, _mm_unpackhi_epi64(m, m));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+  }
   static SWAPIO_INLINE F max_abs(F acc, F x) {
     return _mm256_max_ps(acc, _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
   }

@@ -18,6 +18,7 @@
 //   encoders see finite moments only.
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "adam/adam_kernel.h"
 
@@ -29,6 +30,28 @@ namespace swapio {
 namespace adam {
 namespace lowp {
 namespace {  // one copy per including (per-ISA) file
+
+// A V may declare kSticky = true and provide abs(x) (|x|), smax(acc, x) (the maximum of acc and x as unsigned
+// integers of their bits: for x >= +0 the float maximum, and any NaN or inf, also -NaN, stays in it for good),
+// hmax_bits (the unsigned maximum of the lanes' bits) and encode2a (encode2 given |x| as well). Its int8 loops then
+// keep a block's |m| beside m (encode2a reads it; its encoders skip the abs), and find a block's non-finite moments
+// in its two maxima: no running `bad` (one vector operation fewer per W elements, and one abs fewer).
+template <class V, class = void>
+struct sticky : std::false_type {};
+template <class V>
+struct sticky<V, std::enable_if_t<V::kSticky>> : std::true_type {};
+// V::kAdamVectors (default 1): vectors of each stage per iteration of the int8 Adam loop (Lion's is 2). A kSticky V
+// with 2 provides encode4a: both moments of 2 W elements at once, given |m|.
+template <class V, class = void>
+struct adam_vectors : std::integral_constant<int, 1> {};
+template <class V>
+struct adam_vectors<V, std::enable_if_t<(V::kAdamVectors > 0)>> : std::integral_constant<int, V::kAdamVectors> {};
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 constexpr int64_t dtype_size(DType t) { return t == DType::kF32 ? 4 : (t == DType::kNone ? 0 : 2); }
 constexpr int64_t state_size(StateType s) { return s == StateType::kF32 ? 4 : (s == StateType::kBF16 ? 2 : 1); }
@@ -49,7 +72,7 @@ struct AdamStep {
   // torch's _single_tensor_adam order, as in the fp32 kernels (adam_scalar.cpp)
   static SWAPIO_INLINE void step(const LowpArgs& a, F& p, F g, F& m, F& v) {
     const AdamConsts& c = a.adam;
-    g = V::flip(g, c.grad_sign);
+    if (c.grad_sign) g = V::flip(g, c.grad_sign);  // a loop-invariant branch: no vector operation unless maximizing
     if constexpr (L2) {
       g = V::fma(p, V::set1(c.wd), g);
     } else {
@@ -86,6 +109,7 @@ struct Loops {
   static constexpr int W = V::W;
   static constexpr int64_t gs = dtype_size(G), os = dtype_size(O), ss = state_size(S);
   static constexpr bool two = Step::kMoments == 2;
+  static constexpr bool kSticky = sticky<V>::value;
 
   static Lane at(const LowpArgs& a, int64_t i) {
     Lane q;
@@ -166,11 +190,13 @@ struct Loops {
   // permutes, the divider, the code search), which the core then overlaps; run as one pass after another, each
   // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
   // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
-  static constexpr int64_t kStride = two ? W : 2 * W;  // vectors per iteration: Lion encodes two at once
+  static constexpr int64_t kEnc = two ? W : 2 * W;  // elements per encode_vectors: Lion encodes two vectors at once
+  static constexpr int64_t kStride = two ? adam_vectors<V>::value * W : 2 * W;  // elements per iteration
 
   struct Slot {  // one block in flight
     alignas(64) float m[kQuantBlock];
     alignas(64) float v[kQuantBlock];
+    alignas(64) float ma[kSticky ? kQuantBlock : 1];  // |m| (kSticky)
     Coded mc, vc;
   };
 
@@ -194,7 +220,7 @@ struct Loops {
           prefetch(a, b_dec + kPrefetchBlocks * kQuantBlock + j, e);
           // the step first: its chain through the divider is the longest, the other two fill its wait
           step_vectors(a, b_stp, j, ss, mmax, vmax, bad);
-          encode_vectors(a, b_enc, j, se);
+          encode_stride(a, b_enc, j, se);
           decode_vectors(a, b_dec, j, sd);
         }
       } else {
@@ -203,20 +229,32 @@ struct Loops {
           const int64_t b1 = end_of(b_stp, e);
           // the lanes past b1 step the decoded zero code of the padding, as elementwise() steps its zero padding
           groups(a, b_stp, b1, [&](const Lane& q, int64_t i) __attribute__((always_inline)) {
-            step_lane(a, q, ss.m + (i - b_stp), ss.v + (i - b_stp), mmax, vmax, bad);
+            step_lane(a, q, ss.m + (i - b_stp), ss.v + (i - b_stp), ss.ma + (kSticky ? i - b_stp : 0), mmax, vmax,
+                      bad);
           });
         }
         if (enc) encode_block(a, b_enc, end_of(b_enc, e), se);
       }
       if (stp) {
-        if (!all_finite(bad)) {  // the lanes stepped: the block, or its part rounded up to W
-          const int64_t stepped = e - b_stp < kQuantBlock ? (e - b_stp + W - 1) / W * W : kQuantBlock;
-          total_nonfinite += refit(ss, stepped, mmax, vmax);
-        }
-        bad = V::set1(0.0f);
+        // the lanes stepped: the block, or its part rounded up to W
+        const int64_t stepped = e - b_stp < kQuantBlock ? (e - b_stp + W - 1) / W * W : kQuantBlock;
         const int64_t blk = b_stp / kQuantBlock;
-        ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
-        if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
+        if constexpr (kSticky) {
+          uint32_t mbits = V::hmax_bits(mmax), vbits = two ? V::hmax_bits(vmax) : 0;
+          // at or above +inf's bits: a moment is not finite (or a v is -0, which costs only this refit)
+          if (__builtin_expect((mbits | vbits) >= 0x7F800000u, 0)) {
+            total_nonfinite += refit(ss, stepped, mmax, vmax);
+            mbits = V::hmax_bits(mmax);
+            vbits = two ? V::hmax_bits(vmax) : 0;
+          }
+          ss.mc = coded(a.m.scale + blk, bits_f32(mbits));
+          if (two) ss.vc = coded(a.v.scale + blk, bits_f32(vbits));
+        } else {
+          if (!all_finite(bad)) total_nonfinite += refit(ss, stepped, mmax, vmax);
+          bad = V::set1(0.0f);
+          ss.mc = coded(a.m.scale + blk, V::hmax(mmax));
+          if (two) ss.vc = coded(a.v.scale + blk, V::hmax(vmax));
+        }
       }
     }
     return total_nonfinite;
@@ -241,8 +279,9 @@ struct Loops {
 
   // One vector: the step on fp32 moments m[0, W) (and v), stored back; the running absmax, and `bad`, which a
   // non-finite m or v makes non-finite for good (m * v is inf or NaN then; a finite overflow only costs a refit).
-  static SWAPIO_INLINE void step_lane(const LowpArgs& a, const Lane& q, float* mb, float* vb, F& mmax, F& vmax,
-                                      F& bad) {
+  // kSticky: |m| stored to mab as well, and no `bad`: the maxima of the bits keep any non-finite moment.
+  static SWAPIO_INLINE void step_lane(const LowpArgs& a, const Lane& q, float* mb, float* vb, float* mab, F& mmax,
+                                      F& vmax, F& bad) {
     F p = V::load(q.p);
     F g = V::template load_grad<G>(q.g);
     F m = V::load(mb);
@@ -250,8 +289,18 @@ struct Loops {
     Step::step(a, p, g, m, v);
     V::store(q.p, p);
     V::template store_out<O>(q.out, p);
-    bad = two ? V::fma(m, v, bad) : V::add(bad, m);
     V::store(mb, m);
+    if constexpr (kSticky) {
+      const F am = V::abs(m);
+      V::store(mab, am);
+      mmax = V::smax(mmax, am);
+      if (two) {
+        V::store(vb, v);
+        vmax = V::smax(vmax, v);  // v >= +0 (below): its bits' maximum is the float one unless v is not finite
+      }
+      return;
+    }
+    bad = two ? V::fma(m, v, bad) : V::add(bad, m);
     mmax = V::max_abs(mmax, m);
     if (two) {
       V::store(vb, v);
@@ -276,6 +325,16 @@ struct Loops {
       F m = V::load(s.m + k), v = two ? V::load(s.v + k) : m;
       n = V::drop_nonfinite(n, m, v);
       V::store(s.m + k, m);
+      if constexpr (kSticky) {  // all finite now: the bits' maxima of |m| and |v| are the float ones
+        const F am = V::abs(m);
+        V::store(s.ma + k, am);
+        mmax = V::smax(mmax, am);
+        if (two) {
+          V::store(s.v + k, v);
+          vmax = V::smax(vmax, V::abs(v));
+        }
+        continue;
+      }
       mmax = V::max_abs(mmax, m);
       if (two) {
         V::store(s.v + k, v);
@@ -285,7 +344,8 @@ struct Loops {
     return V::count_sum(n);
   }
 
-  // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0.
+  // The pipelined stages on vectors [j, j + kStride) of a whole block starting at element b0 (encode_vectors:
+  // [j, j + kEnc)).
   static SWAPIO_INLINE void decode_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s) {
     const int64_t blk = b0 / kQuantBlock;
     const uint8_t* mcodes = static_cast<const uint8_t*>(a.m.data) + b0;
@@ -299,11 +359,30 @@ struct Loops {
   }
   static SWAPIO_INLINE void step_vectors(const LowpArgs& a, int64_t b0, int64_t j, Slot& s, F& mmax, F& vmax,
                                          F& bad) {
-    for (int64_t k = j; k < j + kStride; k += W) step_lane(a, at(a, b0 + k), s.m + k, s.v + k, mmax, vmax, bad);
+    for (int64_t k = j; k < j + kStride; k += W) {
+      step_lane(a, at(a, b0 + k), s.m + k, s.v + k, s.ma + (kSticky ? k : 0), mmax, vmax, bad);
+    }
+  }
+  static SWAPIO_INLINE void encode_stride(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
+    if constexpr (kSticky && two && kStride == 2 * W) {
+      V::encode4a(static_cast<uint8_t*>(a.m.data) + b0 + j, V::load(s.m + j), V::load(s.ma + j), V::load(s.m + j + W),
+                  V::load(s.ma + j + W), s.mc.inv, *a.m.map, static_cast<uint8_t*>(a.v.data) + b0 + j,
+                  V::load(s.v + j), V::load(s.v + j + W), s.vc.inv, *a.v.map);
+    } else {
+      for (int64_t k = j; k < j + kStride; k += kEnc) encode_vectors(a, b0, k, s);
+    }
   }
   static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
-    if constexpr (two) {
+    if constexpr (kSticky && two) {
+      const F v = V::load(s.v + j);
+      V::template encode2a<true, false>(mcodes + j, V::load(s.m + j), V::load(s.ma + j), s.mc.inv, *a.m.map,
+                                        static_cast<uint8_t*>(a.v.data) + b0 + j, v, v, s.vc.inv, *a.v.map);
+    } else if constexpr (kSticky) {
+      V::template encode2a<true, true>(mcodes + j, V::load(s.m + j), V::load(s.ma + j), s.mc.inv, *a.m.map,
+                                       mcodes + j + W, V::load(s.m + j + W), V::load(s.ma + j + W), s.mc.inv,
+                                       *a.m.map);
+    } else if constexpr (two) {
       V::template encode2<true, false>(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map,
                                        static_cast<uint8_t*>(a.v.data) + b0 + j, V::load(s.v + j), s.vc.inv, *a.v.map);
     } else {
@@ -338,7 +417,7 @@ struct Loops {
     const int64_t r = b1 - b0;
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
     int64_t j = 0;
-    for (; j + kStride <= r; j += kStride) encode_vectors(a, b0, j, s);
+    for (; j + kEnc <= r; j += kEnc) encode_vectors(a, b0, j, s);
     for (; j + W <= r; j += W) V::template encode<true>(mcodes + j, V::load(s.m + j), s.mc.inv, *a.m.map);  // Lion's
     if (j < r) {
       encode_tail<true>(s.m + j, mcodes + j, r - j, s.mc, *a.m.map);
