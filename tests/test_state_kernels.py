@@ -85,12 +85,19 @@ def test_kernel_matches_plain_torch_reference(algo, state, n):
 @pytest.mark.parametrize("level", SIMD_LEVELS or [pytest.param("none", marks=pytest.mark.skip("no SIMD level"))])
 @pytest.mark.parametrize("algo,state", CASES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_simd_level_bit_identical_to_scalar(level, algo, state, grad_dtype):
+@pytest.mark.parametrize("n,maximize", [(3 * 256 + 19, False), (3 * 256 + 19, True), (300_007, False),
+                                        (300_007, True)], ids=lambda v: str(v))
+def test_simd_level_bit_identical_to_scalar(level, algo, state, grad_dtype, n, maximize):
+    """n: a partial block and a partial vector; and enough blocks for the pipelined loops (decode, step and
+    encode of different blocks interleaved), with non-finite gradients deep inside; maximize flips the gradient
+    (a loop-invariant branch of its own)."""
     kernel, _, hyper, moments = kernel_and_reference(algo)
-    n = 3 * 256 + 19  # a partial block and a partial vector
+    hyper = dict(hyper, maximize=maximize)
     gs = grads(n, 3, seed=1, dtype=grad_dtype)
-    gs[1][5] = float("nan")  # and non-finite gradients
+    gs[1][5] = float("nan")  # non-finite gradients
     gs[2][300] = float("inf")
+    gs[2][n - 7] = -float("inf")
+    gs[0][n // 2] = float("nan")
     outs = {}
     for lvl in ("scalar", level):
         p = torch.randn(n, generator=torch.Generator().manual_seed(2))
