@@ -81,6 +81,29 @@ def test_bug_async_save_of_a_conj_or_neg_view_stores_its_values_or_refuses(tmp_p
     assert torch.equal(got, want), f"{name}: async_save stored values that are not the tensor's"
 
 
+@pytest.mark.parametrize("n", [100_000, 4_000_000], ids=["small", "big"])
+def test_bug_async_save_of_a_tensor_with_a_shrunk_storage_raises_like_save(tmp_path, n):
+    """BUG: a tensor whose storage was resized below its extent (storage().resize_(4096), as FSDP-style code does)
+    is refused by save() (ValueError from cpu_memory: "the storage holds only ..."); async_save's capture hands
+    its data_ptr() and numel()*element_size() to _C.copy_bytes ("pointers are not checked"): observed a SIGSEGV
+    (4 MB) or heap bytes past the storage silently stored (400 KB). It must raise before any file exists."""
+    code = textwrap.dedent(f"""
+        import torch, swapio.checkpoint as ckpt
+        t = torch.randn({n})
+        t.untyped_storage().resize_(4096)
+        try:
+            ckpt.async_save({{"w": t}}, {str(tmp_path / "rz.safetensors")!r}).wait()
+            print("stored")
+        except (ValueError, RuntimeError) as e:
+            print("refused", type(e).__name__)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert r.returncode == 0, f"the process died (rc {r.returncode}): {r.stderr[-500:]}"
+    assert "refused" in r.stdout, "async_save stored bytes past the tensor's storage"
+    assert not (tmp_path / "rz.safetensors").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # BUG 2: load(handle=h) raises while its other reads are still in flight into the caller's tensors.
 # ---------------------------------------------------------------------------------------------------------------
