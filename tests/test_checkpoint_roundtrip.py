@@ -302,3 +302,22 @@ def test_big_tensors_written_from_their_own_memory_at_any_alignment(tmp_path, sh
         assert torch.equal(theirs[k], v), k
     assert_same(swapio.checkpoint.load(path), state)
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("n", [10, 300_000], ids=["small", "big"])
+def test_save_stores_the_values_of_conj_and_neg_views_and_their_base_apart(tmp_path, n):
+    """A conj() / _neg_view() tensor's memory holds other values than it has: save stores its values (sibling of
+    the async_save capture bug), and it is not taken for its base tensor, which shares that memory."""
+    z = torch.randn(n, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    r = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    state = {"z": z, "zc": z.conj(), "r": r, "rn": torch._neg_view(r)}
+    swapio.checkpoint.save(state, tmp_path / "c.safetensors")
+    got = swapio.checkpoint.load(tmp_path / "c.safetensors")
+    for k, v in state.items():
+        assert torch.equal(got[k], v.resolve_conj().resolve_neg()), k
+
+
+def test_aiohandle_refuses_a_conj_view_whose_memory_holds_other_values(tmp_path):
+    with swapio.AioHandle() as h:
+        with pytest.raises(ValueError, match="conjugated or negated"):
+            h.pwrite(torch.randn(8, dtype=torch.complex64).conj(), tmp_path / "x.bin")

@@ -17,6 +17,7 @@
 #include "io/copy.h"
 #include "io/handle.h"
 #include "io/worker.h"
+#include "mem/access.h"
 #include "mem/pinned.h"
 
 namespace py = pybind11;
@@ -236,6 +237,10 @@ PYBIND11_MODULE(_C, m) {
       }, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
       "Copies nbytes between two non-overlapping memory ranges with streaming stores, without the GIL (for big "
       "copies whose destination is not read again soon: the checkpoint capture). Pointers are not checked.");
+  m.def("writable", [](uintptr_t p, size_t n) {
+        return mem::check_access(reinterpret_cast<const void*>(p), n, mem::Access::write) == 0;
+      }, py::arg("ptr"), py::arg("nbytes"),
+      "Whether every byte of [ptr, ptr + nbytes) is mapped writable, asked of the kernel without touching it.");
   m.def("held_bytes", [] {
         py::dict out;
         out["pinned"] = mem::pinned_bytes_mapped();

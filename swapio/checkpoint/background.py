@@ -11,26 +11,45 @@ QUEUED = 2  # captures held at once: the one being written and one waiting behin
 _slots = threading.BoundedSemaphore(QUEUED)
 
 
+class Slot:
+    """A capture's place among the QUEUED: released once, by the save's job when it finishes, or by the caller
+    when no job ran (an error or an interruption before or while submitting). The job marks it taken when it
+    starts; an interruption that lands between starting the job's thread and that mark lets the caller release
+    it early, never twice."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.taken = False   # by a running job
+        self._held = True
+
+    def release(self):
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            _slots.release()
+
+    def release_unless_taken(self):
+        if not self.taken:
+            self.release()
+
+
 def reserve():
-    """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished); the slot is given
-    back when the save submitted with it finishes, or by release() if none is submitted."""
+    """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished): its Slot."""
     _slots.acquire()
-
-
-def release():
-    _slots.release()
+    return Slot()
 
 
 class _Job:
     """A swapio.Future's request (done / wait / result) run on its own thread."""
 
-    def __init__(self, fn, previous):
-        self._fn, self._previous = fn, previous
+    def __init__(self, fn, previous, slot):
+        self._fn, self._previous, self._slot = fn, previous, slot
         self._done = threading.Event()
         self._outcome = None
         self._thread = threading.Thread(target=self._run, name="swapio-checkpoint", daemon=False)
 
     def _run(self):
+        self._slot.taken = True
         try:
             if self._previous is not None:
                 self._previous._done.wait()
@@ -41,7 +60,7 @@ class _Job:
         finally:
             self._fn = None
             self._done.set()
-            _slots.release()  # (its capture is freed or kept for the next save: buffers.py)
+            self._slot.release()  # (its capture is freed or kept for the next save: buffers.py)
 
     def done(self):
         return self._done.is_set()
@@ -56,11 +75,11 @@ class _Job:
         raise value
 
 
-def submit(fn):
-    """A swapio.Future of fn() run in the background after every earlier submit(); the caller reserve()d."""
+def submit(fn, slot):
+    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserve()."""
     global _last
     with _lock:
-        job = _Job(fn, _last)
+        job = _Job(fn, _last, slot)
         _last = job
         job._thread.start()
     return Future(job)

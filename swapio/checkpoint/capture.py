@@ -15,6 +15,7 @@ import threading
 import torch
 
 from .. import _C
+from ..core.tensors import cpu_memory
 from . import writer
 from .bytes_of import flat_bytes, place
 
@@ -38,11 +39,14 @@ def _jobs(staging, offset, t, nbytes):
 def _copy(d, s):
     """d.copy_(s); between contiguous CPU tensors with streaming stores (the image is not read again before the
     device reads it: that spares the reads of its lines a plain copy makes, a third of the memory traffic)."""
-    nbytes = d.numel() * d.element_size()
     if (d.device.type == "cpu" and s.device.type == "cpu" and d.is_contiguous() and s.is_contiguous()
-            and s.numel() * s.element_size() == nbytes):
+            and not (s.is_conj() or s.is_neg())):
+        dst, nbytes = cpu_memory(d, "the capture image")
+        src, size = cpu_memory(s, "a tensor of the state")  # ValueError if its storage was shrunk under it
+        if size != nbytes:
+            raise ValueError(f"capture: {size} bytes into {nbytes}")  # (not reached: the plan sized d from s)
         if nbytes:
-            _C.copy_bytes(d.data_ptr(), s.data_ptr(), nbytes)
+            _C.copy_bytes(dst, src, nbytes)
     else:
         d.copy_(s)
 

@@ -21,12 +21,14 @@ import os
 
 import torch
 
+from .. import _C
 from ..core import cuda_copy
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
-from . import buffers, layout
+from . import background, buffers, layout
 from .bytes_of import copyable
 from .save import check_staging_bytes
+from .writer import wait_all
 from .dtypes import dtype_from_name
 from ..offload.safetensors_header import _max_depth
 from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
@@ -148,12 +150,24 @@ def _overlaps_itself(t):
 
 
 def _check_writable(given, where):
-    """Every out= tensor can take its bytes without one element landing on another: none overlaps itself and
-    no two (under different names) share memory. Checked before a byte is written."""
+    """Every out= tensor can take its bytes: its values are its memory (no lazy conj/neg view), its storage holds
+    it, a CPU tensor's memory is writable (a read-only np.memmap would crash a copy into it), none overlaps itself
+    and no two (under different names) share memory. Checked before a byte is written."""
     spans = []
     for name, t in given.items():
         if t.numel() == 0:
             continue
+        if t.is_conj() or t.is_neg():
+            raise ValueError(f"{where}: out= tensor {name!r} is a lazily conjugated or negated view: loading into "
+                             "it would store other values; pass a tensor of its own")
+        _, start, end = _span(t)
+        held = t.untyped_storage().nbytes()
+        if end - start + t.storage_offset() * t.element_size() > held:
+            raise ValueError(f"{where}: out= tensor {name!r} reaches past its storage ({held} bytes; was the "
+                             "storage resized or released?)")
+        if t.device.type == "cpu" and not _C.writable(start, end - start):
+            raise ValueError(f"{where}: out= tensor {name!r} is in memory this process cannot write (a read-only "
+                             "mapping, such as a read-only np.memmap)")
         if _overlaps_itself(t):
             raise ValueError(f"{where}: out= tensor {name!r} has elements sharing memory (an expand()ed view, "
                              f"strides {list(t.stride())}): it cannot be loaded into; pass a tensor of its own")
@@ -218,6 +232,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
     state (group: the process group, default the world)."""
     path = os.fspath(path)
     check_staging_bytes(staging_bytes)
+    background.wait_all()  # async_saves queued before this call land first (as save() does): it reads what they wrote
     if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
         raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)
     from . import sharded
@@ -255,17 +270,22 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
         tensors[name] = t
         pairs.append((tg.loc, tg.byte_view(dest), dest.device))
     with buffers.handle_for(handle) as h:
-        # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
-        futures = [h.pread(view, loc.path, loc.offset, staged="auto") for loc, view in direct]
+        futures = []
         try:
+            # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
+            for loc, view in direct:
+                futures.append(h.pread(view, loc.path, loc.offset, staged="auto"))
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
                     span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset
                     read_into(run, dev, handle=h,
                               staging_bytes=min(staging_bytes, 2 * layout.round_up(span + layout.ALIGN)))
-        finally:
-            for f in futures:
-                f.wait()
+        except BaseException:
+            wait_all(futures)  # every read waited for after a failure too: none may go on writing into the tensors
+            raise
+        error = wait_all(futures)
+        if error is not None:
+            raise error
     with torch.no_grad():
         for t, dest in after:
             copyable(t).copy_(copyable(dest))

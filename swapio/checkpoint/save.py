@@ -25,6 +25,9 @@ def prepare(state, path, extra_metadata=None, staging_bytes=DEFAULT_STAGING, pla
     placeholders: meta tensors stand for bytes a `stream` writes (see write_pending)."""
     check_staging_bytes(staging_bytes)
     skeleton, entries = flatten(state, placeholders)
+    for e in entries:  # a lazily conjugated or negated view: its values, one copy of it (its memory holds others)
+        if e.tensor.is_conj() or e.tensor.is_neg():
+            e.tensor = e.tensor.resolve_conj().resolve_neg()
     plan = layout.plan(skeleton, entries, extra_metadata)
     return plan, PendingFile(path)
 

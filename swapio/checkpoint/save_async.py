@@ -11,7 +11,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     """Captures `state` and writes it to the safetensors file `path` in the background. The returned
     swapio.Future's wait() gives the file's size, or raises what made the save fail (the previous file at path
     is then intact). A save submitted while another is in flight starts when that one has finished."""
-    background.reserve()  # at most one capture waits behind the one being written: else block until one is done
+    slot = background.reserve()  # at most one capture waits behind the one being written: else block until one is done
     try:
         plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
         try:
@@ -20,7 +20,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
             pending.abort()
             raise
         plan.entries = None  # the live tensors are not needed any more (nor kept alive)
-        return background.submit(lambda: write_and_commit(plan, pending, pieces, staging, handle))
+        return background.submit(lambda: write_and_commit(plan, pending, pieces, staging, handle), slot)
     except BaseException:
-        background.release()
+        slot.release_unless_taken()
         raise

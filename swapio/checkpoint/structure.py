@@ -40,7 +40,7 @@ def _describe(path):
 
 
 def _identity(t):
-    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()) if t.numel() else None
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg()) if t.numel() else None
 
 
 def _dense_permuted(t):
@@ -137,7 +137,10 @@ def flatten(state, placeholders=False):
         raise TypeError(f"{_describe(path)}: a {type(x).__name__} cannot be stored in a checkpoint (tensors, "
                         "dicts, lists, tuples, int, float, bool, str and None can)")
 
-    return walk(state, ()), entries
+    try:
+        return walk(state, ()), entries
+    finally:  # the nested functions refer to each other: a cycle holding the tensors until the collector runs
+        walk = walk_leaf = walk_container = None  # noqa: F841 (the cells are what is cleared)
 
 
 def tensor_nodes(skeleton):
@@ -175,17 +178,15 @@ def _short(node):
 
 
 def unflatten(skeleton, tensors):
-    """The state a skeleton describes, with tensors[name] at each tensor's place."""
-    def build(node):
-        if "T" in node:
-            return tensors[node["T"]]
-        if "D" in node:
-            cls = collections.OrderedDict if node.get("o") else dict
-            return cls((k, build(v)) for k, v in node["D"])
-        if "L" in node:
-            return [build(v) for v in node["L"]]
-        if "U" in node:
-            return tuple(build(v) for v in node["U"])
-        return node["V"]
-
-    return build(skeleton)
+    """The state a skeleton describes, with tensors[name] at each tensor's place. (A module-level recursion: a
+    nested one is a reference cycle, which would keep the tensors alive until the cycle collector runs.)"""
+    if "T" in skeleton:
+        return tensors[skeleton["T"]]
+    if "D" in skeleton:
+        cls = collections.OrderedDict if skeleton.get("o") else dict
+        return cls((k, unflatten(v, tensors)) for k, v in skeleton["D"])
+    if "L" in skeleton:
+        return [unflatten(v, tensors) for v in skeleton["L"]]
+    if "U" in skeleton:
+        return tuple(unflatten(v, tensors) for v in skeleton["U"])
+    return skeleton["V"]

@@ -21,6 +21,9 @@ def cpu_memory(tensor: object, name: str = "tensor") -> Tuple[int, int]:
                          "(SwapStore moves GPU tensors through pinned memory)")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if tensor.is_conj() or tensor.is_neg():
+        raise ValueError(f"{name} is a lazily conjugated or negated view: its memory does not hold its values "
+                         "(call .resolve_conj() / .resolve_neg() first)")
     nbytes = tensor.numel() * tensor.element_size()
     # A storage shrunk under the tensor (storage.resize_) leaves data_ptr() pointing past its memory.
     needed = tensor.storage_offset() * tensor.element_size() + nbytes
