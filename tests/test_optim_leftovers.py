@@ -27,9 +27,12 @@ def _killed_saver(forkserver, ckpt, swap_dir, sig):
     proc.start()
     deadline = time.monotonic() + 60
     while proc.is_alive():
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(") ", 1)[1][0] == "T":
-                break  # stopped
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] == "T":
+                    break  # stopped
+        except (FileNotFoundError, ProcessLookupError):
+            break  # it ended (and the fork server, its parent, reaped it) since is_alive() looked
         assert time.monotonic() < deadline, "the saver never stopped"
         time.sleep(0.01)
     return proc
