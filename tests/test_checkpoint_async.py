@@ -176,3 +176,28 @@ def test_a_failed_commit_names_the_checkpoint_not_the_temporary_file(tmp_path, m
     assert info.value.filename == str(path) and info.value.filename2 is None
     assert "swapio-ckpt" not in str(info.value.filename)
     assert leftovers(tmp_path) == []
+
+
+def test_an_interrupt_right_after_the_capture_helper_started_leaves_no_helper_copying(tmp_path, monkeypatch):
+    """A KeyboardInterrupt arriving right after Thread.start() launched the capture helper (its start was outside
+    the try that joins it) left the helper copying into staging that async_save then released and the next save
+    reuses: the helper is now always joined first."""
+    import threading
+
+    real_wait, armed = threading.Event.wait, [True]
+
+    def wait(self, timeout=None):  # the main thread's first wait: Thread.start() of the capture helper
+        result = real_wait(self, timeout)
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            raise KeyboardInterrupt
+        return result
+    monkeypatch.setattr(threading.Event, "wait", wait)
+    state = {f"t{i}": torch.randn(4 << 20) for i in range(8)}  # 128 MiB: the helper is still copying
+    with pytest.raises(KeyboardInterrupt):
+        swapio.checkpoint.async_save(state, tmp_path / "a.safetensors", staging_bytes=64 << 20)
+    assert not any(t.name == "swapio-capture" and t.is_alive() for t in threading.enumerate())
+    monkeypatch.setattr(threading.Event, "wait", real_wait)
+    swapio.checkpoint.save(state, tmp_path / "a.safetensors")  # and the library goes on working
+    got = swapio.checkpoint.load(tmp_path / "a.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in state.items())

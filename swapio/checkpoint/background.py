@@ -3,6 +3,7 @@ saves land in the order they were asked for. The threads are not daemons: an int
 included) first finishes the saves already captured."""
 import threading
 
+from ..core._threads import start_shielded
 from ..core.futures import Future
 
 _lock = threading.Lock()
@@ -81,7 +82,7 @@ def submit(fn, slot):
     with _lock:
         job = _Job(fn, _last, slot)
         _last = job
-        job._thread.start()
+        start_shielded(job._thread)
     return Future(job)
 
 

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from .. import _C
+from ..core._threads import start_shielded
 from ..core.tensors import cpu_memory
 from . import writer
 from .bytes_of import flat_bytes, place
@@ -74,11 +75,20 @@ def _copy_all(jobs, threads):
             error.append(exc)
 
     helper = threading.Thread(target=run, args=(jobs[cut:],), name="swapio-capture")
-    helper.start()
-    try:
+    try:  # an interrupt anywhere here must not leave the helper copying into staging the caller then frees
+        start_shielded(helper)
         run(jobs[:cut])
-    finally:
-        helper.join()
+    finally:  # (the loop is inline: an interrupt can land at any call, one into a helper function included)
+        interrupted = None
+        while True:
+            try:
+                if helper.ident is not None:  # started
+                    helper.join()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
     if error:
         raise error[0]
 
