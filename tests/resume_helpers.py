@@ -38,6 +38,18 @@ def train(opt, params, first, last):
         opt.step()
 
 
+def assert_trains_like_fresh(opt, params, first, last, swap_dir, kind="adamw", state_dtype="fp32",
+                             params_fn=make_params):
+    """Steps first .. last of opt end bitwise where a fresh cpu-mode optimizer's steps 1 .. last end (the run
+    goes on as if it had never stopped, or had never seen what was tried on it)."""
+    train(opt, params, first, last)
+    ref_params = params_fn()
+    ref = make_opt(kind, ref_params, "cpu", swap_dir, state_dtype)
+    train(ref, ref_params, 1, last)
+    assert_same(snapshot(opt, params), snapshot(ref, ref_params))
+    ref.close()
+
+
 def snapshot(opt, params):
     """Everything that decides the rest of a run, as plain tensors: parameters, counts, exported state."""
     sd = opt.state_dict()

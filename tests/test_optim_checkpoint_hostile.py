@@ -13,7 +13,7 @@ import torch
 import swapio
 from swapio.optim import checkpoint
 from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, make_opt, snapshot, train
+from resume_helpers import assert_same, assert_trains_like_fresh, make_opt, snapshot, train
 
 SHAPES = [(300,), (17, 33), (5,)]
 
@@ -73,12 +73,7 @@ def _refused_intact(opt, params, ckpt, tmp_path):
     with pytest.raises(ValueError, match=checkpoint.FILE):
         opt.load(ckpt)
     assert_same(snapshot(opt, params), before)
-    ref_params = _params()
-    ref = make_opt("adamw", ref_params, "cpu", tmp_path)
-    train(ref, ref_params, 1, 3)
-    train(opt, params, 3, 3)
-    assert_same(snapshot(opt, params), snapshot(ref, ref_params))
-    ref.close()
+    assert_trains_like_fresh(opt, params, 3, 3, tmp_path, params_fn=_params)
 
 
 def _rename_field(key):

@@ -23,6 +23,7 @@ import torch
 
 from .. import _C
 from ..core import cuda_copy
+from ..core.tensors import storage_bytes_needed
 from ..offload.load import read_into
 from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
 from . import background, buffers, layout
@@ -162,7 +163,7 @@ def _check_writable(given, where):
                              "it would store other values; pass a tensor of its own")
         _, start, end = _span(t)
         held = t.untyped_storage().nbytes()
-        if end - start + t.storage_offset() * t.element_size() > held:
+        if storage_bytes_needed(t) > held:
             raise ValueError(f"{where}: out= tensor {name!r} reaches past its storage ({held} bytes; was the "
                              "storage resized or released?)")
         if t.device.type == "cpu" and not _C.writable(start, end - start):

@@ -26,12 +26,18 @@ def cpu_memory(tensor: object, name: str = "tensor") -> Tuple[int, int]:
                          "(call .resolve_conj() / .resolve_neg() first)")
     nbytes = tensor.numel() * tensor.element_size()
     # A storage shrunk under the tensor (storage.resize_) leaves data_ptr() pointing past its memory.
-    needed = tensor.storage_offset() * tensor.element_size() + nbytes
-    held = tensor.untyped_storage().nbytes()
+    needed, held = storage_bytes_needed(tensor), tensor.untyped_storage().nbytes()
     if nbytes and needed > held:
         raise ValueError(f"{name} spans {needed} bytes of its storage but the storage holds only {held} "
                          "(was the storage resized or released?)")
     return int(tensor.data_ptr()), nbytes
+
+
+def storage_bytes_needed(tensor: torch.Tensor) -> int:
+    """The bytes of its storage a non-empty tensor reaches: its offset plus the span of its elements (more than
+    the storage holds when the storage was resized or released under it)."""
+    extent = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1
+    return int((tensor.storage_offset() + extent) * tensor.element_size())
 
 
 def spans_whole_storage(tensor: torch.Tensor) -> bool:
