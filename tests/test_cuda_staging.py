@@ -65,6 +65,9 @@ def fake_cuda(monkeypatch, fresh_warnings):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(_cudart, "_cudart", lambda: lib)
+    State.queued = []  # what swapio queued to run when CUDA initialises (torch.cuda._lazy_call)
+    monkeypatch.setattr(torch.cuda, "_lazy_call", State.queued.append)
+    monkeypatch.setattr(pinned, "_at_cuda_init", [False])
     State.rt, State.lib = rt, lib
     return State
 
@@ -76,6 +79,50 @@ def test_empty_pinned_does_nothing_cuda_while_cuda_is_unused(fake_cuda):
     del buf
     gc.collect()
     assert fake_cuda.rt.calls == []
+
+
+def test_blocks_allocated_before_cuda_are_registered_when_cuda_starts(fake_cuda):
+    before = swapio.empty_pinned(1 << 20, torch.uint8)
+    also_before = swapio.empty_pinned(8192, torch.uint8)
+    freed = swapio.empty_pinned(4096, torch.uint8)
+    del freed
+    gc.collect()
+    assert fake_cuda.rt.calls == [] and len(fake_cuda.queued) == 1  # queued once, nothing CUDA done yet
+    fake_cuda.initialized = True
+    fake_cuda.queued[0]()  # what torch runs inside its CUDA initialisation
+    assert sorted(fake_cuda.rt.calls) == sorted([("register", before.data_ptr(), 1 << 20, 1),
+                                                 ("register", also_before.data_ptr(), 8192, 1)])
+    after = swapio.empty_pinned(4096, torch.uint8)
+    assert fake_cuda.rt.calls[-1] == ("register", after.data_ptr(), 4096, 1) and len(fake_cuda.queued) == 1
+    assert pinned.cuda_register(before) and len(fake_cuda.rt.calls) == 3  # already registered: once
+
+
+def test_registering_at_cuda_start_never_raises(fake_cuda):
+    buf = swapio.empty_pinned(4096, torch.uint8)
+
+    def broken(*args):
+        raise RuntimeError("driver gone")
+    fake_cuda.rt.cudaHostRegister = broken
+    fake_cuda.initialized = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fake_cuda.queued[0]()  # an exception here would fail torch's CUDA initialisation
+    assert any("driver gone" in str(w.message) for w in caught)
+    del buf
+
+
+def test_a_forked_child_forgets_the_parents_registrations(fake_cuda):
+    import os
+    fake_cuda.initialized = True
+    buf = swapio.empty_pinned(4096, torch.uint8)
+    assert pinned._cuda_registered
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the block is not registered in any CUDA context of its own
+        os._exit(0 if not pinned._cuda_registered else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pinned._cuda_registered  # the parent keeps its own
+    del buf
 
 
 def test_blocks_are_registered_once_before_their_first_gpu_copy(fake_cuda):
@@ -118,6 +165,17 @@ def test_empty_pinned_creates_no_context_in_a_fresh_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_memory_allocated_before_cuda_starts_is_pinned_for_torch():
+    import subprocess
+    import sys
+    code = ("import torch, swapio; t = swapio.empty_pinned(1 << 20); assert not torch.cuda.is_initialized(); "
+            "torch.zeros(1, device='cuda'); print(t.is_pinned(), t[4096:].is_pinned())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True True"
 
 
 class FakeEvent:

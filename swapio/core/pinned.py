@@ -17,6 +17,8 @@ _starts: List[int] = []   # sorted start addresses of live pinned blocks
 _ends: Dict[int, int] = {}     # start -> end
 _cuda_registered: Set[int] = set()  # starts of blocks registered with CUDA
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
+_registering = threading.Lock()  # one cudaHostRegister of a block at a time (a second would fail: "already")
+_at_cuda_init = [False]  # whether _register_live_blocks is queued to run when this process initialises CUDA
 
 
 def _register(start: int, end: int) -> None:
@@ -53,19 +55,56 @@ def _block_of(ptr: int) -> Optional[Tuple[int, int]]:
 
 def _cuda_register_block(start: int, end: int, device: Optional[Union[int, torch.device]] = None) -> bool:
     """Registers a block with CUDA once; False (with a warning once) when CUDA refuses."""
-    with _lock:
-        if start in _cuda_registered:
-            return True
-    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        rc = int(torch.cuda.cudart().cudaHostRegister(start, end - start, _CUDA_HOST_REGISTER_PORTABLE))
-    if rc != 0:
-        clear_last_error()  # the failure is handled here; a later launch check must not report it
-        warn_once("cudaHostRegister", f"cudaHostRegister failed ({rc}); host-to-device copies from "
-                                      "swapio buffers will not be asynchronous")
-        return False
-    with _lock:
-        _cuda_registered.add(start)
+    with _registering:
+        with _lock:
+            if start in _cuda_registered:
+                return True
+            if _ends.get(start) != end:  # freed meanwhile (the live-blocks pass races with frees)
+                return False
+        with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+            rc = int(torch.cuda.cudart().cudaHostRegister(start, end - start, _CUDA_HOST_REGISTER_PORTABLE))
+        if rc != 0:
+            clear_last_error()  # the failure is handled here; a later launch check must not report it
+            warn_once("cudaHostRegister", f"cudaHostRegister failed ({rc}); host-to-device copies from "
+                                          "swapio buffers will not be asynchronous")
+            return False
+        with _lock:
+            _cuda_registered.add(start)
     return True
+
+
+def _register_live_blocks() -> None:
+    """Runs inside torch's CUDA initialisation (torch.cuda._lazy_call): every block allocated while CUDA was
+    unused is registered now, so that torch sees it pinned (is_pinned(), asynchronous copies at full speed)
+    from the first copy on, whoever makes it. Never raises: an exception here would fail CUDA's initialisation."""
+    try:
+        with _lock:
+            blocks = [(start, _ends[start]) for start in _starts if start not in _cuda_registered]
+        for start, end in blocks:
+            _cuda_register_block(start, end)
+    except Exception as exc:  # noqa: BLE001 - see above; the blocks are registered before their first copy
+        warn_once("cudaHostRegister", f"registering swapio's pinned buffers with CUDA failed ({exc}); they "
+                                      "are registered before their first copy by swapio instead")
+
+
+def _register_when_cuda_starts() -> None:
+    """Queues _register_live_blocks to run when this process initialises CUDA (once): creates no CUDA context."""
+    if _at_cuda_init[0]:
+        return
+    _at_cuda_init[0] = True
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)
+    if lazy_call is not None:  # else (a torch without it) blocks are registered before their first copy only
+        lazy_call(_register_live_blocks)
+
+
+def _forget_registrations_in_child() -> None:
+    """A forked child cannot use its parent's CUDA context: its copies of the blocks are not registered there,
+    and unregistering them at free would touch CUDA in a child that may not use it."""
+    _cuda_registered.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_registrations_in_child)
 
 
 def cuda_register(tensor: torch.Tensor, device: Optional[Union[int, torch.device]] = None) -> bool:
@@ -88,7 +127,8 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
     """An uninitialised tensor in page-aligned, page-locked memory, registered with CUDA if CUDA is in use.
 
     While this process has not initialised CUDA, nothing CUDA is done (no context is created); the block is then
-    registered by swapio right before its first copy to a GPU. The memory is returned to the OS when the last
+    registered when this process initialises CUDA (a call queued with torch's lazy CUDA initialisation), so
+    torch sees it pinned whoever copies from it, and at the latest by swapio right before its first GPU copy. The memory is returned to the OS when the last
     tensor or view using it dies. If the kernel refuses to lock it (RLIMIT_MEMLOCK), a warning is given once and
     the memory is used unlocked.
     """
@@ -111,6 +151,8 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
     _register(buf.ptr, buf.ptr + nbytes)
     if _cuda_in_use():
         _cuda_register_block(buf.ptr, buf.ptr + nbytes)
+    else:
+        _register_when_cuda_starts()
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as the storage lives
     return flat.view(dtype).view(shape)
 
