@@ -44,6 +44,41 @@ def test_offloaded_model_on_cuda_matches_resident(tmp_path, kind):
     check(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["cpu", "disk", "checkpoint"])
+def test_streamed_weights_sit_256_byte_aligned_and_give_the_resident_logits_exactly(tmp_path, kind, dtype):
+    resident = resident_model().to(dtype).cuda()
+    ids = reference()[0].cuda()
+    with torch.no_grad():
+        expected = resident(ids).logits
+    model = resident_model().to(dtype)
+    if kind == "cpu":
+        cpu_offload(model, execution_device="cuda")
+    elif kind == "checkpoint":  # tensors packed after the header at offsets like 168 or 184 in the file
+        model.save_pretrained(tmp_path / "ck")
+        disk_offload(model, execution_device="cuda", checkpoint=tmp_path / "ck")
+    else:
+        disk_offload(model, tmp_path / "od", execution_device="cuda")
+    seen, linear, addmm = [], torch.nn.functional.linear, torch.addmm
+
+    def spy_linear(x, weight, bias=None):  # lm_head
+        seen.append(weight.data_ptr() % 256)
+        return linear(x, weight, bias)
+
+    def spy_addmm(bias, x, weight, **kwargs):  # GPT-2's Conv1D layers
+        seen.extend((weight.data_ptr() % 256, bias.data_ptr() % 256))
+        return addmm(bias, x, weight, **kwargs)
+    torch.nn.functional.linear, torch.addmm = spy_linear, spy_addmm
+    try:
+        with torch.no_grad():
+            got = model(ids).logits
+    finally:
+        torch.nn.functional.linear, torch.addmm = linear, addmm
+    assert seen and set(seen) == {0}
+    assert torch.equal(got, expected)  # the same cuBLAS kernels as resident: bit-equal
+    remove_offload(model)
+
+
 def test_cpu_offload_with_hook_chain_moves_models_in_and_out():
     a, b = resident_model(), resident_model()
     a, hook_a = cpu_offload_with_hook(a, execution_device="cuda")

@@ -51,6 +51,49 @@ def test_spans_merge_close_ranges_and_round_to_whole_pages():
     assert record.nbytes == 12288 + 8192
 
 
+def _copy_like_the_fetcher(record, host):
+    """What Fetcher._copy_to_device does, with a CPU tensor standing in for the device copy."""
+    offsets, nbytes, runs = record.device_layout()
+    device = torch.full((nbytes,), 0xEE, dtype=torch.uint8)
+    for h, d, length in runs:
+        device[d:d + length].copy_(host[h:h + length])
+    return offsets, device, runs
+
+
+def test_device_copies_put_every_tensor_at_a_256_byte_boundary():
+    # a safetensors checkpoint packs tensors back to back after its header: offsets like 168, 184...
+    sizes = (168, 4 * 4096, 2 * 768, 6, 4 * 50257)
+    slots = [_slot(i, n) for i, n in enumerate(sizes)]
+    record = Record(0, slots, [])
+    locations, at = {}, 8 + 160
+    for s in slots:
+        locations[s] = ("f", at, s.nbytes)
+        at += s.nbytes
+    place_on_disk([record], locations, {"f": at})
+    host = torch.randint(0, 256, (record.nbytes,), dtype=torch.uint8)
+    offsets, device, runs = _copy_like_the_fetcher(record, host)
+    for s in slots:
+        assert offsets[s] % 256 == 0
+        assert torch.equal(device[offsets[s]:offsets[s] + s.nbytes], host[record.offsets[s]:record.offsets[s] + s.nbytes])
+    spans = sorted((offsets[s], offsets[s] + s.nbytes) for s in slots)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tensors share device bytes
+
+
+def test_device_copy_of_an_aligned_layout_is_one_run_and_follows_a_new_layout():
+    from swapio.offload.layout import pack
+    slots = [_slot(i, n) for i, n in enumerate((4096, 512, 1024 * 3))]
+    record = Record(0, slots, [])
+    locations = {s: ("f", 4096 * (i + 1), s.nbytes) for i, s in enumerate(slots)}  # page-aligned in the file
+    place_on_disk([record], locations, {"f": 1 << 20})
+    assert len(record.device_layout()[2]) == 1  # aligned already: one copy, as before
+    pack([record])  # moved (training's offload_dir): laid out anew, and the device layout follows
+    host = torch.randint(0, 256, (record.nbytes,), dtype=torch.uint8)
+    offsets, device, _ = _copy_like_the_fetcher(record, host)
+    for s in slots:
+        assert offsets[s] % 256 == 0
+        assert torch.equal(device[offsets[s]:offsets[s] + s.nbytes], host[record.offsets[s]:record.offsets[s] + s.nbytes])
+
+
 def test_schedule_learns_the_order_units_run_in():
     units = ["a", "b", "c", "d"]
     s = Schedule(units)

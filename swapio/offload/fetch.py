@@ -177,11 +177,17 @@ class Fetcher:
             return fetch
 
     def _copy_to_device(self, fetch):
+        """Copies the record to a new device tensor laid out with every slot 256-byte aligned (one copy per run
+        of slots whose host offsets already keep that alignment: one for swapio's own layouts, one per tensor
+        for a safetensors checkpoint's packed offsets)."""
+        _, nbytes, runs = fetch.record.device_layout()
         stream = cuda_copy.copy_stream(self.device)
         with section("swapio::copy"):  # issued here; the copy itself runs on the side stream
             with torch.cuda.stream(stream):  # allocated on the copy stream: the copy waits for nothing
-                fetch.device = torch.empty(fetch.record.nbytes, dtype=torch.uint8, device=self.device)
-            fetch.event = cuda_copy.copy_async(fetch.device, fetch.host[:fetch.record.nbytes], stream)
+                fetch.device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            for host, at, length in runs:
+                fetch.event = cuda_copy.copy_async(fetch.device[at:at + length], fetch.host[host:host + length],
+                                                   stream)  # one stream: the last event covers every run
         self.stats["copies"] += 1
 
     def pump(self):
@@ -314,7 +320,7 @@ class Fetcher:
 
 def view(fetch, slot):
     """The slot's tensor inside a fetched record (a copy only if the file put it at a misaligned offset)."""
-    offset = fetch.record.offsets[slot]
+    offset = fetch.record.offsets[slot] if fetch.device is None else fetch.record.device_layout()[0][slot]
     raw = fetch.data[offset:offset + slot.nbytes]
     if offset % slot.dtype.itemsize:
         aligned = torch.empty(slot.shape, dtype=slot.dtype, device=raw.device)

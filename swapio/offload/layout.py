@@ -8,6 +8,8 @@ down, end rounded up to 4 KiB, so each is one O_DIRECT request straight into a 4
 from ..core._align import ALIGN, round_up
 
 TENSOR_ALIGN = 64      # tensors packed by swapio start at 64-byte boundaries, like torch's own allocations
+DEVICE_ALIGN = 256     # on a GPU each tensor starts at a 256-byte boundary, as from torch's caching allocator:
+                       # cuBLAS picks other (slower, differently rounding) kernels for less aligned operands
 MERGE_GAP = 256 << 10  # byte ranges closer than this in one file are read as one span, gap included
 
 
@@ -22,11 +24,36 @@ class Record:
     """Slots fetched together. `offsets`: slot -> byte offset in the record's region; `nbytes`: region size
     (a multiple of 4 KiB); `spans`: (path, file offset, length, region offset) to read, for disk records."""
 
-    __slots__ = ("index", "slots", "units", "offsets", "nbytes", "spans")
+    __slots__ = ("index", "slots", "units", "offsets", "nbytes", "spans", "_device")
 
     def __init__(self, index, slots, units):
         self.index, self.slots, self.units = index, slots, units
         self.offsets, self.nbytes, self.spans = {}, 0, []
+        self._device = None
+
+    def device_layout(self):
+        """(offsets, nbytes, runs) of the record's copy on a GPU: every slot at a DEVICE_ALIGN boundary, and the
+        host-to-device copies that put it there, runs of (host offset, device offset, length): one run for slots
+        whose host offsets already keep that alignment. Computed once per layout of the record."""
+        key = tuple(self.offsets[s] for s in self.slots)  # a record laid out anew (moved for training) changes it
+        if self._device is None or self._device[0] != key:
+            offsets, runs, end = {}, [], 0
+            for slot in sorted(self.slots, key=lambda s: (self.offsets[s], -s.nbytes)):
+                host = self.offsets[slot]
+                if runs:  # the slot continues the last run (a shifted copy of host bytes) if aligned there
+                    h0, d0, length = runs[-1]
+                    at = d0 + host - h0
+                    if at % DEVICE_ALIGN == 0:
+                        offsets[slot] = at
+                        runs[-1] = (h0, d0, max(length, host + slot.nbytes - h0))
+                        end = max(end, at + slot.nbytes)
+                        continue
+                at = round_up(end, DEVICE_ALIGN)
+                offsets[slot] = at
+                runs.append((host, at, slot.nbytes))
+                end = at + slot.nbytes
+            self._device = (key, (offsets, max(end, 1), runs))
+        return self._device[1]
 
     def __repr__(self):
         return f"<Record {self.index}: {[s.name for s in self.slots]}, {self.nbytes} bytes>"
