@@ -68,6 +68,11 @@ def fake_cuda(monkeypatch, fresh_warnings):
     State.queued = []  # what swapio queued to run when CUDA initialises (torch.cuda._lazy_call)
     monkeypatch.setattr(torch.cuda, "_lazy_call", State.queued.append)
     monkeypatch.setattr(pinned, "_at_cuda_init", [False])
+    # a registry of this test's blocks only: the fake must not "register" the live blocks of other tests (their
+    # release would then unregister them through the real runtime)
+    monkeypatch.setattr(pinned, "_starts", [])
+    monkeypatch.setattr(pinned, "_ends", {})
+    monkeypatch.setattr(pinned, "_cuda_registered", set())
     State.rt, State.lib = rt, lib
     return State
 

@@ -3,7 +3,7 @@ import torch
 
 from ..core._ranges import section
 from ..core.handle import AioHandle
-from .cuda_staging import CudaStaging
+from .cuda_staging import CudaStaging, StepCopies
 from .finish import finish_all
 from .params import shard
 from .segment import init_segment, run_segment
@@ -20,9 +20,10 @@ class CpuState:
     optimizer replaces its contents, never the dict); slot_bytes: BufferBudget.slot_bytes, the size of each
     GPU staging buffer; io_settings: AioHandle settings for checkpoint handles."""
 
-    def __init__(self, fmt, state, slot_bytes, io_settings):
+    def __init__(self, fmt, state, slot_bytes, io_settings, grad_copies=None):
         self.format, self.state = fmt, state
         self.staging = CudaStaging(slot_bytes)
+        self.grad_copies = grad_copies  # GradCopies: GPU parameters' gradients copied to the host in backward
         self.io_settings = io_settings
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
 
@@ -32,8 +33,10 @@ class CpuState:
     def step(self, works, threads, ctrl_c):
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
         untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's
-        _commit)."""
+        _commit). A GPU parameter's segments flow through the staging buffers (cuda_staging): the kernel writes
+        the new values straight into pinned memory, copied to the device while the next segment computes."""
         state, fmt, clock = self.state, self.format, self.clock
+        copies = StepCopies()
         try:
             for w in works:
                 if w.new:
@@ -49,29 +52,40 @@ class CpuState:
                 if w.new:
                     init_segment(w, 0, w.numel, fields)
                 if w.cuda:
-                    cap = self.staging.capacity  # a multiple of the int8 block
-                    for a in range(0, w.numel, cap):
-                        b = min(a + cap, w.numel)
-                        t0 = now()
-                        i, sg, so = self.staging.acquire()  # waits for the copies out of that buffer
-                        clock.io_wait_s += now() - t0
-                        t0 = now()
-                        with section("swapio::kernel"):
-                            run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, sg, so,
-                                        threads)
-                        clock.kernel_s += now() - t0
-                        self.staging.record(i, w.t.device)
+                    self._step_on_gpu(w, fields, threads, copies)
                 else:
                     t0 = now()
                     with section("swapio::kernel"):
-                        run_segment(w, 0, w.numel, fields, None, None, threads)
+                        run_segment(w, 0, w.numel, fields, w.grad, None, threads)
                     clock.kernel_s += now() - t0
                 w.done, w.created = True, stored if w.new else None
                 ctrl_c.poll()
-        finally:
+        except BaseException:
             t0 = now()
-            self.staging.sync()
+            self.staging.sync()  # nothing may still copy into or out of the buffers
             clock.io_wait_s += now() - t0
+            raise
+        finally:
+            copies.end()
+
+    def _step_on_gpu(self, w, fields, threads, copies):
+        fmt, clock = self.format, self.clock
+        host_grad = self.grad_copies.take(w.p, w.grad_source) if self.grad_copies is not None else None
+        segments = self.staging.segments(w, copies, host_grad)
+        while True:
+            t0 = now()
+            got = next(segments, None)  # waits for that segment's gradient and buffer only
+            clock.io_wait_s += now() - t0
+            if got is None:
+                break
+            a, b, grad, out, i = got
+            t0 = now()
+            with section("swapio::kernel"):
+                run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, grad, out, threads)
+            clock.kernel_s += now() - t0
+            self.staging.sent(i, copies.copy(w.dst[a:b], out, w.t.device))
+        if w.tmp is not None:  # a non-contiguous parameter: its values from the temporary, after those copies
+            copies.copy(w.t.detach(), w.tmp, w.t.device)
 
     def live_tensors(self, params, fields_of):
         """{p: {field: the live state tensor}} of the exported fields when they are stored as state_dict()
@@ -114,7 +128,8 @@ class CpuState:
         """The bytes of the state tensors in RAM and of the pinned GPU staging buffers."""
         state = sum(t.nbytes for st in self.state.values() for k, t in st.items()
                     if k != "step" and isinstance(t, torch.Tensor))
-        return {"state_bytes": state, "pinned_bytes": self.staging.pinned_bytes, "io_bytes_per_step": 0}
+        pinned = self.staging.pinned_bytes + (self.grad_copies.pinned_bytes if self.grad_copies is not None else 0)
+        return {"state_bytes": state, "pinned_bytes": pinned, "io_bytes_per_step": 0}
 
     def close(self):
-        pass
+        self.staging.sync()

@@ -27,7 +27,8 @@ from ..core._ranges import section
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
 from .finish import finish_all
-from .params import shard
+from .params import on_gpu, shard
+from .cuda_staging import StepCopies
 from .segment import init_segment, run_segment
 from .timing import IoClock, now
 
@@ -148,7 +149,7 @@ class NvmeState:
         one group reads and writes no other group's state."""
         new = []
         for p, fields in params_fields:
-            cuda = shard(p).device.type == "cuda"
+            cuda = on_gpu(p)
             where = self.placed.get(p)
             if where is not None:
                 if where[0] == fields and where[1] == cuda:
@@ -342,15 +343,23 @@ class NvmeState:
                     continue
                 fields = self._segment_views(chunk, views, seg)
                 t0 = now()
+                grad, out = w.grad[seg.a:seg.b], None
+                if w.cuda:  # through the slot's staging: gradient in, the kernel's new values out
+                    n = seg.b - seg.a
+                    staged = views["_stage_g"][:n * w.grad.element_size()].view(w.grad.dtype)
+                    copies.copy(staged, grad, w.t.device).synchronize()  # this copy only
+                    grad, out = staged, views["_stage_o"][:n * w.t.element_size()].view(w.t.dtype)
+                self.clock.io_wait_s += now() - t0
+                t0 = now()
                 with section("swapio::kernel"):
                     if w.new:
                         init_segment(w, seg.a, seg.b, fields)
-                    run_segment(w, seg.a, seg.b, fields, views.get("_stage_g"), views.get("_stage_o"), threads)
+                    run_segment(w, seg.a, seg.b, fields, grad, out, threads)
                 self.clock.kernel_s += now() - t0
-                if w.cuda:
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(w.t.device))
-                    self._events[s].append(ev)
+                if w.cuda:  # the slot is reused only after this copy out of it finished
+                    self._events[s].append(copies.copy(w.dst[seg.a:seg.b], out, w.t.device))
+                    if seg.b == w.numel and w.tmp is not None:
+                        copies.copy(w.t.detach(), w.tmp, w.t.device)
                 if seg.b == w.numel:
                     finished.append(w)
 
@@ -363,9 +372,11 @@ class NvmeState:
                 w.done = True
             ctrl_c.poll()
 
+        copies = StepCopies()
         try:
             self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True, between)
         finally:
+            copies.end()
             if not self.writes_lost:  # the records of every finished parameter are in the file
                 for w in finished:
                     w.done = True

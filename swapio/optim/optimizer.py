@@ -21,6 +21,7 @@ from ..core._ranges import section
 from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
 from .ctrl_c import DeferredSigint
+from .grad_copies import GradCopies
 from .nvme_state import NvmeState
 from .offloaded import OffloadedParams
 from .options import BufferBudget, io_settings
@@ -80,6 +81,9 @@ class OffloadOptimizer(Optimizer):
         # weights of swapio-offloaded models (offloaded.py), updated in batches of the buffer budget's bytes
         # of fp32 gradients: one pass of the state pipeline each
         self._offloaded = OffloadedParams(self, in_backward, max(budget.total, 1 << 20))
+        # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
+        # its buffers, so its gradients come over segment by segment in step())
+        self._grad_copies = GradCopies() if offload == "cpu" else None
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
@@ -88,7 +92,7 @@ class OffloadOptimizer(Optimizer):
         if offload == "nvme":
             self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io)
         else:
-            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io)
+            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io, self._grad_copies)
         try:
             self._offloaded.start(offload, self._backend, self._io)
         except BaseException:
@@ -146,6 +150,8 @@ class OffloadOptimizer(Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+        if self.__dict__.get("_grad_copies") is not None:
+            self._grad_copies.attach(p for p in group["params"] if p not in self._offloaded.entries)
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
@@ -194,6 +200,8 @@ class OffloadOptimizer(Optimizer):
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped."""
         self._offloaded.zero_grad()
+        if self._grad_copies is not None:
+            self._grad_copies.forget()
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -479,6 +487,9 @@ class OffloadOptimizer(Optimizer):
         offloaded = self.__dict__.get("_offloaded")
         if offloaded is not None:
             offloaded.close()  # before the backend's directory, which may hold the gradient sums, goes
+        grad_copies = self.__dict__.get("_grad_copies")
+        if grad_copies is not None:
+            grad_copies.close()
         if backend is not None:
             backend.close()
 

@@ -15,8 +15,13 @@ def shard(t):
     return t if local is None else local
 
 
+def on_gpu(t):
+    """Whether the optimizer steps t (a parameter or its shard) through the GPU staging path."""
+    return shard(t).device.type == "cuda"
+
+
 def needs_master(p):
     """An fp32 copy kept by the optimizer is needed unless the parameter itself is a contiguous fp32 CPU tensor
     (then the kernel updates it in place and it is its own master)."""
     p = shard(p)
-    return not (p.device.type == "cpu" and p.dtype == FP32 and p.is_contiguous())
+    return on_gpu(p) or not (p.device.type == "cpu" and p.dtype == FP32 and p.is_contiguous())

@@ -23,38 +23,24 @@ def adopt_edits(w, a, b, master):
         w.adopted = True
 
 
-def run_segment(w, a, b, fields, stage_g, stage_o, threads):
+def run_segment(w, a, b, fields, grad, out, threads):
     """The update of elements [a, b) of w.p. fields: CPU views of the state for those elements (a is a multiple of
-    the state format's align, so int8 scales line up with the parameter's blocks). stage_g/stage_o:
-    pinned uint8 buffers (>= 4*(b-a) bytes) for parameters on a GPU, else None. For a GPU parameter the
-    host-to-device copy is queued (non_blocking) on the current stream; the caller synchronises."""
-    n = b - a
-    if w.cuda:
-        grad = stage_g[:n * w.grad.element_size()].view(w.grad.dtype)
-        grad.copy_(w.grad[a:b])
-    else:
-        grad = w.grad[a:b]
+    the state format's align, so int8 scales line up with the parameter's blocks). grad: the gradient of those
+    elements on the host. out: for a parameter on a GPU, the pinned buffer (of the parameter's dtype) that
+    receives the updated values, which the caller copies to the device; else None."""
     master = fields.get(MASTER)
     if w.edited and master is not None:
         adopt_edits(w, a, b, master)
-    out = None
     if master is None:
         param = w.dst[a:b]
     else:
         param = master
-        if w.low:
-            out = stage_o[:n * w.t.element_size()].view(w.t.dtype) if w.cuda else w.dst[a:b]
+        if out is None and w.low:
+            out = w.dst[a:b]
     w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
              nonfinite=w.nonfinite, **w.hyper)
     w.started = True
-    if master is not None:
-        if w.cuda:
-            src = out
-            if src is None:  # fp32 on the GPU: stage the master in pinned memory for an async copy
-                src = stage_o[:n * 4].view(FP32)
-                src.copy_(master)
-            w.dst[a:b].copy_(src, non_blocking=True)
-        elif not w.low:  # fp32, non-contiguous CPU parameter
-            w.dst[a:b].copy_(master)
-    if b == w.numel:
+    if master is not None and not w.cuda and not w.low:  # fp32, non-contiguous CPU parameter
+        w.dst[a:b].copy_(master)
+    if b == w.numel and not w.cuda:
         w.finish()

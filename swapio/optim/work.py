@@ -1,7 +1,7 @@
 """One parameter's share of a step, as the optimizer hands it to a state backend."""
 import torch
 
-from .params import LOW_PRECISION, needs_master, shard
+from .params import LOW_PRECISION, needs_master, on_gpu, shard
 
 
 class Work:
@@ -14,7 +14,7 @@ class Work:
     tensors in `created` (cpu mode); the optimizer then advances the count (OffloadOptimizer._commit)."""
 
     __slots__ = ("p", "t", "numel", "grad", "dst", "tmp", "src", "step", "fields", "update", "hyper", "new", "cuda",
-                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started", "external")
+                 "master", "low", "edited", "adopted", "seed", "nonfinite", "done", "created", "started", "external", "grad_source")
 
     def __init__(self, p, grad, step, fields, update, hyper, new, edited=False, seed=0, nonfinite=None, data=None):
         # p: the parameter (the state's key); t: the tensor stepped. data: for an offloaded weight (p is its meta
@@ -28,9 +28,10 @@ class Work:
         self.edited = edited  # changed outside the optimizer since its last step: adopt the new values first
         self.adopted = False  # some elements did differ from the master (set by adopt_edits)
         self.fields, self.update, self.hyper = fields, update, hyper
-        self.cuda = t.device.type == "cuda"
+        self.cuda = on_gpu(t)
         self.master = self.external or needs_master(t)  # an offloaded weight's master is the optimizer's
         self.low = t.dtype in LOW_PRECISION
+        self.grad_source = grad  # the gradient as given (a copy of it made in backward is matched against it)
         g = shard(grad).detach()
         self.grad = g.view(-1) if g.is_contiguous() else g.contiguous().view(-1)
         data = t.detach()

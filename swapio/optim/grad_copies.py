@@ -1,0 +1,112 @@
+"""Gradients of GPU-resident parameters copied to pinned host memory during backward (offload="cpu").
+
+A post-accumulate-grad hook on each CUDA parameter queues the copy of p.grad into the parameter's place in one
+pinned arena, on the device's side copy stream after the work that produced it: the copy overlaps the rest of
+backward, and step() starts with the gradients already on the host (as torchao's CPUOffloadOptimizer does). p.grad
+itself stays as torch leaves it, until zero_grad().
+
+A copy is used only while p.grad is still the tensor it copied, unchanged since (same version counter): after
+torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, opt.clip_grad_norm_ or any in-place edit of the gradient
+after its hook ran, step() copies that gradient again (overlapped with the kernel), so the result is always the
+one of the gradient as step() finds it. With gradient accumulation each backward copies the sum so far: the
+last copy is the one step() uses.
+
+on_ready(p), if given, is called from the hook once p's copy is queued: optimizer-in-backward steps p then.
+"""
+import weakref
+
+import torch
+
+from ..core import cuda_copy
+from ..core.pinned import empty_pinned
+from .params import on_gpu, shard
+
+_ARENA_ALIGN = 64  # each gradient at a cache-line boundary of the arena
+
+
+class GradCopies:
+    def __init__(self, on_ready=None):
+        self._on_ready = weakref.WeakMethod(on_ready) if on_ready is not None else None
+        self.places = {}   # p -> byte offset of its gradient in the arena
+        self.end = 0
+        self.arena = None  # pinned uint8, allocated at the first copy
+        self.copied = {}   # p -> (the gradient copied, its version then, event of the copy's completion)
+        self._hooks = []
+
+    def attach(self, params):
+        """Hooks the CUDA parameters among params (each once)."""
+        me = weakref.ref(self)  # the hooks live as long as the model: they must not keep the optimizer alive
+        for p in params:
+            t = shard(p)
+            if not on_gpu(t) or p in self.places or not p.requires_grad:
+                continue
+            if self.arena is not None:  # the arena grows: copies into the old one are dropped (copied again)
+                self.sync()
+                self.arena, self.copied = None, {}
+            self.places[p] = self.end
+            self.end += -(-t.numel() * t.element_size() // _ARENA_ALIGN) * _ARENA_ALIGN
+
+            def hook(param, me=me):
+                copies = me()
+                if copies is not None:
+                    copies._copy(param)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _host(self, p, g):
+        if self.arena is None:
+            self.arena = empty_pinned(max(self.end, 1), torch.uint8)
+        at = self.places[p]
+        return self.arena[at:at + g.numel() * g.element_size()].view(g.dtype).view(g.shape)
+
+    def _copy(self, p):
+        g = p.grad
+        if g is None:
+            return
+        g = shard(g)
+        t = shard(p)
+        if g.device != t.device or g.layout != torch.strided or g.dtype != t.dtype or g.shape != t.shape:
+            self.copied.pop(p, None)  # step() copies what it finds
+            return
+        host = self._host(p, g)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(g.device))
+        # after the kernels that wrote the gradient and nothing else; g is kept alive until the copy read it
+        done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device), wait_for=produced)
+        self.copied[p] = (weakref.ref(g), g._version, done)  # weak: model.zero_grad() frees the gradient
+        if self._on_ready is not None:
+            on_ready = self._on_ready()
+            if on_ready is not None:
+                on_ready(p)
+
+    def take(self, p, g):
+        """p's gradient on the host (flat, valid until p's next backward) if the copy made in backward is of `g`
+        as it is now, after waiting for that copy alone; else None (g changed since: copy it again)."""
+        entry = self.copied.get(p)
+        if entry is None:
+            return None
+        copied, version, done = entry
+        g = shard(g)
+        if copied() is not g or g._version != version:
+            return None
+        done.synchronize()
+        at = self.places[p]
+        return self.arena[at:at + g.numel() * g.element_size()].view(g.dtype)
+
+    def forget(self):
+        """zero_grad(): no copy is of a live gradient any more."""
+        self.copied = {}
+
+    @property
+    def pinned_bytes(self):
+        return self.arena.numel() if self.arena is not None else 0
+
+    def sync(self):
+        for _, _, done in self.copied.values():
+            done.synchronize()
+
+    def close(self):
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.sync()
+        self.copied, self.arena = {}, None
