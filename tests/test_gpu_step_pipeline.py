@@ -164,3 +164,43 @@ def test_gpu_parameters_step_like_torch_through_the_asynchronous_pipeline(fake_g
                 assert (p != m.to(dtype)).float().mean() < 0.002
         opt.zero_grad()
     opt.close()
+
+
+def test_in_backward_updates_gpu_parameters_during_backward_like_torch(fake_gpu):
+    gpu, compute, side, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True,
+                                    buffer_bytes=4 << 16, buffer_count=4)
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    updated_in_backward = []
+    real_step = opt._step_in_backward
+    opt._gpu_in_backward._step_params = lambda params, copies: (updated_in_backward.append(len(params)),
+                                                                 real_step(params, copies))
+    for step in range(3):
+        _loss(model, step).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        opt.step()
+        assert sum(updated_in_backward) == 4 * (step + 1)  # every parameter, by the worker, not by step()
+        assert all(int(opt.state[p]["step"]) == step + 1 for p in model.parameters())
+        assert compute.ops[-1][1] == "wait"  # the next forward waits for the copies (on the GPU)
+        compute.run_until(len(compute.ops))
+        ref_opt.step()
+        for p, m in zip(model.parameters(), master):
+            torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+        if step == 2:  # a second step() before zero_grad() steps again with the same gradients, as torch does
+            opt.step()
+            ref_opt.step()
+            compute.run_until(len(compute.ops))
+            assert all(int(opt.state[p]["step"]) == 4 for p in model.parameters())
+            for p, m in zip(model.parameters(), master):
+                torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _loss(model, 9).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # too late: backward already used the gradients
+    with pytest.raises(RuntimeError, match="in_backward=False"):
+        opt.step()
+    opt.close()

@@ -30,13 +30,15 @@ class CpuState:
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 
-    def step(self, works, threads, ctrl_c):
+    def step(self, works, threads, ctrl_c, copies=None):
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
         untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's
         _commit). A GPU parameter's segments flow through the staging buffers (cuda_staging): the kernel writes
-        the new values straight into pinned memory, copied to the device while the next segment computes."""
+        the new values straight into pinned memory, copied to the device while the next segment computes.
+        copies: a StepCopies the caller ends (in-backward updates: at step()), else the step's own."""
         state, fmt, clock = self.state, self.format, self.clock
-        copies = StepCopies()
+        own = copies is None
+        copies = StepCopies() if own else copies
         try:
             for w in works:
                 if w.new:
@@ -66,7 +68,8 @@ class CpuState:
             clock.io_wait_s += now() - t0
             raise
         finally:
-            copies.end()
+            if own:
+                copies.end()
 
     def _step_on_gpu(self, w, fields, threads, copies):
         fmt, clock = self.format, self.clock

@@ -24,7 +24,7 @@ class OffloadAdam(OffloadOptimizer):
         buffer_bytes / buffer_count bytes in rotation (read of chunk i+1 || compute of chunk i || write of
         chunk i-1). Host memory used for the state stays within buffer_bytes whatever the model size. In cpu
         mode the same budget sizes the staging buffers for GPU parameters.
-    cpu_threads: threads of the Adam kernel (None: torch.get_num_threads()).
+    cpu_threads: threads of the update kernel (None: every core this process may run on, os.sched_getaffinity).
     io_config: a JSON file (or dict) written by `swapio tune`; **io_kwargs: AioHandle settings (block_size,
         queue_depth, threads, engine, direct) overriding it. Used for the swap file and for save()/load().
     in_backward: update each offloaded module's weights during backward, as soon as their gradients are

@@ -21,6 +21,7 @@ from ..core._ranges import section
 from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
 from .ctrl_c import DeferredSigint
+from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState
 from .offloaded import OffloadedParams
@@ -83,7 +84,9 @@ class OffloadOptimizer(Optimizer):
         self._offloaded = OffloadedParams(self, in_backward, max(budget.total, 1 << 20))
         # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
         # its buffers, so its gradients come over segment by segment in step())
-        self._grad_copies = GradCopies() if offload == "cpu" else None
+        self._gpu_in_backward = GpuInBackward(self._step_in_backward) if in_backward and offload == "cpu" else None
+        on_ready = self._gpu_in_backward.gradient_ready if self._gpu_in_backward is not None else None
+        self._grad_copies = GradCopies(on_ready) if offload == "cpu" else None
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
@@ -194,12 +197,21 @@ class OffloadOptimizer(Optimizer):
                 loss = closure()
         self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
         offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
-        self._step_params(None, lambda p: None if p in offloaded else p.grad)
+        # GPU parameters updated during backward (in_backward) are skipped: their step is done
+        done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
+        self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
         return loss
+
+    def _step_in_backward(self, params, copies):
+        """GpuInBackward's worker: steps GPU parameters whose gradients are complete, during backward."""
+        with torch.no_grad():
+            self._step_params(params, lambda p: p.grad, copies=copies)
 
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped."""
         self._offloaded.zero_grad()
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.forget()
         if self._grad_copies is not None:
             self._grad_copies.forget()
         super().zero_grad(set_to_none)
@@ -247,12 +259,13 @@ class OffloadOptimizer(Optimizer):
             return self._offloaded.current(p)
         return shard(p).detach()
 
-    def _step_params(self, params, grad_of, data_of=None):
+    def _step_params(self, params, grad_of, data_of=None, copies=None):
         """Steps `params` (None: every parameter; else an iterable of this optimizer's parameters) with the
         gradients grad_of(p) gives (None: p is skipped), all or nothing per parameter. The seam for updates
         driven from outside step(): optimizer-in-backward stepping a module's parameters once their gradients
         are complete, gradients accumulated somewhere other than p.grad. data_of(p): for an offloaded weight, the
-        CPU tensor that holds its current compute-dtype value and receives the new one (else None)."""
+        CPU tensor that holds its current compute-dtype value and receives the new one (else None). copies: the
+        StepCopies GPU parameters' copies go on when the caller ends it (cpu mode; else the step's own)."""
         works, nonfinite = self._works(params, grad_of, data_of)
         if not works:
             return
@@ -263,7 +276,10 @@ class OffloadOptimizer(Optimizer):
                 with section("swapio::step"):
                     # parameters seen for the first time get their place
                     self._backend.place(self.param_fields(), self._offloaded.group_of)
-                    self._backend.step(works, self.cpu_threads, ctrl_c)
+                    if copies is None:
+                        self._backend.step(works, self._threads(), ctrl_c)
+                    else:
+                        self._backend.step(works, self._threads(), ctrl_c, copies)
             finally:  # also when interrupted: the parameters fully stepped get their new count
                 self._commit(works)
                 self._last_step = timing.figures(timing.now() - t0, 1, before, clock.snapshot())
@@ -279,6 +295,16 @@ class OffloadOptimizer(Optimizer):
                           "model.load_state_dict, an in-place clamp or copy); the changed elements were adopted into "
                           "the fp32 master weights. Changes made through `.data` are not seen.", SwapioWarning,
                           stacklevel=4)
+
+    def _threads(self):
+        """The kernel's threads: cpu_threads, else every core this process may run on (its affinity mask), one
+        left to the thread driving the GPU while updates run during backward."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if self._gpu_in_backward is not None and cores > 2:
+            cores -= 1
+        return cores
 
     def _works(self, params, grad_of, data_of=None):
         """(a Work for each wanted parameter that has a gradient, in param-group order; the int8 non-finite
@@ -487,6 +513,9 @@ class OffloadOptimizer(Optimizer):
         offloaded = self.__dict__.get("_offloaded")
         if offloaded is not None:
             offloaded.close()  # before the backend's directory, which may hold the gradient sums, goes
+        in_backward = self.__dict__.get("_gpu_in_backward")
+        if in_backward is not None:
+            in_backward.close()
         grad_copies = self.__dict__.get("_grad_copies")
         if grad_copies is not None:
             grad_copies.close()

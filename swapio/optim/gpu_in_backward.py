@@ -1,0 +1,106 @@
+"""in_backward=True for parameters that live on a GPU (offload="cpu"): each parameter is updated on the CPU as
+soon as its gradient is complete, while backward goes on with earlier layers.
+
+GradCopies' hook queues the gradient's copy to pinned RAM and calls ready(p); a worker thread takes the parameters
+ready so far (a batch), waits for their copies alone, steps them and queues their new values' copies to the GPU
+on the side stream, which first waits for the work the compute stream had queued by then (the kernels of
+backward that still read the old values). The compute stream is made to wait for those copies only at step(),
+before the next forward; backward itself never waits for them.
+
+step() then waits for the worker and skips the parameters it stepped; a second step() before zero_grad() steps
+them again with the same gradients, as torch's optimizers do. A gradient changed after its parameter was
+updated (torch's clip_grad_norm_, GradScaler.unscale_) cannot take effect: step() raises instead of ignoring it.
+"""
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from .cuda_staging import StepCopies
+from .params import shard
+
+
+class GpuInBackward:
+    def __init__(self, step_params):
+        self._step_params = step_params  # (params, copies) -> steps params, queuing copies on `copies`
+        self.lock = threading.Lock()
+        self.ready = []        # parameters whose gradient copy is queued, in arrival order
+        self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
+        self.copies = StepCopies()
+        self.working = None
+        self.error = None
+        self.executor = None
+
+    def gradient_ready(self, p):
+        """From GradCopies' hook (the backward thread)."""
+        self.raise_error()
+        with self.lock:
+            self.ready.append(p)
+            if self.working is None:
+                if self.executor is None:
+                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-gpu-in-backward")
+                self.working = self.executor.submit(self._work)
+
+    def _work(self):
+        while True:
+            with self.lock:
+                batch, self.ready = self.ready, []
+                if not batch:
+                    self.working = None
+                    return
+            try:
+                self._step_params(batch, self.copies)
+                for p in batch:
+                    g = shard(p.grad) if p.grad is not None else None
+                    if g is not None:
+                        self.stepped[p] = (weakref.ref(g), g._version)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next gradient_ready() or finish()
+                with self.lock:
+                    self.error = self.error or exc
+
+    def raise_error(self):
+        with self.lock:
+            error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def wait(self):
+        while True:
+            with self.lock:
+                working = self.working
+            if working is None:
+                break
+            working.result()
+        self.raise_error()
+
+    def finish(self):
+        """step(): waits for the worker; returns the parameters it stepped (step() skips them), after checking
+        that their gradients did not change since; the compute streams then wait for the copies."""
+        try:
+            self.wait()
+            stepped, self.stepped = self.stepped, {}
+            for p, (ref, version) in stepped.items():
+                g = shard(p.grad) if p.grad is not None else None
+                if g is not None and (ref() is not g or g._version != version):
+                    raise RuntimeError("a gradient changed after in_backward=True had already used it to update its "
+                                       "parameter during backward (torch.nn.utils.clip_grad_norm_, "
+                                       "GradScaler.unscale_, an edit in place): that change cannot take effect. To "
+                                       "clip or unscale, build the optimizer with in_backward=False")
+            return set(stepped)
+        finally:
+            self.copies.end()
+
+    def forget(self):
+        """zero_grad(): whatever backward stepped is history."""
+        self.wait()
+        self.stepped = {}
+        self.copies.end()
+
+    def close(self):
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - closing: the error was the step's to report
+            pass
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+        self.copies.end()
