@@ -165,7 +165,7 @@ def training_part(args, scratch):
     ids = torch.randint(0, 8192, (2, 128), device=DEV)
 
     def run(name, offloaded):
-        model, _ = gpt2(args.gpt_layers, args.gpt_width, torch.float32)
+        model, _ = gpt2(args.train_layers, args.train_width, torch.float32)
         model.train()
         if offloaded:
             disk_offload(model, offload_dir=tempfile.mkdtemp(dir=scratch), execution_device=DEV)
@@ -194,13 +194,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--gpt-layers", type=int, default=24)
     ap.add_argument("--gpt-width", type=int, default=2048)
+    ap.add_argument("--train-layers", type=int, default=12)
+    ap.add_argument("--train-width", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="optim,weights,train")
     ap.add_argument("--no-nvme", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.width, args.tokens, args.gpt_layers, args.gpt_width, args.repeats = 2, 256, 64, 2, 128, 1
+        (args.layers, args.width, args.tokens, args.gpt_layers, args.gpt_width, args.train_layers, args.train_width,
+         args.repeats) = 2, 256, 64, 2, 128, 2, 128, 1
     scratch = tempfile.mkdtemp(dir=args.dir)
     print(f"device: {torch.cuda.get_device_name(0) if CUDA else 'cpu'}; torch {torch.__version__}; "
           f"CPU threads usable {len(os.sched_getaffinity(0))}; SIMD {swapio.ops.cpu_capability()}", flush=True)
