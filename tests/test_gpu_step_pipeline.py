@@ -66,9 +66,10 @@ class Event:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Tensors in `gpu` count as on a GPU; returns (gpu set, compute stream, side stream, trace)."""
+    """Tensors in `gpu` count as on a GPU; returns (gpu set, compute stream, side streams, trace)."""
     trace = []
-    compute, side = Stream("compute", trace), Stream("side", trace)
+    compute = Stream("compute", trace)
+    sides = {"to_device": Stream("h2d", trace), "to_host": Stream("d2h", trace)}
     gpu = set()
 
     def on_gpu(t):
@@ -94,15 +95,15 @@ def fake_gpu(monkeypatch):
     def synchronize(*args):
         raise AssertionError("the step waited for the whole device")
     Event.trace = trace
-    for module in (params_mod, work_mod, grad_copies, swapio.optim.nvme_state):
+    for module in (params_mod, work_mod, grad_copies, swapio.optim.nvme_state, swapio.optim.cpu_state):
         monkeypatch.setattr(module, "on_gpu", on_gpu, raising=False)
     monkeypatch.setattr(cuda_copy, "copy_async", copy_async)
-    monkeypatch.setattr(cuda_copy, "copy_stream", lambda device: side)
+    monkeypatch.setattr(cuda_copy, "copy_stream", lambda device, direction="to_device": sides[direction])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    return gpu, compute, side, trace
+    return gpu, compute, sides, trace
 
 
 def _model(dtype):
@@ -143,7 +144,7 @@ def test_gpu_parameters_step_like_torch_through_the_asynchronous_pipeline(fake_g
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "changed outside the optimizer": the copies are the optimizer's
             opt.step()
-        queued_d2h = sum(1 for e in trace if e[:2] == ("queued", "side") and e[2] == "to host")
+        queued_d2h = sum(1 for e in trace if e[:2] == ("queued", "d2h") and e[2] == "to host")
         if habit in ("plain", "accumulate"):
             assert queued_d2h == 0  # the gradients came over in backward
         else:
@@ -203,4 +204,26 @@ def test_in_backward_updates_gpu_parameters_during_backward_like_torch(fake_gpu)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # too late: backward already used the gradients
     with pytest.raises(RuntimeError, match="in_backward=False"):
         opt.step()
+    opt.close()
+
+
+def test_a_late_gpu_reads_each_step_values_not_the_next_ones(fake_gpu):
+    # The GPU may run the copies of step k only after the host has started step k+1: the kernel must not write a
+    # pinned master that a copy still reads (the next forward, queued after step k, would see step k+1 values).
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+    seen, expected = [], []
+    for step in range(2):
+        _loss(model, step).backward()
+        opt.step()
+        expected.append([opt.state[p]["master"].clone() for p in model.parameters()])
+        # the next forward, queued on the compute stream: it reads the parameters when the GPU gets there
+        compute.enqueue(lambda: seen.append([p.detach().clone() for p in model.parameters()]), "forward")
+        opt.zero_grad()
+    compute.run_until(len(compute.ops))
+    for got, want in zip(seen, expected):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
     opt.close()

@@ -13,7 +13,7 @@ from .futures import Future
 from .pinned import cuda_register
 
 _lock = threading.Lock()
-_streams = {}    # device index -> torch.cuda.Stream used for staging copies
+_streams = {}    # (device index, direction) -> torch.cuda.Stream used for staging copies
 _in_flight = []  # (event, objects the copy reads or writes), pruned as the events complete
 
 
@@ -32,13 +32,15 @@ def normalize_device(device):
     return device
 
 
-def copy_stream(device):
-    """The side stream swapio copies on for a CUDA device (created once per device)."""
-    index = normalize_device(device).index
+def copy_stream(device, direction="to_device"):
+    """The side stream swapio copies on for a CUDA device (created once per device and direction): host-to-device
+    copies on one, device-to-host ("to_host") on another, so that the two directions of PCIe run at once and a
+    copy in one never waits behind the other."""
+    key = (normalize_device(device).index, direction)
     with _lock:
-        stream = _streams.get(index)
+        stream = _streams.get(key)
         if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
+            stream = _streams[key] = torch.cuda.Stream(device=key[0])
     return stream
 
 

@@ -3,9 +3,10 @@ import torch
 
 from ..core._ranges import section
 from ..core.handle import AioHandle
+from ..core.pinned import empty_pinned, is_pinned
 from .cuda_staging import CudaStaging, StepCopies
 from .finish import finish_all
-from .params import shard
+from .params import FP32, MASTER, on_gpu, shard
 from .segment import init_segment, run_segment
 from .timing import IoClock, now
 
@@ -24,6 +25,7 @@ class CpuState:
         self.format, self.state = fmt, state
         self.staging = CudaStaging(slot_bytes)
         self.grad_copies = grad_copies  # GradCopies: GPU parameters' gradients copied to the host in backward
+        self._sent = {}  # p -> event of the last copy to the GPU straight out of p's pinned master
         self.io_settings = io_settings
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
 
@@ -33,16 +35,19 @@ class CpuState:
     def step(self, works, threads, ctrl_c, copies=None):
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
         untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's
-        _commit). A GPU parameter's segments flow through the staging buffers (cuda_staging): the kernel writes
-        the new values straight into pinned memory, copied to the device while the next segment computes.
+        _commit). GPU parameters come first, those whose gradients came over first in backward first, so that
+        their updates overlap what the GPU still computes of backward; their segments flow through pinned
+        buffers (cuda_staging), the new values copied to the device while the next segment computes.
         copies: a StepCopies the caller ends (in-backward updates: at step()), else the step's own."""
-        state, fmt, clock = self.state, self.format, self.clock
+        state, clock = self.state, self.clock
         own = copies is None
         copies = StepCopies() if own else copies
+        arrival = self.grad_copies.arrival if self.grad_copies is not None else (lambda p: None)
+        gpu = sorted((w for w in works if w.cuda), key=lambda w: (arrival(w.p) is None, arrival(w.p) or 0))
         try:
-            for w in works:
+            for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
-                    stored = {name: fmt.empty(name, w.p) for name in w.fields}
+                    stored = {name: self._empty(name, w.p) for name in w.fields}
                 else:
                     st = state[w.p]
                     missing = [name for name in w.fields if name not in st]
@@ -71,10 +76,29 @@ class CpuState:
             if own:
                 copies.end()
 
+    def _empty(self, name, p):
+        """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go
+        to the GPU straight from it, with no pass through staging."""
+        t = shard(p)
+        if name == MASTER and on_gpu(t) and t.dtype == FP32:
+            return empty_pinned(t.shape, FP32)
+        return self.format.empty(name, p)
+
     def _step_on_gpu(self, w, fields, threads, copies):
         fmt, clock = self.format, self.clock
+        master = fields.get(MASTER)
+        direct = master is not None and w.t.dtype == FP32 and w.tmp is None and is_pinned(master)
+        t0 = now()
+        if direct:  # the kernel is about to write the master: the last copy out of it must have finished
+            sent = self._sent.pop(w.p, None)
+            if sent is not None:
+                sent.synchronize()
         host_grad = self.grad_copies.take(w.p, w.grad_source) if self.grad_copies is not None else None
-        segments = self.staging.segments(w, copies, host_grad)
+        # new values go to the GPU after the kernels that read the old ones: those before the gradient's copy
+        after = self.grad_copies.copy_event(w.p) if host_grad is not None else None
+        clock.io_wait_s += now() - t0
+        segments = self.staging.segments(w, copies, host_grad, out=not direct)
+        event = None
         while True:
             t0 = now()
             got = next(segments, None)  # waits for that segment's gradient and buffer only
@@ -86,9 +110,13 @@ class CpuState:
             with section("swapio::kernel"):
                 run_segment(w, a, b, {k: fmt.part(k, v, a, b) for k, v in fields.items()}, grad, out, threads)
             clock.kernel_s += now() - t0
-            self.staging.sent(i, copies.copy(w.dst[a:b], out, w.t.device))
+            event = copies.to_device(w.dst[a:b], master[a:b] if direct else out, w.t.device, after)
+            if not direct:
+                self.staging.sent(i, event)
+        if direct and event is not None:
+            self._sent[w.p] = event
         if w.tmp is not None:  # a non-contiguous parameter: its values from the temporary, after those copies
-            copies.copy(w.t.detach(), w.tmp, w.t.device)
+            copies.to_device(w.t.detach(), w.tmp, w.t.device, event)
 
     def live_tensors(self, params, fields_of):
         """{p: {field: the live state tensor}} of the exported fields when they are stored as state_dict()
@@ -120,7 +148,7 @@ class CpuState:
             for p, fields in entries.items():
                 st = state[p]
                 for name in fields:
-                    st[name] = self.format.empty(name, p)
+                    st[name] = self._empty(name, p)
                 futures.extend(source(p, 0, shard(p).numel(), {name: st[name].view(-1) for name in fields}) or ())
         finally:
             finish_all(f.wait for f in futures)
@@ -136,3 +164,6 @@ class CpuState:
 
     def close(self):
         self.staging.sync()
+        for event in self._sent.values():
+            event.synchronize()
+        self._sent = {}

@@ -17,31 +17,38 @@ from ..core.pinned import empty_pinned
 
 
 class StepCopies:
-    """Copies between the host and the GPUs during one step(); end() once the step's copies are queued."""
+    """Copies between the host and the GPUs during one step(); end() once the step's copies are queued.
+    Gradients come over on each device's to-host side stream, parameters go back on its to-device one."""
 
     def __init__(self):
-        self.streams = {}  # device -> its side stream, ordered after the compute stream's work before step()
+        self.before = {}    # device -> event on the compute stream when this step first copied for it
+        self.sent = set()   # devices with copies to the device queued
 
-    def stream(self, device):
-        s = self.streams.get(device)
-        if s is None:
-            s = cuda_copy.copy_stream(device)
-            before = torch.cuda.Event()
-            before.record(torch.cuda.current_stream(device))
-            s.wait_event(before)
-            self.streams[device] = s
-        return s
+    def _before(self, device):
+        ev = self.before.get(device)
+        if ev is None:
+            ev = self.before[device] = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+        return ev
 
-    def copy(self, dst, src, device):
-        """Queues dst.copy_(src) on the device's side stream; returns the event of its completion (src and dst
-        are kept alive until then)."""
-        return cuda_copy.copy_async(dst, src, self.stream(device))
+    def to_host(self, dst, src, device):
+        """Queues the copy of src (a gradient) into host memory after the compute stream's work before this step;
+        returns its completion event."""
+        return cuda_copy.copy_async(dst, src, cuda_copy.copy_stream(device, "to_host"), self._before(device))
+
+    def to_device(self, dst, src, device, after=None):
+        """Queues the copy of src (new values) into dst (the parameter) after `after` (an event past every
+        kernel that reads dst's old value), else after the compute stream's work before this step; returns its
+        completion event (src and dst are kept alive until then)."""
+        self.sent.add(device)
+        return cuda_copy.copy_async(dst, src, cuda_copy.copy_stream(device),
+                                    after if after is not None else self._before(device))
 
     def end(self):
-        """The compute streams wait for the copies (a wait queued on the GPU; the host goes on)."""
-        streams, self.streams = self.streams, {}
-        for device, s in streams.items():
-            torch.cuda.current_stream(device).wait_stream(s)
+        """The compute streams wait for the copies to the devices (a wait queued on the GPU; the host goes on)."""
+        sent, self.sent, self.before = self.sent, set(), {}
+        for device in sent:
+            torch.cuda.current_stream(device).wait_stream(cuda_copy.copy_stream(device))
 
 
 class _Pending:
@@ -83,7 +90,7 @@ class CudaStaging:
         half = self.capacity * 4
         return self._buffers[i][:half], self._buffers[i][half:]
 
-    def segments(self, w, copies, host_grad=None):
+    def segments(self, w, copies, host_grad=None, out=True):
         """(a, b, gradient of elements [a, b) on the host, parameter half for the kernel's output, buffer index)
         for each segment of the GPU parameter of Work w. host_grad: w's whole gradient already on the host (copied
         during backward), else each segment's is copied in, the next one while the caller computes this one."""
@@ -101,9 +108,12 @@ class CudaStaging:
                 pending = None
                 if k + 1 < len(bounds):  # the next segment's gradient comes in while this one computes
                     pending = self._fetch(w, *bounds[k + 1], (i + 1) % self.count, copies)
-            out = self._halves(i)[1]
+            if not out:  # the caller copies the new values from elsewhere (a pinned master)
+                yield a, b, grad, None, i
+                continue
+            half = self._halves(i)[1]
             self._wait(self._param_events, i)  # the copy out of this parameter half has finished
-            yield a, b, grad, out[:(b - a) * w.t.element_size()].view(w.t.dtype), i
+            yield a, b, grad, half[:(b - a) * w.t.element_size()].view(w.t.dtype), i
 
     def _take(self):
         i = self._next
@@ -113,7 +123,7 @@ class CudaStaging:
     def _fetch(self, w, a, b, i, copies):
         self._wait(self._grad_events, i)
         view = self._halves(i)[0][:(b - a) * w.grad.element_size()].view(w.grad.dtype)
-        event = copies.copy(view, w.grad[a:b], w.t.device)
+        event = copies.to_host(view, w.grad[a:b], w.t.device)
         self._grad_events[i] = event
         return _Pending(view, event)
 

@@ -30,7 +30,8 @@ class GradCopies:
         self.places = {}   # p -> byte offset of its gradient in the arena
         self.end = 0
         self.arena = None  # pinned uint8, allocated at the first copy
-        self.copied = {}   # p -> (the gradient copied, its version then, event of the copy's completion)
+        self.copied = {}   # p -> (the gradient copied, its version then, event of the copy's completion, arrival)
+        self.arrivals = 0
         self._hooks = []
 
     def attach(self, params):
@@ -71,8 +72,10 @@ class GradCopies:
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(g.device))
         # after the kernels that wrote the gradient and nothing else; g is kept alive until the copy read it
-        done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device), wait_for=produced)
-        self.copied[p] = (weakref.ref(g), g._version, done)  # weak: model.zero_grad() frees the gradient
+        done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device, "to_host"), wait_for=produced)
+        self.arrivals += 1
+        # weak: model.zero_grad() frees the gradient
+        self.copied[p] = (weakref.ref(g), g._version, done, self.arrivals)
         if self._on_ready is not None:
             on_ready = self._on_ready()
             if on_ready is not None:
@@ -84,13 +87,24 @@ class GradCopies:
         entry = self.copied.get(p)
         if entry is None:
             return None
-        copied, version, done = entry
+        copied, version, done, _ = entry
         g = shard(g)
         if copied() is not g or g._version != version:
             return None
         done.synchronize()
         at = self.places[p]
         return self.arena[at:at + g.numel() * g.element_size()].view(g.dtype)
+
+    def arrival(self, p):
+        """The order in which p's gradient copy was queued in backward (step() steps the parameters whose
+        gradients came first first, overlapping what is left of backward); None without a copy."""
+        entry = self.copied.get(p)
+        return entry[3] if entry is not None else None
+
+    def copy_event(self, p):
+        """The event of p's gradient copy (after the kernels of backward that read p's old value), or None."""
+        entry = self.copied.get(p)
+        return entry[2] if entry is not None else None
 
     def forget(self):
         """zero_grad(): no copy is of a live gradient any more."""
@@ -101,7 +115,7 @@ class GradCopies:
         return self.arena.numel() if self.arena is not None else 0
 
     def sync(self):
-        for _, _, done in self.copied.values():
+        for _, _, done, _ in self.copied.values():
             done.synchronize()
 
     def close(self):

@@ -347,7 +347,7 @@ class NvmeState:
                 if w.cuda:  # through the slot's staging: gradient in, the kernel's new values out
                     n = seg.b - seg.a
                     staged = views["_stage_g"][:n * w.grad.element_size()].view(w.grad.dtype)
-                    copies.copy(staged, grad, w.t.device).synchronize()  # this copy only
+                    copies.to_host(staged, grad, w.t.device).synchronize()  # this copy only
                     grad, out = staged, views["_stage_o"][:n * w.t.element_size()].view(w.t.dtype)
                 self.clock.io_wait_s += now() - t0
                 t0 = now()
@@ -357,9 +357,9 @@ class NvmeState:
                     run_segment(w, seg.a, seg.b, fields, grad, out, threads)
                 self.clock.kernel_s += now() - t0
                 if w.cuda:  # the slot is reused only after this copy out of it finished
-                    self._events[s].append(copies.copy(w.dst[seg.a:seg.b], out, w.t.device))
+                    self._events[s].append(copies.to_device(w.dst[seg.a:seg.b], out, w.t.device))
                     if seg.b == w.numel and w.tmp is not None:
-                        copies.copy(w.t.detach(), w.tmp, w.t.device)
+                        copies.to_device(w.t.detach(), w.tmp, w.t.device)
                 if seg.b == w.numel:
                     finished.append(w)
 

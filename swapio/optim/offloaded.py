@@ -48,7 +48,7 @@ def to_host(g):
         _staging[g.device] = None
         buf = _staging[g.device] = empty_pinned(max(nbytes, 1), torch.uint8)
     host = buf[:nbytes].view(g.dtype).view(g.shape)
-    stream = cuda_copy.copy_stream(g.device)
+    stream = cuda_copy.copy_stream(g.device, "to_host")
     produced = torch.cuda.Event()
     produced.record(torch.cuda.current_stream(g.device))
     stream.wait_event(produced)
