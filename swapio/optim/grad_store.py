@@ -4,9 +4,11 @@ torch sums a parameter's gradients over several backward passes in .grad; an off
 (each forward makes a new leaf), so its gradients are summed here: in RAM (offload="cpu", RamGrads) or in a file
 beside the state's swap file (offload="nvme", FileGrads: each parameter's fp32 sum at a 4 KiB-aligned extent,
 read, added to and written back through two pinned buffers). Like .grad, the sums outlive step() until
-zero_grad(). clip_grad_norm_ needs each sum's norm: RamGrads computes it from RAM, FileGrads keeps the norm
-of each sum as it writes it, so clipping makes no pass over the file; the clip's scale is applied where the sum
-is read next (step, or the next backward's addition).
+zero_grad(). clip_grad_norm_ needs each sum's norm, computed as torch computes it for a .grad of the weight's
+dtype: RamGrads from RAM; FileGrads keeps the norm of each sum as it writes it, so a clip makes no pass over the
+file. A clip scales each sum as torch scales a .grad in place: multiplied, then rounded to the weight's dtype
+(bf16, fp16); FileGrads applies its clips' scales, one after the other, where the sum is read next (step, the
+next backward's addition, or a later clip, which reads the scaled sums to take their norms afresh).
 """
 import os
 
@@ -19,8 +21,19 @@ from .finish import finish_all
 from .params import FP32, shard
 
 
-def _norm(t):
-    return torch._foreach_norm([t])[0]  # what torch.nn.utils.clip_grad_norm_ computes per gradient
+ZEROED = "zeroed"  # FileGrads: the sum was zeroed (p.grad.zero_()); the file's bytes are stale
+
+
+def _norm(t, dtype):
+    """What torch.nn.utils.clip_grad_norm_ computes for a .grad of `dtype` holding t: in that dtype."""
+    return torch._foreach_norm([t if dtype == FP32 else t.to(dtype)])[0]
+
+
+def _clip(s, coef, dtype):
+    """s *= coef, as torch's in-place mul of a .grad of `dtype`: rounded to that dtype."""
+    s.mul_(coef)
+    if dtype != FP32:
+        s.copy_(s.to(dtype))
 
 
 class RamGrads:
@@ -42,14 +55,18 @@ class RamGrads:
         return lambda: {p: self.sums[p] for p in params}
 
     def norms(self, params):
-        return {p: _norm(self.sums[p]) for p in params if p in self.sums}
+        return {p: _norm(self.sums[p], p.dtype) for p in params if p in self.sums}
 
     def drop(self, p):
         self.sums.pop(p, None)
 
+    def zero(self, p):
+        if p in self.sums:
+            self.sums[p].zero_()
+
     def scale(self, coef):
-        for s in self.sums.values():
-            s.mul_(coef)
+        for p, s in self.sums.items():
+            _clip(s, coef, p.dtype)
 
     def clear(self):
         self.sums = {}
@@ -69,7 +86,8 @@ class FileGrads:
         self.handle = AioHandle.from_config(dict(io_settings))
         self.extents = {}   # p -> byte offset in the file
         self.end = 0
-        self.held = {}      # p -> (norm of the sum on disk, pending clip scale or None)
+        self.held = {}      # p -> (norm of the sum as read next, or None: not known; the clips' scales to apply
+                            # to the sum on disk, in order, or ZEROED)
         self._buffers, self._pending, self._turn = [None, None], [None, None], 0
         self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
 
@@ -96,17 +114,24 @@ class FileGrads:
         k, buf = self._buffer(n * 4)
         s = buf[:n * 4].view(FP32).view(g.shape)
         off = self._extent(p, n * 4)
-        if p in self.held:
+        if p in self.held and self.held[p][1] != ZEROED:
             self._wait_writes()
             self.handle.pread(buf, self.path, off).wait()
-            scale = self.held[p][1]
-            if scale is not None:
-                s.mul_(scale)
+            self._apply(s, p)
             s.add_(g)
         else:
             s.copy_(g)
-        self.held[p] = (_norm(s), None)
+        self.held[p] = (_norm(s, p.dtype), [])
         self._pending[k] = self.handle.pwrite(buf, self.path, off)
+
+    def _apply(self, s, p):
+        """The pending clips of p (or its zeroing) applied to s, its sum as read from the file."""
+        scales = self.held[p][1]
+        if scales == ZEROED:
+            s.zero_()
+            return
+        for coef in scales:
+            _clip(s, coef, p.dtype)
 
     def _wait_writes(self):
         for k, f in enumerate(self._pending):
@@ -136,21 +161,30 @@ class FileGrads:
         def result():
             finish_all(f.wait for f in futures)
             for p, v in views.items():
-                scale = self.held[p][1]
-                if scale is not None:
-                    v.mul_(scale)
+                self._apply(v, p)
             return views
         return result
 
     def norms(self, params):
+        """The norms kept; those a clip made unknown are taken afresh from the scaled sums (a pass over them, one
+        sum at a time: a norm scaled by the clip's factor may differ from torch's in the last bit)."""
+        for p in params:
+            if p in self.held and self.held[p][0] is None:
+                v = self.start_reads([p], 0)()[p]
+                self.held[p] = (_norm(v, p.dtype), self.held[p][1])
         return {p: self.held[p][0] for p in params if p in self.held}
 
     def drop(self, p):
         self.held.pop(p, None)  # its extent stays, for its next sum
 
+    def zero(self, p):
+        if p in self.held:
+            self.held[p] = (_norm(torch.zeros(()), p.dtype), ZEROED)
+
     def scale(self, coef):
-        for p, (norm, scale) in self.held.items():
-            self.held[p] = (norm * coef, coef if scale is None else scale * coef)
+        for p, (norm, scales) in self.held.items():
+            if scales != ZEROED:
+                self.held[p] = (None, scales + [coef])
 
     def clear(self):
         self._wait_writes()

@@ -23,6 +23,7 @@ from ..core import cuda_copy
 from ..core.pinned import empty_pinned
 from ..offload.training import lookup
 from ..offload.weight_store import current_value
+from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
@@ -72,7 +73,9 @@ class OffloadedParams:
         self.grads = None    # RamGrads | FileGrads, from start()
         self.partial = {}    # in_backward: p -> fp32 gradient of this backward, until its record is updated
         self.parts = {}      # p -> the sum of its uses' gradients in this backward, until the last arrives
-        self.markers = {}    # p -> (meta tensor set as p.grad while p has a gradient sum, its version then)
+        self.markers = {}    # p -> (GradMarker set as p.grad while p has a gradient, its version then)
+        self.consumed = set()  # in_backward: weights whose gradient a finished step() applied, until zero_grad()
+        self.fresh = set()   # in_backward: weights that got a gradient since the last step()
         self.queued = set()  # in_backward: records handed to the worker since the last step()
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
@@ -134,11 +137,14 @@ class OffloadedParams:
         self._accept(p, slot, g)
 
     def _accept(self, p, slot, g):
+        """p's whole gradient of this backward: through the hooks registered on p, as torch runs a leaf's (its
+        gradient hooks, then the accumulation, then its post-accumulate-grad hooks), into the sum or the update."""
+        g = run_grad_hooks(p, g)
         if not self.in_backward:
-            if self.grads.has(p) and not self._marked(p):
-                self.grads.drop(p)  # p.grad was set to None (model.zero_grad()): the sum is gone, as in torch
+            self._sync(p)  # what model.zero_grad() or p.grad.zero_() did since the last gradient
             self.grads.add(p, g)
             self._mark(p)
+            run_post_accumulate_hooks(p)
             return
         training = self.entries[p][0]
         with self.lock:
@@ -147,20 +153,55 @@ class OffloadedParams:
                                    "in_backward=True every backward is one step, so call step() (and zero_grad()) "
                                    "after each backward; to sum the gradients of several backward passes, build "
                                    "the optimizer with in_backward=False")
+            if p in self.consumed and self._marker_state(p) == "kept":
+                raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
+                                   "applied: torch would add the two and step with the sum, but with in_backward=True "
+                                   "the last gradient is not kept. Call opt.zero_grad() (or model.zero_grad()) after "
+                                   "each step(), or build the optimizer with in_backward=False")
+            self.consumed.discard(p)
+            self.fresh.add(p)
             s = self.partial.get(p)
             self.partial[p] = g.to(FP32, copy=True) if s is None else s.add_(g)
+        self._mark(p)
+        run_post_accumulate_hooks(p)
+        state = self._marker_state(p)  # a hook may have dropped (p.grad = None) or zeroed the gradient
+        if state != "kept":
+            with self.lock:
+                if state is None:
+                    self.partial.pop(p, None)
+                else:
+                    self.partial[p].zero_()
+                    self._mark(p)
         self._maybe_queue(training, slot.record)
 
     def _mark(self, p):
-        """p.grad shows whether p has a gradient sum, as .grad does in torch: a meta tensor (no memory) while it
-        has one, so that model.zero_grad() (p.grad = None, or .zero_()) drops the sum too."""
-        if p.grad is None or p.grad is not self.markers.get(p, (None,))[0]:
-            p.grad = torch.empty_like(p)
-        self.markers[p] = (p.grad, p.grad._version)
+        """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
+        while it has one, so that model.zero_grad() (p.grad = None) drops it and p.grad.zero_() zeroes it."""
+        marker = self.markers.get(p, (None,))[0]
+        if marker is None or p.grad is not marker:
+            marker = p.grad = new_marker(p, self.entries[p][1].name)
+        self.markers[p] = (marker, marker._version)
 
-    def _marked(self, p):
+    def _marker_state(self, p):
+        """What p.grad says of p's gradient since the optimizer marked it: "kept", "zeroed" (p.grad.zero_()), or
+        None (never marked, or set to None or replaced since: model.zero_grad())."""
         marker = self.markers.get(p)
-        return marker is not None and p.grad is marker[0] and marker[0]._version == marker[1]
+        if marker is None or p.grad is not marker[0]:
+            return None
+        return "kept" if marker[0]._version == marker[1] else "zeroed"
+
+    def _sync(self, p):
+        """Makes p's gradient sum what torch's .grad would be after what was done to p.grad: dropped when it was
+        set to None, zeroed when it was zeroed. Returns whether p has a sum."""
+        state = self._marker_state(p)
+        if state is None:
+            self.markers.pop(p, None)
+            self.grads.drop(p)
+            return False
+        if state == "zeroed":
+            self.grads.zero(p)
+            self._mark(p)
+        return self.grads.has(p)
 
     def _flush_parts(self):
         """Gradients whose last use never got one (an unused output): taken as they are."""
@@ -280,24 +321,39 @@ class OffloadedParams:
         if batch:
             yield batch
 
+    def check_step(self):
+        """RuntimeError, before step() changes anything, when it would step again with gradients that
+        in_backward=True applied already (torch would reuse .grad; here it is gone)."""
+        if not self.in_backward:
+            return
+        again = [p for p in self.entries if p in self.consumed and self._marker_state(p) is not None]
+        if again:
+            names = ", ".join(repr(self.entries[p][1].name) for p in again[:3])
+            raise RuntimeError(f"step() again without a new backward: p.grad of {names}"
+                               f"{', ...' if len(again) > 3 else ''} still shows the gradient the last step() "
+                               "applied. torch would step again with the "
+                               "same .grad, but with in_backward=True each gradient is applied during backward and "
+                               "not kept. Call zero_grad() and backward() before each step(), or build the "
+                               "optimizer with in_backward=False")
+
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
         self._flush_parts()
+        self.check_step()
         for training, slot in self.entries.values():
             if training.closed or training.streamer is None:
                 raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
                                    "dropped): its weights are resident parameters now, which this optimizer does "
                                    "not own; build a new optimizer over model.parameters()")
+        summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
         try:
             for training, records in self._records().items():
                 def owned(record):
                     return [self.param_of[s] for s in record.slots if s in self.param_of]
 
                 def pending(record):
-                    if self.in_backward:
-                        return [p for p in owned(record) if p in self.partial]
-                    return [p for p in owned(record) if self.grads.has(p) and self._marked(p)]
+                    return [p for p in owned(record) if p in (self.partial if self.in_backward else summed)]
 
                 with_grads = [r for r in records if pending(r)]
                 batches = list(self._batches(with_grads, lambda r: sum(4 * p.numel() for p in pending(r))))
@@ -323,13 +379,15 @@ class OffloadedParams:
                 training.reset()
             self.queued.clear()
             self.partial.clear()
+            self.consumed |= self.fresh
+            self.fresh.clear()
 
     def norms(self):
         """{p: the 2-norm of p's gradient sum} (clip_grad_norm_), gradients still partial included."""
         self.wait()
         self._flush_parts()
-        for p in [p for p in self.entries if self.grads.has(p) and not self._marked(p)]:
-            self.grads.drop(p)
+        for p in list(self.entries):
+            self._sync(p)
         return self.grads.norms(list(self.entries))
 
     def flush(self):
@@ -345,6 +403,8 @@ class OffloadedParams:
         self.parts.clear()
         self.queued.clear()
         self.markers.clear()
+        self.consumed.clear()
+        self.fresh.clear()
         for training in self._records():
             training.reset()
 
@@ -394,6 +454,30 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.close()
             self.grads = None
+
+
+def run_grad_hooks(p, g):
+    """The gradient hooks registered on p (p.register_hook), in order, as torch runs a leaf's: each gets the
+    gradient and may return the one to use instead."""
+    hooks = p._backward_hooks
+    if not hooks:
+        return g
+    if _reused(g):
+        g = g.clone()  # a hook may keep it: not a view of the staging buffer that the next gradient reuses
+    for hook in list(hooks.values()):
+        new = hook(g)
+        if new is not None:
+            if not isinstance(new, torch.Tensor) or new.shape != g.shape:
+                raise RuntimeError(f"hook {getattr(hook, '__name__', hook)!r} has changed the size of value")
+            g = new
+    return g
+
+
+def run_post_accumulate_hooks(p):
+    """The post-accumulate-grad hooks registered on p, given p, as torch calls them once .grad holds the sum."""
+    hooks = p._post_accumulate_grad_hooks
+    for hook in list(hooks.values()) if hooks else ():
+        hook(p)
 
 
 def _step_of(opt, p):
