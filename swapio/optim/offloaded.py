@@ -83,6 +83,7 @@ class OffloadedParams:
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.executor = None
         self.error = None
+        self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
         self.lock = threading.Lock()
         self.ready_changed = threading.Condition(self.lock)
 
@@ -235,7 +236,8 @@ class OffloadedParams:
     def _work(self):
         """The worker: updates the ready records, a batch at a time (consecutive records of one model, up to
         batch_bytes of gradients: one pass of the state pipeline), until none is ready. Its error is kept in
-        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...)."""
+        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...); after
+        it the worker drops the batches still ready (their weights untouched) until step() or zero_grad()."""
         while True:
             with self.ready_changed:
                 if not self.ready:
@@ -249,11 +251,13 @@ class OffloadedParams:
                     size += batch[-1][3]
             try:
                 grads = {p: g for _, _, gs, _ in batch for p, g in gs.items()}
-                with torch.no_grad():
-                    self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
+                if not self.failed:
+                    with torch.no_grad():
+                        self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
             except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
                 with self.lock:
-                    self.error = self.error or exc
+                    if not self.failed:
+                        self.error, self.failed = exc, True
             finally:
                 with self.ready_changed:
                     self.ready_bytes -= size
@@ -286,6 +290,7 @@ class OffloadedParams:
         in one pass of the state pipeline, and writes each record back; a record none of whose weights got
         stepped (an error before it) keeps its bytes."""
         opt = self._opt()
+        opt._check_whole()  # an earlier update (in backward) failed half way: nothing more until a load
         plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads]) for r in records]
         plan = [(r, params) for r, params in plan if params]
         steps = {p: _step_of(opt, p) for _, params in plan for p in params}
@@ -381,6 +386,7 @@ class OffloadedParams:
             self.partial.clear()
             self.consumed |= self.fresh
             self.fresh.clear()
+            self.failed = False
 
     def norms(self):
         """{p: the 2-norm of p's gradient sum} (clip_grad_norm_), gradients still partial included."""
@@ -405,6 +411,7 @@ class OffloadedParams:
         self.markers.clear()
         self.consumed.clear()
         self.fresh.clear()
+        self.failed = False
         for training in self._records():
             training.reset()
 

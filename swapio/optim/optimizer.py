@@ -181,6 +181,8 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step for every parameter with a gradient; returns closure's loss when given."""
+        self._check_open()
+        self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()
         loss = None
         if closure is not None:
