@@ -304,3 +304,38 @@ def test_clip_twice_and_low_precision_equal_torch_on_resident(tmp_path, storage,
         assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
     assert all(float(w) > 0.05 for w in want_norms[1::2])  # the second clip clips too
     finish(pairs)
+
+
+# ---- two optimizers sharing a module's weights ----------------------------------------------------------------
+@pytest.mark.parametrize("storage,off,in_backward", [("disk", "cpu", True), ("disk", "nvme", True),
+                                                     ("cpu", "cpu", True), ("disk", "nvme", False)])
+def test_two_optimizers_splitting_each_modules_weights(tmp_path, storage, off, in_backward):
+    """Weights in one optimizer, biases in another: with in_backward=True both rewrite the same records from
+    their own worker threads (disk_offload raised KeyError from DiskStore.end, the step partly applied). They
+    take turns, and training equals the resident model's with the same two optimizers (several runs: the
+    workers' timing varies)."""
+    data = batches(MLP, 3)
+
+    def split(model, where, **kw):
+        named = list(model.named_parameters())
+        return [build_opt("AdamW", [p for n, p in named if n.endswith(suffix)], tmp_path / where / suffix,
+                          offload=off, **kw) for suffix in ("weight", "bias")]
+
+    def run(model, opts):
+        with one_thread():
+            for b in data:
+                loss_of(model, b).backward()
+                for o in opts:
+                    o.step()
+                for o in opts:
+                    o.zero_grad()
+        for o in opts:
+            o.close()
+
+    ref = make_model()
+    run(ref, split(ref, "ref"))
+    for i in range(3):
+        model = offload(make_model(), storage, tmp_path / str(i))
+        run(model, split(model, str(i), in_backward=in_backward))
+        remove_offload(model)
+        assert_same_weights(weights(model), weights(ref))

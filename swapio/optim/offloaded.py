@@ -291,7 +291,9 @@ class OffloadedParams:
         stepped (an error before it) keeps its bytes."""
         opt = self._opt()
         opt._check_whole()  # an earlier update (in backward) failed half way: nothing more until a load
-        plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads]) for r in records]
+        order = {r: i for i, r in enumerate(training.streamer.records)}  # the order stores take turns in
+        plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads])
+                for r in sorted(records, key=order.__getitem__)]
         plan = [(r, params) for r, params in plan if params]
         steps = {p: _step_of(opt, p) for _, params in plan for p in params}
         store, begun = training.store, []
