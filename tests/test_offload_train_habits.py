@@ -2,6 +2,8 @@
 zeroed or dropped, gradient hooks registered on model.parameters(), a second step() without a new backward,
 clipping twice and clipping bf16 weights. Each either works exactly as on the resident model (torch.equal
 against the same loop on a resident copy) or fails loudly before anything changed."""
+import threading
+
 import pytest
 import torch
 
@@ -339,3 +341,31 @@ def test_two_optimizers_splitting_each_modules_weights(tmp_path, storage, off, i
         run(model, split(model, str(i), in_backward=in_backward))
         remove_offload(model)
         assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_in_backward_second_backward_of_one_graph_says_in_backward(tmp_path, monkeypatch, storage):
+    """loss.backward(retain_graph=True) then loss.backward() with in_backward=True: the second backward needs
+    weights the first one's update is still rewriting. disk_offload blamed "a forward running during step()";
+    the error must say what happened (every backward is one step) whatever the worker's progress. The worker
+    is held inside its first rewrite until the second backward has failed."""
+    from swapio.offload import weight_store
+    store = weight_store.DiskStore if storage == "disk" else weight_store.HostStore
+    release, original = threading.Event(), store.end
+
+    def held_end(self, *args, **kwargs):
+        release.wait(30)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(store, "end", held_end)
+    model = offload(make_model(), storage, tmp_path)
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", in_backward=True) as opt, one_thread():
+        loss = loss_of(model, batches(MLP, 1)[0])
+        loss.backward(retain_graph=True)
+        try:
+            with pytest.raises(RuntimeError, match=r"(?s)second backward.*in_backward=True every backward is one"):
+                loss.backward()
+        finally:
+            release.set()
+        opt.zero_grad()
+    remove_offload(model)

@@ -150,10 +150,7 @@ class OffloadedParams:
         training = self.entries[p][0]
         with self.lock:
             if slot.record in self.queued:
-                raise RuntimeError(f"{slot.name!r} got a gradient after this backward already updated it: with "
-                                   "in_backward=True every backward is one step, so call step() (and zero_grad()) "
-                                   "after each backward; to sum the gradients of several backward passes, build "
-                                   "the optimizer with in_backward=False")
+                raise _second_backward(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
                                    "applied: torch would add the two and step with the sum, but with in_backward=True "
@@ -174,6 +171,11 @@ class OffloadedParams:
                     self.partial[p].zero_()
                     self._mark(p)
         self._maybe_queue(training, slot.record)
+
+    def check_backward(self, record):
+        """A backward needs the weights of `record` (training.py): refused once this backward updated them."""
+        if self.in_backward and record in self.queued:
+            raise _second_backward(f"a backward needs the weights of {record}")
 
     def _mark(self, p):
         """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
@@ -463,6 +465,13 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.close()
             self.grads = None
+
+
+def _second_backward(what):
+    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), or "
+                        "retain_graph=True): with in_backward=True every backward is one step, so call step() (and "
+                        "zero_grad()) after each backward; to sum the gradients of several backward passes, build "
+                        "the optimizer with in_backward=False")
 
 
 def run_grad_hooks(p, g):
