@@ -134,3 +134,33 @@ def test_full_disk_at_the_first_step(tmp_path, small_ext4_dir):
         assert torch.equal(opt.param_value(p), want[1][n]), n
     opt.close()
     remove_offload(model)
+
+
+@pytest.mark.parametrize("nth", [1, 3])
+def test_gradient_sum_write_failing_in_backward_is_never_stepped_over(tmp_path, monkeypatch, nth):
+    """offload="nvme" sums gradients in grads.swap. A write of a sum that failed in backward raised OSError, but
+    the optimizer kept the sum as written: step() then stepped the weights with bytes that were never the
+    gradient. Now step() and clip_grad_norm_ raise until zero_grad(); then training goes on exactly."""
+    data = batches(MLP, 3)
+    want = reference(str(tmp_path / "ref"), data, offload="nvme")
+    model = offload(make_model(), "disk", tmp_path)
+    opt = build_opt("AdamW", model.parameters(), tmp_path / "s", offload="nvme")
+    before = {n: opt.param_value(p).clone() for n, p in model.named_parameters()}
+    with one_thread():
+        restore = fail_nth_write(monkeypatch, "grads.swap", nth, "future")
+        with pytest.raises(OSError) as info:
+            loss_of(model, data[0]).backward()
+            opt.step()
+        restore()
+        assert info.value.errno == errno.ENOSPC
+        for use in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+            with pytest.raises(RuntimeError, match="zero_grad"):
+                use()
+        assert all(torch.equal(opt.param_value(p), before[n]) for n, p in model.named_parameters())
+        opt.zero_grad()
+        losses = train(model, opt, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want[0]))
+    for n, p in model.named_parameters():
+        assert torch.equal(opt.param_value(p), want[1][n]), n
+    opt.close()
+    remove_offload(model)

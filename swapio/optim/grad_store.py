@@ -88,15 +88,14 @@ class FileGrads:
         self.end = 0
         self.held = {}      # p -> (norm of the sum as read next, or None: not known; the clips' scales to apply
                             # to the sum on disk, in order, or ZEROED)
-        self._buffers, self._pending, self._turn = [None, None], [None, None], 0
+        self._buffers, self._pending, self._turn = [None, None], [None, None], 0  # _pending: (future, p)
+        self.lost = set()   # sums whose write failed: neither the old nor the new, until dropped or zeroed
         self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
 
     def _buffer(self, nbytes):
         k = self._turn
         self._turn ^= 1
-        pending, self._pending[k] = self._pending[k], None
-        if pending is not None:
-            pending.wait()
+        self._finish(k)
         if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
             self._buffers[k] = None
             self._buffers[k] = empty_pinned(round_up(nbytes), torch.uint8)
@@ -109,7 +108,25 @@ class FileGrads:
             self.end += round_up(nbytes)
         return off
 
+    def _finish(self, k):
+        """Waits for buffer k's write; a sum whose write failed is lost (see check)."""
+        pending, self._pending[k] = self._pending[k], None
+        if pending is not None:
+            try:
+                pending[0].wait()
+            except BaseException:
+                self.lost.add(pending[1])
+                raise
+
+    def check(self):
+        """RuntimeError while a sum is lost: stepping, clipping or adding to it would use bytes that are neither
+        the old sum nor the new one."""
+        if self.lost:
+            raise RuntimeError(f"{len(self.lost)} gradient sum(s) could not be written to {self.path} (the OSError "
+                               "raised earlier): call zero_grad() and run the backward pass again")
+
     def add(self, p, g):
+        self.check()
         n = g.numel()
         k, buf = self._buffer(n * 4)
         s = buf[:n * 4].view(FP32).view(g.shape)
@@ -122,7 +139,7 @@ class FileGrads:
         else:
             s.copy_(g)
         self.held[p] = (_norm(s, p.dtype), [])
-        self._pending[k] = self.handle.pwrite(buf, self.path, off)
+        self._pending[k] = (self.handle.pwrite(buf, self.path, off), p)
 
     def _apply(self, s, p):
         """The pending clips of p (or its zeroing) applied to s, its sum as read from the file."""
@@ -134,10 +151,7 @@ class FileGrads:
             _clip(s, coef, p.dtype)
 
     def _wait_writes(self):
-        for k, f in enumerate(self._pending):
-            self._pending[k] = None
-            if f is not None:
-                f.wait()
+        finish_all(lambda k=k: self._finish(k) for k in range(len(self._pending)))
 
     def has(self, p):
         return p in self.held
@@ -147,6 +161,7 @@ class FileGrads:
         while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
         its clip scale applied}, views valid until the arena's next start_reads."""
         self._wait_writes()
+        self.check()
         sizes = [round_up(shard(p).numel() * 4) for p in params]
         buf = self._read_buffers.get(arena)
         if buf is None or buf.numel() < sum(sizes):
@@ -168,6 +183,8 @@ class FileGrads:
     def norms(self, params):
         """The norms kept; those a clip made unknown are taken afresh from the scaled sums (a pass over them, one
         sum at a time: a norm scaled by the clip's factor may differ from torch's in the last bit)."""
+        self._wait_writes()
+        self.check()
         for p in params:
             if p in self.held and self.held[p][0] is None:
                 v = self.start_reads([p], 0)()[p]
@@ -176,10 +193,12 @@ class FileGrads:
 
     def drop(self, p):
         self.held.pop(p, None)  # its extent stays, for its next sum
+        self.lost.discard(p)
 
     def zero(self, p):
         if p in self.held:
             self.held[p] = (_norm(torch.zeros(()), p.dtype), ZEROED)
+            self.lost.discard(p)
 
     def scale(self, coef):
         for p, (norm, scales) in self.held.items():
@@ -187,8 +206,12 @@ class FileGrads:
                 self.held[p] = (None, scales + [coef])
 
     def clear(self):
-        self._wait_writes()
+        try:
+            self._wait_writes()
+        except OSError:
+            pass  # a write of a sum dropped now: nothing of it is needed any more
         self.held = {}  # extents stay: the next sums overwrite them
+        self.lost = set()
 
     def close(self):
         try:
