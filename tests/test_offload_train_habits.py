@@ -102,20 +102,23 @@ def test_reading_an_offloaded_grad_is_refused(tmp_path, in_backward):
 
 @pytest.mark.parametrize("off", ["cpu", "nvme"])
 @pytest.mark.parametrize("how", ["zero_", "none"])
-def test_model_zero_grad_zeroes_or_drops_like_grad(tmp_path, off, how):
-    """model.zero_grad(set_to_none=False) zeroes .grad: a step() right after steps with zero gradients (weight
-    decay and momentum still move the weights), and a backward after it starts from zero; set_to_none drops it.
-    Both as on the resident model (zero_() used to drop the sum: the weights stayed put)."""
+@pytest.mark.parametrize("who", ["model", "opt"])
+def test_zero_grad_zeroes_or_drops_like_grad(tmp_path, off, how, who):
+    """zero_grad(set_to_none=False) (the model's or the optimizer's) zeroes .grad: a step() right after steps
+    with zero gradients (weight decay and momentum still move the weights), and a backward after it starts from
+    zero; set_to_none drops it. Both as on the resident model (zeroing used to drop the sum: the weights stayed
+    put)."""
     data = batches(MLP, 3)
     pairs = both(tmp_path, off)
     with one_thread():
         for m, o in pairs:
+            clear = (m if who == "model" else o).zero_grad
             loss_of(m, data[0]).backward()
             o.step()
-            m.zero_grad(set_to_none=how == "none")
+            clear(set_to_none=how == "none")
             o.step()  # zero_(): zero gradients; none: nothing to step
             loss_of(m, data[1]).backward()
-            m.zero_grad(set_to_none=how == "none")
+            clear(set_to_none=how == "none")
             loss_of(m, data[2]).backward()
             o.step()
     for p in pairs[1][0].parameters():

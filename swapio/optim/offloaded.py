@@ -405,14 +405,24 @@ class OffloadedParams:
         for training in self._records():
             training.store.flush()
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
+        """Drops every gradient; set_to_none=False zeroes the sums instead, as torch zeroes .grad (a step()
+        then steps with zeros)."""
         self.wait()
         if self.grads is not None:
-            self.grads.clear()
+            summed = [] if set_to_none or self.in_backward else [p for p in self.entries if self._sync(p)]
+            if summed:
+                for p in summed:
+                    self.grads.zero(p)
+                kept = {id(p) for p in summed}  # by identity: tensors compare by value
+                for p in [p for p in self.entries if id(p) not in kept]:
+                    self.grads.drop(p)
+            else:
+                self.grads.clear()
+                self.markers.clear()
         self.partial.clear()
         self.parts.clear()
         self.queued.clear()
-        self.markers.clear()
         self.consumed.clear()
         self.fresh.clear()
         self.failed = False

@@ -194,8 +194,9 @@ class OffloadOptimizer(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none=True):
-        """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped."""
-        self._offloaded.zero_grad()
+        """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped (zeroed with
+        set_to_none=False, as torch zeroes .grad)."""
+        self._offloaded.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
