@@ -372,3 +372,25 @@ def test_in_backward_second_backward_of_one_graph_says_in_backward(tmp_path, mon
             release.set()
         opt.zero_grad()
     remove_offload(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gradient_hooks_of_a_cuda_model_may_keep_the_gradient(tmp_path):
+    """On a CUDA model a gradient reaches the optimizer through a pinned staging buffer that the next gradient
+    reuses: a hook that keeps the tensor it is given (no copy) must still hold its own gradient afterwards."""
+    data = batches(MLP, 1)
+    kept = []
+    for m in (make_model().cuda(), offload(make_model(), "cpu", tmp_path, execution_device="cuda")):
+        got = {}
+        for n, p in m.named_parameters():
+            p.register_hook(lambda g, n=n, got=got: got.__setitem__(n, g))
+        with build_opt("AdamW", m.parameters(), tmp_path / "s") as opt, one_thread():
+            x, y = data[0]
+            torch.nn.functional.mse_loss(m(x.cuda()), y.cuda()).backward()
+            opt.step()
+        kept.append({n: g.cpu() for n, g in got.items()})
+        if m.a.weight.device.type == "meta":
+            remove_offload(m)
+    assert kept[0].keys() == kept[1].keys()
+    for n in kept[0]:
+        assert torch.allclose(kept[1][n], kept[0][n], rtol=1e-5, atol=1e-7), n
