@@ -340,10 +340,9 @@ class OffloadedParams:
             names = ", ".join(repr(self.entries[p][1].name) for p in again[:3])
             raise RuntimeError(f"step() again without a new backward: p.grad of {names}"
                                f"{', ...' if len(again) > 3 else ''} still shows the gradient the last step() "
-                               "applied. torch would step again with the "
-                               "same .grad, but with in_backward=True each gradient is applied during backward and "
-                               "not kept. Call zero_grad() and backward() before each step(), or build the "
-                               "optimizer with in_backward=False")
+                               "applied. torch would step again with the same .grad, but with in_backward=True each "
+                               "gradient is applied during backward and not kept. Call zero_grad() and backward() "
+                               "before each step(), or build the optimizer with in_backward=False")
 
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
