@@ -7,11 +7,13 @@ offloaded weight's gradients of several backward passes are summed in fp32 (issu
 parameter's .grad in bf16; for bf16 weights with accumulation the reference therefore sums p.grad.float() itself
 and steps with the optimizer's _step_params seam (the update is the same kernel, fed the same fp32 sum).
 """
+import errno
 import os
 
 import torch
 
 from offload_helpers import one_thread  # noqa: F401 - the tests import it from here too
+from swapio.core.handle import AioHandle
 from swapio.offload import cpu_offload, disk_offload, remove_offload
 from swapio.optim import OffloadAdam, OffloadAdamW, OffloadLion
 
@@ -178,6 +180,78 @@ def resident_run(cls, dtype, opt_name, data, tmp, micro=1, opt_kw=None):
     with build_opt(opt_name, model.parameters(), os.path.join(str(tmp), "ref-swap"), **opt_kw) as opt:
         losses = train(model, opt, data, micro, fp32_accumulate=fp32_acc)
     return losses, weights(model)
+
+
+# ---- failing writes -----------------------------------------------------------------------------------------
+class FailedWrite:
+    """What AioHandle.pwrite returns for a write the disk refused (ENOSPC): every wait() raises, as swapio's
+    Future does."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def _error(self):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+    def wait(self, timeout=None):
+        raise self._error()
+
+    result = wait
+
+    def exception(self, timeout=None):
+        return self._error()
+
+    def done(self):
+        return True
+
+
+def fail_nth_write(monkeypatch, where, n, how, count=1):
+    """From the n-th pwrite to a path containing `where` on, `count` of them (None: all) fail: how="future" (a
+    failed future: the disk refused it) or "raise". Returns the function that restores AioHandle.pwrite."""
+    orig = AioHandle.pwrite
+    calls = [0]
+
+    def pwrite(self, t, path, offset=0, **kw):
+        if where in os.fspath(path):
+            calls[0] += 1
+            if calls[0] >= n and (count is None or calls[0] < n + count):
+                if how == "raise":
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+                return FailedWrite(os.fspath(path))
+        return orig(self, t, path, offset, **kw)
+
+    monkeypatch.setattr(AioHandle, "pwrite", pwrite)
+    return lambda: monkeypatch.setattr(AioHandle, "pwrite", orig)
+
+
+def reference(tmp, data, storage="disk", **kw):
+    """(losses, {name: final value}) of a model offloaded with `storage` and trained on data without faults."""
+    model = offload(make_model(), storage, tmp)
+    opt = build_opt("AdamW", model.parameters(), os.path.join(tmp, "s"), **kw)
+    losses = train(model, opt, data)
+    values = {n: opt.param_value(p).clone() for n, p in model.named_parameters()}
+    opt.close()
+    remove_offload(model)
+    return losses, values
+
+
+def started(tmp, data, storage="disk", **kw):
+    """A model offloaded with `storage` trained on data[:2], its optimizer saved to tmp/saved."""
+    model = offload(make_model(), storage, tmp)
+    opt = build_opt("AdamW", model.parameters(), os.path.join(tmp, "s"), **kw)
+    train(model, opt, data[:2])
+    opt.save(os.path.join(tmp, "saved"))
+    return model, opt
+
+
+def assert_goes_on(model, opt, tmp, data, want):
+    """load() of the last checkpoint, then the run continues exactly like the uninterrupted one."""
+    opt.zero_grad()
+    opt.load(os.path.join(tmp, "saved"))
+    losses = train(model, opt, data[2:])
+    assert all(torch.equal(a, b) for a, b in zip(losses, want[0][2:]))
+    for n, p in model.named_parameters():
+        assert torch.equal(opt.param_value(p), want[1][n]), n
 
 
 # ---- a second process for resume tests ----------------------------------------------------------------------

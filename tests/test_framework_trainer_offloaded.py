@@ -94,3 +94,34 @@ def test_in_backward_trains_like_the_resident_model(tmp_path):
     got, logs = _train(tmp_path / "offloaded", "disk", accumulate=1, max_norm=0.0, in_backward=True)
     assert [loss for loss, _ in logs.values()] == [loss for loss, _ in ref_logs.values()]
     assert_params_equal(got, ref)
+
+
+@pytest.mark.parametrize("max_norm,accumulate", [(1.0, 1), (0.0, 2)])
+@pytest.mark.parametrize("given", [True, False])
+def test_in_backward_with_clipping_or_accumulation_is_refused_before_any_weight_changes(tmp_path, max_norm,
+                                                                                        accumulate, given):
+    """in_backward=True with Trainer's default max_grad_norm=1.0 (or gradient accumulation) raised only after
+    the first backward had updated the weights. Now a ValueError naming the setting when the Trainer is built
+    (optimizer given) or before training starts (optimizer_cls_and_kwargs), the weights untouched."""
+    from swapio.integrations.transformers import SwapioTrainer
+    model = disk_offload(tiny_gpt2(False), tmp_path / "od")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, max_grad_norm=max_norm,
+                             gradient_accumulation_steps=accumulate, report_to="none", use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    what = "max_grad_norm" if max_norm else "gradient_accumulation_steps"
+    want = dict(tiny_gpt2(False).named_parameters())
+    if given:
+        opt = so.OffloadAdamW(model.parameters(), lr=1e-2, in_backward=True)
+        with pytest.raises(ValueError, match=f"(?s){what}.*in_backward=True"):
+            SwapioTrainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, None))
+    else:
+        trainer = SwapioTrainer(model=model, args=args, train_dataset=TokenData(),
+                                optimizer_cls_and_kwargs=(so.OffloadAdamW, {"lr": 1e-2, "in_backward": True}))
+        with pytest.raises(ValueError, match=f"(?s){what}.*in_backward=True"):
+            with one_thread():
+                trainer.train()
+        opt = trainer.optimizer
+    assert isinstance(opt, so.OffloadAdamW) and not any(opt.state.values())  # no step was taken
+    for n, v in _weights(model, opt).items():
+        assert torch.equal(v, want[n].detach()), n
+    opt.close()

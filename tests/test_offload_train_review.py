@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from swapio.core.handle import AioHandle
 from swapio.offload import remove_offload
-from offload_train_helpers import MLP, batches, build_opt, make_model, offload, one_thread, train
+from offload_train_helpers import (MLP, assert_goes_on, batches, build_opt, fail_nth_write, make_model, offload,
+                                   one_thread, reference, started, train)
 
 
 def wait_for(cond, timeout=5.0):
@@ -19,75 +19,6 @@ def wait_for(cond, timeout=5.0):
         time.sleep(0.001)
 
 pytest.importorskip("safetensors")
-
-
-class FailedWrite:
-    """What AioHandle.pwrite returns for a write the disk refused (ENOSPC): every wait() raises, as swapio's
-    Future does."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def _error(self):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
-
-    def wait(self, timeout=None):
-        raise self._error()
-
-    result = wait
-
-    def exception(self, timeout=None):
-        return self._error()
-
-    def done(self):
-        return True
-
-
-def fail_nth_write(monkeypatch, where, n, how):
-    """The n-th pwrite to a path containing `where` fails: how="future" (a failed future) or "raise"."""
-    orig = AioHandle.pwrite
-    calls = [0]
-
-    def pwrite(self, t, path, offset=0, **kw):
-        if where in os.fspath(path):
-            calls[0] += 1
-            if calls[0] == n:
-                if how == "raise":
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
-                return FailedWrite(os.fspath(path))
-        return orig(self, t, path, offset, **kw)
-
-    monkeypatch.setattr(AioHandle, "pwrite", pwrite)
-    return lambda: monkeypatch.setattr(AioHandle, "pwrite", orig)
-
-
-def reference(tmp, data, **kw):
-    model = offload(make_model(), "disk", tmp)
-    opt = build_opt("AdamW", model.parameters(), os.path.join(tmp, "s"), **kw)
-    losses = train(model, opt, data)
-    values = {n: opt.param_value(p).clone() for n, p in model.named_parameters()}
-    opt.close()
-    remove_offload(model)
-    return losses, values
-
-
-def started(tmp, data, **kw):
-    """A model trained on data[:2], its optimizer saved to tmp/saved."""
-    model = offload(make_model(), "disk", tmp)
-    opt = build_opt("AdamW", model.parameters(), os.path.join(tmp, "s"), **kw)
-    train(model, opt, data[:2])
-    opt.save(os.path.join(tmp, "saved"))
-    return model, opt
-
-
-def assert_goes_on(model, opt, tmp, data, want):
-    """load() of the last checkpoint, then the run continues exactly like the uninterrupted one."""
-    opt.zero_grad()
-    opt.load(os.path.join(tmp, "saved"))
-    losses = train(model, opt, data[2:])
-    assert all(torch.equal(a, b) for a, b in zip(losses, want[0][2:]))
-    for n, p in model.named_parameters():
-        assert torch.equal(opt.param_value(p), want[1][n]), n
 
 
 @pytest.mark.parametrize("off", ["cpu", "nvme"])

@@ -221,6 +221,23 @@ class OffloadedTrainerMixin:
         if not any(isinstance(c, _SavesBeforeTrainer) for c in self.callback_handler.callbacks):
             self.add_callback(StreamingCheckpointCallback())
         self.add_callback(_OffloadedGrads())
+        self._check_in_backward(self.optimizer)
+
+    def _check_in_backward(self, optimizer: Any) -> None:
+        """ValueError, before any weight changes, for what an optimizer with in_backward=True cannot do: clip (it
+        updates each module during backward) or accumulate gradients over several backward passes."""
+        opt = _owned_optimizer(optimizer)
+        if opt is None or not opt._offloaded.in_backward:
+            return
+        if self.args.max_grad_norm:
+            raise ValueError(f"max_grad_norm={self.args.max_grad_norm}, but the {type(opt).__name__} has "
+                             "in_backward=True, which updates each module during backward, before the global norm "
+                             "exists: pass max_grad_norm=0 (no clipping), or build the optimizer with "
+                             "in_backward=False to clip")
+        if self.args.gradient_accumulation_steps > 1:
+            raise ValueError(f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}, but the "
+                             f"{type(opt).__name__} has in_backward=True, where every backward is one step: pass "
+                             "gradient_accumulation_steps=1, or build the optimizer with in_backward=False")
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         if not _offloaded(model):
@@ -245,7 +262,7 @@ class OffloadedTrainerMixin:
                 return generic(parameters, max_norm, norm_type=norm_type)
             if opt._offloaded.in_backward and max_norm == float("inf"):
                 return None  # only the logged norm (max_grad_norm=0): backward already stepped, none to give
-            return opt.clip_grad_norm_(max_norm, norm_type)  # in_backward with max_grad_norm > 0: its error
+            return opt.clip_grad_norm_(max_norm, norm_type)
 
         setattr(accelerator, "clip_grad_norm_", clip_grad_norm_)  # this instance only
 
@@ -256,6 +273,8 @@ class OffloadedTrainerMixin:
             raise ValueError(f"{type(optimizer).__name__} cannot train the offloaded weights of this model: give "
                              "Trainer an OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim) built over "
                              "model.parameters(), with optimizers=(opt, scheduler) or optimizer_cls_and_kwargs")
+        if _offloaded(self.model):
+            self._check_in_backward(optimizer)
         return optimizer
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:

@@ -68,6 +68,7 @@ class SavedWeights:
         if t is not None:
             return t
         streamer, fetcher = self.streamer, self.streamer.fetcher
+        streamer.training.check_backward(slot.record)
         with fetcher.lock:
             fetch = fetcher.acquire(slot.record)
             try:

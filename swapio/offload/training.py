@@ -89,6 +89,12 @@ class Training:
         for owner in self.owners_alive():
             owner.settle()
 
+    def check_backward(self, record):
+        """A backward needs the record's weights: RuntimeError from an owner that already updated it in this
+        backward (in_backward=True: a second backward before step(), e.g. retain_graph=True)."""
+        for owner in self.owners_alive():
+            owner.check_backward(record)
+
     def owners_alive(self):
         return {o for o in (r() for r in list(self.owners.values())) if o is not None}
 

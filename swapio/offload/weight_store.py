@@ -32,10 +32,32 @@ def current_value(fetcher, slot):
         fetcher.release(fetch)
 
 
-class HostStore:
+class RecordTurns:
+    """One rewrite of a record at a time, from begin() to end() or abort(): two optimizers that each train some
+    of a record's weights (in_backward=True: each on its own worker thread) take turns, the second starting from
+    the bytes the first wrote. An update begins its records in the streamer's order, so turns cannot deadlock."""
+
+    def __init__(self):
+        self._busy = set()
+        self._turns = threading.Condition()
+
+    def take_turn(self, record):
+        with self._turns:
+            while record in self._busy:
+                self._turns.wait()
+            self._busy.add(record)
+
+    def end_turn(self, record):
+        with self._turns:
+            self._busy.discard(record)
+            self._turns.notify_all()
+
+
+class HostStore(RecordTurns):
     """cpu_offload: the records' host copies are the storage."""
 
     def __init__(self, fetcher):
+        super().__init__()
         self.fetcher = fetcher
 
     def ensure_owned(self, records):
@@ -43,14 +65,21 @@ class HostStore:
 
     def begin(self, record, need_current):
         """The record's memory to write the new values into (holding the current ones)."""
-        self.fetcher.rewriting(record)  # and waits for a device copy out of the host copy still in flight
+        self.take_turn(record)
+        try:
+            self.fetcher.rewriting(record)  # and waits for a device copy out of the host copy still in flight
+        except BaseException:
+            self.end_turn(record)
+            raise
         return self.fetcher.hosts[record][:record.nbytes]
 
     def end(self, record, buf, keep=()):
         self.fetcher.wrote(record, None)  # written in place; weights not stepped (keep) were never touched
+        self.end_turn(record)
 
     def abort(self, record):
         self.fetcher.wrote(record, None)
+        self.end_turn(record)
 
     def flush(self):
         pass
@@ -62,12 +91,13 @@ class HostStore:
 POOL_BYTES = 512 << 20  # pinned buffers for records being rewritten (a larger record gets one buffer of its size)
 
 
-class DiskStore:
+class DiskStore(RecordTurns):
     """disk_offload: records in swapio's packed data file of offload_dir, rewritten in place. `locations`: slot ->
     (path, offset, nbytes) as the streamer reads it; `writable`: the data file swapio owns (None: checkpoint only)."""
 
     def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable,
                  pool_bytes=POOL_BYTES):
+        super().__init__()
         self.records, self.fetcher, self.handle = streamer_records, fetcher, handle
         self.locations, self.offload_dir, self.claim, self.writable = locations, offload_dir, claim, writable
         self.pool_bytes = pool_bytes
@@ -152,10 +182,15 @@ class DiskStore:
         """A pinned buffer for the record's new bytes (holding the current ones when need_current); end() writes
         it, abort() gives it up. The record is not read ahead meanwhile (Fetcher.rewriting). Several records may
         be begun at once (one update of a batch of records)."""
-        with self.fetcher.lock:
-            written = self.fetcher.writing.pop(record, None)
-        if written is not None and written is not REWRITING:
-            written.exception()  # the last step's write of this record (failed: rewritten now anyway)
+        self.take_turn(record)
+        try:
+            with self.fetcher.lock:
+                written = self.fetcher.writing.pop(record, None)
+            if written is not None and written is not REWRITING:
+                written.exception()  # the last step's write of this record (failed: rewritten now anyway)
+        except BaseException:
+            self.end_turn(record)
+            raise
         self.fetcher.rewriting(record)
         try:
             whole = self._take(record.nbytes)
@@ -172,6 +207,7 @@ class DiskStore:
                 raise
         except BaseException:
             self.fetcher.wrote(record, None)  # the old bytes are still the record's
+            self.end_turn(record)
             raise
         with self._lock:
             self._taken[record] = whole
@@ -184,6 +220,7 @@ class DiskStore:
             if whole is not None:
                 self._free.append(whole)
         self.fetcher.wrote(record, None)
+        self.end_turn(record)
 
     def end(self, record, buf, keep=()):
         """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
@@ -203,10 +240,12 @@ class DiskStore:
             with self._lock:
                 self._free.append(whole)
             self.fetcher.wrote(record, None)
+            self.end_turn(record)
             raise
         self.fetcher.wrote(record, future)
         with self._lock:
             self._writes.append((future, whole))
+        self.end_turn(record)
 
     def flush(self):
         """Waits for every write; raises the first error (the record stays marked failed in the fetcher until

@@ -93,7 +93,8 @@ class CpuState:
             sent = self._sent.pop(w.p, None)
             if sent is not None:
                 sent.synchronize()
-        host_grad = self.grad_copies.take(w.p, w.grad_source) if self.grad_copies is not None else None
+        host_grad = (self.grad_copies.take(w.p, w.grad_source, as_copied=copies.in_backward)
+                     if self.grad_copies is not None else None)
         # new values go to the GPU after the kernels that read the old ones: those before the gradient's copy
         after = self.grad_copies.copy_event(w.p) if host_grad is not None else None
         clock.io_wait_s += now() - t0

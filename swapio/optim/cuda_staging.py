@@ -20,7 +20,8 @@ class StepCopies:
     """Copies between the host and the GPUs during one step(); end() once the step's copies are queued.
     Gradients come over on each device's to-host side stream, parameters go back on its to-device one."""
 
-    def __init__(self):
+    def __init__(self, in_backward=False):
+        self.in_backward = in_backward  # updates during backward: gradients as their copies in backward hold them
         self.before = {}    # device -> event on the compute stream when this step first copied for it
         self.sent = set()   # devices with copies to the device queued
 

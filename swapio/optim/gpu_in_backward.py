@@ -2,7 +2,8 @@
 soon as its gradient is complete, while backward goes on with earlier layers.
 
 GradCopies' hook queues the gradient's copy to pinned RAM and calls ready(p); a worker thread takes the parameters
-ready so far (a batch), waits for their copies alone, steps them and queues their new values' copies to the GPU
+ready so far (a batch), waits for their copies alone, steps them with the gradients as backward produced them
+(those copies) and queues their new values' copies to the GPU
 on the side stream, which first waits for the work the compute stream had queued by then (the kernels of
 backward that still read the old values). The compute stream is made to wait for those copies only at step(),
 before the next forward; backward itself never waits for them.
@@ -12,7 +13,6 @@ them again with the same gradients, as torch's optimizers do. A gradient changed
 updated (torch's clip_grad_norm_, GradScaler.unscale_) cannot take effect: step() raises instead of ignoring it.
 """
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from .cuda_staging import StepCopies
@@ -20,12 +20,13 @@ from .params import shard
 
 
 class GpuInBackward:
-    def __init__(self, step_params):
+    def __init__(self, step_params, copied_as):
         self._step_params = step_params  # (params, copies) -> steps params, queuing copies on `copies`
+        self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
-        self.copies = StepCopies()
+        self.copies = StepCopies(in_backward=True)
         self.working = None
         self.error = None
         self.executor = None
@@ -48,11 +49,9 @@ class GpuInBackward:
                     self.working = None
                     return
             try:
+                used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
                 self._step_params(batch, self.copies)
-                for p in batch:
-                    g = shard(p.grad) if p.grad is not None else None
-                    if g is not None:
-                        self.stepped[p] = (weakref.ref(g), g._version)
+                self.stepped.update((p, u) for p, u in used.items() if u is not None)
             except BaseException as exc:  # noqa: BLE001 - raised by the next gradient_ready() or finish()
                 with self.lock:
                     self.error = self.error or exc

@@ -11,7 +11,7 @@ after its hook ran, step() copies that gradient again (overlapped with the kerne
 one of the gradient as step() finds it. With gradient accumulation each backward copies the sum so far: the
 last copy is the one step() uses.
 
-on_ready(p), if given, is called from the hook once p's copy is queued: optimizer-in-backward steps p then.
+on_ready(callback): callback(p) runs in the hook once p's copy is queued (optimizer-in-backward steps p then).
 """
 import weakref
 
@@ -25,14 +25,18 @@ _ARENA_ALIGN = 64  # each gradient at a cache-line boundary of the arena
 
 
 class GradCopies:
-    def __init__(self, on_ready=None):
-        self._on_ready = weakref.WeakMethod(on_ready) if on_ready is not None else None
+    def __init__(self):
+        self._on_ready = None
         self.places = {}   # p -> byte offset of its gradient in the arena
         self.end = 0
         self.arena = None  # pinned uint8, allocated at the first copy
         self.copied = {}   # p -> (the gradient copied, its version then, event of the copy's completion, arrival)
         self.arrivals = 0
         self._hooks = []
+
+    def on_ready(self, callback):
+        """callback(p) (a bound method, held weakly) runs in the hook once p's copy is queued."""
+        self._on_ready = weakref.WeakMethod(callback)
 
     def attach(self, params):
         """Hooks the CUDA parameters among params (each once)."""
@@ -81,19 +85,25 @@ class GradCopies:
             if on_ready is not None:
                 on_ready(p)
 
-    def take(self, p, g):
+    def take(self, p, g, as_copied=False):
         """p's gradient on the host (flat, valid until p's next backward) if the copy made in backward is of `g`
-        as it is now, after waiting for that copy alone; else None (g changed since: copy it again)."""
+        as it is now, after waiting for that copy alone; else None (g changed since: copy it again).
+        as_copied: the copy whatever g is now (in-backward updates use the gradient as backward produced it)."""
         entry = self.copied.get(p)
         if entry is None:
             return None
         copied, version, done, _ = entry
         g = shard(g)
-        if copied() is not g or g._version != version:
+        if not as_copied and (copied() is not g or g._version != version):
             return None
         done.synchronize()
         at = self.places[p]
         return self.arena[at:at + g.numel() * g.element_size()].view(g.dtype)
+
+    def copied_as(self, p):
+        """(weak ref to the gradient copied in backward, its version then), or None."""
+        entry = self.copied.get(p)
+        return entry[:2] if entry is not None else None
 
     def arrival(self, p):
         """The order in which p's gradient copy was queued in backward (step() steps the parameters whose

@@ -4,9 +4,11 @@ torch sums a parameter's gradients over several backward passes in .grad; an off
 (each forward makes a new leaf), so its gradients are summed here: in RAM (offload="cpu", RamGrads) or in a file
 beside the state's swap file (offload="nvme", FileGrads: each parameter's fp32 sum at a 4 KiB-aligned extent,
 read, added to and written back through two pinned buffers). Like .grad, the sums outlive step() until
-zero_grad(). clip_grad_norm_ needs each sum's norm: RamGrads computes it from RAM, FileGrads keeps the norm
-of each sum as it writes it, so clipping makes no pass over the file; the clip's scale is applied where the sum
-is read next (step, or the next backward's addition).
+zero_grad(). clip_grad_norm_ needs each sum's norm, computed as torch computes it for a .grad of the weight's
+dtype: RamGrads from RAM; FileGrads keeps the norm of each sum as it writes it, so a clip makes no pass over the
+file. A clip scales each sum as torch scales a .grad in place: multiplied, then rounded to the weight's dtype
+(bf16, fp16); FileGrads applies its clips' scales, one after the other, where the sum is read next (step, the
+next backward's addition, or a later clip, which reads the scaled sums to take their norms afresh).
 """
 import os
 
@@ -19,8 +21,19 @@ from .finish import finish_all
 from .params import FP32, shard
 
 
-def _norm(t):
-    return torch._foreach_norm([t])[0]  # what torch.nn.utils.clip_grad_norm_ computes per gradient
+ZEROED = "zeroed"  # FileGrads: the sum was zeroed (p.grad.zero_()); the file's bytes are stale
+
+
+def _norm(t, dtype):
+    """What torch.nn.utils.clip_grad_norm_ computes for a .grad of `dtype` holding t: in that dtype."""
+    return torch._foreach_norm([t if dtype == FP32 else t.to(dtype)])[0]
+
+
+def _clip(s, coef, dtype):
+    """s *= coef, as torch's in-place mul of a .grad of `dtype`: rounded to that dtype."""
+    s.mul_(coef)
+    if dtype != FP32:
+        s.copy_(s.to(dtype))
 
 
 class RamGrads:
@@ -42,14 +55,18 @@ class RamGrads:
         return lambda: {p: self.sums[p] for p in params}
 
     def norms(self, params):
-        return {p: _norm(self.sums[p]) for p in params if p in self.sums}
+        return {p: _norm(self.sums[p], p.dtype) for p in params if p in self.sums}
 
     def drop(self, p):
         self.sums.pop(p, None)
 
+    def zero(self, p):
+        if p in self.sums:
+            self.sums[p].zero_()
+
     def scale(self, coef):
-        for s in self.sums.values():
-            s.mul_(coef)
+        for p, s in self.sums.items():
+            _clip(s, coef, p.dtype)
 
     def clear(self):
         self.sums = {}
@@ -69,16 +86,16 @@ class FileGrads:
         self.handle = AioHandle.from_config(dict(io_settings))
         self.extents = {}   # p -> byte offset in the file
         self.end = 0
-        self.held = {}      # p -> (norm of the sum on disk, pending clip scale or None)
-        self._buffers, self._pending, self._turn = [None, None], [None, None], 0
+        self.held = {}      # p -> (norm of the sum as read next, or None: not known; the clips' scales to apply
+                            # to the sum on disk, in order, or ZEROED)
+        self._buffers, self._pending, self._turn = [None, None], [None, None], 0  # _pending: (future, p)
+        self.lost = set()   # sums whose write failed: neither the old nor the new, until dropped or zeroed
         self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
 
     def _buffer(self, nbytes):
         k = self._turn
         self._turn ^= 1
-        pending, self._pending[k] = self._pending[k], None
-        if pending is not None:
-            pending.wait()
+        self._finish(k)
         if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
             self._buffers[k] = None
             self._buffers[k] = empty_pinned(round_up(nbytes), torch.uint8)
@@ -91,28 +108,50 @@ class FileGrads:
             self.end += round_up(nbytes)
         return off
 
+    def _finish(self, k):
+        """Waits for buffer k's write; a sum whose write failed is lost (see check)."""
+        pending, self._pending[k] = self._pending[k], None
+        if pending is not None:
+            try:
+                pending[0].wait()
+            except BaseException:
+                self.lost.add(pending[1])
+                raise
+
+    def check(self):
+        """RuntimeError while a sum is lost: stepping, clipping or adding to it would use bytes that are neither
+        the old sum nor the new one."""
+        if self.lost:
+            raise RuntimeError(f"{len(self.lost)} gradient sum(s) could not be written to {self.path} (the OSError "
+                               "raised earlier): call zero_grad() and run the backward pass again")
+
     def add(self, p, g):
+        self.check()
         n = g.numel()
         k, buf = self._buffer(n * 4)
         s = buf[:n * 4].view(FP32).view(g.shape)
         off = self._extent(p, n * 4)
-        if p in self.held:
+        if p in self.held and self.held[p][1] != ZEROED:
             self._wait_writes()
             self.handle.pread(buf, self.path, off).wait()
-            scale = self.held[p][1]
-            if scale is not None:
-                s.mul_(scale)
+            self._apply(s, p)
             s.add_(g)
         else:
             s.copy_(g)
-        self.held[p] = (_norm(s), None)
-        self._pending[k] = self.handle.pwrite(buf, self.path, off)
+        self.held[p] = (_norm(s, p.dtype), [])
+        self._pending[k] = (self.handle.pwrite(buf, self.path, off), p)
+
+    def _apply(self, s, p):
+        """The pending clips of p (or its zeroing) applied to s, its sum as read from the file."""
+        scales = self.held[p][1]
+        if scales == ZEROED:
+            s.zero_()
+            return
+        for coef in scales:
+            _clip(s, coef, p.dtype)
 
     def _wait_writes(self):
-        for k, f in enumerate(self._pending):
-            self._pending[k] = None
-            if f is not None:
-                f.wait()
+        finish_all(lambda k=k: self._finish(k) for k in range(len(self._pending)))
 
     def has(self, p):
         return p in self.held
@@ -122,6 +161,7 @@ class FileGrads:
         while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
         its clip scale applied}, views valid until the arena's next start_reads."""
         self._wait_writes()
+        self.check()
         sizes = [round_up(shard(p).numel() * 4) for p in params]
         buf = self._read_buffers.get(arena)
         if buf is None or buf.numel() < sum(sizes):
@@ -136,25 +176,42 @@ class FileGrads:
         def result():
             finish_all(f.wait for f in futures)
             for p, v in views.items():
-                scale = self.held[p][1]
-                if scale is not None:
-                    v.mul_(scale)
+                self._apply(v, p)
             return views
         return result
 
     def norms(self, params):
+        """The norms kept; those a clip made unknown are taken afresh from the scaled sums (a pass over them, one
+        sum at a time: a norm scaled by the clip's factor may differ from torch's in the last bit)."""
+        self._wait_writes()
+        self.check()
+        for p in params:
+            if p in self.held and self.held[p][0] is None:
+                v = self.start_reads([p], 0)()[p]
+                self.held[p] = (_norm(v, p.dtype), self.held[p][1])
         return {p: self.held[p][0] for p in params if p in self.held}
 
     def drop(self, p):
         self.held.pop(p, None)  # its extent stays, for its next sum
+        self.lost.discard(p)
+
+    def zero(self, p):
+        if p in self.held:
+            self.held[p] = (_norm(torch.zeros(()), p.dtype), ZEROED)
+            self.lost.discard(p)
 
     def scale(self, coef):
-        for p, (norm, scale) in self.held.items():
-            self.held[p] = (norm * coef, coef if scale is None else scale * coef)
+        for p, (norm, scales) in self.held.items():
+            if scales != ZEROED:
+                self.held[p] = (None, scales + [coef])
 
     def clear(self):
-        self._wait_writes()
+        try:
+            self._wait_writes()
+        except OSError:
+            pass  # a write of a sum dropped now: nothing of it is needed any more
         self.held = {}  # extents stay: the next sums overwrite them
+        self.lost = set()
 
     def close(self):
         try:

@@ -126,8 +126,9 @@ class NvmeState:
         self.file_bytes = 0
         self._slots = None
         self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
+        self._writing = [None] * buffer_count               # per slot: the chunk whose record it writes
         self._events = [[] for _ in range(buffer_count)]   # per slot: CUDA events of copies out of it
-        self.writes_lost = False  # the last run() failed with a write that may not have reached the file
+        self.written = set()  # chunks whose record the last run() wrote, each write waited and successful
         self.clock = IoClock()  # kernel time, I/O waits and bytes moved by run() (opt.step_report())
 
     # ---- layout -------------------------------------------------------------------------------------------
@@ -248,6 +249,7 @@ class NvmeState:
     def _drain(self, s):
         pending, self._pending[s] = self._pending[s], []
         events, self._events[s] = self._events[s], []
+        chunk, self._writing[s] = self._writing[s], None
         if not (pending or events):
             return
         t0 = now()
@@ -256,6 +258,8 @@ class NvmeState:
                 ev.synchronize()
             finish_all(f.wait for f in pending)
         self.clock.io_wait_s += now() - t0
+        if chunk is not None:
+            self.written.add(chunk)
 
     def wait_all(self):
         finish_all(lambda s=s: self._drain(s) for s in range(self.buffer_count))
@@ -264,9 +268,10 @@ class NvmeState:
         """For each chunk: read its record (if read(chunk)) into a slot, call work(chunk, views, slot) in this
         thread (it may return futures that must finish before the slot is reused), then write the record back
         (if write; also when work raised, so that what it changed is not lost). Reads run up to buffer_count-2
-        chunks ahead; writes drain behind. between(i), if given, runs before chunk i > 0 is computed. When the run
-        fails and a write of it may not have reached the file, sets self.writes_lost."""
-        self.writes_lost = False
+        chunks ahead; writes drain behind. between(i), if given, runs before chunk i > 0 is computed. Every chunk
+        whose write finished without error goes into self.written; a write that failed, or whose end the run did
+        not see (it failed first), leaves its chunk out."""
+        self.written = set()
         n = len(chunks)
         count = self.buffer_count
         ahead = max(1, count - 2)
@@ -305,6 +310,7 @@ class NvmeState:
                     if write:
                         futures.append(self.wh.pwrite(record, self.path, chunks[i].offset, identity=self.identity))
                         clock.bytes_written += record.numel()
+                        self._writing[s] = chunks[i]
                     self._pending[s] = futures
             ok = True
         finally:
@@ -318,13 +324,14 @@ class NvmeState:
             else:
                 try:
                     self.wait_all()
-                except BaseException:  # noqa: BLE001 - the first error is already propagating
-                    self.writes_lost = True
+                except BaseException:  # noqa: BLE001 - the first error is already propagating; self.written
+                    pass               # tells what reached the file
 
     # ---- operations ---------------------------------------------------------------------------------------
     def step(self, works, threads, ctrl_c):
         """Steps the chunks that hold parameters with gradients (the optimizer has placed every parameter first,
-        place()). A parameter is done (w.done) once its last segment is computed and every record written;
+        place()). A parameter is done (w.done) once its last segment is computed and every record holding it
+        written (a failed write leaves it torn, and the optimizer refuses it until a load);
         ctrl_c.poll() runs at chunk boundaries that no stepped parameter spans, after the writes before it are
         finished, where each parameter is fully stepped or untouched."""
         state = self.state
@@ -363,13 +370,17 @@ class NvmeState:
                 if seg.b == w.numel:
                     finished.append(w)
 
+        def settle():
+            """Marks done the finished parameters whose records are all in the file."""
+            for w in finished:
+                w.done = all(chunk in self.written for chunk, _ in self.placed[w.p][2])
+
         def between(i):
             if not ctrl_c.pending or any(seg.p in by_param and seg.b < by_param[seg.p].numel
                                          for seg in chunks[i - 1].segments):
                 return  # no Ctrl-C, or a parameter goes on in chunk i: not a consistent point
             self.wait_all()
-            for w in finished:
-                w.done = True
+            settle()
             ctrl_c.poll()
 
         copies = StepCopies()
@@ -377,9 +388,7 @@ class NvmeState:
             self.run(chunks, lambda c: any(seg.p in stateful for seg in c.segments), work, True, between)
         finally:
             copies.end()
-            if not self.writes_lost:  # the records of every finished parameter are in the file
-                for w in finished:
-                    w.done = True
+            settle()
 
     def dump(self, params, sink):
         """sink(p, first_element, end_element, {field: view of every stored field}) for each piece of each

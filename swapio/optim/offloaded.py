@@ -23,6 +23,7 @@ from ..core import cuda_copy
 from ..core.pinned import empty_pinned
 from ..offload.training import lookup
 from ..offload.weight_store import current_value
+from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
@@ -72,7 +73,9 @@ class OffloadedParams:
         self.grads = None    # RamGrads | FileGrads, from start()
         self.partial = {}    # in_backward: p -> fp32 gradient of this backward, until its record is updated
         self.parts = {}      # p -> the sum of its uses' gradients in this backward, until the last arrives
-        self.markers = {}    # p -> (meta tensor set as p.grad while p has a gradient sum, its version then)
+        self.markers = {}    # p -> (GradMarker set as p.grad while p has a gradient, its version then)
+        self.consumed = set()  # in_backward: weights whose gradient a finished step() applied, until zero_grad()
+        self.fresh = set()   # in_backward: weights that got a gradient since the last step()
         self.queued = set()  # in_backward: records handed to the worker since the last step()
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
@@ -80,6 +83,7 @@ class OffloadedParams:
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.executor = None
         self.error = None
+        self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
         self.lock = threading.Lock()
         self.ready_changed = threading.Condition(self.lock)
 
@@ -134,33 +138,73 @@ class OffloadedParams:
         self._accept(p, slot, g)
 
     def _accept(self, p, slot, g):
+        """p's whole gradient of this backward: through the hooks registered on p, as torch runs a leaf's (its
+        gradient hooks, then the accumulation, then its post-accumulate-grad hooks), into the sum or the update."""
+        g = run_grad_hooks(p, g)
         if not self.in_backward:
-            if self.grads.has(p) and not self._marked(p):
-                self.grads.drop(p)  # p.grad was set to None (model.zero_grad()): the sum is gone, as in torch
+            self._sync(p)  # what model.zero_grad() or p.grad.zero_() did since the last gradient
             self.grads.add(p, g)
             self._mark(p)
+            run_post_accumulate_hooks(p)
             return
         training = self.entries[p][0]
         with self.lock:
             if slot.record in self.queued:
-                raise RuntimeError(f"{slot.name!r} got a gradient after this backward already updated it: with "
-                                   "in_backward=True every backward is one step, so call step() (and zero_grad()) "
-                                   "after each backward; to sum the gradients of several backward passes, build "
-                                   "the optimizer with in_backward=False")
+                raise _second_backward(f"{slot.name!r} got a gradient")
+            if p in self.consumed and self._marker_state(p) == "kept":
+                raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
+                                   "applied: torch would add the two and step with the sum, but with in_backward=True "
+                                   "the last gradient is not kept. Call opt.zero_grad() (or model.zero_grad()) after "
+                                   "each step(), or build the optimizer with in_backward=False")
+            self.consumed.discard(p)
+            self.fresh.add(p)
             s = self.partial.get(p)
             self.partial[p] = g.to(FP32, copy=True) if s is None else s.add_(g)
+        self._mark(p)
+        run_post_accumulate_hooks(p)
+        state = self._marker_state(p)  # a hook may have dropped (p.grad = None) or zeroed the gradient
+        if state != "kept":
+            with self.lock:
+                if state is None:
+                    self.partial.pop(p, None)
+                else:
+                    self.partial[p].zero_()
+                    self._mark(p)
         self._maybe_queue(training, slot.record)
 
-    def _mark(self, p):
-        """p.grad shows whether p has a gradient sum, as .grad does in torch: a meta tensor (no memory) while it
-        has one, so that model.zero_grad() (p.grad = None, or .zero_()) drops the sum too."""
-        if p.grad is None or p.grad is not self.markers.get(p, (None,))[0]:
-            p.grad = torch.empty_like(p)
-        self.markers[p] = (p.grad, p.grad._version)
+    def check_backward(self, record):
+        """A backward needs the weights of `record` (training.py): refused once this backward updated them."""
+        if self.in_backward and record in self.queued:
+            raise _second_backward(f"a backward needs the weights of {record}")
 
-    def _marked(self, p):
+    def _mark(self, p):
+        """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
+        while it has one, so that model.zero_grad() (p.grad = None) drops it and p.grad.zero_() zeroes it."""
+        marker = self.markers.get(p, (None,))[0]
+        if marker is None or p.grad is not marker:
+            marker = p.grad = new_marker(p, self.entries[p][1].name)
+        self.markers[p] = (marker, marker._version)
+
+    def _marker_state(self, p):
+        """What p.grad says of p's gradient since the optimizer marked it: "kept", "zeroed" (p.grad.zero_()), or
+        None (never marked, or set to None or replaced since: model.zero_grad())."""
         marker = self.markers.get(p)
-        return marker is not None and p.grad is marker[0] and marker[0]._version == marker[1]
+        if marker is None or p.grad is not marker[0]:
+            return None
+        return "kept" if marker[0]._version == marker[1] else "zeroed"
+
+    def _sync(self, p):
+        """Makes p's gradient sum what torch's .grad would be after what was done to p.grad: dropped when it was
+        set to None, zeroed when it was zeroed. Returns whether p has a sum."""
+        state = self._marker_state(p)
+        if state is None:
+            self.markers.pop(p, None)
+            self.grads.drop(p)
+            return False
+        if state == "zeroed":
+            self.grads.zero(p)
+            self._mark(p)
+        return self.grads.has(p)
 
     def _flush_parts(self):
         """Gradients whose last use never got one (an unused output): taken as they are."""
@@ -194,7 +238,8 @@ class OffloadedParams:
     def _work(self):
         """The worker: updates the ready records, a batch at a time (consecutive records of one model, up to
         batch_bytes of gradients: one pass of the state pipeline), until none is ready. Its error is kept in
-        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...)."""
+        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...); after
+        it the worker drops the batches still ready (their weights untouched) until step() or zero_grad()."""
         while True:
             with self.ready_changed:
                 if not self.ready:
@@ -208,11 +253,13 @@ class OffloadedParams:
                     size += batch[-1][3]
             try:
                 grads = {p: g for _, _, gs, _ in batch for p, g in gs.items()}
-                with torch.no_grad():
-                    self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
+                if not self.failed:
+                    with torch.no_grad():
+                        self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
             except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
                 with self.lock:
-                    self.error = self.error or exc
+                    if not self.failed:
+                        self.error, self.failed = exc, True
             finally:
                 with self.ready_changed:
                     self.ready_bytes -= size
@@ -245,7 +292,10 @@ class OffloadedParams:
         in one pass of the state pipeline, and writes each record back; a record none of whose weights got
         stepped (an error before it) keeps its bytes."""
         opt = self._opt()
-        plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads]) for r in records]
+        opt._check_whole()  # an earlier update (in backward) failed half way: nothing more until a load
+        order = {r: i for i, r in enumerate(training.streamer.records)}  # the order stores take turns in
+        plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads])
+                for r in sorted(records, key=order.__getitem__)]
         plan = [(r, params) for r, params in plan if params]
         steps = {p: _step_of(opt, p) for _, params in plan for p in params}
         store, begun = training.store, []
@@ -280,24 +330,38 @@ class OffloadedParams:
         if batch:
             yield batch
 
+    def check_step(self):
+        """RuntimeError, before step() changes anything, when it would step again with gradients that
+        in_backward=True applied already (torch would reuse .grad; here it is gone)."""
+        if not self.in_backward:
+            return
+        again = [p for p in self.entries if p in self.consumed and self._marker_state(p) is not None]
+        if again:
+            names = ", ".join(repr(self.entries[p][1].name) for p in again[:3])
+            raise RuntimeError(f"step() again without a new backward: p.grad of {names}"
+                               f"{', ...' if len(again) > 3 else ''} still shows the gradient the last step() "
+                               "applied. torch would step again with the same .grad, but with in_backward=True each "
+                               "gradient is applied during backward and not kept. Call zero_grad() and backward() "
+                               "before each step(), or build the optimizer with in_backward=False")
+
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
         self._flush_parts()
+        self.check_step()
         for training, slot in self.entries.values():
             if training.closed or training.streamer is None:
                 raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
                                    "dropped): its weights are resident parameters now, which this optimizer does "
                                    "not own; build a new optimizer over model.parameters()")
+        summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
         try:
             for training, records in self._records().items():
                 def owned(record):
                     return [self.param_of[s] for s in record.slots if s in self.param_of]
 
                 def pending(record):
-                    if self.in_backward:
-                        return [p for p in owned(record) if p in self.partial]
-                    return [p for p in owned(record) if self.grads.has(p) and self._marked(p)]
+                    return [p for p in owned(record) if p in (self.partial if self.in_backward else summed)]
 
                 with_grads = [r for r in records if pending(r)]
                 batches = list(self._batches(with_grads, lambda r: sum(4 * p.numel() for p in pending(r))))
@@ -323,13 +387,16 @@ class OffloadedParams:
                 training.reset()
             self.queued.clear()
             self.partial.clear()
+            self.consumed |= self.fresh
+            self.fresh.clear()
+            self.failed = False
 
     def norms(self):
         """{p: the 2-norm of p's gradient sum} (clip_grad_norm_), gradients still partial included."""
         self.wait()
         self._flush_parts()
-        for p in [p for p in self.entries if self.grads.has(p) and not self._marked(p)]:
-            self.grads.drop(p)
+        for p in list(self.entries):
+            self._sync(p)
         return self.grads.norms(list(self.entries))
 
     def flush(self):
@@ -337,14 +404,27 @@ class OffloadedParams:
         for training in self._records():
             training.store.flush()
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
+        """Drops every gradient; set_to_none=False zeroes the sums instead, as torch zeroes .grad (a step()
+        then steps with zeros)."""
         self.wait()
         if self.grads is not None:
-            self.grads.clear()
+            summed = [] if set_to_none or self.in_backward else [p for p in self.entries if self._sync(p)]
+            if summed:
+                for p in summed:
+                    self.grads.zero(p)
+                kept = {id(p) for p in summed}  # by identity: tensors compare by value
+                for p in [p for p in self.entries if id(p) not in kept]:
+                    self.grads.drop(p)
+            else:
+                self.grads.clear()
+                self.markers.clear()
         self.partial.clear()
         self.parts.clear()
         self.queued.clear()
-        self.markers.clear()
+        self.consumed.clear()
+        self.fresh.clear()
+        self.failed = False
         for training in self._records():
             training.reset()
 
@@ -394,6 +474,37 @@ class OffloadedParams:
         if self.grads is not None:
             self.grads.close()
             self.grads = None
+
+
+def _second_backward(what):
+    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), or "
+                        "retain_graph=True): with in_backward=True every backward is one step, so call step() (and "
+                        "zero_grad()) after each backward; to sum the gradients of several backward passes, build "
+                        "the optimizer with in_backward=False")
+
+
+def run_grad_hooks(p, g):
+    """The gradient hooks registered on p (p.register_hook), in order, as torch runs a leaf's: each gets the
+    gradient and may return the one to use instead."""
+    hooks = p._backward_hooks
+    if not hooks:
+        return g
+    if _reused(g):
+        g = g.clone()  # a hook may keep it: not a view of the staging buffer that the next gradient reuses
+    for hook in list(hooks.values()):
+        new = hook(g)
+        if new is not None:
+            if not isinstance(new, torch.Tensor) or new.shape != g.shape:
+                raise RuntimeError(f"hook {getattr(hook, '__name__', hook)!r} has changed the size of value")
+            g = new
+    return g
+
+
+def run_post_accumulate_hooks(p):
+    """The post-accumulate-grad hooks registered on p, given p, as torch calls them once .grad holds the sum."""
+    hooks = p._post_accumulate_grad_hooks
+    for hook in list(hooks.values()) if hooks else ():
+        hook(p)
 
 
 def _step_of(opt, p):

@@ -84,9 +84,11 @@ class OffloadOptimizer(Optimizer):
         self._offloaded = OffloadedParams(self, in_backward, max(budget.total, 1 << 20))
         # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
         # its buffers, so its gradients come over segment by segment in step())
-        self._gpu_in_backward = GpuInBackward(self._step_in_backward) if in_backward and offload == "cpu" else None
-        on_ready = self._gpu_in_backward.gradient_ready if self._gpu_in_backward is not None else None
-        self._grad_copies = GradCopies(on_ready) if offload == "cpu" else None
+        self._grad_copies = GradCopies() if offload == "cpu" else None
+        self._gpu_in_backward = None
+        if in_backward and offload == "cpu":
+            self._gpu_in_backward = GpuInBackward(self._step_in_backward, self._grad_copies.copied_as)
+            self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
@@ -190,6 +192,8 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step for every parameter with a gradient; returns closure's loss when given."""
+        self._check_open()
+        self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()
         loss = None
         if closure is not None:
@@ -208,8 +212,9 @@ class OffloadOptimizer(Optimizer):
             self._step_params(params, lambda p: p.grad, copies=copies)
 
     def zero_grad(self, set_to_none=True):
-        """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped."""
-        self._offloaded.zero_grad()
+        """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped (zeroed with
+        set_to_none=False, as torch zeroes .grad)."""
+        self._offloaded.zero_grad(set_to_none)
         if self._gpu_in_backward is not None:
             self._gpu_in_backward.forget()
         if self._grad_copies is not None:
