@@ -3,7 +3,8 @@
 torch sums a parameter's gradients over several backward passes in .grad; an offloaded weight has no .grad
 (each forward makes a new leaf), so its gradients are summed here: in RAM (offload="cpu", RamGrads) or in a file
 beside the state's swap file (offload="nvme", FileGrads: each parameter's fp32 sum at a 4 KiB-aligned extent,
-read, added to and written back through two pinned buffers). Like .grad, the sums outlive step() until
+read, added to and written back through two pinned buffers, which step() reads the sums into too). Like .grad,
+the sums outlive step() until
 zero_grad(). clip_grad_norm_ needs each sum's norm: RamGrads computes it from RAM, FileGrads keeps the norm
 of each sum as it writes it, so clipping makes no pass over the file; the clip's scale is applied where the sum
 is read next (step, or the next backward's addition).
@@ -60,6 +61,9 @@ class RamGrads:
     def nbytes(self):
         return sum(s.nbytes for s in self.sums.values())
 
+    def pinned_bytes(self):
+        return 0
+
 
 class FileGrads:
     """fp32 sums in `directory`/grads.swap (the optimizer's private swap directory)."""
@@ -70,8 +74,18 @@ class FileGrads:
         self.extents = {}   # p -> byte offset in the file
         self.end = 0
         self.held = {}      # p -> (norm of the sum on disk, pending clip scale or None)
+        # Two pinned buffers, for additions in backward (one is written while the next sum is added in the other)
+        # and for step()'s reads (arena 0 and 1: the next batch's sums are read while this one steps). Backward and
+        # step() never overlap, so they share: gradients pin two buffers, each the larger of the largest sum and
+        # the largest batch, whatever the model's depth.
         self._buffers, self._pending, self._turn = [None, None], [None, None], 0
-        self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
+
+    def _sized(self, k, nbytes):
+        """Buffer k, grown (replaced) to hold at least nbytes; nothing may read into or write from it now."""
+        if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
+            self._buffers[k] = None
+            self._buffers[k] = empty_pinned(round_up(max(nbytes, 1)), torch.uint8)
+        return self._buffers[k]
 
     def _buffer(self, nbytes):
         k = self._turn
@@ -79,10 +93,7 @@ class FileGrads:
         pending, self._pending[k] = self._pending[k], None
         if pending is not None:
             pending.wait()
-        if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
-            self._buffers[k] = None
-            self._buffers[k] = empty_pinned(round_up(nbytes), torch.uint8)
-        return k, self._buffers[k][:round_up(nbytes)]
+        return k, self._sized(k, nbytes)[:round_up(nbytes)]
 
     def _extent(self, p, nbytes):
         off = self.extents.get(p)
@@ -120,13 +131,10 @@ class FileGrads:
     def start_reads(self, params, arena=0):
         """Starts reading the sums of params (a batch) into read arena `arena` (0 or 1: the next batch is read
         while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
-        its clip scale applied}, views valid until the arena's next start_reads."""
+        its clip scale applied}, views valid until the arena's next start_reads or the next add()."""
         self._wait_writes()
         sizes = [round_up(shard(p).numel() * 4) for p in params]
-        buf = self._read_buffers.get(arena)
-        if buf is None or buf.numel() < sum(sizes):
-            self._read_buffers[arena] = None
-            buf = self._read_buffers[arena] = empty_pinned(max(sum(sizes), 1), torch.uint8)
+        buf = self._sized(arena, sum(sizes))
         views, futures, at = {}, [], 0
         for p, size in zip(params, sizes):
             futures.append(self.handle.pread(buf[at:at + size], self.path, self.extents[p]))
@@ -164,3 +172,6 @@ class FileGrads:
 
     def nbytes(self):
         return self.end
+
+    def pinned_bytes(self):
+        return sum(b.numel() for b in self._buffers if b is not None)
