@@ -453,6 +453,8 @@ class OffloadOptimizer(Optimizer):
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
         report.update(self._backend.memory())
         report["grad_bytes"] = self._offloaded.grad_bytes()  # offloaded weights' gradient sums (RAM, or file)
+        # the state's slots (cpu mode: staging of a fixed size); slots sized for parameters placed before and
+        # forgotten since stay until they are reallocated, hence the max
         state = report.pop("pinned_budget", report["pinned_bytes"])
         parts = {"state": {"bytes": report["pinned_bytes"], "budget": max(state, report["pinned_bytes"])}}
         parts.update(self._offloaded.pinned())
