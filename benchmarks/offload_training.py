@@ -19,6 +19,11 @@ disk), and peak RSS (VmHWM, reset every step). The bound of a step, measured in 
   compute  forward + backward of one resident layer of the same shape x layers, + the embedding and head, + the
          Adam kernel (OffloadAdamW in cpu mode on a resident bf16 tensor) scaled to the parameter count;
   bound = max(I/O, compute). Goals (issue 18): accumulate step <= 1.25 x bound; in_backward <= 0.75 x accumulate.
+Host memory: per step, the growth of peak RSS from before disk_offload, VmLck and swapio's own pinned peak
+(core/pinned.py, which counts memory the kernel refused to lock too), against memory_report()["pinned_budget"]
+and the RAM row `swapio plan` gives for the same options. --memory runs only that, e.g. a Llama at two depths:
+    python benchmarks/offload_training.py --memory --arch llama --width 1024 --vocab 32000 --layers 8 \
+        --ring-mib 64 --buffer-mib 64 --steps 2 --modes accumulate --dir /tmp/offload/llama8
 DeepSpeed ZeRO-3 with offload_param + offload_optimizer on NVMe (benchmarks/_deepspeed_zero3.py) runs on the same
 shapes and steps in --deepspeed-python (a venv with deepspeed; its async_io op needs libaio-dev); where it does
 not run, the reason is printed.
@@ -48,7 +53,13 @@ def child_train(args):
     for d in (od, swap):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
+    from swapio.core.pinned import pinned_bytes
     model = _meta_model(args)
+    largest = max(sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
+                  for m in model.modules())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    _reset_peak()
+    base_rss = _status("VmRSS")  # before disk_offload: its ring counts
     t0 = time.perf_counter()
     disk_offload(model, checkpoint=os.path.join(args.dir, "model.safetensors"), offload_dir=od,
                  buffer_bytes=args.ring_mib << 20)
@@ -59,6 +70,7 @@ def child_train(args):
     steps = []
     for _ in range(args.steps):
         _reset_peak()
+        pinned_bytes(reset_peak=True)
         r0, w0 = io_bytes()
         t0 = time.perf_counter()
         loss = model(ids, labels=ids).loss
@@ -70,11 +82,33 @@ def child_train(args):
         t3 = time.perf_counter()
         r1, w1 = io_bytes()
         steps.append(dict(loss=float(loss.detach()), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2, total_s=t3 - t0,
-                          read=r1 - r0, written=w1 - w0, peak_rss=_status("VmHWM")))
+                          read=r1 - r0, written=w1 - w0, peak_rss=_status("VmHWM"),
+                          rss_growth=_status("VmHWM") - base_rss, locked=_status("VmLck"),
+                          pinned_peak=pinned_bytes()[1]))
         print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
     report = opt.memory_report()
     opt.close()
-    return dict(setup_s=setup_s, steps=steps, memory=report)
+    return dict(setup_s=setup_s, steps=steps, memory=report, largest_module=largest, weight_bytes=weight_bytes)
+
+
+def print_memory(args, mode, res):
+    """Peak RSS growth (from before disk_offload), locked and swapio-pinned memory of each step, against the
+    pinned budget memory_report() states and the RAM row `swapio plan` gives for the same options."""
+    from swapio.tools import memplan
+    report = res["memory"]
+    itemsize = 2  # the benchmark's models are bf16
+    plan_ram = memplan.offloaded_training_ram(res["weight_bytes"], report["state_bytes"], args.buffer_mib << 20,
+                                              args.ring_mib << 20, res["largest_module"], itemsize,
+                                              in_backward=mode == "in_backward")
+    MiB = 1 << 20
+    print(f"{mode}: pinned budget {report['pinned_budget'] / MiB:.0f} MiB ("
+          + ", ".join(f"{k} {v['budget'] / MiB:.0f}" for k, v in report["pinned_parts"].items() if v["budget"])
+          + f"); swapio plan's RAM row {plan_ram / MiB:.0f} MiB (largest module {res['largest_module'] / MiB:.1f} "
+          "MiB)")
+    for i, s in enumerate(res["steps"]):
+        print(f"  step {i + 1}: peak RSS +{s['rss_growth'] / MiB:.0f} MiB ({s['rss_growth'] / plan_ram:.2f} x plan), "
+              f"pinned peak {s['pinned_peak'] / MiB:.0f} MiB ({s['pinned_peak'] / report['pinned_budget']:.2f} x "
+              f"budget), locked (VmLck) {s['locked'] / MiB:.0f} MiB")
 
 
 def child_bandwidth(args):
@@ -155,7 +189,7 @@ def run_child(args, name):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dir", args.dir, "--layers",
            str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
            "--steps", str(args.steps), "--bw-gib", str(args.bw_gib), "--ring-mib", str(args.ring_mib),
-           "--buffer-mib", str(args.buffer_mib)]
+           "--buffer-mib", str(args.buffer_mib), "--arch", args.arch]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
     if out.returncode:
         raise SystemExit(f"{name} failed (exit {out.returncode})")
@@ -201,13 +235,16 @@ def main(argv=None):
     ap.add_argument("--ring-mib", type=int, default=512)
     ap.add_argument("--buffer-mib", type=int, default=512)
     ap.add_argument("--modes", default="accumulate,in_backward")
+    ap.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    ap.add_argument("--memory", action="store_true",
+                    help="only the training runs and their host memory against the stated budget (no bandwidth, "
+                         "compute or DeepSpeed runs)")
     ap.add_argument("--deepspeed-python", default=None,
                     help="a Python with deepspeed (and libaio-dev) for the ZeRO-3 NVMe peer (default: this one)")
     ap.add_argument("--deepspeed-timeout", type=int, default=1800)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--child", default=None)
     args = ap.parse_args(argv)
-    args.arch = "gpt2"
     if args.child:
         fn = {"bandwidth": child_bandwidth, "compute": child_compute}.get(args.child, child_train)
         print(json.dumps(fn(args)))
@@ -220,13 +257,17 @@ def main(argv=None):
     del model
     need = n * (2 + 4 + 12)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"model: GPT-2 {args.layers} layers x {args.width}: {n / 1e9:.2f} G parameters; weights + fp32 grads + "
+    print(f"model: {'Llama' if args.arch == 'llama' else 'GPT-2'} {args.layers} layers x {args.width}: {n / 1e9:.2f} G parameters; weights + fp32 grads + "
           f"Adam state {need / 1e9:.1f} GB = {need / ram:.2f} x RAM ({ram / 1e9:.1f} GB)")
     if not os.path.exists(ckpt):
         t0 = time.perf_counter()
         write_checkpoint(args, ckpt)
         os.sync()  # its dirty pages must not be flushed during the bandwidth measurement
         print(f"wrote {ckpt} in {time.perf_counter() - t0:.0f} s")
+    if args.memory:
+        for mode in [m for m in args.modes.split(",") if m]:
+            print_memory(args, mode, run_child(args, mode))
+        return
     from swapio.kernels import ops
     print(f"Adam kernel level: {ops.cpu_capability()}; "
           f"torch threads {torch.get_num_threads()}")
@@ -251,6 +292,7 @@ def main(argv=None):
                          f"{s['total_s']:.1f}", f"{s['read'] / 1e9:.1f}", f"{s['written'] / 1e9:.1f}",
                          f"{s['peak_rss'] / GiB:.2f}", f"{io_s:.1f}", f"{bound:.1f}", f"{s['ratio']:.2f}"))
         print(f"{mode}: setup {res['setup_s']:.0f} s; memory_report {res['memory']}")
+        print_memory(args, mode, res)
     ds_steps, why = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else run_deepspeed(args)
     for i, s in enumerate(ds_steps or []):
         io_s = s["read"] / 1e9 / read_bw + s["written"] / 1e9 / write_bw

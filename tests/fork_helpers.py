@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 
-CHILD_MODULES = ["matrix_child", "leftover_children", "memory_child"]
+CHILD_MODULES = ["matrix_child", "leftover_children", "memory_child", "train_budget_child"]
 
 
 @pytest.fixture(scope="module")

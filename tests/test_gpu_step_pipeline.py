@@ -164,6 +164,10 @@ def test_gpu_parameters_step_like_torch_through_the_asynchronous_pipeline(fake_g
             else:  # rounded to nearest from masters equal to ~1e-7: equal but for a rare tie
                 assert (p != m.to(dtype)).float().mean() < 0.002
         opt.zero_grad()
+    parts = opt.memory_report()["pinned_parts"]  # every pinned buffer counted
+    assert parts["gpu_grads"]["bytes"] >= sum(p.numel() * p.element_size() for p in model.parameters())
+    if dtype == torch.float32:  # masters pinned, copied to the GPU straight from there
+        assert parts["gpu_masters"]["bytes"] == sum(p.numel() * 4 for p in model.parameters())
     opt.close()
 
 

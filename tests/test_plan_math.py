@@ -58,8 +58,10 @@ def test_7b_bf16_where_it_fits():
     assert cpu_only["fits"] == {"ram": False} and cpu_only_nvme["fits"] == {"ram": True, "disk": True}
     # weights offloaded too: 14 GB of bf16 weights, 28 GB of fp32 gradient sums (none in backward), 84 GB of state
     assert (off_cpu["gpu"], off_cpu["ram"], off_cpu["disk"]) == (0, 126 * GB, 0)
-    assert (off_nvme["gpu"], off_nvme["ram"], off_nvme["disk"]) == (0, 2 * (256 << 20), 126 * GB)
-    assert (off_nvme_inb["ram"], off_nvme_inb["disk"]) == (2 * (256 << 20), 98 * GB)
+    # RAM: the ring (256 MiB) + the state pipeline (256 MiB) + the weight store's pool (a 128 MiB batch) +
+    # two gradient buffers of a batch each (none in backward, where two batches of gradients wait instead)
+    assert (off_nvme["gpu"], off_nvme["ram"], off_nvme["disk"]) == (0, 896 << 20, 126 * GB)
+    assert (off_nvme_inb["ram"], off_nvme_inb["disk"]) == (896 << 20, 98 * GB)
     assert off_nvme["fits"] == {"ram": True, "disk": True}
 
 
@@ -107,3 +109,16 @@ def test_state_bytes_are_what_an_optimizer_holds(dtype, state_dtype):
     opt.step()
     assert opt.memory_report()["state_bytes"] == memplan.per_param(dtype, "adamw", state_dtype).state * n
     opt.close()
+
+
+def test_offloaded_training_budget_counts_the_largest_module():
+    """A Llama 1024 wide with a 32000-token vocabulary: its embedding (62.5 MiB in bf16) is larger than a batch of
+    64 MiB buffers, so the spare, the pool and the two gradient buffers (fp32: 125 MiB) are sized to it."""
+    emb = 32000 * 1024 * 2
+    p = memplan.plan(99_500_000, "bf16", buffer_bytes=64 << 20, ring_bytes=64 << 20, largest_module=emb)
+    assert p["offloaded_pinned"] == {"weight_ring": 64 << 20, "weight_spare": emb, "state": 64 << 20,
+                                     "weight_pool": emb, "grads": 4 * emb}
+    off_nvme, off_nvme_inb = p["layouts"][-2:]
+    assert off_nvme["ram"] == sum(p["offloaded_pinned"].values()) + 2 * emb  # + autograd's gradient of it
+    # in backward: no gradient buffers, but two batches (32 MiB each) and one module's fp32 gradients wait
+    assert off_nvme_inb["ram"] == off_nvme["ram"] - 4 * emb + 2 * (32 << 20) + 2 * emb

@@ -16,6 +16,7 @@ _lock = threading.Lock()
 _starts: List[int] = []   # sorted start addresses of live pinned blocks
 _ends: Dict[int, int] = {}     # start -> end
 _cuda_registered: Set[int] = set()  # starts of blocks registered with CUDA
+_live = [0, 0]  # bytes of live pinned blocks: now, and the most since the last reset (pinned_bytes)
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
 _registering = threading.Lock()  # one cudaHostRegister of a block at a time (a second would fail: "already")
 _at_cuda_init = [False]  # whether _register_live_blocks is queued to run when this process initialises CUDA
@@ -25,6 +26,8 @@ def _register(start: int, end: int) -> None:
     with _lock:
         bisect.insort(_starts, start)
         _ends[start] = end
+        _live[0] += end - start
+        _live[1] = max(_live[1], _live[0])
 
 
 def _unregister(start: int) -> bool:
@@ -32,10 +35,21 @@ def _unregister(start: int) -> bool:
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:
             del _starts[i]
-            del _ends[start]
+            _live[0] -= _ends.pop(start) - start
         registered = start in _cuda_registered
         _cuda_registered.discard(start)
     return registered
+
+
+def pinned_bytes(reset_peak: bool = False) -> Tuple[int, int]:
+    """(bytes of swapio's live pinned blocks, the most there were at once since the last reset): the process's
+    own accounting, which also counts blocks the kernel refused to lock (RLIMIT_MEMLOCK). reset_peak=True
+    starts the peak afresh at the current figure, after returning it."""
+    with _lock:
+        out = (_live[0], _live[1])
+        if reset_peak:
+            _live[1] = _live[0]
+    return out
 
 
 def _cuda_in_use() -> bool:

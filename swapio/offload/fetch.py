@@ -16,7 +16,7 @@ import torch
 
 from ..core import cuda_copy
 from ..core._ranges import section
-from ..core.pinned import empty_pinned
+from ..core.pinned import empty_pinned, is_pinned
 from .layout import round_up
 from .ring import PinnedRing
 
@@ -72,6 +72,19 @@ class Fetcher:
                 self._spare_region(0)
 
     # ---- memory ---------------------------------------------------------------------------------------------
+    def pinned(self):
+        """{part: {"bytes": pinned now, "budget": the most it holds}}: for disk records the ring (buffer_bytes, at
+        most all the weights) and the spare (the largest record); for cpu_offload to a GPU the pinned host copies
+        (the weights themselves). Temporary buffers (stats["temp"], nested modules holding both) are not counted."""
+        with self.lock:
+            if self.hosts is not None:
+                pinned = sum(h.numel() for h in self.hosts.values() if is_pinned(h))
+                return {"weight_hosts": {"bytes": pinned, "budget": pinned}} if pinned else {}
+            ring = self.ring.capacity if self.ring._arena is not None else 0
+            spare = self._spare.numel() if self._spare is not None else 0
+            return {"weight_ring": {"bytes": ring, "budget": self.ring.capacity},
+                    "weight_spare": {"bytes": spare, "budget": round_up(self.spare_bytes)}}
+
     def _spare_region(self, nbytes):
         if self._spare is None:
             self._spare = empty_pinned(round_up(self.spare_bytes), torch.uint8)

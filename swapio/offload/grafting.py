@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from .compiled import is_compile_wrapper
 from .streamer import refuse_copy
 from .registry import offloaded
 from .units import set_entry
@@ -38,7 +39,7 @@ def _on_register(parent, name, child):
     if not isinstance(child, torch.nn.Module):
         return None
     streamer = offloaded.get(child)
-    if not isinstance(streamer, WeightStreamer) or offloaded.get(parent) is streamer:
+    if not isinstance(streamer, WeightStreamer) or offloaded.get(parent) is streamer or is_compile_wrapper(parent):
         return None
     inside = {id(m) for m in child.modules()}
     for unit in streamer.units:

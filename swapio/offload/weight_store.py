@@ -63,6 +63,12 @@ class HostStore(RecordTurns):
     def ensure_owned(self, records):
         pass
 
+    def reserve(self, pool_bytes):
+        pass
+
+    def pinned(self):
+        return {}
+
     def begin(self, record, need_current):
         """The record's memory to write the new values into (holding the current ones)."""
         self.take_turn(record)
@@ -88,15 +94,14 @@ class HostStore(RecordTurns):
         pass
 
 
-POOL_BYTES = 512 << 20  # pinned buffers for records being rewritten (a larger record gets one buffer of its size)
-
-
 class DiskStore(RecordTurns):
     """disk_offload: records in swapio's packed data file of offload_dir, rewritten in place. `locations`: slot ->
-    (path, offset, nbytes) as the streamer reads it; `writable`: the data file swapio owns (None: checkpoint only)."""
+    (path, offset, nbytes) as the streamer reads it; `writable`: the data file swapio owns (None: checkpoint only).
+    The pinned buffers of the records being rewritten are a pool of at most `pool_bytes`, which each optimizer
+    training the model raises to its batch (reserve()), or one buffer of the largest record when that is larger:
+    the pool does not grow with the model."""
 
-    def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable,
-                 pool_bytes=POOL_BYTES):
+    def __init__(self, streamer_records, fetcher, handle, locations, offload_dir, claim, writable, pool_bytes=0):
         super().__init__()
         self.records, self.fetcher, self.handle = streamer_records, fetcher, handle
         self.locations, self.offload_dir, self.claim, self.writable = locations, offload_dir, claim, writable
@@ -149,10 +154,26 @@ class DiskStore(RecordTurns):
         self.locations.update(new)
         self.fetcher.resize_spare(max(r.nbytes for r in self.records))
 
-    # ---- the pinned buffers: a pool, bounded by `pool_bytes` (more only for one record larger than that) ----
+    # ---- the pinned buffers: a pool, bounded by `pool_bytes` (more only for one batch larger than that) ----
+    def reserve(self, pool_bytes):
+        """An optimizer begins up to pool_bytes of records at once (its batch): the pool may hold that much."""
+        with self._lock:
+            self.pool_bytes = max(self.pool_bytes, pool_bytes)
+
+    def pinned(self):
+        """{"weight_pool": {"bytes": pinned now, "budget": the most it holds}}: pool_bytes, or the largest record
+        when that is larger (an optimizer's batch holds up to pool_bytes of records, or a single record)."""
+        largest = max((round_up(r.nbytes) for r in self.records), default=0)
+        with self._lock:
+            budget = max(self.pool_bytes, largest) if self.pool_bytes else 0
+            return {"weight_pool": {"bytes": self._pool, "budget": budget}}
+
     def _take(self, nbytes):
         """A free buffer of at least nbytes (its last write finished), reusing, else allocating while the pool
-        stays under its bound, else waiting for the oldest write."""
+        stays under its bound (dropping free buffers too small for this record to make room), else waiting for
+        the oldest write. With no write in flight it allocates anyway: the records begun together (one batch)
+        are what the pool must hold."""
+        need = round_up(nbytes)
         while True:
             with self._lock:
                 fits = [b for b in self._free if b.numel() >= nbytes]
@@ -160,14 +181,14 @@ class DiskStore(RecordTurns):
                     buf = min(fits, key=lambda b: b.numel())
                     self._free = [b for b in self._free if b is not buf]  # by identity: tensors compare by value
                     return buf
+                while self._free and self._pool + need > self.pool_bytes:
+                    self._pool -= self._free.pop(0).numel()
                 oldest = self._writes[0] if self._writes else None
-                if oldest is None or self._pool + round_up(nbytes) <= self.pool_bytes:
-                    if self._free and self._pool + round_up(nbytes) > self.pool_bytes:
-                        self._pool -= self._free.pop(0).numel()  # too small for this record: make room
-                    self._pool += round_up(nbytes)
+                if oldest is None or self._pool + need <= self.pool_bytes:
+                    self._pool += need
                     break
             self._reap(oldest)
-        return empty_pinned(round_up(nbytes), torch.uint8)
+        return empty_pinned(need, torch.uint8)
 
     def _reap(self, entry):
         """Waits for one write (future, buffer) and puts its buffer back; its error is flush()'s to raise."""

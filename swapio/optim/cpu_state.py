@@ -157,11 +157,19 @@ class CpuState:
         commit()
 
     def memory(self):
-        """The bytes of the state tensors in RAM and of the pinned GPU staging buffers."""
+        """The bytes of the state tensors in RAM; pinned: the GPU staging buffers ("state"), and as parts of their
+        own the GPU parameters' gradient copies ("gpu_grads": one arena, each gradient's size) and their fp32
+        masters, pinned state ("gpu_masters", also counted in state_bytes)."""
         state = sum(t.nbytes for st in self.state.values() for k, t in st.items()
                     if k != "step" and isinstance(t, torch.Tensor))
-        pinned = self.staging.pinned_bytes + (self.grad_copies.pinned_bytes if self.grad_copies is not None else 0)
-        return {"state_bytes": state, "pinned_bytes": pinned, "io_bytes_per_step": 0}
+        masters = sum(st[MASTER].nbytes for st in self.state.values()
+                      if isinstance(st.get(MASTER), torch.Tensor) and is_pinned(st[MASTER]))
+        grads = self.grad_copies
+        parts = {"gpu_grads": {"bytes": grads.pinned_bytes if grads is not None else 0,
+                               "budget": grads.end if grads is not None else 0},
+                 "gpu_masters": {"bytes": masters, "budget": masters}}
+        return {"state_bytes": state, "pinned_bytes": self.staging.pinned_bytes, "io_bytes_per_step": 0,
+                "pinned_parts": {k: v for k, v in parts.items() if v["budget"]}}
 
     def close(self):
         self.staging.sync()

@@ -3,12 +3,13 @@
 torch sums a parameter's gradients over several backward passes in .grad; an offloaded weight has no .grad
 (each forward makes a new leaf), so its gradients are summed here: in RAM (offload="cpu", RamGrads) or in a file
 beside the state's swap file (offload="nvme", FileGrads: each parameter's fp32 sum at a 4 KiB-aligned extent,
-read, added to and written back through two pinned buffers). Like .grad, the sums outlive step() until
-zero_grad(). clip_grad_norm_ needs each sum's norm, computed as torch computes it for a .grad of the weight's
-dtype: RamGrads from RAM; FileGrads keeps the norm of each sum as it writes it, so a clip makes no pass over the
-file. A clip scales each sum as torch scales a .grad in place: multiplied, then rounded to the weight's dtype
-(bf16, fp16); FileGrads applies its clips' scales, one after the other, where the sum is read next (step, the
-next backward's addition, or a later clip, which reads the scaled sums to take their norms afresh).
+read, added to and written back through two pinned buffers, which step() reads the sums into too). Like .grad,
+the sums outlive step() until zero_grad(). clip_grad_norm_ needs each sum's norm, computed as torch computes it
+for a .grad of the weight's dtype: RamGrads from RAM; FileGrads keeps the norm of each sum as it writes it, so a
+clip makes no pass over the file. A clip scales each sum as torch scales a .grad in place: multiplied, then
+rounded to the weight's dtype (bf16, fp16); FileGrads applies its clips' scales, one after the other, where the
+sum is read next (step, the next backward's addition, or a later clip, which reads the scaled sums to take their
+norms afresh).
 """
 import os
 
@@ -77,6 +78,9 @@ class RamGrads:
     def nbytes(self):
         return sum(s.nbytes for s in self.sums.values())
 
+    def pinned_bytes(self):
+        return 0
+
 
 class FileGrads:
     """fp32 sums in `directory`/grads.swap (the optimizer's private swap directory)."""
@@ -88,18 +92,25 @@ class FileGrads:
         self.end = 0
         self.held = {}      # p -> (norm of the sum as read next, or None: not known; the clips' scales to apply
                             # to the sum on disk, in order, or ZEROED)
+        # Two pinned buffers, for additions in backward (one is written while the next sum is added in the other)
+        # and for step()'s reads (arena 0 and 1: the next batch's sums are read while this one steps). Backward and
+        # step() never overlap, so they share: gradients pin two buffers, each the larger of the largest sum and
+        # the largest batch, whatever the model's depth.
         self._buffers, self._pending, self._turn = [None, None], [None, None], 0  # _pending: (future, p)
         self.lost = set()   # sums whose write failed: neither the old nor the new, until dropped or zeroed
-        self._read_buffers = {}  # arena -> pinned buffer that start_reads reads a batch's sums into
+
+    def _sized(self, k, nbytes):
+        """Buffer k, grown (replaced) to hold at least nbytes; nothing may read into or write from it now."""
+        if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
+            self._buffers[k] = None
+            self._buffers[k] = empty_pinned(round_up(max(nbytes, 1)), torch.uint8)
+        return self._buffers[k]
 
     def _buffer(self, nbytes):
         k = self._turn
         self._turn ^= 1
         self._finish(k)
-        if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
-            self._buffers[k] = None
-            self._buffers[k] = empty_pinned(round_up(nbytes), torch.uint8)
-        return k, self._buffers[k][:round_up(nbytes)]
+        return k, self._sized(k, nbytes)[:round_up(nbytes)]
 
     def _extent(self, p, nbytes):
         off = self.extents.get(p)
@@ -159,14 +170,11 @@ class FileGrads:
     def start_reads(self, params, arena=0):
         """Starts reading the sums of params (a batch) into read arena `arena` (0 or 1: the next batch is read
         while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
-        its clip scale applied}, views valid until the arena's next start_reads."""
+        its clip scale applied}, views valid until the arena's next start_reads or the next add()."""
         self._wait_writes()
         self.check()
         sizes = [round_up(shard(p).numel() * 4) for p in params]
-        buf = self._read_buffers.get(arena)
-        if buf is None or buf.numel() < sum(sizes):
-            self._read_buffers[arena] = None
-            buf = self._read_buffers[arena] = empty_pinned(max(sum(sizes), 1), torch.uint8)
+        buf = self._sized(arena, sum(sizes))
         views, futures, at = {}, [], 0
         for p, size in zip(params, sizes):
             futures.append(self.handle.pread(buf[at:at + size], self.path, self.extents[p]))
@@ -221,3 +229,6 @@ class FileGrads:
 
     def nbytes(self):
         return self.end
+
+    def pinned_bytes(self):
+        return sum(b.numel() for b in self._buffers if b is not None)

@@ -454,10 +454,11 @@ class NvmeState:
         self.run(chunks, lambda c: False, work, True)
 
     def memory(self):
-        """The swap file's bytes, the pinned slots, and the bytes a step that touches every chunk reads and
-        writes."""
+        """The swap file's bytes, the pinned slots (now, and the most they hold for the state placed so far), and
+        the bytes a step that touches every chunk reads and writes."""
         pinned = sum(t.numel() for t in self._slots) if self._slots is not None else 0
-        return {"state_bytes": self.file_bytes, "pinned_bytes": pinned,
+        budget = self.buffer_count * (self._slot_need() if self.chunks else self.slot_bytes)
+        return {"state_bytes": self.file_bytes, "pinned_bytes": pinned, "pinned_budget": budget,
                 "io_bytes_per_step": 2 * sum(c.record_bytes for c in self.chunks)}
 
     def close(self):

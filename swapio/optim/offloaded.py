@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..core import cuda_copy
+from ..core._align import round_up
 from ..core.pinned import empty_pinned
 from ..offload.training import lookup
 from ..offload.weight_store import current_value
@@ -112,6 +113,7 @@ class OffloadedParams:
             self.grads = FileGrads(backend.directory, io_settings) if offload == "nvme" else RamGrads()
         for training, records in self._records().items():
             training.store.ensure_owned(records)
+            training.store.reserve(self.batch_bytes)  # an update begins up to a batch of records at once
 
     def _records(self):
         """{Training: its records holding a weight of this optimizer, in the streamer's order}."""
@@ -223,7 +225,7 @@ class OffloadedParams:
             if not grads:
                 return
             self.queued.add(record)
-            nbytes = sum(g.nbytes for g in grads.values())
+            nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
             if not self.working:
@@ -364,7 +366,7 @@ class OffloadedParams:
                     return [p for p in owned(record) if p in (self.partial if self.in_backward else summed)]
 
                 with_grads = [r for r in records if pending(r)]
-                batches = list(self._batches(with_grads, lambda r: sum(4 * p.numel() for p in pending(r))))
+                batches = list(self._batches(with_grads, lambda r: _batch_bytes(r, pending(r))))
                 wanted = [[p for r in batch for p in pending(r)] for batch in batches]
                 if self.in_backward:
                     reads = [lambda ps=ps: {p: self.partial.pop(p) for p in ps} for ps in wanted]
@@ -461,6 +463,35 @@ class OffloadedParams:
     def grad_bytes(self):
         return self.grads.nbytes() if self.grads is not None else 0
 
+    def pinned(self):
+        """{part: {"bytes": pinned now, "budget": the most it holds}} of the pinned memory behind the offloaded
+        weights: the models' weight ring, spare and pool, the gradient buffers (nvme, accumulating) and the
+        CUDA gradient staging. Batches hold up to batch_bytes (gradients and records), or one larger record."""
+        parts = {}
+
+        def add(name, nbytes, budget):
+            part = parts.setdefault(name, {"bytes": 0, "budget": 0})
+            part["bytes"] += nbytes
+            part["budget"] += budget
+
+        largest_grads, largest_weight, cuda = 0, 0, False
+        for training, records in self._records().items():
+            for record in records:
+                owned = [self.param_of[s] for s in record.slots if s in self.param_of]
+                largest_grads = max(largest_grads, _batch_bytes(record, owned))
+                largest_weight = max([largest_weight] + [p.numel() * p.element_size() for p in owned])
+            for model_parts in (training.streamer.fetcher.pinned(), training.store.pinned()):
+                for name, part in model_parts.items():
+                    add(name, part["bytes"], part["budget"])
+            cuda = cuda or training.streamer.device.type == "cuda"
+        if self.grads is not None:
+            accumulating = isinstance(self.grads, FileGrads) and not self.in_backward
+            add("grads", self.grads.pinned_bytes(), 2 * max(self.batch_bytes, largest_grads) if accumulating else 0)
+        staged = sum(b.numel() for b in _staging.values() if b is not None)
+        if staged or cuda:  # one buffer per device, shared by every optimizer: the largest gradient copied so far
+            add("grad_staging", staged, max(staged, largest_weight) if cuda else staged)
+        return parts
+
     def close(self):
         try:
             self.wait()
@@ -510,6 +541,12 @@ def run_post_accumulate_hooks(p):
 def _step_of(opt, p):
     st = opt.state.get(p)
     return int(st["step"].item()) if st and "step" in st else 0
+
+
+def _batch_bytes(record, params):
+    """What a record weighs in a batch: its params' fp32 gradients as read (4 KiB-aligned each), or its own bytes
+    (the weight store's buffer) when larger; a batch holds up to batch_bytes of both."""
+    return max(sum(round_up(4 * p.numel()) for p in params), record.nbytes)
 
 
 def _slot_view(buf, record, slot):

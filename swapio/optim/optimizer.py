@@ -79,9 +79,9 @@ class OffloadOptimizer(Optimizer):
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._last_step = self._step_total = None  # step_report()
-        # weights of swapio-offloaded models (offloaded.py), updated in batches of the buffer budget's bytes
-        # of fp32 gradients: one pass of the state pipeline each
-        self._offloaded = OffloadedParams(self, in_backward, max(budget.total, 1 << 20))
+        # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
+        # each)
+        self._offloaded = OffloadedParams(self, in_backward, budget.batch_bytes)
         # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
         # its buffers, so its gradients come over segment by segment in step())
         self._grad_copies = GradCopies() if offload == "cpu" else None
@@ -481,13 +481,26 @@ class OffloadOptimizer(Optimizer):
     def memory_report(self):
         """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
         "state_bytes" (RAM in cpu mode; the swap file in nvme mode), "bytes_per_param" (state_bytes / params),
-        "pinned_bytes" (the nvme pipeline's buffers), "io_bytes_per_step" (nvme: read + written per full step)}."""
+        "io_bytes_per_step" (nvme: read + written per full step), "grad_bytes" (offloaded weights' gradient sums),
+        "pinned_bytes" (every pinned buffer behind this optimizer now), "pinned_budget" (the most they hold),
+        "pinned_parts" ({part: {"bytes", "budget"}}: "state" (the nvme pipeline's slots, or cpu mode's GPU
+        staging), for GPU parameters in cpu mode "gpu_grads" and "gpu_masters" and, for weights of offloaded models, "weight_ring", "weight_spare", "weight_pool", "grads",
+        "grad_staging", "weight_hosts"; docs/offload.md, "Host memory")}."""
         self._check_open()
         stateful = [p for p, st in self.state.items() if isinstance(p, torch.Tensor) and st]
         params = sum(shard(p).numel() for p in stateful)
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
         report.update(self._backend.memory())
         report["grad_bytes"] = self._offloaded.grad_bytes()  # offloaded weights' gradient sums (RAM, or file)
+        # the state's slots (cpu mode: staging of a fixed size); slots sized for parameters placed before and
+        # forgotten since stay until they are reallocated, hence the max
+        state = report.pop("pinned_budget", report["pinned_bytes"])
+        parts = {"state": {"bytes": report["pinned_bytes"], "budget": max(state, report["pinned_bytes"])}}
+        parts.update(report.pop("pinned_parts", {}))  # cpu mode, GPU parameters: gradient copies, pinned masters
+        parts.update(self._offloaded.pinned())
+        report["pinned_bytes"] = sum(part["bytes"] for part in parts.values())
+        report["pinned_budget"] = sum(part["budget"] for part in parts.values())
+        report["pinned_parts"] = parts
         report["bytes_per_param"] = report["state_bytes"] / params if params else 0.0
         return report
 

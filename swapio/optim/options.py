@@ -25,6 +25,17 @@ class BufferBudget:
                              f"{self.count}")
         self.slot_bytes = _align.round_down(self.total // self.count)
 
+    @property
+    def batch_bytes(self):
+        return offloaded_batch_bytes(self.total)
+
+
+def offloaded_batch_bytes(buffer_bytes):
+    """Bytes of the batches in which the weights of offloaded models are updated (fp32 gradients, or the records'
+    own bytes when larger): half the budget, so the two batches read or waiting at a time pin buffer_bytes (at
+    least 1 MiB each)."""
+    return max(buffer_bytes // 2, 1 << 20)
+
 
 def io_settings(io_config, io_kwargs, owner="OffloadAdam"):
     """AioHandle settings: a `swapio tune` config (file or dict), overridden by keyword arguments. TypeError for

@@ -189,6 +189,12 @@ def _plan_parser(sub):
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")
     p.add_argument("--buffer-bytes", type=_arg_type(_positive_size), default=fmt(memplan.DEFAULT_BUFFER_BYTES),
                    help="OffloadAdamW's buffer_bytes in nvme mode (default 256M)")
+    p.add_argument("--ring-bytes", type=_arg_type(_positive_size), default=None,
+                   help="weights offloaded: disk_offload's buffer_bytes (default: --buffer-bytes)")
+    p.add_argument("--largest-module", type=_arg_type(_positive_size), default=None,
+                   help="weights offloaded: bytes of the largest module's own weights in --dtype, usually the "
+                        "embedding (vocab x hidden x 2 for bf16); several pinned buffers are sized to it "
+                        "(default: not counted)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(run=_run_plan)
     return p
@@ -364,7 +370,8 @@ def _run_plan(args):
     if ram is None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
-                           args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)))
+                           args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)),
+                           ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0)
     print(json.dumps(result, indent=2) if args.json else plan.plan_text(result))
     return 0
 

@@ -14,6 +14,7 @@ import dataclasses
 import re
 
 from ..kernels.quant import state_bytes_per_element
+from ..optim.options import offloaded_batch_bytes
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1}
@@ -81,7 +82,33 @@ def _fits(need, have):
     return None if have is None else need <= have
 
 
-def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DEFAULT_BUFFER_BYTES):
+def offloaded_training_pinned(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module=0,
+                              weight_itemsize=2, in_backward=False):
+    """{part: bytes}: the most pinned host memory that training weights offloaded by disk_offload(buffer_bytes=
+    ring_bytes) with an optimizer of offload="nvme" and `buffer_bytes` holds, part by part as
+    memory_report()["pinned_parts"] states it (docs/offload.md, "Host memory"). largest_module: bytes of the
+    largest module's own weights (an embedding, usually); 0 leaves out what depends on it."""
+    batch = offloaded_batch_bytes(buffer_bytes)
+    largest_grads = largest_module * 4 // weight_itemsize  # its fp32 gradients
+    return {"weight_ring": min(ring_bytes, weight_bytes), "weight_spare": largest_module,
+            "state": min(buffer_bytes, state_bytes), "weight_pool": max(batch, largest_module),
+            "grads": 0 if in_backward else 2 * max(batch, largest_grads)}
+
+
+def offloaded_training_ram(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module=0,
+                           weight_itemsize=2, in_backward=False):
+    """Host memory of that training, not counting activations: the pinned parts, the largest module's gradient as
+    autograd computes it (about twice its weights' bytes at the peak, measured on a Llama's embedding and head,
+    before the gradient is summed), and with in_backward=True the fp32 gradients waiting for the update (two
+    batches and one module's)."""
+    pinned = offloaded_training_pinned(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module,
+                                       weight_itemsize, in_backward)
+    waiting = 2 * offloaded_batch_bytes(buffer_bytes) + largest_module * 4 // weight_itemsize if in_backward else 0
+    return sum(pinned.values()) + 2 * largest_module + waiting
+
+
+def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DEFAULT_BUFFER_BYTES, ring_bytes=None,
+            largest_module=0):
     """The ways to train, in this order: with a GPU, torch's optimizer with its state on the GPU,
     OffloadAdamW(offload="cpu") with the state in RAM, OffloadAdamW(offload="nvme") with the state on disk and
     `buffer_bytes` of pinned RAM; then without a GPU (training on the CPU), OffloadAdamW(offload="cpu") with
@@ -89,20 +116,25 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     then the weights offloaded too (issue 18: swapio.offload + a swapio optimizer), where the GPU, if any, holds
     a few modules at a time: cpu_offload with everything in RAM (fp32 gradient sums), and disk_offload with
     offload="nvme", weights, fp32 gradient sums and state on disk (or no gradient sums with in_backward=True),
-    `buffer_bytes` of pinned RAM for the state and as much again for the weights' ring (not counted: the
-    largest modules' working copies, activations)."""
+    in RAM the budget of offloaded_training_ram: the weights' ring (`ring_bytes`, default buffer_bytes), the
+    state pipeline, gradient buffers and the weight store's pool, each sized by buffer_bytes or by the largest
+    module (`largest_module` bytes; 0: not counted). Not counted: activations."""
     weights_and_grads = round(params * (per.weights + per.grads))
     state = round(params * per.state)
     pipeline = min(buffer_bytes, state)
     weights, grad_sums = round(params * per.weights), params * 4  # offloaded weights' gradients sum in fp32
+    ring = buffer_bytes if ring_bytes is None else ring_bytes
+
+    def offloaded_ram(in_backward):
+        return offloaded_training_ram(weights, state, buffer_bytes, ring, largest_module, per.weights, in_backward)
     ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
             ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
             ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
             ('no GPU, offload="cpu" (all in RAM)', 0, weights_and_grads + state, 0),
             ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state),
             ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + state, 0),
-            ('weights offloaded, "nvme" (all on disk)', 0, 2 * pipeline, weights + grad_sums + state),
-            ('  the same, in_backward=True', 0, 2 * pipeline, weights + state)]
+            ('weights offloaded, "nvme" (all on disk)', 0, offloaded_ram(False), weights + grad_sums + state),
+            ('  the same, in_backward=True', 0, offloaded_ram(True), weights + state)]
     have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
     return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
                                    if need})
@@ -127,7 +159,8 @@ def nvme_step_seconds(state_bytes, read_bytes_per_s, write_bytes_per_s):
 
 
 def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=None, ram=None, disk_free=None,
-         buffer_bytes=DEFAULT_BUFFER_BYTES, read_bytes_per_s=None, write_bytes_per_s=None):
+         buffer_bytes=DEFAULT_BUFFER_BYTES, read_bytes_per_s=None, write_bytes_per_s=None, ring_bytes=None,
+         largest_module=0):
     """Everything `swapio plan` prints, as a JSON-ready dict."""
     per = per_param(dtype, optimizer, state_dtype)
     totals = {"weights": round(params * per.weights), "grads": round(params * per.grads),
@@ -138,8 +171,13 @@ def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=No
                                "moments": per.moments, "optimizer_state": per.state, "total": per.total},
            "totals": totals,
            "capacity": {"gpu": gpu_mem, "ram": ram, "disk_free": disk_free},
-           "buffer_bytes": buffer_bytes,
-           "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes)],
+           "buffer_bytes": buffer_bytes, "ring_bytes": buffer_bytes if ring_bytes is None else ring_bytes,
+           "largest_module": largest_module,
+           "offloaded_pinned": offloaded_training_pinned(
+               totals["weights"], totals["optimizer_state"], buffer_bytes,
+               buffer_bytes if ring_bytes is None else ring_bytes, largest_module, per.weights),
+           "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes,
+                                                               ring_bytes, largest_module)],
            "nvme_step_seconds": None, "offloaded_step_seconds": None}
     if read_bytes_per_s and write_bytes_per_s:
         out["offloaded_step_seconds"] = {

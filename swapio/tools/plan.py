@@ -48,13 +48,15 @@ def measured_bandwidth(directory, size=None, log=None):
     return rate["read"], rate["write"], f"measured now: {size >> 20} MiB written then read in {directory}"
 
 
-def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_bytes, log=None):
+def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_bytes, log=None, ring_bytes=None,
+             largest_module=0):
     disk_free = read = write = source = None
     if disk is not None:
         disk_free = shutil.disk_usage(disk).free
         found = tune_config_bandwidth(disk) or measured_bandwidth(disk, log=log)
         read, write, source = found
-    out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write)
+    out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write,
+                       ring_bytes, largest_module)
     out["disk"] = None if disk is None else {"directory": os.path.abspath(disk), "read_bytes_per_s": read,
                                              "write_bytes_per_s": write, "bandwidth_from": source}
     return out
@@ -117,9 +119,14 @@ def plan_text(p):
                      f"per step; with in_backward=True (no gradient sums) {o['in_backward']:.1f} s, I/O only.")
     else:
         lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
+    pinned = p["offloaded_pinned"]
     lines += [f"nvme mode holds min(buffer_bytes, state) = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
               f"(buffer_bytes {_gb(p['buffer_bytes'])}); a streaming checkpoint (opt.save) needs about the "
               "state's size again on its disk.",
+              "weights offloaded, \"nvme\": pinned RAM (memory_report()[\"pinned_budget\"]) = "
+              + " + ".join(f"{name} {_gb(n)}" for name, n in pinned.items()) + f" = {_gb(sum(pinned.values()))}"
+              + (f" (largest module {_gb(p['largest_module'])})" if p["largest_module"] else
+                 " (the buffers sized to the largest module not counted: give --largest-module)") + ".",
               "Not counted: activations, the CUDA context, allocator slack. Sizes are binary (GiB = 2^30 bytes)."]
     if cap["gpu"] is not None and tot["weights"] + tot["grads"] > cap["gpu"]:
         lines += ["", *_weights_exceed_gpu(tot, cap["gpu"])]

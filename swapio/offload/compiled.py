@@ -1,0 +1,44 @@
+"""torch.compile of an offloaded model: swapio's boundaries run eagerly, outside the compiled graphs.
+
+An offloaded module's forward (OffloadedForward) puts freshly fetched weights into the module's attributes and
+takes them away after, and the model's pre-hook puts placeholders back (grafting._Restore): dynamo tracing
+through them captured one call's tensors in the graph, mixed up weights ("mat1 and mat2 shapes cannot be
+multiplied" for a model with no such layer), tripped over the weights' views of the ring ("storage_offset() must
+be divisible by 4") and recompiled at every forward. So they are torch.compiler.disable()d: the graph breaks
+around each offloaded module, which runs as without compile (numbers equal eager), and the code between them
+(resident modules, activations, the loss) compiles. fullgraph=True cannot hold: dynamo then raises its error,
+with the reason below. The wrapping happens at the first offload, not at import, because
+torch.compiler.disable imports dynamo (about a second).
+"""
+import sys
+
+import torch
+
+REASON = ("a module offloaded by swapio runs eagerly: its forward swaps the weights in and out, which a graph "
+          "cannot hold; compile without fullgraph=True (the graph breaks around each offloaded module)")
+_done = False
+
+
+def leave_out_of_graphs():
+    """Marks swapio's boundaries (once per process) so that torch.compile runs them eagerly."""
+    global _done
+    if _done:
+        return
+    from .grafting import _Restore
+    from .preload import PreloadForward
+    from .streamer import OffloadedForward
+    for cls in (OffloadedForward, PreloadForward, _Restore):
+        call = cls.__dict__["__call__"]
+        try:
+            cls.__call__ = torch.compiler.disable(call, reason=REASON)
+        except TypeError:  # torch < 2.7 takes no reason
+            cls.__call__ = torch.compiler.disable(call)
+    _done = True
+
+
+def is_compile_wrapper(module):
+    """True for torch.compile's wrapper module (OptimizedModule), which registers the compiled model as its
+    `_orig_mod` submodule: not a wrapper that needs stand-ins (grafting.py)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
