@@ -26,6 +26,14 @@ _unlinking: list[threading.Thread] = []  # helper threads removing replaced file
 _unlinking_lock = threading.Lock()
 
 
+def _fresh_after_fork():  # the parent's unlinking threads are not in a forked child; its lock may be held
+    global _unlinking, _unlinking_lock
+    _unlinking, _unlinking_lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_after_fork)
+
+
 def wait_for_unlinks():
     """Waits until the files replaced by earlier commits are removed (their blocks freed)."""
     with _unlinking_lock:
