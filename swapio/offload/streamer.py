@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import saved_tensors
+from . import conversions, saved_tensors
 from .fetch import view
 from .schedule import Schedule
 from .training import Training
@@ -116,6 +116,7 @@ class WeightStreamer:
             if self.device.type != "cpu":
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
+            conversions.install(self)
             self.training.register(self.slots)
         except BaseException:
             self.detach()
@@ -257,6 +258,7 @@ class WeightStreamer:
             h.remove()
         self.handles = []
         self.training.unregister(self.slots)
+        conversions.uninstall(self.model)
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:
