@@ -117,6 +117,7 @@ def save_checkpoint(model, path, max_shard_size=None):
         if single:
             commit_pending(pendings[0], plans[0].total)
         else:
+            _write_configs(model, path)
             _publish(path, groups, plans, pendings, staged, finals)
         done = True
     finally:
@@ -125,6 +126,26 @@ def save_checkpoint(model, path, max_shard_size=None):
         if created and not done:
             _durable.discard(path)  # (only when empty)
     return finals[0] if single else os.path.join(path, INDEX)
+
+
+def _write_configs(model, directory):
+    """A transformers model's config.json (and generation_config.json), as save_pretrained writes them (the dtype
+    and class recorded in the config), so that from_pretrained(directory) rebuilds this model; each committed
+    like a checkpoint file."""
+    from .hf_save import is_transformers_model
+    if not is_transformers_model(model):
+        return
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    files = {"config.json": model.config.to_json_string(use_diff=True)}
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        files["generation_config.json"] = model.generation_config.to_json_string(use_diff=True)
+    for name, text in files.items():
+        data = text.encode()
+        with PendingFile(os.path.join(directory, name)) as pending:
+            with open(pending.path, "wb") as f:
+                f.write(data)
+            commit_pending(pending, len(data))
 
 
 def _write(streamer, groups, plans, pendings):

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import conversions, saved_tensors
+from . import conversions, hf_save, saved_tensors
 from .fetch import view
 from .schedule import Schedule
 from .training import Training
@@ -117,6 +117,7 @@ class WeightStreamer:
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
+            hf_save.install(self.model)
             self.training.register(self.slots)
         except BaseException:
             self.detach()
@@ -259,6 +260,7 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
+        hf_save.uninstall(self.model)
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:
