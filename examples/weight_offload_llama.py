@@ -44,10 +44,7 @@ def main():
 
         with torch.device("meta"):  # no memory for the weights: they stay in the checkpoint's files
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        # The rotary embedding's inv_freq is a computed buffer that checkpoints do not hold: build that small
-        # module for real (disk_offload refuses a meta tensor it cannot read from the checkpoint).
-        rotary = model.model.rotary_emb
-        model.model.rotary_emb = type(rotary)(config=config)
+        # Buffers no checkpoint holds (the rotary embedding's inv_freq) disk_offload computes as from_pretrained does.
         device = "cuda" if torch.cuda.is_available() else "cpu"  # where each layer runs
         disk_offload(model, checkpoint=checkpoint, execution_device=device)
         with torch.no_grad():

@@ -5,6 +5,7 @@ Every wait carries a timeout so a hang fails the test instead of blocking CI (st
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -124,6 +125,15 @@ def live_threads():
 
 def open_fds():
     return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in this test even where the runner started with SIGINT ignored (a background
+    job of a non-interactive shell), so tests that send themselves a real Ctrl-C see it."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

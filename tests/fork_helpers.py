@@ -1,11 +1,14 @@
 """A fork server for tests that run code in child processes: children fork from a server that imported the
 child modules (and torch, swapio) once, so each starts in milliseconds instead of seconds."""
+import faulthandler
 import multiprocessing
 import os
+import signal
+import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TIMEOUT
 
 CHILD_MODULES = ["matrix_child", "leftover_children", "memory_child", "train_budget_child"]
 
@@ -32,3 +35,27 @@ def run_child(ctx, target, *args, timeout=120):
     proc.join(timeout)
     assert proc.exitcode is not None, f"{target.__name__} did not end within {timeout} s"
     return proc.exitcode
+
+
+def run_in_child(body):
+    """Runs body() in a forked child; returns its exit status (0: body passed). Kills a child that hangs."""
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        faulthandler.dump_traceback_later(TIMEOUT / 2, exit=True)  # a hang says where
+        code = 1
+        try:
+            body()
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported through the exit status
+            os.write(2, f"child failed: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child did not exit within {TIMEOUT} s")

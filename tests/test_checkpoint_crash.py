@@ -5,6 +5,9 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import torch
@@ -75,3 +78,33 @@ def test_the_replaced_file_is_freed_after_the_commit_and_reclaimed_if_the_proces
     swapio.checkpoint.save({"x": torch.full((1000,), 2.0)}, tmp_path / "other.safetensors")
     assert leftovers(tmp_path) == []
     assert torch.equal(swapio.checkpoint.load(path)["x"], torch.zeros(1000))
+
+
+def test_a_save_killed_right_after_its_rename_leaves_no_name_behind(tmp_path):
+    """The file a save replaces is freed off the save's path (a helper thread), yet a process killed before that
+    helper ran leaves nothing in the directory, and a finished save leaves no second name of the replaced file
+    even before its helper ran."""
+    code = textwrap.dedent("""
+        import os, signal, sys, torch, swapio
+        from swapio.core import _durable
+        real = _durable.publish
+        def publish_then_die(tmp, final):
+            replacing = os.path.exists(final)
+            real(tmp, final)
+            if replacing and os.path.basename(final) == "killed.safetensors":
+                os.kill(os.getpid(), signal.SIGKILL)  # the new file is in place, the helper has not run
+        _durable.publish = publish_then_die
+        for name in ("kept.safetensors", "killed.safetensors"):
+            path = os.path.join(sys.argv[1], name)
+            swapio.checkpoint.save({"x": torch.zeros(1000)}, path)
+            swapio.checkpoint.save({"x": torch.ones(1000)}, path)
+            print(sorted(os.listdir(sys.argv[1])), flush=True)  # at once, not after the helper
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["['kept.safetensors']"]
+    assert sorted(os.listdir(tmp_path)) == ["kept.safetensors", "killed.safetensors"]
+    for name in ("kept.safetensors", "killed.safetensors"):
+        assert torch.equal(swapio.checkpoint.load(tmp_path / name)["x"], torch.ones(1000))

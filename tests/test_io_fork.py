@@ -1,41 +1,16 @@
 """os.fork() with handles alive: the child's copies are dead (a clear error on use, never a hang), the child
 exits cleanly, and handles (and the Adam pool) made in the child work."""
-import faulthandler
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 import swapio
 from conftest import REPO, TIMEOUT, queued_behind_big_read, random_bytes
-
-def run_in_child(body):
-    """Runs body() in a forked child; returns its exit status (0: body passed). Kills a child that hangs."""
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        faulthandler.dump_traceback_later(TIMEOUT / 2, exit=True)  # a hang says where
-        code = 1
-        try:
-            body()
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported through the exit status
-            os.write(2, f"child failed: {exc!r}\n".encode())
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the forked child did not exit within {TIMEOUT} s")
+from fork_helpers import run_in_child
 
 
 def test_inherited_handle_is_dead_and_new_handles_work_in_the_child(tmp_path):

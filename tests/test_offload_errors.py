@@ -8,7 +8,7 @@ import torch
 
 from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload
 from swapio.offload.api import _offloaded
-from offload_helpers import meta_model, resident_model
+from offload_helpers import assert_same_outputs, meta_model, resident_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -148,3 +148,38 @@ def test_offloading_twice_is_a_clear_error(tmp_path):
     remove_offload(model)
     with pytest.raises(ValueError, match="not offloaded"):
         remove_offload(model)
+
+
+OFFLOADS = {"disk": lambda model, tmp: disk_offload(model, tmp / "od"), "cpu": lambda model, tmp: cpu_offload(model)}
+CONVERSIONS = {
+    "half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(), "to-float64": lambda m: m.to(torch.float64),
+    "to-meta": lambda m: m.to("meta"), "submodule-half": lambda m: m.transformer.h[1].half(),
+    "another-device": lambda m: m.to("cuda:0"),  # (the model computes on the CPU)
+}
+
+
+@pytest.mark.parametrize("convert", list(CONVERSIONS))
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_a_conversion_of_an_offloaded_model_is_refused_before_anything_changed(tmp_path, kind, convert):
+    model = OFFLOADS[kind](resident_model(), tmp_path)
+    before = {n: (t.dtype, t.device) for n, t in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"remove_offload\(model\) first .* execution_device="):
+        CONVERSIONS[convert](model)
+    assert {n: (t.dtype, t.device) for n, t in model.state_dict().items()} == before  # resident buffers too
+    assert_same_outputs(model)
+    remove_offload(model)
+    assert "_apply" not in model.__dict__ and "_apply" not in model.transformer.h[1].__dict__
+    if convert != "another-device" or torch.cuda.is_available():
+        CONVERSIONS[convert](model)  # back to normal: converts as torch does
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_a_conversion_to_the_same_dtype_and_execution_device_is_a_no_op(tmp_path, kind):
+    """model.to(device) out of habit, accelerate's prepare: the offloaded model goes on working."""
+    model = OFFLOADS[kind](resident_model(), tmp_path)
+    for convert in (lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to(torch.float32),
+                    lambda m: m.to(torch.device("cpu"), torch.float32), lambda m: m.transformer.h[0].to("cpu")):
+        assert convert(model) in (model, model.transformer.h[0])
+        assert_same_outputs(model)
+    remove_offload(model)
+    assert_same_outputs(model)

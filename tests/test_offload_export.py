@@ -5,7 +5,9 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -296,3 +298,52 @@ def test_exporting_768_mib_keeps_rss_within_ring_staging_and_one_record(tmp_path
     with safetensors.safe_open(tmp_path / "out.safetensors", "pt") as f:
         assert sorted(f.keys()) == sorted(header)
         assert not f.get_slice("11.weight")[-1:].any()
+
+
+def _loaded_value(directory):
+    """What a loader finds in directory, following its index: the one value every tensor holds (a whole export),
+    else an AssertionError (a missing index or shard, a tensor missing, two exports mixed)."""
+    from export_crash_child import model_of
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(directory / shard))
+    assert set(tensors) == set(index["weight_map"]) == set(model_of(0).state_dict())
+    values = {v for t in tensors.values() for v in t.unique().tolist()}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+@pytest.mark.parametrize("sizes", [("40KB", "40KB"), ("40KB", "100KB"), ("100KB", "40KB")],
+                         ids=["same-shards", "fewer-shards", "more-shards"])
+def test_a_re_export_killed_at_any_step_leaves_the_previous_or_the_new_export(tmp_path, monkeypatch, sizes):
+    """SIGKILL right before each change an export makes to the directory, in turn: a loader following the index
+    finds the previous export or the new one, whole, at every step; what killed exports left goes with the next
+    export that finishes."""
+    import multiprocessing
+    from export_crash_child import export_until
+    from fork_helpers import run_child
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["export_crash_child"])
+    directory = tmp_path / "export"
+    first, then = sizes
+    assert run_child(ctx, export_until, str(directory), 1.0, first, 0) == 0
+    committed, step, seen = 1.0, 1, set()
+    while True:
+        value = 1.0 + step
+        code = run_child(ctx, export_until, str(directory), value, then, step)
+        got = _loaded_value(directory)
+        seen.update(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values())
+        assert got in (committed, value), (step, got, committed, value)
+        committed = got
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, code
+        step += 1
+    assert committed == value and step > 5
+    names = sorted(os.listdir(directory))  # the index and the shards it names, nothing else
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert names == sorted({"model.safetensors.index.json", *index["weight_map"].values()})
+    assert all(re.fullmatch(r"model-(\d{5})-of-(\d{5})\.safetensors", n) for n in names[:-1]), names
+    assert any(".swapio-" in n for n in seen)  # re-exports of the same names: the new shards came in tagged

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from swapio.offload import from_pretrained, stats
+from swapio.offload.api import _offloaded
 import hf_tiny
 
 transformers = hf_tiny.transformers
@@ -90,3 +91,28 @@ def test_config_naming_an_unknown_class_is_a_clear_error(saved):
     config.architectures = ["NoSuchModelForCausalLM"]
     with pytest.raises(ValueError, match="names 'NoSuchModelForCausalLM', which this transformers does not have"):
         from_pretrained(config, directory)
+
+
+def test_transformers_from_pretrained_arguments(saved):
+    """What users pass to transformers' from_pretrained works here too, or names this function."""
+    directory, want = saved("llama")
+    cls = hf_tiny.arch("llama")[1]
+    auto = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    for kwargs, device in (({"torch_dtype": torch.float32, "device_map": "auto"}, auto),
+                           ({"torch_dtype": "auto"}, "cpu"), ({"device_map": "cpu", "low_cpu_mem_usage": True}, "cpu"),
+                           ({"device_map": {"": "cpu"}}, "cpu"), ({"device_map": torch.device("cpu")}, "cpu")):
+        model = from_pretrained(cls, directory, **kwargs)
+        assert model.dtype == torch.float32 and _offloaded[model].device == torch.device(device), kwargs
+        if torch.device(device).type == "cpu":
+            assert_same(model, want)
+    with pytest.raises(ValueError, match="without converting"):
+        from_pretrained(cls, directory, torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="dtype= or torch_dtype="):
+        from_pretrained(cls, directory, dtype=torch.float32, torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match="one execution device.*keep_resident"):
+        from_pretrained(cls, directory, device_map={"model.embed_tokens": "cpu", "model.layers": "disk"})
+    with pytest.raises(TypeError, match="device_map= or execution_device="):
+        from_pretrained(cls, directory, device_map="cpu", execution_device="cpu")
+    with pytest.raises(TypeError, match=r"swapio.offload.from_pretrained\(\) got an unexpected keyword argument "
+                                        r"'trust_remote_code'"):
+        from_pretrained(cls, directory, trust_remote_code=True)

@@ -16,6 +16,7 @@ from swapio.offload.fetch import Fetcher
 from offload_helpers import NEW_TOKENS, assert_same_outputs, one_thread, reference, resident_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
+pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner
 
 
 class Scaled(torch.nn.Module):

@@ -4,6 +4,7 @@ bit-identically)."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -297,3 +298,29 @@ def test_state_dict_of_offloaded_training_continues_resident(tmp_path):
     opt.close()
     remove_offload(model)
     assert_same_weights(weights(model), weights(resident))
+
+
+def test_an_offload_dir_trained_from_another_checkpoint_is_refused(tmp_path):
+    """offload_dir holds weights trained from one checkpoint; offloading from another with it would silently serve
+    the first one's (trained and frozen records alike)."""
+    ckpt = save_checkpoint_file(make_model(), tmp_path / "a.safetensors")
+    other = save_checkpoint_file(make_model(seed=1), tmp_path / "b.safetensors")
+    od = tmp_path / "od"
+    model = disk_offload(meta_model(), checkpoint=ckpt, offload_dir=od)
+    with build_opt("AdamW", model.parameters(), tmp_path) as opt:
+        train(model, opt, batches(MLP, 2))
+    remove_offload(model)
+    trained, before = weights(model), dir_digest(od)
+    with pytest.raises(ValueError, match="trained from another checkpoint"):
+        disk_offload(meta_model(), checkpoint=other, offload_dir=od)
+    assert dir_digest(od) == before
+    # the checkpoint it was trained from, also copied elsewhere, still gives the trained weights
+    shutil.copy(ckpt, tmp_path / "copy.safetensors")
+    for source in (ckpt, tmp_path / "copy.safetensors"):
+        again = disk_offload(meta_model(), checkpoint=source, offload_dir=od)
+        remove_offload(again)
+        assert_same_weights(weights(again), trained)
+    # the way out the error names: a fresh offload_dir starts from the other checkpoint
+    fresh = disk_offload(meta_model(), checkpoint=other, offload_dir=tmp_path / "od2")
+    remove_offload(fresh)
+    assert_same_weights(weights(fresh), weights(make_model(seed=1)))

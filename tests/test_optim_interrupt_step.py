@@ -14,12 +14,7 @@ from optim_helpers import one_thread  # noqa: F401
 from resume_helpers import assert_same, assert_trains_like_fresh, make_opt, make_params, set_grads, snapshot, train
 
 
-@pytest.fixture(autouse=True)
-def ctrl_c_raises():
-    """SIGINT raises KeyboardInterrupt here even where the test runner was started with SIGINT ignored."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner
 
 
 def _on_call(monkeypatch, owner, name, at, how, after=False):

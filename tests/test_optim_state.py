@@ -452,6 +452,26 @@ def test_swap_dir_removed_when_optimizer_is_collected(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadLion], ids=["adamw", "lion"])
+def test_a_swap_dir_that_does_not_exist_yet_is_made(tmp_path, cls):
+    """As DeepSpeed makes its swap folders: the missing directories are made, and the optimizer steps as torch's
+    (or as one on an existing swap_dir) would."""
+    swap_dir = tmp_path / "not" / "yet"
+    params, ref = _params(), _params()
+    opt = _opt(params, "nvme", swap_dir, cls=cls)
+    want = _opt(ref, "cpu", tmp_path, cls=cls)
+    for grads in _grads(2):
+        _apply(opt, params, grads)
+        _apply(want, ref, grads)
+    assert os.path.dirname(opt.swap_path) == str(swap_dir) and os.listdir(opt.swap_path)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref))
+    opt.close()
+    assert os.listdir(swap_dir) == []  # the private directory goes; the swap_dir the user named stays
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        _opt(_params(), "nvme", tmp_path / "file", cls=cls)
+
+
 def test_io_config_file_and_kwargs_reach_the_handles(tmp_path):
     cfg = tmp_path / "tuned.json"
     cfg.write_text(json.dumps({"handle": {"block_size": 262144, "queue_depth": 8, "threads": 1,

@@ -1,6 +1,11 @@
 """Background writes for async_save: one thread per save, each starting after the previous one finished, so
 saves land in the order they were asked for. The threads are not daemons: an interpreter that exits (Ctrl-C
-included) first finishes the saves already captured."""
+included) first finishes the saves already captured.
+
+A child forked while saves are in flight (DataLoader workers, multiprocessing pools) starts with none: the
+parent's threads are not there to finish them, so their queue, slots and lock would block the child's first
+save forever. Their futures tell a child that waits on them that the save is the parent's."""
+import os
 import threading
 
 from ..core._threads import start_shielded
@@ -45,6 +50,7 @@ class _Job:
 
     def __init__(self, fn, previous, slot):
         self._fn, self._previous, self._slot = fn, previous, slot
+        self._pid = os.getpid()
         self._done = threading.Event()
         self._outcome = None
         self._thread = threading.Thread(target=self._run, name="swapio-checkpoint", daemon=False)
@@ -63,13 +69,20 @@ class _Job:
             self._done.set()
             self._slot.release()  # (its capture is freed or kept for the next save: buffers.py)
 
+    def _forked_away(self):
+        """True in a forked child while the save is unfinished: the parent's thread writes it, not ours."""
+        return os.getpid() != self._pid and self._outcome is None
+
     def done(self):
-        return self._done.is_set()
+        return self._forked_away() or self._done.is_set()
 
     def wait(self, timeout=None):
-        return self._done.wait(timeout)
+        return self._forked_away() or self._done.wait(timeout)
 
     def result(self):
+        if self._forked_away():
+            raise RuntimeError("this async_save was submitted before fork() by the parent process, which writes and "
+                               "waits for it; a forked child cannot (save again in the child if it needs the file)")
         ok, value = self._outcome
         if ok:
             return value
@@ -84,6 +97,14 @@ def submit(fn, slot):
         _last = job
         start_shielded(job._thread)
     return Future(job)
+
+
+def _forget_parents_saves():
+    global _lock, _last, _slots
+    _lock, _last, _slots = threading.Lock(), None, threading.BoundedSemaphore(QUEUED)
+
+
+os.register_at_fork(after_in_child=_forget_parents_saves)
 
 
 def wait_all():

@@ -11,6 +11,7 @@ release_buffers() frees them all.
 """
 import atexit
 import contextlib
+import os
 import threading
 from typing import Optional
 
@@ -88,6 +89,20 @@ def release_buffers():
     for h in handles:
         h.close()
 
+
+_inherited = []  # what a forked child got from its parent: never used (nor freed) there; see _fresh_after_fork
+
+
+def _fresh_after_fork():
+    """In a forked child: a free lock (another thread may have held it at the fork), and no kept buffers or
+    handle. The handle's workers are not in the child, and the pinned memory may be registered with CUDA, which a
+    forked child can neither use nor unregister: they are kept referenced, never touched."""
+    global _lock, _spare, _spare_handle
+    _inherited.append((_spare, _spare_handle))
+    _lock, _spare, _spare_handle = threading.Lock(), {}, []
+
+
+os.register_at_fork(after_in_child=_fresh_after_fork)
 
 # The kept handle's workers stop before the interpreter goes (after async saves still writing: Python joins their
 # threads before it runs atexit).

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
 import threading
 
 from ..core import _durable
@@ -22,12 +23,20 @@ TAG = ".swapio-ckpt-"
 SUFFIX = ".tmp"
 
 
-_unlinking: list[threading.Thread] = []  # helper threads removing replaced files
+_unlinking: list[threading.Thread] = []  # helper threads freeing replaced files
 _unlinking_lock = threading.Lock()
 
 
+def _fresh_after_fork():  # the parent's unlinking threads are not in a forked child; its lock may be held
+    global _unlinking, _unlinking_lock
+    _unlinking, _unlinking_lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_after_fork)
+
+
 def wait_for_unlinks():
-    """Waits until the files replaced by earlier commits are removed (their blocks freed)."""
+    """Waits until the files replaced by earlier commits are freed."""
     with _unlinking_lock:
         threads = list(_unlinking)
     for t in threads:
@@ -64,6 +73,32 @@ def reclaim(directory):
     return removed
 
 
+def _open_quietly(path):
+    """A read-only descriptor of the regular file at path, or None (none there, a symlink, unreadable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _close_on_helper(fd):
+    """Closes fd on a helper thread (the last close of an unlinked file frees its blocks), or here if no thread
+    could be started."""
+    t = threading.Thread(target=os.close, args=(fd,), name="swapio-checkpoint-unlink", daemon=True)
+    try:
+        with _unlinking_lock:
+            _unlinking[:] = [u for u in _unlinking if u.is_alive()] + [t]
+        t.start()
+    except BaseException:
+        if t.ident is None:  # not started
+            os.close(fd)
+        raise
+
+
 def _refuse(exc, final):
     return OSError(exc.errno, f"cannot write the checkpoint {final}: {exc.strerror}", final)
 
@@ -96,38 +131,28 @@ class PendingFile:
                 raise
             os.close(fd)  # another save's reclaim removed it between our create and our lock: again
         self._fd = fd
-        self._old = None
         self.committed = False
 
     def commit(self, size):
         """Truncates to size, fsyncs, renames over the final name, fsyncs the directory. The file it replaces is
-        first given a reclaimable name (a hard link), so that the rename does not free its blocks: freeing a
-        GiB-sized file's extents takes 0.2-0.3 s on ext4, done afterwards on a helper thread instead."""
+        held open across the rename, so that the rename does not free its blocks: freeing a GiB-sized file's
+        extents takes 0.2-0.3 s on ext4, done afterwards on a helper thread that closes it instead. It has no name
+        meanwhile: a process that dies first leaves nothing behind (the kernel closes and frees it)."""
         os.ftruncate(self._fd, size)
-        old = self.path[:-len(SUFFIX)] + ".old" + SUFFIX
+        replaced = _open_quietly(self.final)
         try:
-            os.link(self.final, old, follow_symlinks=False)
-            self._old = old  # (abort removes it: until the rename it is one more name of the live file)
-        except OSError:
-            old = None  # no previous file, or a file system without hard links: the rename frees it
-        _durable.publish(self.path, self.final)
-        self.committed = True
-        self.close()
-        if old is not None:
-            # A process that dies before this runs leaves `old`, unlocked: the next save reclaims it.
-            t = threading.Thread(target=_durable.discard, args=(old,), name="swapio-checkpoint-unlink",
-                                 daemon=True)
-            with _unlinking_lock:
-                _unlinking[:] = [u for u in _unlinking if u.is_alive()] + [t]
-            t.start()
+            _durable.publish(self.path, self.final)
+            self.committed = True
+            self.close()
+        finally:
+            if replaced is not None:
+                _close_on_helper(replaced)
 
     def abort(self):
         if self._fd is None:
             return
         if not (self.committed or _durable.is_file(self.final, self.identity)):
             _durable.discard(self.path)
-        if self._old is not None:
-            _durable.discard(self._old)
         self.close()
 
     def close(self):

@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, grafting, preload
+from . import dir_owner, grafting, preload, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -310,6 +310,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
             origin, by_name = os.fspath(checkpoint), names  # the header read once
+            if offload_dir is not None:
+                dir_claim.source = _same_source(offload_dir, checkpoint, names)
             if offload_dir is not None and odir.has_index(offload_dir):
                 by_name = {**names, **odir.read_index(offload_dir)}  # weights trained earlier, then the checkpoint
         elif any(t.device.type == "meta" for t in current.values()):
@@ -347,6 +349,17 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         raise
     _attach(model, streamer, current.__getitem__, preload_names)  # on failure, streamer.close() gives up handle, claim
     return model
+
+
+def _same_source(offload_dir, checkpoint, names):
+    """The checkpoint's fingerprint (source.py); ValueError when offload_dir holds weights trained from another."""
+    mine = source.fingerprint(names)
+    recorded = odir.recorded_source(offload_dir) if odir.has_index(offload_dir) else None
+    if recorded is not None and recorded != mine:
+        raise ValueError(f"offload_dir {offload_dir} holds weights trained from another checkpoint than "
+                         f"{os.fspath(checkpoint)}, and would serve them instead of its weights: pass the checkpoint "
+                         "they were trained from, or another (or an empty) offload_dir to start from this one")
+    return mine
 
 
 def remove_offload(model):

@@ -30,6 +30,7 @@ class Claim:
 
     def __init__(self, owner, created):
         self.owner, self.created = owner, created
+        self.source = None  # the fingerprint of the checkpoint the weights derive from (source.py), if any
 
     @property
     def files(self):

@@ -7,17 +7,20 @@ save_pretrained writes, model-0000i-of-0000N.safetensors shards of at most max_s
 bigger tensor alone in its shard; default 50GB, save_pretrained's) and model.safetensors.index.json.
 
 Crash safety: every file is first written in full under a locked temporary name (checkpoint/commit.py), the shards
-and the index alike; only then are they renamed into place, the shards first and the index last, under deferred
-Ctrl-C. A failure while writing (a full disk, Ctrl-C, a read error) removes the temporary files and leaves a
-previous export untouched; a process killed outright leaves them unlocked, and the next save into that directory
-removes them. The old index is removed before the first shard is renamed, so a crash inside the renames
-themselves (milliseconds) leaves a directory without an index, which loaders refuse, never a silent mix of two
-exports' shards.
+and the index alike. A failure while writing (a full disk, Ctrl-C, a read error) removes the temporary files and
+leaves a previous export untouched; a process killed outright leaves them unlocked, and the next save into that
+directory removes them. Then, under deferred Ctrl-C, the shards are renamed into place under names the current
+index does not name (a shard name it names gets a `.swapio-<hex>` tag), and the new index is renamed over the old
+one: the commit point. A loader follows the index, so until then it reads the previous export, whole, and after
+it the new one. Then the files no index names go (the previous shards, what killed exports left, a
+save_pretrained's model.safetensors). Tagged shards are then given their usual names the same way: a second name
+(a hard link), a second index commit, and the tagged names removed.
 """
 import errno
 import json
 import os
 import re
+import secrets
 
 import torch
 
@@ -32,7 +35,7 @@ from .safetensors_format import INDEX, SINGLE
 from .streamer import WeightStreamer
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}(?:\.swapio-[0-9a-f]{8})?\.safetensors")  # with the tag of _publish
 DEFAULT_SHARD = 50 * 10**9
 METADATA = {"format": "pt"}  # what transformers writes, and requires to load a file
 _SIZE = re.compile(r"(\d+)\s*(?:([kKmMgGtT])([iI]?)([bB]))?")
@@ -105,15 +108,17 @@ def save_checkpoint(model, path, max_shard_size=None):
             os.mkdir(path)
         except FileExistsError:
             raise OSError(errno.EEXIST, f"cannot write the checkpoint {path}: a file has that name", path) from None
+    staged = finals if single else _unnamed_by_index(path, finals)
     pendings, done = [], False
     try:
-        for final in finals + ([] if single else [os.path.join(path, INDEX)]):
+        for final in staged + ([] if single else [os.path.join(path, INDEX)]):
             pendings.append(PendingFile(final))
         _write(streamer, groups, plans, pendings)
         if single:
             commit_pending(pendings[0], plans[0].total)
         else:
-            _publish(path, groups, plans, pendings, finals)
+            _write_configs(model, path)
+            _publish(path, groups, plans, pendings, staged, finals)
         done = True
     finally:
         for p in pendings:
@@ -121,6 +126,26 @@ def save_checkpoint(model, path, max_shard_size=None):
         if created and not done:
             _durable.discard(path)  # (only when empty)
     return finals[0] if single else os.path.join(path, INDEX)
+
+
+def _write_configs(model, directory):
+    """A transformers model's config.json (and generation_config.json), as save_pretrained writes them (the dtype
+    and class recorded in the config), so that from_pretrained(directory) rebuilds this model; each committed
+    like a checkpoint file."""
+    from .hf_save import is_transformers_model
+    if not is_transformers_model(model):
+        return
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    files = {"config.json": model.config.to_json_string(use_diff=True)}
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        files["generation_config.json"] = model.generation_config.to_json_string(use_diff=True)
+    for name, text in files.items():
+        data = text.encode()
+        with PendingFile(os.path.join(directory, name)) as pending:
+            with open(pending.path, "wb") as f:
+                f.write(data)
+            commit_pending(pending, len(data))
 
 
 def _write(streamer, groups, plans, pendings):
@@ -138,24 +163,62 @@ def _write(streamer, groups, plans, pendings):
         handle.close()
 
 
-def _publish(directory, groups, plans, pendings, finals):
-    """Renames the shards into place, then the index (the commit point); then removes what an earlier export or
-    save_pretrained left that loaders would read instead (model.safetensors) or that nothing names any more."""
+def _named(directory):
+    """The file names the index in directory names (none when it has no index, or one that cannot be read)."""
+    try:
+        with open(os.path.join(directory, INDEX), "rb") as f:
+            weight_map = json.loads(f.read()).get("weight_map")
+        return {v for v in weight_map.values() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _unnamed_by_index(directory, finals):
+    """finals, each shard name the current index names tagged (model-00001-of-00003.swapio-<hex>.safetensors), so
+    that no file of the previous export is replaced before the new index is committed."""
+    live, tag = _named(directory), secrets.token_hex(4)
+    return [f if os.path.basename(f) not in live else f"{f[:-len('.safetensors')]}.swapio-{tag}.safetensors"
+            for f in finals]
+
+
+def _commit_index(pending, groups, names):
+    """Writes the index naming `names` (the groups' files) to pending and renames it into place."""
     index = {"metadata": {"total_size": sum(it.entry.nbytes for g in groups for it in g)},
-             "weight_map": {it.entry.name: os.path.basename(f) for g, f in zip(groups, finals) for it in g}}
+             "weight_map": {it.entry.name: os.path.basename(f) for g, f in zip(groups, names) for it in g}}
     data = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-    from ..optim.ctrl_c import DeferredSigint  # here: swapio.optim may import swapio.offload at import time
-    index_pending = pendings[-1]
-    with open(index_pending.path, "wb") as f:
+    with open(pending.path, "wb") as f:
         f.write(data)
+    commit_pending(pending, len(data))
+
+
+def _remove_unnamed(directory, names):
+    """Removes the checkpoint files (model.safetensors, shards) in directory that `names` does not hold: an
+    earlier export's, what killed ones left, a save_pretrained's that loaders would read instead of the index."""
+    keep = {os.path.basename(f) for f in names}
+    for name in os.listdir(directory):
+        if (name == SINGLE or _SHARD.fullmatch(name)) and name not in keep:
+            _durable.discard(os.path.join(directory, name))
+
+
+def _publish(directory, groups, plans, pendings, staged, finals):
+    """Renames the shards into place under their staged names, then the index naming them (the commit point); then
+    removes the files no index names, and gives tagged shards their usual names (see the module)."""
+    from ..optim.ctrl_c import DeferredSigint  # here: swapio.optim may import swapio.offload at import time
     with DeferredSigint():
-        if os.path.lexists(index_pending.final):
-            os.unlink(index_pending.final)
-            _durable.fsync_path(directory, directory=True)
         for plan, pending in zip(plans, pendings):
             commit_pending(pending, plan.total)
-        commit_pending(index_pending, len(data))
-        keep = {os.path.basename(f) for f in finals}
-        for name in os.listdir(directory):
-            if (name == SINGLE or _SHARD.fullmatch(name)) and name not in keep:
-                _durable.discard(os.path.join(directory, name))
+        _commit_index(pendings[-1], groups, staged)
+        _remove_unnamed(directory, staged)
+        if staged == finals:
+            return
+        try:
+            for tagged, final in zip(staged, finals):
+                if tagged != final:
+                    os.link(tagged, final)  # (no file has that name: the previous export's just went)
+        except OSError:  # a file system without hard links: the tagged names stay, which loaders follow
+            _remove_unnamed(directory, staged)
+            return
+        _durable.fsync_path(directory, directory=True)
+        with PendingFile(os.path.join(directory, INDEX)) as index:
+            _commit_index(index, groups, finals)
+        _remove_unnamed(directory, finals)

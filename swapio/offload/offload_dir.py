@@ -85,6 +85,8 @@ def write(directory, records, source_of, handle, chunk=None, claim=None, progres
                 bar.close()
         pieces.clear()
         index = {"format": FORMAT, "version": VERSION, "data": data_name, "data_bytes": end, "tensors": entries}
+        if claim is not None and claim.source is not None:
+            index["source"] = claim.source  # the checkpoint these weights derive from (source.py)
         _durable.commit_data_and_index(tmp_data, data_path, tmp_index, os.path.join(directory, INDEX),
                                        lambda f: json.dump(index, f), mode="w")
     except BaseException:
@@ -101,6 +103,16 @@ def data_path(directory):
     """The data file the index of `directory` names (read_index has checked it)."""
     with open(os.path.join(os.fspath(directory), INDEX), "rb") as f:
         return os.path.join(os.fspath(directory), strict_json(f.read(MAX_HEADER + 1), INDEX)["data"])
+
+
+def recorded_source(directory):
+    """The fingerprint of the checkpoint the offload_dir's weights derive from, or None when its index records
+    none (weights written from a model, or by an earlier swapio)."""
+    path = os.path.join(os.fspath(directory), INDEX)
+    with open(path, "rb") as f:
+        index = strict_json(f.read(MAX_HEADER + 1), path)
+    source = index.get("source") if isinstance(index, dict) else None
+    return source if isinstance(source, str) else None
 
 
 def has_index(directory):

@@ -44,13 +44,38 @@ def _model_class(transformers, model_class_or_config, directory):
                     f"AutoModelForCausalLM) or a transformers config, got {model_class_or_config!r}")
 
 
-def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, **disk_offload_kwargs):
+DISK_OFFLOAD_ARGUMENTS = ("execution_device", "offload_buffers", "preload_module_classes", "prefetch", "buffer_bytes",
+                          "keep_resident", "handle", "progress")
+
+
+def _device_of(device_map):
+    """The one execution device a transformers device_map names ("auto": the GPU when there is one), else a
+    ValueError: swapio computes every module on one device, streaming the weights there."""
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) == 1 and not {"disk", "meta"} & devices:
+            device_map = devices.pop()
+        else:
+            raise ValueError(f"device_map={device_map!r}: swapio streams every module's weights from the checkpoint "
+                             "to one execution device, so a per-module map has no meaning here; pass "
+                             "execution_device=... (or device_map='auto'), and keep_resident=[module names] for "
+                             "modules to keep in memory")
+    if isinstance(device_map, str) and device_map == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return device_map
+
+
+def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_dtype=None, device_map=None,
+                    low_cpu_mem_usage=None, **disk_offload_kwargs):
     """A transformers model with its weights offloaded to the save_pretrained directory `checkpoint_dir`, in eval
     mode. `model_class_or_config`: a model class (LlamaForCausalLM, or an Auto class such as
     AutoModelForCausalLM), with the config read from the directory; or a config, whose `architectures` names the
-    class (AutoModel's mapping when it names none). `dtype`: None or "auto" (the default), the checkpoint's;
-    another dtype is a ValueError, since the weights are read in place, not converted. Other keyword arguments go to disk_offload (prefetch,
-    buffer_bytes, execution_device, keep_resident, handle, offload_buffers)."""
+    class (AutoModel's mapping when it names none). `dtype` (or transformers' older name, `torch_dtype`): None or
+    "auto" (the default), the checkpoint's; another dtype is a ValueError, since the weights are read in place, not
+    converted. `device_map`: transformers' argument, for one execution device ("auto": the GPU when there is one,
+    "cpu", "cuda:1", {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other
+    keyword arguments go to disk_offload (prefetch, buffer_bytes, execution_device, keep_resident, handle,
+    offload_buffers, preload_module_classes, progress)."""
     try:
         import transformers
     except ImportError:
@@ -61,6 +86,19 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, **disk
     for name in ("checkpoint", "offload_dir"):
         if name in disk_offload_kwargs:
             raise TypeError(f"from_pretrained reads the weights from checkpoint_dir; {name}= is not an argument")
+    for name in disk_offload_kwargs:
+        if name not in DISK_OFFLOAD_ARGUMENTS:
+            raise TypeError(f"swapio.offload.from_pretrained() got an unexpected keyword argument {name!r} (it takes "
+                            "dtype/torch_dtype, device_map, low_cpu_mem_usage and disk_offload's "
+                            f"{', '.join(DISK_OFFLOAD_ARGUMENTS)})")
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise TypeError("pass dtype= or torch_dtype= (its older name), not both")
+        dtype = torch_dtype
+    if device_map is not None:
+        if "execution_device" in disk_offload_kwargs:
+            raise TypeError("pass device_map= or execution_device=, not both: both name where the model computes")
+        disk_offload_kwargs["execution_device"] = _device_of(device_map)
     directory = os.fspath(checkpoint_dir)
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir {directory} is not a directory (save_pretrained's output)")

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, saved_tensors
+from . import compiled, conversions, hf_save, saved_tensors
 from .fetch import view
 from .schedule import Schedule
 from .training import Training
@@ -117,6 +117,8 @@ class WeightStreamer:
             if self.device.type != "cpu":
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
+            conversions.install(self)
+            hf_save.install(self.model)
             self.training.register(self.slots)
         except BaseException:
             self.detach()
@@ -258,6 +260,8 @@ class WeightStreamer:
             h.remove()
         self.handles = []
         self.training.unregister(self.slots)
+        conversions.uninstall(self.model)
+        hf_save.uninstall(self.model)
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:

@@ -100,8 +100,12 @@ class NvmeState:
         if swap_dir is None:
             raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
         swap_dir = os.fspath(swap_dir)
-        if not os.path.isdir(swap_dir):
+        if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
+        try:
+            os.makedirs(swap_dir, exist_ok=True)  # as DeepSpeed makes its swap folders
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create swap_dir: {exc.strerror}", swap_dir) from None
         self.format, self.state = fmt, state
         self.buffer_count = buffer_count = budget.count
         self.slot_bytes = budget.slot_bytes

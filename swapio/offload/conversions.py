@@ -1,0 +1,86 @@
+"""model.half(), .float(), .to(dtype or device), .cpu(), .cuda() of an offloaded model: no-ops, or a clear error.
+
+All of them go through Module._apply(fn). Offloaded weights stay in swapio's files (or host copies) in their dtype
+and are computed on the execution device; between forwards the model holds meta placeholders. A conversion that
+keeps both the dtype and that device changes nothing about them (accelerate's prepare moves the model to its
+device; users call model.to(device) out of habit): the placeholders are left alone and the call goes on for the
+model's resident tensors. One that changes either would make the placeholders describe weights that are not
+there: torch then raises about meta tensors (suggesting to_empty(), which would throw the weights away) or the
+model silently keeps computing in the old dtype. It is refused, before any tensor changed, with what to do instead.
+Each module whose subtree holds offloaded tensors gets an instance `_apply` that checks `fn` on an empty tensor of
+each offloaded dtype on the execution device, the outermost call for the whole subtree.
+"""
+import torch
+
+_NONE = object()
+
+
+class GuardedApply:
+    """A module's _apply while its subtree holds offloaded tensors (see the module)."""
+
+    __slots__ = ("streamer", "slots", "inner", "own")
+
+    def __init__(self, streamer, slots, inner, own):
+        self.streamer, self.slots, self.inner, self.own = streamer, slots, inner, own
+
+    def __call__(self, fn, *args, **kwargs):
+        if getattr(fn, "swapio_checked", False):  # an outer module checked it for this subtree already
+            return self.inner(fn, *args, **kwargs)
+        device = self.streamer.device
+        for dtype in {s.dtype for s in self.slots}:
+            probe = torch.empty(0, dtype=dtype, device=device)
+            try:
+                out = fn(probe)
+            except Exception as exc:  # noqa: BLE001 - e.g. no CUDA here: refused with the reason attached
+                raise _refusal(self.slots, dtype, device) from exc
+            if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != probe.device:
+                raise _refusal(self.slots, dtype, device)
+        kept = {id(t) for s in self.slots for t in (s.placeholder, s.stand_in) if t is not None}
+
+        def keep_offloaded(t):
+            return t if id(t) in kept else fn(t)
+        keep_offloaded.swapio_checked = True
+        return self.inner(keep_offloaded, *args, **kwargs)
+
+
+def _refusal(slots, dtype, device):
+    name = next(s.name for s in slots if s.dtype == dtype)
+    return RuntimeError(
+        f"this conversion (.to(), .half(), .float(), .double(), .bfloat16(), .cpu(), .cuda(), .type()) would change "
+        f"the dtype or device of weights offloaded by swapio ({name} is {dtype}, computed on {device}), which stay "
+        "in its files as they are. Convert before offloading, or remove_offload(model) first (the weights then need "
+        "memory), convert, and offload again; or offload a model in the wanted dtype, with execution_device= the "
+        "wanted device. A conversion to the same dtype and execution device is allowed (a no-op for them)")
+
+
+def install(streamer):
+    """Guards the _apply of every module whose subtree holds the streamer's offloaded tensors."""
+    own = {}
+    for unit in streamer.units:
+        own.setdefault(id(unit.module), []).extend(slot for _, _, slot in unit.entries)
+    below = {}
+
+    def slots_under(module):
+        if id(module) not in below:
+            found = {id(s): s for s in own.get(id(module), ())}
+            for child in module.children():
+                found.update((id(s), s) for s in slots_under(child))
+            below[id(module)] = list(found.values())
+        return below[id(module)]
+
+    for module in streamer.model.modules():
+        slots = slots_under(module)
+        if slots:
+            mine = module.__dict__.get("_apply", _NONE)
+            module._apply = GuardedApply(streamer, slots, module._apply, mine)
+
+
+def uninstall(model):
+    """Puts each module's own _apply back (idempotent)."""
+    for module in model.modules():
+        guard = module.__dict__.get("_apply")
+        if isinstance(guard, GuardedApply):
+            if guard.own is _NONE:
+                del module.__dict__["_apply"]
+            else:
+                module.__dict__["_apply"] = guard.own

@@ -1,0 +1,59 @@
+"""model.save_pretrained(dir) of an offloaded transformers model: what transformers writes, the weights streamed.
+
+transformers' own save_pretrained takes model.state_dict(), which holds swapio's meta placeholders between
+forwards ("Cannot copy out of meta tensor"), and would need the whole model in memory anyway. While a model is
+offloaded, its save_pretrained is this one: save_checkpoint (shards and index, streamed record by record, which
+also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back. What it
+cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
+"""
+import weakref
+
+_ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
+
+
+def is_transformers_model(model):
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+class SavePretrained:
+    """The offloaded model's save_pretrained (see the module)."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+
+    def __call__(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False,
+                 max_shard_size="50GB", variant=None, **kwargs):
+        from .export import save_checkpoint
+        unknown = [k for k in kwargs if k not in _ACCEPTED]
+        if unknown:
+            raise TypeError(f"save_pretrained() of a model offloaded by swapio got an unexpected keyword argument "
+                            f"{unknown[0]!r}")
+        refused = [what for what, bad in (("state_dict=", state_dict is not None), ("push_to_hub=True", push_to_hub),
+                                          ("variant=", variant is not None),
+                                          ("safe_serialization=False", kwargs.get("safe_serialization") is False),
+                                          ("distributed_checkpoint=True", kwargs.get("distributed_checkpoint")))
+                   if bad]
+        if refused:
+            raise ValueError(f"save_pretrained({refused[0]}) of a model offloaded by swapio: it streams the model's "
+                             "own weights as safetensors shards (swapio.offload.save_checkpoint) and nothing else. "
+                             "Save without it (push the directory with huggingface_hub's upload_folder), or "
+                             "remove_offload(model) first")
+        if is_main_process:
+            save_checkpoint(self.model(), save_directory, max_shard_size=max_shard_size)
+
+    def __reduce_ex__(self, protocol):
+        from .streamer import refuse_copy
+        refuse_copy()
+
+
+def install(model):
+    if is_transformers_model(model) and "save_pretrained" not in model.__dict__:
+        model.save_pretrained = SavePretrained(model)
+
+
+def uninstall(model):
+    if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
+        del model.__dict__["save_pretrained"]
