@@ -231,3 +231,27 @@ def test_a_late_gpu_reads_each_step_values_not_the_next_ones(fake_gpu):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_segments_sharing_a_chunk_do_not_overwrite_staging_a_copy_still_reads(fake_gpu, tmp_path, dtype):
+    # A chunk of the swap file holds segments of several parameters (a weight's tail, a bias, the next weight's
+    # head); each segment's new values go to the GPU from the slot's staging while the next segment computes.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(dtype)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="nvme", swap_dir=tmp_path)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    for step in range(2):
+        _loss(model, step).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        assert any(len(c.segments) > 1 for c in opt._backend.chunks)
+        compute.run_until(len(compute.ops))  # the next forward's turn on the GPU
+        ref_opt.step()
+        for p, m in zip(model.parameters(), master):
+            torch.testing.assert_close(p.float(), m.detach().to(dtype).float(), rtol=0, atol=1e-6)
+        opt.zero_grad()
+    opt.close()
