@@ -255,3 +255,25 @@ def test_nvme_segments_sharing_a_chunk_do_not_overwrite_staging_a_copy_still_rea
             torch.testing.assert_close(p.float(), m.detach().to(dtype).float(), rtol=0, atol=1e-6)
         opt.zero_grad()
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_work_queued_between_backward_and_step_reads_the_values_before_the_step(fake_gpu, dtype):
+    # Whatever the program queued on the compute stream before step() (a weight norm for logging, an EMA update)
+    # reads the values before the step, as with torch: the copies of the new values wait for it, not only for
+    # the kernels that produced the gradients.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(dtype)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", buffer_bytes=4 << 16,
+                                    buffer_count=4)
+    _loss(model, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    compute.enqueue(lambda: seen.append([p.detach().clone() for p in model.parameters()]), "user reads")
+    opt.step()
+    sides["to_device"].run_until(len(sides["to_device"].ops))  # the GPU may run the copies first...
+    compute.run_until(len(compute.ops))  # ...if nothing orders them after the read
+    for got, want in zip(seen[0], before):
+        assert torch.equal(got, want)
+    opt.close()
