@@ -277,3 +277,31 @@ def test_work_queued_between_backward_and_step_reads_the_values_before_the_step(
     for got, want in zip(seen[0], before):
         assert torch.equal(got, want)
     opt.close()
+
+
+def test_a_dropped_in_backward_optimizer_stops_updating_the_model(fake_gpu):
+    # Its hooks stay on the model; dropping the last reference (a notebook cell building a new optimizer) must free
+    # it at once, not at the next full garbage collection, else every backward until then steps the model with it.
+    import gc
+    import weakref
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    compute.run_until(len(compute.ops))
+    gc.disable()
+    try:
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is None
+        before = [p.detach().clone() for p in model.parameters()]
+        _loss(model, 1).backward()
+        compute.run_until(len(compute.ops))
+        sides["to_device"].run_until(len(sides["to_device"].ops))
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import os
 import warnings
+import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -87,7 +88,10 @@ class OffloadOptimizer(Optimizer):
         self._grad_copies = GradCopies() if offload == "cpu" else None
         self._gpu_in_backward = None
         if in_backward and offload == "cpu":
-            self._gpu_in_backward = GpuInBackward(self._step_in_backward, self._grad_copies.copied_as)
+            # held weakly: the hooks on the model reach the worker, which must not keep the optimizer alive
+            step_in_backward = weakref.WeakMethod(self._step_in_backward)
+            self._gpu_in_backward = GpuInBackward(lambda params, copies: step_in_backward()(params, copies),
+                                                  self._grad_copies.copied_as)
             self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
