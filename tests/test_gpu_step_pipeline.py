@@ -305,3 +305,25 @@ def test_a_dropped_in_backward_optimizer_stops_updating_the_model(fake_gpu):
             assert torch.equal(p, b)
     finally:
         gc.enable()
+
+
+def test_in_backward_refuses_a_second_backward_before_step(fake_gpu):
+    # torch would step once with the sum of the two gradients; each backward updating the parameters would step
+    # twice (and the second gradient's copy would overwrite the first while the worker may still read it). As for
+    # offloaded weights: a RuntimeError naming in_backward=False, before the second gradient's copy.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    _loss(model, 0).backward()
+    queued = sum(1 for e in trace if e[:2] == ("queued", "d2h"))
+    with pytest.raises(RuntimeError, match="in_backward=False"):
+        _loss(model, 1).backward()
+    assert sum(1 for e in trace if e[:2] == ("queued", "d2h")) == queued
+    opt.zero_grad()  # (waits for the worker)
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+    for step in range(2):  # one backward per step() is fine again, with or without zero_grad() between
+        _loss(model, 2 + step).backward()
+        opt.step()
+        assert all(int(opt.state[p]["step"]) == 2 + step for p in model.parameters())
+    opt.close()

@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .cuda_staging import StepCopies
+from .offloaded import _second_backward
 from .params import shard
 
 
@@ -25,16 +26,26 @@ class GpuInBackward:
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
+        self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
         self.working = None
         self.error = None
         self.executor = None
 
+    def check_fresh(self, p):
+        """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
+        backward, retain_graph=True) is refused, as for offloaded weights (torch would step once with the sum;
+        its copy would also overwrite the one the worker may still read)."""
+        with self.lock:
+            if p in self.handed:
+                raise _second_backward("a parameter on a GPU got a gradient")
+
     def gradient_ready(self, p):
         """From GradCopies' hook (the backward thread)."""
         self.raise_error()
         with self.lock:
+            self.handed.add(p)
             self.ready.append(p)
             if self.working is None:
                 if self.executor is None:
@@ -76,6 +87,7 @@ class GpuInBackward:
         that their gradients did not change since; the compute streams then wait for the copies."""
         try:
             self.wait()
+            self.handed = set()
             stepped, self.stepped = self.stepped, {}
             for p, (ref, version) in stepped.items():
                 g = shard(p.grad) if p.grad is not None else None
@@ -91,7 +103,7 @@ class GpuInBackward:
     def forget(self):
         """zero_grad(): whatever backward stepped is history."""
         self.wait()
-        self.stepped = {}
+        self.stepped, self.handed = {}, set()
         self.copies.end()
 
     def close(self):

@@ -92,7 +92,7 @@ class OffloadOptimizer(Optimizer):
             step_in_backward = weakref.WeakMethod(self._step_in_backward)
             self._gpu_in_backward = GpuInBackward(lambda params, copies: step_in_backward()(params, copies),
                                                   self._grad_copies.copied_as)
-            self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready)
+            self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready, self._gpu_in_backward.check_fresh)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
         fmt = self._rule.format
