@@ -327,3 +327,38 @@ def test_in_backward_refuses_a_second_backward_before_step(fake_gpu):
         opt.step()
         assert all(int(opt.state[p]["step"]) == 2 + step for p in model.parameters())
     opt.close()
+
+
+@pytest.mark.parametrize("read", ["state_dict", "save", "memory_report"])
+def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker(fake_gpu, tmp_path, read):
+    # backward() returns while the worker may still update the last parameters: what state_dict(), save() and
+    # memory_report() see is the state after those updates, never half of it.
+    import threading
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    release = threading.Event()
+    real_step = opt._gpu_in_backward._step_params
+    opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
+    _loss(model, 0).backward()
+
+    def state_steps():
+        if read == "state_dict":
+            return [int(st["step"]) for st in opt.state_dict()["state"].values()]
+        if read == "memory_report":
+            return [opt.memory_report()["params"]]
+        opt.save(tmp_path / "ckpt")
+        other = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+        other.load(tmp_path / "ckpt")
+        return [int(st["step"]) for st in other.state_dict()["state"].values()]
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(state_steps()))
+    reader.start()
+    reader.join(0.5)  # it waits for the worker (else it has read the state before the updates)
+    release.set()
+    reader.join()
+    n = sum(p.numel() for p in model.parameters())
+    assert seen[0] == ([n] if read == "memory_report" else [1, 1, 1, 1])
+    opt.step()
+    opt.close()

@@ -73,13 +73,17 @@ class GpuInBackward:
         if error is not None:
             raise error
 
-    def wait(self):
+    def idle(self):
+        """Waits for the worker; an error of its stays for step() (or the next gradient) to report."""
         while True:
             with self.lock:
                 working = self.working
             if working is None:
-                break
+                return
             working.result()
+
+    def wait(self):
+        self.idle()
         self.raise_error()
 
     def finish(self):
