@@ -362,3 +362,41 @@ def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker
     assert seen[0] == ([n] if read == "memory_report" else [1, 1, 1, 1])
     opt.step()
     opt.close()
+
+
+def test_an_error_in_the_in_backward_worker_leaves_the_parameters_it_stepped_stepped(fake_gpu, monkeypatch):
+    # The worker fails in the middle of a batch (pinned memory refused for a new state, say): the parameters of
+    # that batch it had stepped before the error are stepped; a step() after the error must not step them again.
+    import threading
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    release = threading.Event()
+    real_step = opt._gpu_in_backward._step_params
+    opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
+    failing = []
+    real_empty = swapio.optim.cpu_state.CpuState._empty
+
+    def empty(self, name, p):
+        if p is failing[0]:
+            raise MemoryError("pinned memory refused")
+        return real_empty(self, name, p)
+    monkeypatch.setattr(swapio.optim.cpu_state.CpuState, "_empty", empty)
+    _loss(model, 0).backward()  # the worker holds its first batch; the other three wait as the second
+    failing.append(max(model.parameters(), key=opt._grad_copies.arrival))
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.clone()
+    release.set()
+    with pytest.raises(MemoryError):
+        opt.step()
+    monkeypatch.setattr(swapio.optim.cpu_state.CpuState, "_empty", real_empty)
+    opt.step()  # steps what the worker did not
+    ref_opt.step()
+    compute.run_until(len(compute.ops))
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    opt.close()

@@ -24,6 +24,7 @@ class GpuInBackward:
     def __init__(self, step_params, copied_as):
         self._step_params = step_params  # (params, copies) -> steps params, queuing copies on `copies`
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
+        self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
         self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
@@ -59,13 +60,20 @@ class GpuInBackward:
                 if not batch:
                     self.working = None
                     return
+            used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
+            counts = {p: self._count(p) for p in batch}
             try:
-                used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
                 self._step_params(batch, self.copies)
                 self.stepped.update((p, u) for p, u in used.items() if u is not None)
             except BaseException as exc:  # noqa: BLE001 - raised by the next gradient_ready() or finish()
+                # those of the batch stepped before the error are stepped: step() must not step them again
+                self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
                 with self.lock:
                     self.error = self.error or exc
+
+    def _count(self, p):
+        step = self.state.get(p, {}).get("step")
+        return None if step is None else float(step)
 
     def raise_error(self):
         with self.lock:

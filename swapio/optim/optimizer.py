@@ -95,6 +95,8 @@ class OffloadOptimizer(Optimizer):
             self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready, self._gpu_in_backward.check_fresh)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.state = self.state
         fmt = self._rule.format
         # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
         # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
