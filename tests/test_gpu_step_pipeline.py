@@ -231,3 +231,172 @@ def test_a_late_gpu_reads_each_step_values_not_the_next_ones(fake_gpu):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_segments_sharing_a_chunk_do_not_overwrite_staging_a_copy_still_reads(fake_gpu, tmp_path, dtype):
+    # A chunk of the swap file holds segments of several parameters (a weight's tail, a bias, the next weight's
+    # head); each segment's new values go to the GPU from the slot's staging while the next segment computes.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(dtype)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="nvme", swap_dir=tmp_path)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    for step in range(2):
+        _loss(model, step).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        assert any(len(c.segments) > 1 for c in opt._backend.chunks)
+        compute.run_until(len(compute.ops))  # the next forward's turn on the GPU
+        ref_opt.step()
+        for p, m in zip(model.parameters(), master):
+            torch.testing.assert_close(p.float(), m.detach().to(dtype).float(), rtol=0, atol=1e-6)
+        opt.zero_grad()
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_work_queued_between_backward_and_step_reads_the_values_before_the_step(fake_gpu, dtype):
+    # Whatever the program queued on the compute stream before step() (a weight norm for logging, an EMA update)
+    # reads the values before the step, as with torch: the copies of the new values wait for it, not only for
+    # the kernels that produced the gradients.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(dtype)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", buffer_bytes=4 << 16,
+                                    buffer_count=4)
+    _loss(model, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    compute.enqueue(lambda: seen.append([p.detach().clone() for p in model.parameters()]), "user reads")
+    opt.step()
+    sides["to_device"].run_until(len(sides["to_device"].ops))  # the GPU may run the copies first...
+    compute.run_until(len(compute.ops))  # ...if nothing orders them after the read
+    for got, want in zip(seen[0], before):
+        assert torch.equal(got, want)
+    opt.close()
+
+
+def test_a_dropped_in_backward_optimizer_stops_updating_the_model(fake_gpu):
+    # Its hooks stay on the model; dropping the last reference (a notebook cell building a new optimizer) must free
+    # it at once, not at the next full garbage collection, else every backward until then steps the model with it.
+    import gc
+    import weakref
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    compute.run_until(len(compute.ops))
+    gc.disable()
+    try:
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is None
+        before = [p.detach().clone() for p in model.parameters()]
+        _loss(model, 1).backward()
+        compute.run_until(len(compute.ops))
+        sides["to_device"].run_until(len(sides["to_device"].ops))
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+    finally:
+        gc.enable()
+
+
+def test_in_backward_refuses_a_second_backward_before_step(fake_gpu):
+    # torch would step once with the sum of the two gradients; each backward updating the parameters would step
+    # twice (and the second gradient's copy would overwrite the first while the worker may still read it). As for
+    # offloaded weights: a RuntimeError naming in_backward=False, before the second gradient's copy.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    _loss(model, 0).backward()
+    queued = sum(1 for e in trace if e[:2] == ("queued", "d2h"))
+    with pytest.raises(RuntimeError, match="in_backward=False"):
+        _loss(model, 1).backward()
+    assert sum(1 for e in trace if e[:2] == ("queued", "d2h")) == queued
+    opt.zero_grad()  # (waits for the worker)
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+    for step in range(2):  # one backward per step() is fine again, with or without zero_grad() between
+        _loss(model, 2 + step).backward()
+        opt.step()
+        assert all(int(opt.state[p]["step"]) == 2 + step for p in model.parameters())
+    opt.close()
+
+
+@pytest.mark.parametrize("read", ["state_dict", "save", "memory_report"])
+def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker(fake_gpu, tmp_path, read):
+    # backward() returns while the worker may still update the last parameters: what state_dict(), save() and
+    # memory_report() see is the state after those updates, never half of it.
+    import threading
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    release = threading.Event()
+    real_step = opt._gpu_in_backward._step_params
+    opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
+    _loss(model, 0).backward()
+
+    def state_steps():
+        if read == "state_dict":
+            return [int(st["step"]) for st in opt.state_dict()["state"].values()]
+        if read == "memory_report":
+            return [opt.memory_report()["params"]]
+        opt.save(tmp_path / "ckpt")
+        other = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+        other.load(tmp_path / "ckpt")
+        return [int(st["step"]) for st in other.state_dict()["state"].values()]
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(state_steps()))
+    reader.start()
+    reader.join(0.5)  # it waits for the worker (else it has read the state before the updates)
+    release.set()
+    reader.join()
+    n = sum(p.numel() for p in model.parameters())
+    assert seen[0] == ([n] if read == "memory_report" else [1, 1, 1, 1])
+    opt.step()
+    opt.close()
+
+
+def test_an_error_in_the_in_backward_worker_leaves_the_parameters_it_stepped_stepped(fake_gpu, monkeypatch):
+    # The worker fails in the middle of a batch (pinned memory refused for a new state, say): the parameters of
+    # that batch it had stepped before the error are stepped; a step() after the error must not step them again.
+    import threading
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    release = threading.Event()
+    real_step = opt._gpu_in_backward._step_params
+    opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
+    failing = []
+    real_empty = swapio.optim.cpu_state.CpuState._empty
+
+    def empty(self, name, p):
+        if p is failing[0]:
+            raise MemoryError("pinned memory refused")
+        return real_empty(self, name, p)
+    monkeypatch.setattr(swapio.optim.cpu_state.CpuState, "_empty", empty)
+    _loss(model, 0).backward()  # the worker holds its first batch; the other three wait as the second
+    failing.append(max(model.parameters(), key=opt._grad_copies.arrival))
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.clone()
+    release.set()
+    with pytest.raises(MemoryError):
+        opt.step()
+    monkeypatch.setattr(swapio.optim.cpu_state.CpuState, "_empty", real_empty)
+    opt.step()  # steps what the worker did not
+    ref_opt.step()
+    compute.run_until(len(compute.ops))
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    opt.close()

@@ -95,8 +95,10 @@ class CpuState:
                 sent.synchronize()
         host_grad = (self.grad_copies.take(w.p, w.grad_source, as_copied=copies.in_backward)
                      if self.grad_copies is not None else None)
-        # new values go to the GPU after the kernels that read the old ones: those before the gradient's copy
-        after = self.grad_copies.copy_event(w.p) if host_grad is not None else None
+        # new values go to the GPU after the kernels that read the old ones: in a step(), everything queued on the
+        # compute stream before it (the program may read parameters between backward and step()); during
+        # backward, the kernels before the gradient's copy
+        after = self.grad_copies.copy_event(w.p) if host_grad is not None and copies.in_backward else None
         clock.io_wait_s += now() - t0
         segments = self.staging.segments(w, copies, host_grad, out=not direct)
         event = None

@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .cuda_staging import StepCopies
+from .offloaded import _second_backward
 from .params import shard
 
 
@@ -23,18 +24,29 @@ class GpuInBackward:
     def __init__(self, step_params, copied_as):
         self._step_params = step_params  # (params, copies) -> steps params, queuing copies on `copies`
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
+        self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
+        self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
         self.working = None
         self.error = None
         self.executor = None
 
+    def check_fresh(self, p):
+        """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
+        backward, retain_graph=True) is refused, as for offloaded weights (torch would step once with the sum;
+        its copy would also overwrite the one the worker may still read)."""
+        with self.lock:
+            if p in self.handed:
+                raise _second_backward("a parameter on a GPU got a gradient")
+
     def gradient_ready(self, p):
         """From GradCopies' hook (the backward thread)."""
         self.raise_error()
         with self.lock:
+            self.handed.add(p)
             self.ready.append(p)
             if self.working is None:
                 if self.executor is None:
@@ -48,13 +60,20 @@ class GpuInBackward:
                 if not batch:
                     self.working = None
                     return
+            used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
+            counts = {p: self._count(p) for p in batch}
             try:
-                used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
                 self._step_params(batch, self.copies)
                 self.stepped.update((p, u) for p, u in used.items() if u is not None)
             except BaseException as exc:  # noqa: BLE001 - raised by the next gradient_ready() or finish()
+                # those of the batch stepped before the error are stepped: step() must not step them again
+                self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
                 with self.lock:
                     self.error = self.error or exc
+
+    def _count(self, p):
+        step = self.state.get(p, {}).get("step")
+        return None if step is None else float(step)
 
     def raise_error(self):
         with self.lock:
@@ -62,13 +81,17 @@ class GpuInBackward:
         if error is not None:
             raise error
 
-    def wait(self):
+    def idle(self):
+        """Waits for the worker; an error of its stays for step() (or the next gradient) to report."""
         while True:
             with self.lock:
                 working = self.working
             if working is None:
-                break
+                return
             working.result()
+
+    def wait(self):
+        self.idle()
         self.raise_error()
 
     def finish(self):
@@ -76,6 +99,7 @@ class GpuInBackward:
         that their gradients did not change since; the compute streams then wait for the copies."""
         try:
             self.wait()
+            self.handed = set()
             stepped, self.stepped = self.stepped, {}
             for p, (ref, version) in stepped.items():
                 g = shard(p.grad) if p.grad is not None else None
@@ -91,7 +115,7 @@ class GpuInBackward:
     def forget(self):
         """zero_grad(): whatever backward stepped is history."""
         self.wait()
-        self.stepped = {}
+        self.stepped, self.handed = {}, set()
         self.copies.end()
 
     def close(self):

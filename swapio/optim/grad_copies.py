@@ -26,7 +26,7 @@ _ARENA_ALIGN = 64  # each gradient at a cache-line boundary of the arena
 
 class GradCopies:
     def __init__(self):
-        self._on_ready = None
+        self._on_ready = self._check = None
         self.places = {}   # p -> byte offset of its gradient in the arena
         self.end = 0
         self.arena = None  # pinned uint8, allocated at the first copy
@@ -34,9 +34,11 @@ class GradCopies:
         self.arrivals = 0
         self._hooks = []
 
-    def on_ready(self, callback):
-        """callback(p) (a bound method, held weakly) runs in the hook once p's copy is queued."""
+    def on_ready(self, callback, check=None):
+        """callback(p) (a bound method, held weakly) runs in the hook once p's copy is queued; check(p) (the same),
+        before it is queued, may refuse the gradient by raising."""
         self._on_ready = weakref.WeakMethod(callback)
+        self._check = weakref.WeakMethod(check) if check is not None else None
 
     def attach(self, params):
         """Hooks the CUDA parameters among params (each once)."""
@@ -72,6 +74,9 @@ class GradCopies:
         if g.device != t.device or g.layout != torch.strided or g.dtype != t.dtype or g.shape != t.shape:
             self.copied.pop(p, None)  # step() copies what it finds
             return
+        check = self._check() if self._check is not None else None
+        if check is not None:
+            check(p)
         host = self._host(p, g)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(g.device))

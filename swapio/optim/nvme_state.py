@@ -356,10 +356,12 @@ class NvmeState:
                 t0 = now()
                 grad, out = w.grad[seg.a:seg.b], None
                 if w.cuda:  # through the slot's staging: gradient in, the kernel's new values out
+                    # at the segment's own place: the copy out of an earlier segment of this chunk still runs
                     n = seg.b - seg.a
-                    staged = views["_stage_g"][:n * w.grad.element_size()].view(w.grad.dtype)
+                    gs, ts = w.grad.element_size(), w.t.element_size()
+                    staged = views["_stage_g"][seg.off * gs:(seg.off + n) * gs].view(w.grad.dtype)
                     copies.to_host(staged, grad, w.t.device).synchronize()  # this copy only
-                    grad, out = staged, views["_stage_o"][:n * w.t.element_size()].view(w.t.dtype)
+                    grad, out = staged, views["_stage_o"][seg.off * ts:(seg.off + n) * ts].view(w.t.dtype)
                 self.clock.io_wait_s += now() - t0
                 t0 = now()
                 with section("swapio::kernel"):

@@ -12,6 +12,7 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import os
 import warnings
+import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -87,10 +88,15 @@ class OffloadOptimizer(Optimizer):
         self._grad_copies = GradCopies() if offload == "cpu" else None
         self._gpu_in_backward = None
         if in_backward and offload == "cpu":
-            self._gpu_in_backward = GpuInBackward(self._step_in_backward, self._grad_copies.copied_as)
-            self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready)
+            # held weakly: the hooks on the model reach the worker, which must not keep the optimizer alive
+            step_in_backward = weakref.WeakMethod(self._step_in_backward)
+            self._gpu_in_backward = GpuInBackward(lambda params, copies: step_in_backward()(params, copies),
+                                                  self._grad_copies.copied_as)
+            self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready, self._gpu_in_backward.check_fresh)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.state = self.state
         fmt = self._rule.format
         # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
         # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
@@ -175,6 +181,12 @@ class OffloadOptimizer(Optimizer):
     def _check_open(self):
         if self._backend is None:
             raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    def _settle(self):
+        """Waits for the updates the in_backward worker still runs (backward returns before the last ones end), so
+        that the state read or replaced is whole."""
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.idle()
 
     def _check_whole(self):
         """RuntimeError while an error inside step() has left a parameter half-stepped (one spanning several nvme
@@ -431,6 +443,7 @@ class OffloadOptimizer(Optimizer):
         nvme mode they are read from the swap file into new tensors, so the whole state is materialised in RAM:
         for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
         included); a post-hook of ours fills in the state from the backend first."""
+        self._settle()
         self._check_whole()
         return super().state_dict()
 
@@ -441,6 +454,7 @@ class OffloadOptimizer(Optimizer):
         A reference ({REFERENCE_KEY: directory}: what the Trainer integration leaves in optimizer.pt instead of
         the state) loads that streaming checkpoint with load()."""
         self._check_open()
+        self._settle()
         path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
         if path is not None:
             if not os.path.isdir(path):
@@ -467,6 +481,7 @@ class OffloadOptimizer(Optimizer):
         swapio.optim.checkpoint.
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
+        self._settle()
         self._check_whole()
         self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
         checkpoint.save(self, path, progress)
@@ -476,6 +491,7 @@ class OffloadOptimizer(Optimizer):
         streaming one chunk at a time.
         progress: a bar of the bytes read, as for save()."""
         self._check_open()
+        self._settle()
         checkpoint.load(self, path, progress)
 
     def memory_report(self):
@@ -487,6 +503,7 @@ class OffloadOptimizer(Optimizer):
         staging), for GPU parameters in cpu mode "gpu_grads" and "gpu_masters" and, for weights of offloaded models, "weight_ring", "weight_spare", "weight_pool", "grads",
         "grad_staging", "weight_hosts"; docs/offload.md, "Host memory")}."""
         self._check_open()
+        self._settle()
         stateful = [p for p, st in self.state.items() if isinstance(p, torch.Tensor) and st]
         params = sum(shard(p).numel() for p in stateful)
         report = {"offload": self.offload, "state_dtype": self._rule.format.name, "params": params}
