@@ -92,6 +92,9 @@ def optimizer_part(args, scratch):
     except ImportError as exc:
         out["torchao"] = f"skipped: {exc}"
     run("swapio_cpu", lambda m: so.OffloadAdamW(m.parameters(), lr=1e-4, offload="cpu"))
+    for n in args.threads:  # the kernel's threads against the default (every core of the affinity mask)
+        run(f"swapio_cpu_{n}_threads", lambda m, n=n: so.OffloadAdamW(m.parameters(), lr=1e-4, offload="cpu",
+                                                                       cpu_threads=n))
     run("swapio_cpu_in_backward", lambda m: so.OffloadAdamW(m.parameters(), lr=1e-4, offload="cpu",
                                                              in_backward=True))
     if not args.no_nvme:
@@ -199,6 +202,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="optim,weights,train")
     ap.add_argument("--no-nvme", action="store_true")
+    ap.add_argument("--threads", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="also run the cpu mode with these cpu_threads (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
