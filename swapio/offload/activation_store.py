@@ -39,7 +39,7 @@ class Entry:
         self.d2h = None       # the device-to-host copy's event, until the copy is known finished
         self.last_copy = None  # the event of the last host-to-device copy reading self.host
         self.loaded = None    # a future of the bytes back on self.device (prefetched)
-        self.restored = None  # weakref to the bytes back on the device, while something uses them
+        self.restored = None  # weakref to the storage back on the device, while something uses it
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
 
@@ -198,25 +198,26 @@ class Session:
                 raise RuntimeError("these saved activations were discarded: the forward or backward that made "
                                    "them was interrupted, or the ActivationOffload was closed. Run the forward "
                                    "again.")
-            base = self._restore(saved.entry)
-        out = torch.empty(0, dtype=saved.dtype, device=base.device)
-        return out.set_(base.untyped_storage(), saved.offset, saved.size, saved.stride)
+            storage = self._restore(saved.entry)
+        out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
+        return out.set_(storage, saved.offset, saved.size, saved.stride)
 
     def _restore(self, entry):
-        base = entry.restored() if entry.restored is not None else None
-        if base is None:
+        """The entry's storage back on its device (the one already back, while something still uses it)."""
+        storage = entry.restored() if entry.restored is not None else None
+        if storage is None:
             if entry.loaded is None:
                 self._load(entry)
                 self.res.stats["unpack_misses"] += 1
             loaded, entry.loaded = entry.loaded, None
             self._prefetch_below(entry.index)
             t0 = time.perf_counter()
-            base = loaded.wait()
+            storage = loaded.wait().untyped_storage()
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
-            entry.restored = weakref.ref(base)
+            entry.restored = weakref.ref(storage)
         else:
             self._prefetch_below(entry.index)
-        return base
+        return storage
 
     def _prefetch_below(self, index):
         started, i = 0, index - 1

@@ -77,9 +77,9 @@ class _Resources:
         kind = t.device.type
         if not (kind == "cuda" or (kind == "cpu" and self.to == "nvme")):
             return False
-        if t.requires_grad and t.is_leaf:
-            return False
         base = t._base
+        if base is None and t.requires_grad and t.is_leaf:  # a parameter in all but name
+            return False
         if base is not None and (isinstance(base, torch.nn.Parameter) or (base.requires_grad and base.is_leaf)):
             return False
         try:
