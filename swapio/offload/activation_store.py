@@ -220,16 +220,16 @@ class Session:
         return storage
 
     def _prefetch_below(self, index):
-        started, i = 0, index - 1
-        while started < self.res.prefetch and i >= 0:
+        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count)."""
+        ahead, i = 0, index - 1
+        while ahead < self.res.prefetch and i >= 0:
             entry = self.entries[i]
             i -= 1
-            if entry.refs == 0 or entry.loaded is not None:
+            if entry.refs == 0:
                 continue
-            if entry.restored is not None and entry.restored() is not None:
-                continue
-            self._load(entry)
-            started += 1
+            ahead += 1
+            if entry.loaded is None and (entry.restored is None or entry.restored() is None):
+                self._load(entry)
 
     def _load(self, entry):
         """Starts bringing the entry's bytes back to its device: entry.loaded, a future of a uint8 tensor."""
