@@ -137,3 +137,27 @@ def test_demo_rejects_a_context_longer_than_its_corpus(capsys):
     rc, _, err = run_cli(capsys, "demo", "--context", "100000000", "--steps", "1")
     assert_one_line_error(rc, err, "--context must be below")
     assert rc == 2
+
+
+def test_plan_activations_row_from_seq_batch_and_shape(capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--params", "350M", "--ram", "64G", "--seq", "2048", "--batch", "4",
+                         "--hidden", "1024", "--layers", "24", "--json")
+    assert rc == 0
+    a = json.loads(out)["activations"]
+    assert a["per_layer"] == 2048 * 4 * 1024 * 34 and a["total"] == 24 * a["per_layer"]
+    rc, out, _ = run_cli(capsys, "plan", "--params", "350M", "--ram", "64G", "--seq", "2048", "--batch", "4",
+                         "--hidden", "1024", "--layers", "24")
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.strip().startswith(("no activation", "offload_activations"))]
+    assert len(rows) == 3 and rows[0].split()[3:5] == ["6.4", "GiB"]  # 24 x 272 MiB on the device
+    assert "activations (give --seq" not in out
+    rc, out, _ = run_cli(capsys, "plan", "--params", "350M", "--ram", "64G")
+    assert "give --seq, --batch, --hidden and --layers" in out and "activations:" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["--seq", "2048"], "--batch, --hidden, --layers missing"),
+                                          (["--seq", "0", "--batch", "1", "--hidden", "8", "--layers", "1"],
+                                           "--seq must be positive")])
+def test_plan_activations_need_the_whole_shape(capsys, argv, needle):
+    rc, _, err = run_cli(capsys, "plan", "--params", "350M", *argv)
+    assert rc == 2 and needle in err

@@ -122,3 +122,25 @@ def test_offloaded_training_budget_counts_the_largest_module():
     assert off_nvme["ram"] == sum(p["offloaded_pinned"].values()) + 2 * emb  # + autograd's gradient of it
     # in backward: no gradient buffers, but two batches (32 MiB each) and one module's fp32 gradients wait
     assert off_nvme_inb["ram"] == off_nvme["ram"] - 4 * emb + 2 * (32 << 20) + 2 * emb
+
+
+def test_activations_of_a_gpt_style_model_per_layer_and_where_they_sit():
+    # 2048 tokens x 4 sequences x 1024 wide x 34 bytes = 285,212,672 bytes a layer; 24 layers
+    a = memplan.activations(seq=2048, batch=4, hidden=1024, layers=24, staging_bytes=256 << 20)
+    assert a["per_layer"] == 2048 * 4 * 1024 * 34 == 285_212_672
+    assert a["total"] == 24 * 285_212_672
+    assert a["offload_cpu"] == {"device": 2 * 285_212_672, "ram": a["total"], "disk": 0}
+    assert a["offload_nvme"] == {"device": 2 * 285_212_672, "ram": (256 << 20) + 2 * 285_212_672,
+                                 "disk": a["total"]}
+    # eager attention saves scores, softmax and dropout mask: 5 bytes per head, query and key
+    with_scores = memplan.activations(seq=2048, batch=4, hidden=1024, layers=24, heads=16)
+    assert with_scores["per_layer"] - a["per_layer"] == 5 * 16 * 2048 * 2048 * 4
+    # a model smaller than the bounds: never more than the activations themselves
+    tiny = memplan.activations(seq=8, batch=1, hidden=8, layers=1)
+    assert tiny["offload_nvme"]["ram"] == tiny["offload_cpu"]["device"] == tiny["total"] == 8 * 8 * 34
+
+
+@pytest.mark.parametrize("bad", [dict(seq=0), dict(batch=-1), dict(hidden=1.5), dict(layers=None)])
+def test_activations_reject_bad_shapes(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        memplan.activations(**{**dict(seq=8, batch=1, hidden=8, layers=1), **bad})

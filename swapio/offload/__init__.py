@@ -2,13 +2,17 @@
 
 accelerate's names and arguments (cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload), so that
 switching is one import; save_checkpoint writes an offloaded model's current weights as safetensors. See
-docs/offload.md.
+docs/offload.md. offload_activations moves the tensors autograd saves for backward to pinned RAM or NVMe (see
+docs/activations.md).
 """
+from .activations import (ActivationOffload, disable_activation_offload, enable_activation_offload,
+                          offload_activations)
 from .api import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload, stats
 from .chain import CpuOffloadHook
 from .export import save_checkpoint
 from .load import load_file
 from .pretrained import from_pretrained
 
-__all__ = ["CpuOffloadHook", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "from_pretrained", "load_file",
+__all__ = ["ActivationOffload", "CpuOffloadHook", "disable_activation_offload", "enable_activation_offload",
+           "offload_activations", "cpu_offload", "cpu_offload_with_hook", "disk_offload", "from_pretrained", "load_file",
            "remove_offload", "save_checkpoint", "stats"]

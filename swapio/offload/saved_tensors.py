@@ -6,6 +6,7 @@ size and stride. In backward, unpacking a token fetches the record again (the ri
 forward, `prefetch` units back in forward order) and rebuilds the view on a private copy, which autograd drops
 after the node ran. So a forward with grad enabled holds no weight, and the memory bound holds in backward.
 """
+import threading
 import weakref
 
 import torch
@@ -20,34 +21,72 @@ class _Token:
         self.slot, self.unit, self.offset, self.size, self.stride = slot, unit, offset, size, stride
 
 
+class _Delegated:
+    """A saved tensor handed to the hooks below ours, with the unpack that brings it back."""
+    __slots__ = ("unpack", "packed")
+
+    def __init__(self, unpack, packed):
+        self.unpack, self.packed = unpack, packed
+
+
+class _Lower(threading.local):
+    hooks = None  # per thread: the (pack, unpack) below swapio's own hooks, where non-weights go
+
+
+class _Entered:
+    """One push of the hooks, as recorded in a unit's hooks_entered: exit() takes it off again."""
+    __slots__ = ("saved", "prev")
+
+    def __init__(self, saved, prev):
+        self.saved, self.prev = saved, prev
+
+    def exit(self):
+        """Takes the hooks off the stack, if they are on top of it (they are not when an interrupt came between
+        enter()'s record and its push), and gives the hooks below back what they were before this push."""
+        saved = self.saved
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == saved.pack and top[1] == saved.unpack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        saved.lower.hooks = self.prev
+
+
 class SavedWeights:
     def __init__(self, streamer):
         self.streamer = streamer
         self._cache = {}  # slot -> weakref to its refetched tensor, shared by the nodes unpacking it meanwhile
         self.refetches = 0
+        self.lower = _Lower()
 
     def enter(self, entered):
         """Installs the hooks, recorded in `entered` first: a Ctrl-C landing anywhere in here leaves a record that
-        exit() can act on, and exit() tells from the hooks' stack whether the push happened."""
-        entered.append(self)
+        exit() can act on, and exit() tells from the hooks' stack whether the push happened. Saved tensors that
+        are not weights go to the hooks that were on top before (activation offload, a checkpoint's), if any."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        own = top is not None and top[0] == self.pack and top[1] == self.unpack
+        entered.append(_Entered(self, self.lower.hooks))
+        if not own:  # nested in another unit's forward, the hooks below stay those of the outer push
+            self.lower.hooks = top
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
 
-    def exit(self):
-        """Takes the hooks enter() installed off the stack, if they are on top of it (they are not when an
-        interrupt came between enter()'s record and its push)."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] == self.pack and top[1] == self.unpack:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-
     def pack(self, t):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        token = self.token(t)
+        if token is not None:
+            return token
+        lower = self.lower.hooks
+        if lower is None:
             return t
+        return _Delegated(lower[1], lower[0](t))
+
+    def token(self, t):
+        """A _Token for a tensor in a fetched weight (a private copy if it cannot be rebuilt), else None."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return None
         try:
             entries = self.streamer.live.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-            return t
+            return None
         if not entries:
-            return t
+            return None
         ptr = t.data_ptr()
         for start, end, slot, unit in entries:
             if start <= ptr < end or ptr == start:
@@ -57,6 +96,8 @@ class SavedWeights:
         return t.clone()  # in a fetched region, but not a view we can rebuild: keep a private copy
 
     def unpack(self, saved):
+        if isinstance(saved, _Delegated):
+            return saved.unpack(saved.packed)
         if not isinstance(saved, _Token):
             return saved
         base = self._fetch(saved.slot, saved.unit)

@@ -195,6 +195,14 @@ def _plan_parser(sub):
                    help="weights offloaded: bytes of the largest module's own weights in --dtype, usually the "
                         "embedding (vocab x hidden x 2 for bf16); several pinned buffers are sized to it "
                         "(default: not counted)")
+    shape = p.add_argument_group("activations", "with all of --seq, --batch, --hidden and --layers, an activations "
+                                 "row: what one forward saves for backward, and where offload_activations puts it")
+    shape.add_argument("--seq", type=_int, help="sequence length (tokens)")
+    shape.add_argument("--batch", type=_int, help="sequences per forward")
+    shape.add_argument("--hidden", type=_int, help="the model's width (hidden size)")
+    shape.add_argument("--layers", type=_int, help="transformer layers")
+    shape.add_argument("--heads", type=_int, help="attention heads: counts the attention scores that eager "
+                       "attention saves (default: none saved, as with flash attention)")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(run=_run_plan)
     return p
@@ -364,6 +372,18 @@ def _run_plan(args):
     from . import plan
     if args.disk is not None:
         _check_directory(args.disk, "--disk")
+    shape = {k: getattr(args, k) for k in ("seq", "batch", "hidden", "layers")}
+    given = [k for k, v in shape.items() if v is not None]
+    activations = None
+    if given or args.heads is not None:
+        missing = [f"--{k}" for k, v in shape.items() if v is None]
+        if missing:
+            raise UsageError(f"the activations row needs --seq, --batch, --hidden and --layers: {', '.join(missing)} "
+                             "missing", prog="swapio plan")
+        bad = [f"--{k}" for k, v in (*shape.items(), ("heads", args.heads)) if v is not None and v <= 0]
+        if bad:
+            raise UsageError(f"{', '.join(bad)} must be positive", prog="swapio plan")
+        activations = dict(shape, heads=args.heads)
     gpu_mem, ram = args.gpu_mem, args.ram
     if gpu_mem is None:
         gpu_mem = plan.gpu_memory()
@@ -371,7 +391,8 @@ def _run_plan(args):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
                            args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)),
-                           ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0)
+                           ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0,
+                           activations=activations)
     print(json.dumps(result, indent=2) if args.json else plan.plan_text(result))
     return 0
 

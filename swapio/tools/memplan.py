@@ -8,7 +8,8 @@ Per parameter, with weights and gradients in `dtype`:
   moments              adam/adamw: 2 (exp_avg, exp_avg_sq); lion: 1 (exp_avg); each 4 bytes (fp32), 2 (bf16)
                        or 1 byte + one fp32 scale per 256 elements (int8)
 So Adam on fp16 weights with fp32 master and moments is 2 + 2 + 4 + 8 = 16 bytes a parameter, 12 of them state.
-Activations, the CUDA context and allocator slack are not counted: they depend on the batch, not the model.
+Activations (what autograd saves for backward) depend on the batch: counted only when the sequence length,
+batch and model shape are given (activations()).
 """
 import dataclasses
 import re
@@ -187,3 +188,28 @@ def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=No
         out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state"], read_bytes_per_s,
                                                      write_bytes_per_s)
     return out
+
+
+ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH = 34  # a GPT-style layer with 16-bit activations, attention scores aside
+ATTENTION_SCORE_BYTES = 5                  # per head, token and key: scores, softmax, dropout mask (no flash)
+
+
+def activations(seq, batch, hidden, layers, heads=None, staging_bytes=256 << 20):
+    """The bytes autograd saves in one forward of a GPT-style transformer with 16-bit activations (Korthikanti et
+    al., "Reducing Activation Recomputation in Large Transformer Models", table 2): per layer
+    seq x batch x hidden x 34, plus 5 x heads x seq^2 x batch for the attention scores when `heads` is given
+    (eager attention; flash attention saves none of them). Where they sit with offload_activations: without it,
+    all of them on the training device; to="cpu" all in pinned RAM, about two layers on the GPU; to="nvme" all
+    on disk, staging_bytes + two layers in RAM."""
+    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("layers", layers)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+    per_layer = seq * batch * hidden * ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH
+    if heads:
+        per_layer += ATTENTION_SCORE_BYTES * heads * seq * seq * batch
+    total = per_layer * layers
+    return {"seq": seq, "batch": batch, "hidden": hidden, "layers": layers, "heads": heads,
+            "per_layer": per_layer, "total": total,
+            "offload_cpu": {"device": min(total, 2 * per_layer), "ram": total, "disk": 0},
+            "offload_nvme": {"device": min(total, 2 * per_layer), "ram": min(total, staging_bytes + 2 * per_layer),
+                             "disk": total}}

@@ -49,7 +49,7 @@ def measured_bandwidth(directory, size=None, log=None):
 
 
 def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_bytes, log=None, ring_bytes=None,
-             largest_module=0):
+             largest_module=0, activations=None):
     disk_free = read = write = source = None
     if disk is not None:
         disk_free = shutil.disk_usage(disk).free
@@ -57,6 +57,7 @@ def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_b
         read, write, source = found
     out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write,
                        ring_bytes, largest_module)
+    out["activations"] = None if activations is None else memplan.activations(**activations)
     out["disk"] = None if disk is None else {"directory": os.path.abspath(disk), "read_bytes_per_s": read,
                                              "write_bytes_per_s": write, "bandwidth_from": source}
     return out
@@ -127,10 +128,28 @@ def plan_text(p):
               + " + ".join(f"{name} {_gb(n)}" for name, n in pinned.items()) + f" = {_gb(sum(pinned.values()))}"
               + (f" (largest module {_gb(p['largest_module'])})" if p["largest_module"] else
                  " (the buffers sized to the largest module not counted: give --largest-module)") + ".",
-              "Not counted: activations, the CUDA context, allocator slack. Sizes are binary (GiB = 2^30 bytes)."]
+              ("Not counted: the CUDA context, allocator slack" + ("" if p.get("activations") else
+               "; activations (give --seq, --batch, --hidden and --layers)") +
+               ". Sizes are binary (GiB = 2^30 bytes).")]
+    if p.get("activations"):
+        lines += ["", *_activation_rows(p["activations"])]
     if cap["gpu"] is not None and tot["weights"] + tot["grads"] > cap["gpu"]:
         lines += ["", *_weights_exceed_gpu(tot, cap["gpu"])]
     return "\n".join(lines)
+
+
+def _activation_rows(a):
+    """The activations row: what one forward saves, and where it sits with offload_activations."""
+    scores = f", {a['heads']} heads' attention scores included" if a["heads"] else " (flash attention)"
+    cpu, nvme = a["offload_cpu"], a["offload_nvme"]
+    to_cpu, to_nvme = '  offload_activations(to="cpu")', '  offload_activations(to="nvme")'
+    return [f"activations: seq {a['seq']} x batch {a['batch']}, {a['layers']} layers of width {a['hidden']}"
+            f"{scores}: {_gb(a['per_layer'])} per layer, {_gb(a['total'])} per forward (16-bit)",
+            f"{'  where they sit':40}{'device':>11}{'RAM':>11}{'disk':>11}",
+            f"{'  no activation offload':40}{_gb(a['total']):>11}{'-':>11}{'-':>11}",
+            f"{to_cpu:40}{_gb(cpu['device']):>11}{_gb(cpu['ram']):>11}{'-':>11}",
+            f"{to_nvme:40}{_gb(nvme['device']):>11}{_gb(nvme['ram']):>11}"
+            f"{_gb(nvme['disk']):>11}"]
 
 
 def _weights_exceed_gpu(tot, gpu):

@@ -1,0 +1,336 @@
+"""Saved activations of one forward: where each saved storage went, and how it comes back for backward.
+
+One Entry per saved storage (views of one storage share it): the storage's bytes go
+- CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory; the tensor is
+  held only until its write completed, and at most `staging_bytes` of writes are in flight (the forward waits for
+  the oldest beyond that): that bounds the RAM that saved activations hold;
+- CUDA tensor: copied on the device-to-host side stream into a pinned block (the forward does not wait); for
+  to="cpu" the block is where it stays, for to="nvme" it is written out once the copy finished and then reused,
+  the blocks in flight bounded by `staging_bytes` as above.
+Backward asks for entries in about the reverse order of saving: each unpack starts the reads (and host-to-device
+copies) of the next `prefetch` entries below it before waiting for its own. What comes back is a storage of the
+same size, device and bytes, and every saved view is rebuilt on it with its own dtype, size, stride and offset,
+so views that shared a storage share one again. The bytes on disk and in pinned memory stay until autograd drops
+the saved tensor (after its node ran, or with the graph): a second backward (retain_graph=True) reads them again.
+"""
+import os
+import time
+import weakref
+
+import torch
+
+from ..core import _swapdir
+from ..core._align import round_up
+from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
+from ..core.futures import Future
+
+
+class Entry:
+    __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
+                 "d2h", "last_copy", "loaded", "restored", "refs", "staged")
+
+    def __init__(self, index, nbytes, device, storage, version):
+        self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
+        self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
+        self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
+        self.pooled = False   # host is a block of the pinned pool
+        self.offset = None    # where the bytes lie in the session's file (to="nvme")
+        self.write = None     # the pwrite in flight
+        self.d2h = None       # the device-to-host copy's event, until the copy is known finished
+        self.last_copy = None  # the event of the last host-to-device copy reading self.host
+        self.loaded = None    # a future of the bytes back on self.device (prefetched)
+        self.restored = None  # weakref to the storage back on the device, while something uses it
+        self.refs = 0         # saved tensors (views) using this entry
+        self.staged = 0       # bytes this entry counts against staging_bytes
+
+
+class Saved:
+    """What autograd keeps for one saved tensor: the entry and the view to rebuild on its storage."""
+    __slots__ = ("session", "entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, session, entry, tensor):
+        self.session, self.entry = session, entry
+        self.dtype, self.size, self.stride = tensor.dtype, tuple(tensor.size()), tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+
+    def __del__(self):
+        session = self.session
+        if session is not None:
+            self.session = None
+            session.drop(self.entry)
+
+
+def byte_view(storage, device, nbytes):
+    """A flat uint8 tensor over a whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+
+class Session:
+    """The entries saved inside one `with` of an ActivationOffload (one forward)."""
+
+    def __init__(self, res, number):
+        self.res, self.number = res, number
+        self.entries = []
+        self.by_storage = {}   # storage data_ptr -> entry (checked against the storage itself and its version)
+        self.pending = []      # entries with a copy or write in flight, oldest first
+        self.staged = 0        # bytes counted against staging_bytes now
+        self.live = 0          # entries some saved tensor still uses
+        self.open = True       # the forward is still running
+        self.aborted = False
+        self.path = self.identity = None
+        self.file_end = 0
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def pack(self, tensor):
+        res = self.res
+        if not res.wanted(tensor):
+            return tensor
+        storage = tensor.untyped_storage()
+        with res.lock:
+            entry = self.by_storage.get(storage.data_ptr())
+            if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
+                    or entry.version != tensor._version):
+                entry = self._offload(tensor, storage)
+            else:
+                res.stats["shared_views"] += 1
+            entry.refs += 1
+            return Saved(self, entry, tensor)
+
+    def _offload(self, tensor, storage):
+        res, nbytes, device = self.res, storage.nbytes(), tensor.device
+        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version)
+        source = byte_view(storage, device, nbytes)
+        to_disk = res.to == "nvme"
+        if to_disk:
+            self._make_room(nbytes)
+            entry.staged = nbytes
+            self.staged += nbytes
+            res.stats["peak_staged_bytes"] = max(res.stats["peak_staged_bytes"], self.staged)
+        if device.type == "cuda":
+            block = res.pool.alloc(nbytes)
+            entry.host, entry.pooled = block, True
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
+            self.pending.append(entry)
+        else:
+            entry.host = source  # the tensor's own memory, held until its write completed
+        if to_disk:
+            entry.offset = self._file_space(nbytes)
+            if entry.d2h is None:
+                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity,
+                                                staged="auto")
+                self.pending.append(entry)
+        self.entries.append(entry)
+        self.by_storage[storage.data_ptr()] = entry
+        self.live += 1
+        res.stats["tensors"] += 1
+        res.stats["bytes"] += nbytes
+        self.poll()
+        return entry
+
+    def _file_space(self, nbytes):
+        if self.path is None:
+            self.path = os.path.join(self.res.directory, f"activations-{self.number}.swap")
+            self.identity = _swapdir.create_private_file(self.path)
+            self.res.owner.files.add(self.path)
+        offset = self.file_end
+        self.file_end = round_up(offset + nbytes)
+        return offset
+
+    def _make_room(self, nbytes):
+        """Waits for the oldest transfers until nbytes more fit staging_bytes (or nothing is left in flight)."""
+        self.poll()
+        if self.pending and self.staged + nbytes > self.res.staging_bytes:
+            t0 = time.perf_counter()
+            while self.pending and self.staged + nbytes > self.res.staging_bytes:
+                self._advance(self.pending[0], block=True)
+                self.poll()
+            self.res.stats["forward_wait_s"] += time.perf_counter() - t0
+
+    def poll(self):
+        """Moves finished transfers on, oldest first (a copy finished: its write starts; a write finished: its
+        memory goes), without waiting."""
+        for entry in list(self.pending):
+            self._advance(entry, block=False)
+        self.pending = [e for e in self.pending if e.d2h is not None or e.write is not None]
+
+    def _advance(self, entry, block):
+        res = self.res
+        if entry.d2h is not None:
+            if not block and not entry.d2h.query():
+                return
+            entry.d2h.synchronize()
+            entry.d2h = None
+            if res.to == "nvme":
+                entry.write = res.handle.pwrite(entry.host[:entry.nbytes], self.path, entry.offset,
+                                                identity=self.identity)
+        if entry.write is not None:
+            if not block and not entry.write.done():
+                return
+            write, entry.write = entry.write, None
+            write.wait()  # raises the write's OSError
+            self._unstage(entry)
+
+    def _unstage(self, entry):
+        """The entry's bytes are on disk: its host memory goes (unless a backward is using it right now)."""
+        self.staged -= entry.staged
+        entry.staged = 0
+        self._release_host(entry)
+
+    def _release_host(self, entry):
+        host, entry.host = entry.host, None
+        if host is not None and entry.pooled:
+            self.res.pool.free(host, entry.last_copy)
+
+    def close_forward(self):
+        """The forward ended: transfers that finished let go of their memory (the rest as they finish)."""
+        with self.res.lock:
+            self.open = False
+            self.poll()
+            self._finish_if_done()
+
+    # ---- backward ---------------------------------------------------------------------------------------------
+    def unpack(self, saved):
+        res = self.res
+        with res.lock:
+            if self.aborted:
+                raise RuntimeError("these saved activations were discarded: the forward or backward that made "
+                                   "them was interrupted, or the ActivationOffload was closed. Run the forward "
+                                   "again.")
+            storage = self._restore(saved.entry)
+        out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
+        return out.set_(storage, saved.offset, saved.size, saved.stride)
+
+    def _restore(self, entry):
+        """The entry's storage back on its device (the one already back, while something still uses it)."""
+        storage = entry.restored() if entry.restored is not None else None
+        if storage is None:
+            if entry.loaded is None:
+                self._load(entry)
+                self.res.stats["unpack_misses"] += 1
+            loaded, entry.loaded = entry.loaded, None
+            self._prefetch_below(entry.index)
+            t0 = time.perf_counter()
+            storage = loaded.wait().untyped_storage()
+            self.res.stats["backward_wait_s"] += time.perf_counter() - t0
+            entry.restored = weakref.ref(storage)
+        else:
+            self._prefetch_below(entry.index)
+        return storage
+
+    def _prefetch_below(self, index):
+        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count)."""
+        ahead, i = 0, index - 1
+        while ahead < self.res.prefetch and i >= 0:
+            entry = self.entries[i]
+            i -= 1
+            if entry.refs == 0:
+                continue
+            ahead += 1
+            if entry.loaded is None and (entry.restored is None or entry.restored() is None):
+                self._load(entry)
+
+    def _load(self, entry):
+        """Starts bringing the entry's bytes back to its device: entry.loaded, a future of a uint8 tensor."""
+        res, n = self.res, entry.nbytes
+        self.poll()
+        if entry.device.type == "cpu":
+            if entry.host is not None:  # still in memory (its write is in flight or just finished)
+                entry.loaded = Future.finished(entry.host)
+                return
+            target = torch.empty(n, dtype=torch.uint8)
+            read = res.handle.pread(target, self.path, entry.offset, identity=self.identity, staged="auto")
+            entry.loaded = read._chain(lambda _: target)
+            res.stats["read_bytes"] += n
+            return
+        if entry.d2h is not None or entry.write is not None:
+            # still on its way out (the last tensors of a forward): let it arrive, so that the pinned block is
+            # never freed while a copy back reads it
+            self._advance(entry, block=True)
+        with allocating_on_side_stream(entry.device):
+            target = torch.empty(n, dtype=torch.uint8, device=entry.device)
+        stream = copy_stream(entry.device)
+        if entry.host is not None:  # to="cpu": the pinned copy stays until autograd drops the saved tensor
+            host, read, keep = entry.host, Future.finished(n), True
+        else:
+            host, keep = res.pool.alloc(n), False
+            read = res.handle.pread(host[:n], self.path, entry.offset, identity=self.identity)
+            res.stats["read_bytes"] += n
+
+        def issue():
+            event = copy_async(target, host[:n], stream)
+            with res.lock:
+                if keep:
+                    entry.last_copy = event
+                else:
+                    res.pool.free(host, event)
+            return event
+        entry.loaded = DeviceCopyFuture(read, issue, target)
+
+    # ---- end ----------------------------------------------------------------------------------------------------
+    def drop(self, entry):
+        """A saved tensor using `entry` was dropped by autograd."""
+        res = self.res
+        with res.lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            self.live -= 1
+            entry.loaded = entry.restored = None
+            if entry.d2h is None and entry.write is None:
+                self._release_host(entry)
+            if self.by_storage.get(entry.key) is entry:
+                del self.by_storage[entry.key]
+            self._finish_if_done()
+
+    def _finish_if_done(self):
+        if self.open or self.live:
+            return
+        while self.pending:  # long finished by now, as a rule: the backward ran after them
+            entry = self.pending[0]
+            try:
+                self._advance(entry, block=True)
+            except OSError:
+                entry.d2h = entry.write = None
+                self._unstage(entry)
+            self.pending.pop(0)
+        for entry in self.entries:
+            self._release_host(entry)
+        self._remove_file()
+        self.res.sessions.discard(self)
+
+    def abort(self):
+        """Discards everything of this session now (an interrupt, or close()): transfers in flight are waited
+        for (their memory is in use by the kernel or the GPU), then the memory and the file go."""
+        with self.res.lock:
+            self.aborted, self.open = True, False
+            for entry in self.pending:
+                try:
+                    if entry.d2h is not None:
+                        entry.d2h.synchronize()
+                    if entry.write is not None:
+                        entry.write.exception()
+                except BaseException:  # noqa: BLE001 - a second interrupt: what is left is freed at exit
+                    pass
+                entry.d2h = entry.write = None
+            self.pending.clear()
+            for entry in self.entries:
+                entry.loaded = entry.restored = None
+                if entry.staged:
+                    self.staged -= entry.staged
+                    entry.staged = 0
+                self._release_host(entry)
+            self.entries.clear()
+            self.by_storage.clear()
+            self._remove_file()
+            self.res.sessions.discard(self)
+
+    def _remove_file(self):
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.res.owner.files.discard(self.path)
+            self.path = None

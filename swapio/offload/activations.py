@@ -1,0 +1,290 @@
+"""Activation offload: the tensors autograd saves for backward go to pinned RAM or NVMe during the forward and
+come back, read ahead in reverse order, during the backward (activation_store.py has the data path).
+
+    act = offload_activations(to="nvme", swap_dir="/nvme/a", model=model)   # reusable; or inline in `with`
+    with act:
+        loss = model(batch).loss
+    loss.backward()
+
+enable_activation_offload(model, ...) wraps the model's forward in the same context, for training loops that
+call the model themselves (transformers' Trainer, accelerate). The hooks are torch's saved_tensors_hooks; inside
+a module of a swapio-offloaded model, swapio's hooks for offloaded weights sit on top of these and hand them every
+saved tensor that is not a weight, so both work in one step.
+"""
+import os
+import threading
+import weakref
+
+import torch
+
+from ..core import _swapdir
+from ..core._errors import check_int
+from ..core.handle import AioHandle
+from .activation_pool import PinnedPool
+from .activation_store import Saved, Session
+
+DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_STAGING_BYTES = 256 << 20
+_ATTR = "_swapio_activation_offload"
+
+
+class _Resources:
+    """What the sessions of one ActivationOffload share: settings, the swap directory and handle (to="nvme"),
+    the pinned pool, statistics. Outlives the ActivationOffload while saved tensors still need it."""
+
+    def __init__(self, to, swap_dir, model, min_bytes, prefetch, staging_bytes, io_kwargs):
+        self.to, self.min_bytes, self.prefetch, self.staging_bytes = to, min_bytes, prefetch, staging_bytes
+        self.model_ref = None if model is None else weakref.ref(model)
+        self.lock = threading.RLock()
+        self.pool = PinnedPool()
+        self.sessions = set()
+        self.sessions_made = 0
+        self.excluded = frozenset()
+        self.stats = dict.fromkeys(("tensors", "bytes", "shared_views", "read_bytes", "unpack_misses",
+                                    "peak_staged_bytes", "forward_wait_s", "backward_wait_s"), 0)
+        self.owner = self.handle = self.directory = None
+        if to == "nvme":
+            _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
+            self.owner = _swapdir.private_directory(swap_dir)  # removes those of processes that died
+            self.directory = self.owner.directory
+            try:
+                self.handle = AioHandle(**io_kwargs)
+            except BaseException:
+                self.owner.remove_everything()
+                raise
+        self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool)
+
+    def note_model(self):
+        """Storages of the model's parameters and buffers, which are never offloaded (read at each forward:
+        .to() and loading replace them)."""
+        model = None if self.model_ref is None else self.model_ref()
+        if model is None:
+            return
+        ptrs = set()
+        for t in (*model.parameters(), *model.buffers()):
+            if t.device.type not in ("meta", "cpu") or (t.device.type == "cpu" and self.to == "nvme"):
+                try:
+                    ptrs.add(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
+        self.excluded = frozenset(ptrs)
+
+    def wanted(self, t):
+        """Whether a saved tensor is offloaded: a plain dense tensor on a device this mode moves, of at least
+        min_bytes of storage, not a parameter (nor a view of one), not a buffer of the model."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            return False
+        kind = t.device.type
+        if not (kind == "cuda" or (kind == "cpu" and self.to == "nvme")):
+            return False
+        base = t._base
+        if base is None and t.requires_grad and t.is_leaf:  # a parameter in all but name
+            return False
+        if base is not None and (isinstance(base, torch.nn.Parameter) or (base.requires_grad and base.is_leaf)):
+            return False
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return False
+        nbytes = storage.nbytes()
+        return nbytes > 0 and nbytes >= self.min_bytes and storage.data_ptr() not in self.excluded
+
+    def close(self):
+        with self.lock:
+            for session in list(self.sessions):
+                session.abort()
+        self._finalizer()
+
+
+def _close(owner, handle, pool):
+    try:
+        if handle is not None:
+            handle.close()
+    finally:
+        pool.clear()
+        if owner is not None:
+            owner.remove_everything()
+
+
+class _Hooks:
+    """One pushed pair of saved-tensor hooks: a session's pack and unpack."""
+    __slots__ = ("session",)
+
+    def __init__(self, session):
+        self.session = session
+
+    def pack(self, t):
+        return self.session.pack(t)
+
+    def unpack(self, saved):
+        if not isinstance(saved, Saved):  # a tensor pack left where it was
+            return saved
+        session = saved.session
+        if session is None:
+            raise RuntimeError("this saved activation was already released by autograd")
+        try:
+            return session.unpack(saved)
+        except KeyboardInterrupt:
+            session.abort()  # the backward is over: its saved activations go now, not with the graph
+            raise
+
+
+class _Stack(threading.local):
+    def __init__(self):
+        self.entered = []  # (hooks, session) of this thread's open `with`s, innermost last
+
+
+class ActivationOffload:
+    """Saved activations to pinned RAM (to="cpu") or a swap directory (to="nvme"); see offload_activations.
+
+    A context manager that can be entered again and again (each forward its own `with`), also from several
+    threads. close() removes its swap directory and frees its pinned memory at once; without it, both go when
+    this object and every graph it saved tensors for are gone.
+    """
+
+    def __init__(self, res):
+        self._res = res
+        self._stack = _Stack()
+
+    @property
+    def to(self):
+        return self._res.to
+
+    @property
+    def directory(self):
+        """The private swap directory (to="nvme"), removed at close."""
+        return self._res.directory
+
+    def stats(self):
+        """Counters since creation: tensors (storages offloaded), bytes, shared_views (saves that reused an
+        offloaded storage), read_bytes, unpack_misses (unpacks that found nothing read ahead), peak_staged_bytes,
+        forward_wait_s (the forward waiting for staging room), backward_wait_s; and pinned_bytes held now."""
+        res = self._res
+        with res.lock:
+            return {**res.stats, "pinned_bytes": res.pool.in_use + res.pool.cached,
+                    "live_sessions": len(res.sessions)}
+
+    def __enter__(self):
+        res = self._res
+        if res._finalizer.alive is False:
+            raise RuntimeError("this ActivationOffload was closed; make a new one")
+        with res.lock:
+            res.sessions_made += 1
+            session = Session(res, res.sessions_made)
+            res.sessions.add(session)
+        hooks = _Hooks(session)
+        entered = self._stack.entered
+        entered.append((hooks, session))
+        try:
+            res.note_model()
+            torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+        except BaseException:
+            self._leave(hooks, session, failed=True)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        entered = self._stack.entered
+        if entered:
+            hooks, session = entered[-1]
+            self._leave(hooks, session, failed=exc_type is not None)
+
+    def _leave(self, hooks, session, failed):
+        """Takes the hooks off (if they are on top: an interrupt may have come before the push), then ends the
+        session: a failed forward's activations are discarded at once."""
+        entered = self._stack.entered
+        if entered and entered[-1][0] is hooks:
+            entered.pop()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == hooks.pack and top[1] == hooks.unpack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if failed:
+            session.abort()
+        else:
+            session.close_forward()
+
+    def close(self):
+        """Discards every saved activation still held (their graphs can no longer run backward), removes the swap
+        directory and frees the pinned memory. Idempotent."""
+        self._res.close()
+
+    def __repr__(self):
+        where = f" in {self._res.directory}" if self._res.directory else ""
+        return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
+
+
+def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=2,
+                        staging_bytes=DEFAULT_STAGING_BYTES, **io_kwargs):
+    """An ActivationOffload: in its `with` block, the tensors autograd saves for backward are moved out.
+
+    to="cpu": tensors on a GPU are copied to pinned RAM on a side stream (CPU tensors stay where they are);
+    to="nvme": they go to a private directory under swap_dir (CPU tensors from RAM, GPU tensors through pinned
+    RAM), with at most staging_bytes in flight. min_bytes: smaller storages stay. prefetch: the tensors read
+    back ahead of backward's need. model: its parameters and buffers are never offloaded (parameters never are,
+    whether given or not). io_kwargs: AioHandle settings (block_size, queue_depth, threads, engine, direct).
+    """
+    if to not in ("cpu", "nvme"):
+        raise ValueError(f'to must be "cpu" or "nvme", got {to!r}')
+    if to == "nvme":
+        if swap_dir is None:
+            raise ValueError('to="nvme" needs swap_dir, a directory on the disk that takes the activations')
+        swap_dir = os.fspath(swap_dir)
+        if not os.path.isdir(swap_dir):
+            raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
+    elif swap_dir is not None:
+        raise ValueError('swap_dir is for to="nvme"; to="cpu" keeps the activations in pinned RAM')
+    elif io_kwargs:
+        raise TypeError(f'to="cpu" does no file I/O: unexpected arguments {sorted(io_kwargs)}')
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    min_bytes = check_int("min_bytes", min_bytes, 0)
+    prefetch = check_int("prefetch", prefetch, 0)
+    staging_bytes = check_int("staging_bytes", staging_bytes, 0)
+    return ActivationOffload(_Resources(to, swap_dir, model, min_bytes, prefetch, staging_bytes, io_kwargs))
+
+
+class _OffloadingForward:
+    """A model's forward run inside its ActivationOffload (enable_activation_offload)."""
+
+    def __init__(self, act, inner):
+        self.act, self.inner = act, inner
+
+    @property
+    def __wrapped__(self):  # inspect.signature(model.forward) shows the model's own
+        return self.inner
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        with self.act:
+            return self.inner(*args, **kwargs)
+
+
+def enable_activation_offload(model, to="cpu", **kwargs):
+    """Switches activation offload on for every forward of `model` with grad enabled (for training loops that
+    call the model themselves: transformers' Trainer, accelerate). Takes offload_activations' arguments; returns
+    the ActivationOffload. disable_activation_offload(model) switches it off again."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _ATTR in model.__dict__:
+        raise RuntimeError("activation offload is already enabled on this model; call "
+                           "disable_activation_offload(model) first")
+    act = offload_activations(to, model=model, **kwargs)
+    own = model.__dict__.get("forward")
+    model.forward = _OffloadingForward(act, model.forward)
+    model.__dict__[_ATTR] = (act, own)
+    return act
+
+
+def disable_activation_offload(model):
+    """Switches enable_activation_offload off: the model's forward as before, the ActivationOffload closed (so
+    call it after the last backward)."""
+    state = model.__dict__.pop(_ATTR, None)
+    if state is None:
+        return
+    act, own = state
+    if own is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = own
+    act.close()
