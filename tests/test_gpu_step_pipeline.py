@@ -76,7 +76,7 @@ def fake_gpu(monkeypatch):
         t = params_mod.shard(t)
         return any(t.untyped_storage().data_ptr() == g.untyped_storage().data_ptr() for g in gpu)
 
-    def copy_async(dst, src, stream, wait_for=None):
+    def copy_async(dst, src, stream, wait_for=None, hold=True):
         if wait_for is not None:
             stream.wait_event(wait_for)
         what = "to device" if on_gpu(dst) else "to host"

@@ -41,3 +41,20 @@ def test_model_on_a_gpu_steps_like_torch(habit, dtype):
                 assert torch.equal(p.detach(), opt.state[p]["master"].to("cuda", dtype))  # arrived, rounded
         opt.zero_grad()
     opt.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_zero_grad_frees_the_gradients_at_once(in_backward):
+    # The gradient copies must not hold the gradients (they did, through the next forward: GPU memory peaked one
+    # fp32 copy of the gradients above torchao's).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).cuda()
+    opt = so.OffloadAdamW(model.parameters(), lr=1e-3, offload="cpu", in_backward=in_backward)
+    x = torch.randn(16, 1024, device="cuda")
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.cuda.memory_allocated() <= base + (64 << 10)
+    opt.close()

@@ -69,12 +69,15 @@ def _prune_locked():
     _in_flight[:] = [(ev, objs) for ev, objs in _in_flight if not ev.query()]
 
 
-def copy_async(dst, src, stream, wait_for=None):
+def copy_async(dst, src, stream, wait_for=None, hold=True):
     """Queues dst.copy_(src) on `stream` (after `wait_for`, an event, if given) and returns the completion event.
 
     A swapio pinned source is registered with CUDA first (lazily: empty_pinned registers nothing while CUDA is
     unused), and `src` and `dst` stay referenced until the event completes, so neither can be freed or reused
-    while the copy reads or writes them.
+    while the copy reads or writes them. hold=False: nothing is referenced; the device tensor's memory is marked
+    in use by `stream` (record_stream) instead, so that the caching allocator hands it out again only after the
+    copy, while the tensor itself may be freed at once (a gradient that zero_grad() drops); the caller keeps the
+    host tensor alive.
     """
     for t in (src, dst):
         if t.device.type == "cpu":
@@ -85,7 +88,12 @@ def copy_async(dst, src, stream, wait_for=None):
         dst.copy_(src, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
-    keep_until(event, src, dst)
+    if hold:
+        keep_until(event, src, dst)
+    else:
+        for t in (src, dst):
+            if t.device.type == "cuda":
+                t.record_stream(stream)
     return event
 
 

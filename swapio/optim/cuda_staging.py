@@ -35,7 +35,8 @@ class StepCopies:
     def to_host(self, dst, src, device):
         """Queues the copy of src (a gradient) into host memory after the compute stream's work before this step;
         returns its completion event."""
-        return cuda_copy.copy_async(dst, src, cuda_copy.copy_stream(device, "to_host"), self._before(device))
+        return cuda_copy.copy_async(dst, src, cuda_copy.copy_stream(device, "to_host"), self._before(device),
+                                    hold=False)  # dst: a staging half, which the caller reuses only after it
 
     def to_device(self, dst, src, device, after=None):
         """Queues the copy of src (new values) into dst (the parameter) after `after` (an event past every

@@ -80,8 +80,11 @@ class GradCopies:
         host = self._host(p, g)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(g.device))
-        # after the kernels that wrote the gradient and nothing else; g is kept alive until the copy read it
-        done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device, "to_host"), wait_for=produced)
+        # after the kernels that wrote the gradient and nothing else
+        # the arena is this object's; g is not held (zero_grad() frees it at once), its memory is kept from reuse
+        # until the copy read it
+        done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device, "to_host"), wait_for=produced,
+                                    hold=False)
         self.arrivals += 1
         # weak: model.zero_grad() frees the gradient
         self.copied[p] = (weakref.ref(g), g._version, done, self.arrivals)
