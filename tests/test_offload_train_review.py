@@ -53,7 +53,7 @@ def test_in_backward_worker_error_is_raised_once(tmp_path, monkeypatch):
     with one_thread(), pytest.raises(OSError) as info:
         h = torch.tanh(model.b(model.norm(torch.tanh(model.a(x)))))
         # backward reaches b only once the worker's update of c has failed: b's gradient reports the error
-        h.register_hook(lambda g: wait_for(lambda: opt._offloaded.error is not None))
+        h.register_hook(lambda g: wait_for(lambda: opt._offloaded.worker.error is not None))
         torch.nn.functional.mse_loss(model.c(h), y).backward()
     restore()
     assert info.value.errno == errno.ENOSPC

@@ -13,11 +13,11 @@ them again with the same gradients, as torch's optimizers do. A gradient changed
 updated (torch's clip_grad_norm_, GradScaler.unscale_) cannot take effect: step() raises instead of ignoring it.
 """
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from .cuda_staging import StepCopies
 from .offloaded import _second_backward
 from .params import shard
+from .worker import UpdateWorker
 
 
 class GpuInBackward:
@@ -30,9 +30,7 @@ class GpuInBackward:
         self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
-        self.working = None
-        self.error = None
-        self.executor = None
+        self.worker = UpdateWorker(self.lock, "swapio-gpu-in-backward")
 
     def check_fresh(self, p):
         """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
@@ -48,17 +46,14 @@ class GpuInBackward:
         with self.lock:
             self.handed.add(p)
             self.ready.append(p)
-            if self.working is None:
-                if self.executor is None:
-                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-gpu-in-backward")
-                self.working = self.executor.submit(self._work)
+            self.worker.start(self._work)
 
     def _work(self):
         while True:
             with self.lock:
                 batch, self.ready = self.ready, []
                 if not batch:
-                    self.working = None
+                    self.worker.working = None
                     return
             used = {p: self._copied_as(p) for p in batch}  # the gradients as backward produced them
             counts = {p: self._count(p) for p in batch}
@@ -68,31 +63,21 @@ class GpuInBackward:
             except BaseException as exc:  # noqa: BLE001 - raised by the next gradient_ready() or finish()
                 # those of the batch stepped before the error are stepped: step() must not step them again
                 self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
-                with self.lock:
-                    self.error = self.error or exc
+                self.worker.keep_error(exc)
 
     def _count(self, p):
         step = self.state.get(p, {}).get("step")
         return None if step is None else float(step)
 
     def raise_error(self):
-        with self.lock:
-            error, self.error = self.error, None
-        if error is not None:
-            raise error
+        self.worker.raise_error()
 
     def idle(self):
         """Waits for the worker; an error of its stays for step() (or the next gradient) to report."""
-        while True:
-            with self.lock:
-                working = self.working
-            if working is None:
-                return
-            working.result()
+        self.worker.idle()
 
     def wait(self):
-        self.idle()
-        self.raise_error()
+        self.worker.wait()
 
     def finish(self):
         """step(): waits for the worker; returns the parameters it stepped (step() skips them), after checking
@@ -119,11 +104,5 @@ class GpuInBackward:
         self.copies.end()
 
     def close(self):
-        try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - closing: the error was the step's to report
-            pass
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
+        self.worker.close()
         self.copies.end()

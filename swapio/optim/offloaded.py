@@ -15,7 +15,6 @@ that backward waits (memory stays bounded).
 """
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -28,6 +27,7 @@ from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
+from .worker import UpdateWorker
 
 
 _staging = {}  # CUDA device -> the pinned buffer gradients are copied into (one at a time: see to_host)
@@ -80,13 +80,11 @@ class OffloadedParams:
         self.queued = set()  # in_backward: records handed to the worker since the last step()
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
-        self.working = None  # the worker's future while it runs
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
-        self.executor = None
-        self.error = None
         self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
         self.lock = threading.Lock()
         self.ready_changed = threading.Condition(self.lock)
+        self.worker = UpdateWorker(self.lock, "swapio-in-backward")
 
     def __bool__(self):
         return bool(self.entries)
@@ -228,24 +226,21 @@ class OffloadedParams:
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
-            if not self.working:
-                if self.executor is None:
-                    self.executor = ThreadPoolExecutor(1, thread_name_prefix="swapio-in-backward")
-                self.working = self.executor.submit(self._work)
+            self.worker.start(self._work)
             # backward waits while more gradients than two batches' worth wait for the worker
-            while self.ready_bytes > 2 * self.batch_bytes and self.working:
+            while self.ready_bytes > 2 * self.batch_bytes and self.worker.working:
                 self.ready_changed.wait()
         self._raise_error()
 
     def _work(self):
         """The worker: updates the ready records, a batch at a time (consecutive records of one model, up to
         batch_bytes of gradients: one pass of the state pipeline), until none is ready. Its error is kept in
-        self.error and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...); after
+        the worker and raised once, by the next gradient() (in backward) or by wait() (step, zero_grad...); after
         it the worker drops the batches still ready (their weights untouched) until step() or zero_grad()."""
         while True:
             with self.ready_changed:
                 if not self.ready:
-                    self.working = None
+                    self.worker.working = None
                     self.ready_changed.notify_all()
                     return
                 batch, size = [self.ready.pop(0)], 0
@@ -259,34 +254,24 @@ class OffloadedParams:
                     with torch.no_grad():
                         self.update(batch[0][0], [record for _, record, _, _ in batch], grads)
             except BaseException as exc:  # noqa: BLE001 - reported by _raise_error
-                with self.lock:
-                    if not self.failed:
-                        self.error, self.failed = exc, True
+                if not self.failed:
+                    self.failed = self.worker.keep_error(exc)
             finally:
                 with self.ready_changed:
                     self.ready_bytes -= size
                     self.ready_changed.notify_all()
 
     def _raise_error(self):
-        with self.lock:
-            error, self.error = self.error, None
-        if error is not None:
-            raise error
+        self.worker.raise_error()
 
     def settle(self):
         """A forward is about to read weights: the updates handed to the worker finish first."""
-        if self.working:
+        if self.worker.working:
             self.wait()
 
     def wait(self):
         """Waits until the worker has updated every ready record; raises the first error not raised yet."""
-        while True:
-            with self.lock:
-                working = self.working
-            if not working:
-                break
-            working.result()
-        self._raise_error()
+        self.worker.wait()
 
     # ---- updates -------------------------------------------------------------------------------------------
     def update(self, training, records, grads):
@@ -493,13 +478,7 @@ class OffloadedParams:
         return parts
 
     def close(self):
-        try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - closing: the error was the step's to report
-            pass
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
+        self.worker.close()
         for training in self._records():
             training.release(self)
         if self.grads is not None:
