@@ -90,7 +90,7 @@ def release_buffers():
         h.close()
 
 
-_inherited = []  # what a forked child got from its parent: never used (nor freed) there; see _fresh_after_fork
+_inherited: list = []  # what a forked child got from its parent: never used (nor freed) there; see _fresh_after_fork
 
 
 def _fresh_after_fork():
