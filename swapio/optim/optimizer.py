@@ -60,12 +60,14 @@ class OffloadOptimizer(Optimizer):
     def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None, in_backward=False):
         if self._rule_type is None:
-            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW and OffloadLion: build one of "
-                            "those (or a subclass that sets _rule_type)")
+            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW, OffloadLion and "
+                            "OffloadAdafactor: build one of those (or a subclass that sets _rule_type)")
         self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
-        _check_betas_kind(defaults["betas"])
+        if "betas" in defaults:
+            _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
-        defaults["betas"] = (hyper["beta1"], hyper["beta2"])
+        if "betas" in defaults:
+            defaults["betas"] = (hyper["beta1"], hyper["beta2"])
         if offload not in ("cpu", "nvme"):
             raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
         budget = BufferBudget(buffer_bytes, buffer_count)
@@ -95,9 +97,10 @@ class OffloadOptimizer(Optimizer):
         # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
         # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
         if offload == "nvme":
-            self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io)
+            self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io, whole=self._rule.whole)
         else:
-            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io, self._grad_copies)
+            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io, self._grad_copies,
+                                     whole=self._rule.whole)
         try:
             self._offloaded.start(offload, self._backend, self._io)
         except BaseException:
