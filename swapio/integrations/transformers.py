@@ -1,4 +1,4 @@
-"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion) through swapio's
+"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion, OffloadAdafactor) through swapio's
 streaming save/load.
 
 Trainer saves an optimizer with torch.save(optimizer.state_dict()). For an nvme-resident state that reads the
@@ -101,7 +101,7 @@ class _SavesBeforeTrainer(TrainerCallback):
 
 
 class StreamingCheckpointCallback(_SavesBeforeTrainer):
-    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
+    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion, OffloadAdafactor) given to Trainer with opt.save()/opt.load()
     (see the module)."""
 
     def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
@@ -271,7 +271,7 @@ class OffloadedTrainerMixin:
         if _offloaded(self.model) and _owned_optimizer(optimizer) is None \
                 and any(p.device.type == "meta" and p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"{type(optimizer).__name__} cannot train the offloaded weights of this model: give "
-                             "Trainer an OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim) built over "
+                             "Trainer an OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim) built over "
                              "model.parameters(), with optimizers=(opt, scheduler) or optimizer_cls_and_kwargs")
         if _offloaded(self.model):
             self._check_in_backward(optimizer)
