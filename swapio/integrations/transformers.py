@@ -1,5 +1,5 @@
-"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion, OffloadAdafactor) through swapio's
-streaming save/load.
+"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion, OffloadAdafactor)
+through swapio's streaming save/load.
 
 Trainer saves an optimizer with torch.save(optimizer.state_dict()). For an nvme-resident state that reads the
 whole state into RAM first (state_dict() materialises it) and writes it through the page cache: the RAM the
