@@ -14,7 +14,7 @@ g / sqrt(v) (torch: rsqrt(v) * g). Parameters agree with torch.optim.Adafactor t
 kernel is bit-identical at every SIMD level and thread count.
 """
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -27,9 +27,11 @@ _CODES = _C.ADAM_DTYPE_CODES
 _GRAD_DTYPES = {torch.float32: _CODES["float32"], torch.bfloat16: _CODES["bfloat16"],
                 torch.float16: _CODES["float16"]}
 EPS1_DEFAULT = torch.finfo(torch.float32).eps  # torch's eps1=None for the float32 the step computes in
+Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a one-element tensor
+Step = Union[int, torch.Tensor]
 
 
-def factored_dims(shape):
+def factored_dims(shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
     """(batches, rows, cols) of a parameter whose second moment is factored (two or more dimensions), else None."""
     shape = tuple(shape)
     if len(shape) < 2:
@@ -73,8 +75,9 @@ def _ptr(t):
 
 def adafactor_step_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[int],
                     row_var: Optional[torch.Tensor] = None, col_var: Optional[torch.Tensor] = None,
-                    variance: Optional[torch.Tensor] = None, step, lr=1e-2, beta2_decay=-0.8,
-                    eps1: Optional[float] = None, eps2=1e-3, d=1.0, weight_decay=0.0, maximize: bool = False,
+                    variance: Optional[torch.Tensor] = None, step: Step, lr: Number = 1e-2,
+                    beta2_decay: Number = -0.8, eps1: Optional[Number] = None, eps2: Number = 1e-3, d: Number = 1.0,
+                    weight_decay: Number = 0.0, maximize: bool = False,
                     param_out: Optional[torch.Tensor] = None, threads: Optional[int] = None,
                     capability: Optional[str] = None) -> torch.Tensor:
     """One Adafactor step of a whole parameter of shape `shape`, in place, with the native CPU kernel.
@@ -103,16 +106,20 @@ def adafactor_step_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[
 
 def adafactor_step_reference_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[int],
                               row_var: Optional[torch.Tensor] = None, col_var: Optional[torch.Tensor] = None,
-                              variance: Optional[torch.Tensor] = None, step, lr=1e-2, beta2_decay=-0.8,
-                              eps1: Optional[float] = None, eps2=1e-3, d=1.0, weight_decay=0.0,
-                              maximize: bool = False, param_out: Optional[torch.Tensor] = None,
-                              threads: Optional[int] = None, capability: Optional[str] = None) -> torch.Tensor:
+                              variance: Optional[torch.Tensor] = None, step: Step, lr: Number = 1e-2,
+                              beta2_decay: Number = -0.8, eps1: Optional[Number] = None, eps2: Number = 1e-3,
+                              d: Number = 1.0, weight_decay: Number = 0.0, maximize: bool = False,
+                              param_out: Optional[torch.Tensor] = None, threads: Optional[int] = None,
+                              capability: Optional[str] = None) -> torch.Tensor:
     """adafactor_step_ in plain torch ops, on any device: torch's _single_tensor_adafactor on fp32 views."""
     step = check_step(step)
     lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(lr, beta2_decay, (eps1, eps2), d,
                                                                          weight_decay)
     eps1 = EPS1_DEFAULT if eps1 is None else eps1
     shape = tuple(shape)
+    if (row_var is None or col_var is None) if len(shape) > 1 else variance is None:
+        raise ValueError(f"a parameter of shape {shape} keeps " + ("row_var and col_var" if len(shape) > 1
+                                                                    else "variance") + "; it is missing")
     if param.numel() == 0:
         return param
     p = param.view(shape)
@@ -125,7 +132,7 @@ def adafactor_step_reference_(param: torch.Tensor, grad: torch.Tensor, *, shape:
     alpha = max(eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho
     if weight_decay != 0:
         p.mul_(1 - lr * weight_decay)
-    if len(shape) > 1:
+    if row_var is not None and col_var is not None and len(shape) > 1:
         rv = row_var.view(shape[:-1] + (1,))
         cv = col_var.view(shape[:-2] + (1, shape[-1]))
         rv.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)), one_minus_beta2)
@@ -133,7 +140,7 @@ def adafactor_step_reference_(param: torch.Tensor, grad: torch.Tensor, *, shape:
         var = rv @ cv
         var.div_(rv.mean(dim=-2, keepdim=True).clamp_(min=eps1))
     else:
-        v = variance.view(shape)
+        v = variance.view(shape)  # type: ignore[union-attr]  (checked above)
         v.lerp_(g * g, one_minus_beta2)
         var = v.clone()
     update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
