@@ -139,8 +139,8 @@ def adafactor_step_reference_(param: torch.Tensor, grad: torch.Tensor, *, shape:
         cv.lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)), one_minus_beta2)
         var = rv @ cv
         var.div_(rv.mean(dim=-2, keepdim=True).clamp_(min=eps1))
-    else:
-        v = variance.view(shape)  # type: ignore[union-attr]  (checked above)
+    elif variance is not None:  # (checked above: one of the two holds)
+        v = variance.view(shape)
         v.lerp_(g * g, one_minus_beta2)
         var = v.clone()
     update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
