@@ -143,7 +143,14 @@ class OffloadOptimizer(Optimizer):
             problem = None
             if p.device.type == "meta" and self._offloaded.adopt(p):
                 continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
-            p = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            if local is not p and self._rule.whole:
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__} steps each parameter whole (its norm and row/column means "
+                                 "are over all of it), but a DTensor parameter (FSDP2, tensor parallelism) holds "
+                                 "only its shard here: the update would differ from torch's. Give it the full "
+                                 "parameters (no fully_shard), or use OffloadAdamW, which is element-wise")
+            p = local
             if p.dtype not in PARAM_DTYPES:
                 problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
             elif p.device.type not in ("cpu", "cuda"):
