@@ -105,3 +105,23 @@ def test_sharded_parameter_is_refused_naming_the_reason():
         opt.add_param_group({"params": [p]})
     assert len(opt.param_groups) == 1
     opt.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_non_contiguous_parameter_is_factored_by_its_logical_shape(offload, tmp_path):
+    """A transposed view: its rows and columns are the logical ones (a contiguous temporary of that shape)."""
+    base = torch.randn(40, 24)
+    p = base.t().requires_grad_(True)  # (24, 40), not contiguous
+    assert not p.is_contiguous()
+    ref = p.detach().clone().requires_grad_(True)
+    ours = so.OffloadAdafactor([p], offload=offload, swap_dir=tmp_path)
+    theirs = torch.optim.Adafactor([ref])
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        g = torch.randn(24, 40, generator=gen)
+        p.grad, ref.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert rel_diff(p, ref) < 1e-5
+    assert ours.state_dict()["state"][0]["row_var"].shape == (24, 1)
+    ours.close()
