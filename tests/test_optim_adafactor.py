@@ -29,7 +29,8 @@ def run_side_by_side(ours_params, ref_params, ours, ref, steps, seed=1, sched=No
 def test_hundred_steps_match_torch_adafactor(offload, dtype, tmp_path):
     ours_params = params_of(dtype)
     ref_params = [p.detach().float().clone().requires_grad_(True) for p in ours_params]
-    groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.03, "weight_decay": 0.1, "d": 2.0}]  # noqa: E731
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.03, "weight_decay": 0.1, "d": 2.0}]
     ours = so.OffloadAdafactor(groups(ours_params), offload=offload, swap_dir=tmp_path, weight_decay=0.01,
                                **SMALL_BUFFERS)
     ref = torch.optim.Adafactor(groups(ref_params), weight_decay=0.01)

@@ -104,7 +104,8 @@ def test_nan_gradient_propagates_like_torch():
 
 @pytest.mark.parametrize("bad", [dict(shape=(3, 5)), dict(row_var=None), dict(variance=torch.zeros(15)),
                                  dict(step=0), dict(lr=-1.0), dict(beta2_decay=0.5), dict(d=0.5),
-                                 dict(eps1=-1.0), dict(capability="sse9"), dict(grad=torch.zeros(16, dtype=torch.int32)),
+                                 dict(eps1=-1.0), dict(capability="sse9"),
+                                 dict(grad=torch.zeros(16, dtype=torch.int32)),
                                  dict(param=torch.zeros(16, dtype=torch.float64)), dict(col_var=torch.zeros(3))])
 def test_bad_input_raises_value_error(bad):
     args = dict(param=torch.zeros(16), grad=torch.ones(16), shape=(4, 4), row_var=torch.zeros(4),

@@ -101,8 +101,8 @@ class _SavesBeforeTrainer(TrainerCallback):
 
 
 class StreamingCheckpointCallback(_SavesBeforeTrainer):
-    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion, OffloadAdafactor) given to Trainer with opt.save()/opt.load()
-    (see the module)."""
+    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion, OffloadAdafactor) given to Trainer with
+    opt.save()/opt.load() (see the module)."""
 
     def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)
@@ -271,8 +271,9 @@ class OffloadedTrainerMixin:
         if _offloaded(self.model) and _owned_optimizer(optimizer) is None \
                 and any(p.device.type == "meta" and p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"{type(optimizer).__name__} cannot train the offloaded weights of this model: give "
-                             "Trainer an OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim) built over "
-                             "model.parameters(), with optimizers=(opt, scheduler) or optimizer_cls_and_kwargs")
+                             "Trainer an OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim) "
+                             "built over model.parameters(), with optimizers=(opt, scheduler) or "
+                             "optimizer_cls_and_kwargs")
         if _offloaded(self.model):
             self._check_in_backward(optimizer)
         return optimizer

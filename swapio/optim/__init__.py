@@ -1,4 +1,5 @@
-"""Drop-in torch.optim.Adam / AdamW / Adafactor (and Lion) whose fp32 master weights and moments live in CPU RAM or on NVMe.
+"""Drop-in torch.optim.Adam / AdamW / Adafactor (and Lion) whose fp32 master weights and moments live in CPU RAM
+or on NVMe.
 
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-3, offload="nvme", swap_dir="/nvme/tmp")
 

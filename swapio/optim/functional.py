@@ -47,8 +47,8 @@ def adam(param, grad, state, *, shape=None, step, lr, beta1, beta2, eps, weight_
           index_base=index_base, nonfinite=nonfinite)
 
 
-def lion(param, grad, state, *, shape=None, step, lr, beta1, beta2, weight_decay, maximize, param_out=None, threads=None,
-         seed=0, index_base=0, nonfinite=None, kernel=None):
+def lion(param, grad, state, *, shape=None, step, lr, beta1, beta2, weight_decay, maximize, param_out=None,
+         threads=None, seed=0, index_base=0, nonfinite=None, kernel=None):
     """One Lion step (Chen et al. 2023: sign of an interpolated momentum, decoupled weight decay) of a flat fp32
     slice, in place. state: {"exp_avg"[, "exp_avg_scale"]}: views of the slice. The other arguments are
     adam()'s."""

@@ -155,7 +155,7 @@ class NvmeState:
         fmt, many = self.format, 1 << 20
         per_elem = sum(fmt.count(name, many) * fmt.dtype(name).itemsize for name in fields
                        if not fmt.is_factor(name)) / many  # (factors: counted as each parameter is placed)
-        per_elem = max(per_elem, 1.0)  # only factors (fp32 CPU parameters of Adafactor): chunks of slot_bytes elements
+        per_elem = max(per_elem, 1.0)  # factors alone (Adafactor, fp32 CPU parameters): chunks of slot_bytes elements
         probe.n = int(self.slot_bytes / (per_elem + (8 if cuda else 0))) // 1024 * 1024  # before padding: a bound
         while probe.n > 1024 and probe.record_bytes + probe.stage_bytes > self.slot_bytes:
             probe.n -= 1024
