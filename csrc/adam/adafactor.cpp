@@ -96,6 +96,7 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
   a.w = static_cast<float>(one_minus_beta2);
   a.w_minus_1 = a.w - 1.0f;
   a.w_small = std::fabs(a.w) < 0.5f;
+  a.eps1 = static_cast<float>(h.eps1);
   a.eps1_sq = static_cast<float>(h.eps1 * h.eps1);
   a.decayed = h.weight_decay != 0.0;
   a.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
@@ -106,7 +107,8 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
   std::vector<float> row_sq, param_rows;
   if (factored) {
     const int64_t nb = (rows + kFactorRowBlock - 1) / kFactorRowBlock, all_rows = batches * rows;
-    std::vector<float> col_part(static_cast<size_t>(batches * nb * cols)), row_scale(all_rows);
+    std::vector<float> col_part(static_cast<size_t>(batches * nb * cols)), row_scale(all_rows),
+        col_sqrt(static_cast<size_t>(batches * cols));
     row_sq.resize(all_rows);
     param_rows.resize(all_rows);
     a.rows_per_batch = rows;
@@ -125,6 +127,7 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
         for (int64_t k = 0; k < nb; ++k) s += col_part[(b * nb + k) * cols + j];
         float& c = col_var[b * cols + j];
         c = lerp(c, s / fr, a.w, a.w_minus_1, a.w_small);
+        col_sqrt[b * cols + j] = std::sqrt(c);
       }
       double mean = 0.0;
       for (int64_t i = b * rows; i < (b + 1) * rows; ++i) {
@@ -132,10 +135,10 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
         mean += row_var[i];
       }
       const float m = std::max(static_cast<float>(mean / static_cast<double>(rows)), static_cast<float>(h.eps1));
-      for (int64_t i = b * rows; i < (b + 1) * rows; ++i) row_scale[i] = row_var[i] / m;
+      for (int64_t i = b * rows; i < (b + 1) * rows; ++i) row_scale[i] = std::sqrt(row_var[i] / m);
     }
     a.row_scale = row_scale.data();
-    a.col_var = col_var;
+    a.col_var = col_sqrt.data();
     run_pass(kernel, a, AdafactorPass::kFactorNorm, all_rows, cols, threads);
     update_sq = sum(row_sq);
     apply = AdafactorPass::kFactorApply;

@@ -6,8 +6,10 @@
 // as torch does) and keeps row_var [batches * rows] and col_var [batches * cols]; one of fewer dimensions
 // keeps variance [n]. Three passes over the parameter (the global norms come before the update):
 //   1. factored: per row sum g^2 and p^2, per column sum g^2 (vector: folded into pass 2);
-//   -  the factors (O(rows + cols), host): lerp towards the means, row scales row_var / max(mean, eps1);
-//   2. u = g / sqrt(max(v, eps1^2)) with v = row_scale * col_var (vector: variance, updated here), sum u^2;
+//   -  the factors (O(rows + cols), host): lerp towards the means; square roots of row_var / max(mean, eps1)
+//      and of col_var;
+//   2. u = g / max(sqrt(row) * sqrt(col), eps1) (vector: g / sqrt(max(variance, eps1^2)), the variance updated
+//      here), sum u^2;
 //   3. p = p * (1 - lr*wd) - alpha / max(1, rms(u) / d) * u, u recomputed (never stored).
 // Every sum runs over a fixed split of the parameter (rows, blocks of 64 rows or 4096 elements, 16 lanes each)
 // added in a fixed order, so the result is bit-identical at every SIMD level and thread count.

@@ -33,8 +33,8 @@ struct AdafactorArgs {
   int64_t rows_per_batch;   // factored: R (the parameter is [B, R, C])
   int64_t cols;             // factored: C
   int64_t blocks_per_batch; // factored: ceil(R / kFactorRowBlock)
-  const float* row_scale;   // factored: per row, row_var / max(mean of the batch's row_var, eps1)
-  const float* col_var;     // factored: [B, C]
+  const float* row_scale;   // factored: per row, sqrt(row_var / max(mean of the batch's row_var, eps1))
+  const float* col_var;     // factored: [B, C], sqrt(col_var)
   float* variance;          // vector: [n]
   float* row_sumsq;         // per task (rows, or vector blocks)
   float* param_sumsq;       // per task
@@ -43,7 +43,8 @@ struct AdafactorArgs {
   float w;                  // vector: lerp weight float(step ** beta2_decay)
   float w_minus_1;
   bool w_small;             // |w| < 0.5 (ATen's lerp)
-  float eps1_sq;            // float(eps1 * eps1)
+  float eps1;               // float(eps1): factored, u = g / max(row_scale * col_var, eps1)
+  float eps1_sq;            // float(eps1 * eps1): vector, u = g / sqrt(max(variance, eps1^2))
   float decay;              // float(1 - lr * weight_decay)
   bool decayed;             // weight_decay != 0
   float neg_scale;          // float(-alpha / denom)

@@ -89,10 +89,12 @@ struct Loops {
       V::store(col + k * W, V::fma(g, g, V::load(col + k * W)));
     }
   }
+  // u = g / max(sqrt(row factor) * sqrt(col factor), eps1): the square roots per row and per column, not per
+  // element (sqrt(max(v, eps1^2)) = max(sqrt(v), eps1)); NaN and inf go as with torch's rsqrt(max(v, eps1^2)) * g
   static SWAPIO_INLINE void factor_u(const AdafactorArgs& a, const Tile& t, F scale, F* u) {
     for (int k = 0; k < K; ++k) {
       F g = grad(a, static_cast<const char*>(t.g) + k * W * gs);
-      u[k] = update(a, g, V::mul(scale, V::load(t.c + k * W)));
+      u[k] = V::div(g, V::clamp_min(V::mul(scale, V::load(t.c + k * W)), V::set1(a.eps1)));
     }
   }
   static SWAPIO_INLINE void vector_u(const AdafactorArgs& a, const Tile& t, F* u, bool store_v) {

@@ -7,11 +7,12 @@ its last two dimensions (row_var shaped like the parameter with its last dimensi
 it 1), as torch does; one of fewer dimensions keeps the full `variance`. The tensors here are flat views (any
 shape of the right numel); `shape` is the parameter's.
 
-Numerics: the formula and its float32 order are torch's _single_tensor_adafactor, but for three places where the
-kernel computes in its own order: the sums of squares (16 lanes, fixed blocks, added in double), the variance
-estimate (row_var / max(mean, eps1), times col_var: one division per row, not per element) and
-g / sqrt(v) (torch: rsqrt(v) * g). Parameters agree with torch.optim.Adafactor to float32 rounding, and the
-kernel is bit-identical at every SIMD level and thread count.
+Numerics: the formula and its float32 order are torch's _single_tensor_adafactor, but for two places where the
+kernel computes in its own order: the sums of squares (16 lanes, fixed blocks, added in double), and the update
+of a factored parameter, g / max(sqrt(row_var / max(mean, eps1)) * sqrt(col_var), eps1) with the square roots
+taken per row and per column (torch: rsqrt(max(row_var * col_var / max(mean, eps1), eps1^2)) * g, per element;
+the same value, NaN and inf included, rounded differently). Parameters agree with torch.optim.Adafactor to
+float32 rounding, and the kernel is bit-identical at every SIMD level and thread count.
 """
 import math
 from typing import Optional, Sequence, Tuple, Union
