@@ -115,3 +115,30 @@ def test_bad_input_raises_value_error(bad):
         args.update(row_var=None, col_var=None)
     with pytest.raises(ValueError):
         ops.adafactor_step_(args.pop("param"), args.pop("grad"), **args)
+
+
+@pytest.mark.parametrize("case", ["inf", "zero_row", "zero_grad_eps1_0"])
+def test_edge_values_go_as_with_torch(case):
+    """Non-finite and zero factors: the kernel's per-row and per-column square roots give torch's NaN, inf and
+    finite values where they appear."""
+    shape = (6, 20)
+    gen = torch.Generator().manual_seed(5)
+    p0, g = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    hyper = {}
+    if case == "inf":
+        g[2, 7] = float("inf")
+    elif case == "zero_row":
+        g[3] = 0.0
+        g[:, 4] = 0.0
+    else:
+        g[1] = 0.0
+        hyper = dict(eps1=0.0, eps2=1e-3)
+    ref = p0.clone().requires_grad_(True)
+    ref.grad = g.clone()
+    torch.optim.Adafactor([ref], eps=(hyper.get("eps1"), 1e-3)).step()
+    p, _ = run_native(p0, shape, [g], hyper)
+    p, want = p.view(shape), ref.detach()
+    assert torch.equal(torch.isnan(p), torch.isnan(want))
+    assert torch.equal(torch.isinf(p), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(p[finite], want[finite], rtol=1e-5, atol=1e-6)
