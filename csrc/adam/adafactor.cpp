@@ -121,12 +121,17 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
     param_sq = sum(param_rows);
     // the factors: means of g^2 over the last dimension (rows) and the one before (columns), lerped in
     const float fr = static_cast<float>(rows), fc = static_cast<float>(cols);
+    std::vector<float> col_sum(static_cast<size_t>(cols));
     for (int64_t b = 0; b < batches; ++b) {
+      // the blocks' column sums added in block order, a block's row of them at a time (sequential reads)
+      std::fill(col_sum.begin(), col_sum.end(), 0.0f);
+      for (int64_t k = 0; k < nb; ++k) {
+        const float* part = col_part.data() + (b * nb + k) * cols;
+        for (int64_t j = 0; j < cols; ++j) col_sum[j] += part[j];
+      }
       for (int64_t j = 0; j < cols; ++j) {
-        float s = 0.0f;
-        for (int64_t k = 0; k < nb; ++k) s += col_part[(b * nb + k) * cols + j];
         float& c = col_var[b * cols + j];
-        c = lerp(c, s / fr, a.w, a.w_minus_1, a.w_small);
+        c = lerp(c, col_sum[j] / fr, a.w, a.w_minus_1, a.w_small);
         col_sqrt[b * cols + j] = std::sqrt(c);
       }
       double mean = 0.0;
