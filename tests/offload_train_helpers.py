@@ -15,7 +15,7 @@ import torch
 from offload_helpers import one_thread  # noqa: F401 - the tests import it from here too
 from swapio.core.handle import AioHandle
 from swapio.offload import cpu_offload, disk_offload, remove_offload
-from swapio.optim import OffloadAdam, OffloadAdamW, OffloadLion
+from swapio.optim import OffloadAdafactor, OffloadAdam, OffloadAdamW, OffloadLion
 
 IN, HID, OUT = 8, 16, 4
 BATCH = 5
@@ -89,7 +89,7 @@ def loss_of(model, batch):
     return torch.nn.functional.mse_loss(out, y)
 
 
-OPTIMIZERS = {"AdamW": OffloadAdamW, "Adam": OffloadAdam, "Lion": OffloadLion}
+OPTIMIZERS = {"AdamW": OffloadAdamW, "Adam": OffloadAdam, "Lion": OffloadLion, "Adafactor": OffloadAdafactor}
 
 
 def build_opt(name, params, tmp, **kw):

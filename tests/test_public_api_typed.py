@@ -17,6 +17,7 @@ PUBLIC = [
     swapio.SwapStore.close, swapio.SwappedTensor, swapio.SwappedTensor.swap_in, swapio.SwappedTensor.wait,
     swapio.empty_pinned, swapio.is_pinned, swapio.info,
     swapio.ops.adam_step_, swapio.ops.adam_step_reference_, swapio.ops.lion_step_, swapio.ops.lion_step_reference_,
+    swapio.ops.adafactor_step_, swapio.ops.adafactor_step_reference_,
     swapio.ops.cpu_capability, swapio.ops.cpu_capabilities,
     swapio.quant.quantize, swapio.quant.dequantize, swapio.quant.code_values, swapio.quant.num_blocks,
     swapio.quant.state_bytes_per_element,

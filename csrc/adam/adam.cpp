@@ -63,10 +63,10 @@ Capability detect_best() { return Capability::kScalar; }
 KernelSet kernel_set(Capability c) {
   switch (c) {
 #if SWAPIO_HAVE_X86_KERNELS
-    case Capability::kAVX512: return {adam_kernel_avx512, lowp_kernel_avx512};
-    case Capability::kAVX2: return {adam_kernel_avx2, lowp_kernel_avx2};
+    case Capability::kAVX512: return {adam_kernel_avx512, lowp_kernel_avx512, adafactor_kernel_avx512};
+    case Capability::kAVX2: return {adam_kernel_avx2, lowp_kernel_avx2, adafactor_kernel_avx2};
 #endif
-    default: return {adam_kernel_scalar, lowp_kernel_scalar};
+    default: return {adam_kernel_scalar, lowp_kernel_scalar, adafactor_kernel_scalar};
   }
 }
 

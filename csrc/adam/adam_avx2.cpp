@@ -13,6 +13,7 @@
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
+#include "adam/adafactor_loops.h"
 #include "adam/lowp_loops.h"
 #include "adam/quant_search.h"
 
@@ -197,6 +198,7 @@ struct V {
   static SWAPIO_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
   static SWAPIO_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static SWAPIO_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static SWAPIO_INLINE F clamp_min(F x, F lo) { return _mm256_max_ps(lo, x); }  // NaN x stays
   static SWAPIO_INLINE F flip(F x, uint32_t sign) {
     return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), _mm256_set1_epi32(static_cast<int>(sign))));
   }
@@ -414,6 +416,10 @@ void adam_kernel_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
 
 int64_t lowp_kernel_avx2(const LowpArgs& a, int64_t begin, int64_t end) {
   return lowp::run_lowp<V>(a, begin, end);
+}
+
+void adafactor_kernel_avx2(const AdafactorArgs& a, AdafactorPass pass, int64_t begin, int64_t end) {
+  afactor::run<V>(a, pass, begin, end);
 }
 
 }  // namespace adam

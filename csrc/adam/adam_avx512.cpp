@@ -20,6 +20,7 @@
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
+#include "adam/adafactor_loops.h"
 #include "adam/lowp_loops.h"
 #include "adam/quant_search.h"
 
@@ -199,6 +200,7 @@ struct V {
   static SWAPIO_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
   static SWAPIO_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static SWAPIO_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static SWAPIO_INLINE F clamp_min(F x, F lo) { return _mm512_max_ps(lo, x); }  // NaN x stays
   static SWAPIO_INLINE F flip(F x, uint32_t sign) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(sign))));
   }
@@ -342,6 +344,10 @@ void adam_kernel_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
 
 int64_t lowp_kernel_avx512(const LowpArgs& a, int64_t begin, int64_t end) {
   return lowp::run_lowp<V>(a, begin, end);
+}
+
+void adafactor_kernel_avx512(const AdafactorArgs& a, AdafactorPass pass, int64_t begin, int64_t end) {
+  afactor::run<V>(a, pass, begin, end);
 }
 
 }  // namespace adam

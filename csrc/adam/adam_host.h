@@ -6,6 +6,7 @@
 #include <string>
 
 #include "adam/adam.h"
+#include "adam/adafactor_kernel.h"
 #include "adam/adam_kernel.h"
 #include "adam/adam_pool.h"
 
@@ -15,6 +16,7 @@ namespace adam {
 struct KernelSet {
   AdamKernel adam;
   LowpKernel lowp;
+  AdafactorKernel adafactor;
 };
 
 // kAuto: the active level; an explicit level the CPU lacks throws std::invalid_argument("<who>: ...").

@@ -8,6 +8,7 @@
 #include "adam/adam_kernel.h"
 #include "adam/adam_variants.h"
 #include "adam/adam_scalar_ops.h"
+#include "adam/adafactor_loops.h"
 #include "adam/lowp_loops.h"
 #include "adam/quant_search.h"
 
@@ -103,6 +104,7 @@ struct V {
   static SWAPIO_INLINE F div(F a, F b) { return a / b; }
   static SWAPIO_INLINE F sqrt(F a) { return std::sqrt(a); }
   static SWAPIO_INLINE F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static SWAPIO_INLINE F clamp_min(F x, F lo) { return lo > x ? lo : x; }  // maxps(lo, x): NaN x stays
   static SWAPIO_INLINE F flip(F x, uint32_t sign) { return f32_from_bits(f32_bits(x) ^ sign); }
   static SWAPIO_INLINE F sign(F x) { return static_cast<float>(x > 0.0f) - static_cast<float>(x < 0.0f); }
   static SWAPIO_INLINE F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
@@ -151,6 +153,10 @@ void adam_kernel_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
 
 int64_t lowp_kernel_scalar(const LowpArgs& a, int64_t begin, int64_t end) {
   return lowp::run_lowp<V>(a, begin, end);
+}
+
+void adafactor_kernel_scalar(const AdafactorArgs& a, AdafactorPass pass, int64_t begin, int64_t end) {
+  afactor::run<V>(a, pass, begin, end);
 }
 
 }  // namespace adam

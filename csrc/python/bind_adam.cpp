@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "adam/adafactor.h"
 #include "adam/adam.h"
 #include "adam/quant.h"
 
@@ -147,6 +148,31 @@ int64_t lion(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
   });
 }
 
+void adafactor(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t row_var, uintptr_t col_var,
+               uintptr_t variance, int64_t n, bool factored, int64_t batches, int64_t rows, int64_t cols,
+               int64_t step, double lr, double beta2_decay, double eps1, double eps2, double d,
+               double weight_decay, bool maximize, uintptr_t param_out, int out_dtype, int threads,
+               const std::string& capability) {
+  adam::AdafactorHyper h;
+  h.step = step;
+  h.lr = lr;
+  h.beta2_decay = beta2_decay;
+  h.eps1 = eps1;
+  h.eps2 = eps2;
+  h.d = d;
+  h.weight_decay = weight_decay;
+  h.maximize = maximize;
+  DType gd = to_dtype(grad_dtype, false, "grad");
+  DType od = to_dtype(out_dtype, true, "param_out");
+  Capability cap = to_capability(capability, "adafactor_step");
+  released([&] {
+    adam::adafactor_step(static_cast<float*>(ptr(param)), ptr(grad), gd, static_cast<float*>(ptr(row_var)),
+                         static_cast<float*>(ptr(col_var)), static_cast<float*>(ptr(variance)), n, factored,
+                         batches, rows, cols, h, ptr(param_out), od, threads, cap);
+    return int64_t{0};
+  });
+}
+
 py::list quant_map(bool is_signed) {
   const adam::QuantMap& q = is_signed ? adam::signed_map() : adam::unsigned_map();
   py::list codes;
@@ -212,6 +238,15 @@ void bind_adam(py::module_& m) {
         py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_scale"),
         py::arg("n"), py::kw_only(), py::arg("state"), py::arg("seed"), py::arg("index_base"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("maximize") = false,
+        py::arg("param_out") = 0, py::arg("out_dtype") = static_cast<int>(adam::DType::kNone),
+        py::arg("threads") = 0, py::arg("capability") = "");
+  m.def("adafactor_step", &adafactor,
+        "One Adafactor step (torch.optim.Adafactor's algorithm) of a whole parameter of n elements in place:\n"
+        "factored ([batches, rows, cols], row_var and col_var) or not (variance). Bad arguments raise ValueError.",
+        py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("row_var"), py::arg("col_var"),
+        py::arg("variance"), py::arg("n"), py::kw_only(), py::arg("factored"), py::arg("batches"),
+        py::arg("rows"), py::arg("cols"), py::arg("step"), py::arg("lr"), py::arg("beta2_decay"), py::arg("eps1"),
+        py::arg("eps2"), py::arg("d"), py::arg("weight_decay"), py::arg("maximize") = false,
         py::arg("param_out") = 0, py::arg("out_dtype") = static_cast<int>(adam::DType::kNone),
         py::arg("threads") = 0, py::arg("capability") = "");
   m.def("quant_map", &quant_map, py::arg("signed"),

@@ -1,5 +1,5 @@
-"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion) through swapio's
-streaming save/load.
+"""Hugging Face Trainer checkpoints of the offloaded optimizers (OffloadAdam[W], OffloadLion, OffloadAdafactor)
+through swapio's streaming save/load.
 
 Trainer saves an optimizer with torch.save(optimizer.state_dict()). For an nvme-resident state that reads the
 whole state into RAM first (state_dict() materialises it) and writes it through the page cache: the RAM the
@@ -101,8 +101,8 @@ class _SavesBeforeTrainer(TrainerCallback):
 
 
 class StreamingCheckpointCallback(_SavesBeforeTrainer):
-    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion) given to Trainer with opt.save()/opt.load()
-    (see the module)."""
+    """Checkpoints an offloaded optimizer (OffloadAdam[W], OffloadLion, OffloadAdafactor) given to Trainer with
+    opt.save()/opt.load() (see the module)."""
 
     def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)
@@ -271,8 +271,9 @@ class OffloadedTrainerMixin:
         if _offloaded(self.model) and _owned_optimizer(optimizer) is None \
                 and any(p.device.type == "meta" and p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"{type(optimizer).__name__} cannot train the offloaded weights of this model: give "
-                             "Trainer an OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim) built over "
-                             "model.parameters(), with optimizers=(opt, scheduler) or optimizer_cls_and_kwargs")
+                             "Trainer an OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim) "
+                             "built over model.parameters(), with optimizers=(opt, scheduler) or "
+                             "optimizer_cls_and_kwargs")
         if _offloaded(self.model):
             self._check_in_backward(optimizer)
         return optimizer

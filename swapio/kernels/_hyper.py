@@ -68,3 +68,33 @@ def check_lion_hyper(lr, beta1, beta2, weight_decay) -> Tuple[float, float, floa
     beta1, beta2 = _betas(beta1, beta2, closed=True)
     weight_decay = _finite_non_negative("weight_decay", weight_decay, "weight_decay value")
     return lr, beta1, beta2, weight_decay
+
+
+def check_adafactor_hyper(lr, beta2_decay, eps, d, weight_decay):
+    """Adafactor's hyperparameters as torch.optim.Adafactor checks them (its messages, ValueError): returns
+    (lr, beta2_decay, eps1, eps2, d, weight_decay) as Python floats, eps1 None where eps[0] is None (machine
+    epsilon of float32, the dtype the step computes in)."""
+    lr = scalar("lr", lr)
+    if not 0.0 <= lr < math.inf:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    beta2_decay = scalar("beta2_decay", beta2_decay)
+    if not beta2_decay <= 0.0:
+        raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
+    try:
+        eps1, eps2 = eps
+    except (TypeError, ValueError):
+        raise ValueError(f"eps must be a pair (eps1 or None, eps2), got {eps!r}") from None
+    if eps1 is not None:
+        eps1 = scalar("eps1", eps1)
+        if not 0.0 <= eps1 < math.inf:
+            raise ValueError(f"epsilon1 should be >= 0 but is: {eps1}")
+    eps2 = scalar("eps2", eps2)
+    if not 0.0 <= eps2 < math.inf:
+        raise ValueError(f"epsilon2 should be >= 0 but is: {eps2}")
+    d = scalar("d", d)
+    if not 1.0 <= d < math.inf:
+        raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
+    weight_decay = scalar("weight_decay", weight_decay)
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
+    return lr, beta2_decay, eps1, eps2, d, weight_decay

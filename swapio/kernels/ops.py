@@ -15,7 +15,9 @@ amsgrad is supported (pass ``amsgrad=True`` and a ``max_exp_avg_sq`` buffer).
 Smaller state: the moments may also be bf16 tensors (stored with stochastic rounding) or uint8 tensors of
 int8 block-wise codes with fp32 scales (``swapio.quant`` describes both and is their plain-torch codec);
 decoding, the step and encoding run in one pass. ``lion_step_`` is Lion (one moment, sign update, decoupled
-weight decay) with the same three state types. ``*_reference_`` are the same steps in plain torch.
+weight decay) with the same three state types. ``adafactor_step_`` is Adafactor (torch.optim.Adafactor's
+algorithm, factored second moments) of a whole parameter (swapio.kernels.adafactor_ops). ``*_reference_`` are
+the same steps in plain torch.
 """
 import numbers
 import warnings
@@ -32,8 +34,8 @@ Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a on
 Step = Union[int, torch.Tensor]
 OptTensor = Optional[torch.Tensor]
 
-__all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "cpu_capability",
-           "cpu_capabilities"]
+__all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "adafactor_step_",
+           "adafactor_step_reference_", "cpu_capability", "cpu_capabilities"]
 
 _CODES = _C.ADAM_DTYPE_CODES
 _GRAD_DTYPES = {torch.float32: _CODES["float32"], torch.bfloat16: _CODES["bfloat16"],
@@ -371,3 +373,4 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     if param_out is not None:
         param_out.copy_(param.reshape(param_out.shape))
     return param
+from .adafactor_ops import adafactor_step_, adafactor_step_reference_  # noqa: E402,F401  (re-exported)

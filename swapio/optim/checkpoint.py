@@ -47,7 +47,7 @@ from ..core import _checksum, _durable
 from ..offload.safetensors_header import Location
 from . import dir_lock, state_transfer, validate
 from .params import shard
-from .state_format import SCALE, StateFormat
+from .state_format import SCALE, StateFormat, shape_of_factors
 
 FILE = "swapio-optim.safetensors"
 FORMAT = "swapio.optim.checkpoint"
@@ -100,7 +100,7 @@ def _structure(opt):
             t = shard(p)
             state[k] = {"step": int(opt.state[p]["step"].item())}
             for name in fields_of[p]:
-                shape = (fmt.count(name, t.numel()),) if fmt.is_scale(name) else tuple(t.shape)
+                shape = fmt.shape(name, t.shape)
                 state[k][name] = slots[k, name] = torch.empty(shape, dtype=fmt.dtype(name), device="meta")
             dtypes[k], sums[k] = dtype_name(t.dtype), dict.fromkeys(fields_of[p], _UNSET)
     structure = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
@@ -267,8 +267,9 @@ def _meta_of(structure, file):
                 raise ValueError(f"{where}: a field name must be a string, got {name!r}")
             if not isinstance(loc, Location):
                 raise ValueError(f"{where}: {name!r} must be a tensor, got {type(loc).__name__}")
-        shapes = [loc.shape for name, loc in fields.items() if not StateFormat.is_scale(name)]
-        shape = tuple(shapes[0]) if shapes else None
+        shapes = [loc.shape for name, loc in fields.items()
+                  if not StateFormat.is_scale(name) and not StateFormat.is_factor(name)]
+        shape = tuple(shapes[0]) if shapes else _factored_shape(fields)
         checksums = sums.get(k)
         if not isinstance(checksums, dict):  # (only versions 1 of the old format had none)
             raise ValueError(f"{where}: 'checksums' has no dict of its fields' checksums")
@@ -279,6 +280,15 @@ def _meta_of(structure, file):
     meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum")}
     meta.update(param_groups=groups, state=entries, data=FILE, data_bytes=os.path.getsize(file))
     return meta
+
+
+def _factored_shape(fields):
+    """The parameter's shape from its factored second moments (Adafactor's row_var and col_var, when no field
+    is shaped like the parameter: an fp32 parameter is its own master), else None."""
+    row, col = fields.get("row_var"), fields.get("col_var")
+    if row is None or col is None or len(row.shape) < 2 or len(row.shape) != len(col.shape):
+        return None
+    return shape_of_factors(tuple(row.shape), tuple(col.shape))
 
 
 MAX_HYPER_BYTES = 4096  # a tensor-valued hyperparameter (lr=torch.tensor(...), as torch allows) is a scalar
@@ -323,7 +333,10 @@ def _check_arrays(state, meta, file):
             continue  # no moment: validate.checkpoint_meta refuses it
         for name in meta["state"][k]["fields"]:
             loc = saved[name]
-            want = (fmt.count(name, numel),) if fmt.is_scale(name) else shape
+            if fmt.is_factor(name) and len(shape) < 2:
+                raise ValueError(f"{file}: parameter {k}: {name!r} belongs to a parameter of two or more "
+                                 f"dimensions, not one of shape {list(shape)}")
+            want = fmt.shape(name, shape)
             if loc.dtype != fmt.dtype(name) or tuple(loc.shape) != tuple(want):
                 raise ValueError(f"{file}: parameter {k}: {name!r} is {loc.dtype} {list(loc.shape)}; state_dtype "
                                  f"{fmt.name!r} stores it as {fmt.dtype(name)} {list(want)}")
@@ -372,7 +385,7 @@ def _load(opt, path, progress=False):
         expected[p] = (k, entry.get("checksums"))
     sums, bad = {}, []
     # the bar counts the bytes read; a field this optimizer does not keep is not read, so it may stop short
-    total = sum(saved_fmt.count(name, entry["numel"]) * saved_fmt.dtype(name).itemsize
+    total = sum(saved_fmt.count(name, entry["numel"], entry["shape"]) * saved_fmt.dtype(name).itemsize
                 for entry in meta["state"].values() for name in entry["fields"])
     bar = _bar(progress, total, "swapio: loading optimizer")
     with _closing(bar), state_transfer.io_handles(opt) as (rh, _):

@@ -21,8 +21,9 @@ class CpuState:
     optimizer replaces its contents, never the dict); slot_bytes: BufferBudget.slot_bytes, the size of each
     GPU staging buffer; io_settings: AioHandle settings for checkpoint handles."""
 
-    def __init__(self, fmt, state, slot_bytes, io_settings, grad_copies=None):
+    def __init__(self, fmt, state, slot_bytes, io_settings, grad_copies=None, whole=False):
         self.format, self.state = fmt, state
+        self.whole = whole  # the rule steps whole parameters (rules.Rule.whole): GPU ones are not segmented
         self.staging = CudaStaging(slot_bytes)
         self.grad_copies = grad_copies  # GradCopies: GPU parameters' gradients copied to the host in backward
         self._sent = {}  # p -> event of the last copy to the GPU straight out of p's pinned master
@@ -100,6 +101,9 @@ class CpuState:
         # backward, the kernels before the gradient's copy
         after = self.grad_copies.copy_event(w.p) if host_grad is not None and copies.in_backward else None
         clock.io_wait_s += now() - t0
+        if self.whole:
+            self._step_whole_on_gpu(w, fields, threads, host_grad, direct, copies, after)
+            return
         segments = self.staging.segments(w, copies, host_grad, out=not direct)
         event = None
         while True:
@@ -119,6 +123,28 @@ class CpuState:
         if direct and event is not None:
             self._sent[w.p] = event
         if w.tmp is not None:  # a non-contiguous parameter: its values from the temporary, after those copies
+            copies.to_device(w.t.detach(), w.tmp, w.t.device, event)
+
+    def _step_whole_on_gpu(self, w, fields, threads, host_grad, direct, copies, after):
+        """A rule that needs the whole parameter (Adafactor): the gradient comes over whole (or was copied in
+        backward), the kernel runs once, the new values go back in one copy after the kernels that read the old
+        ones (the gradient's copy event, else the step's start), from the pinned master or a pinned buffer of the
+        parameter's dtype (held until that copy finishes)."""
+        clock = self.clock
+        t0 = now()
+        if host_grad is None:
+            host_grad = empty_pinned(w.grad.shape, w.grad.dtype)
+            copies.to_host(host_grad, w.grad, w.t.device).synchronize()
+        clock.io_wait_s += now() - t0
+        out = None if direct else empty_pinned((w.numel,), w.t.dtype)
+        t0 = now()
+        with section("swapio::kernel"):
+            run_segment(w, 0, w.numel, fields, host_grad, out, threads)
+        clock.kernel_s += now() - t0
+        event = copies.to_device(w.dst, fields[MASTER] if direct else out, w.t.device, after)
+        if direct:
+            self._sent[w.p] = event
+        if w.tmp is not None:
             copies.to_device(w.t.detach(), w.tmp, w.t.device, event)
 
     def live_tensors(self, params, fields_of):

@@ -36,25 +36,38 @@ FILE_NAME = "state.swap"
 
 
 class _Segment:
-    __slots__ = ("p", "a", "b", "off")
+    __slots__ = ("p", "a", "b", "off", "factors")
 
     def __init__(self, p, a, b, off):
         self.p, self.a, self.b, self.off = p, a, b, off  # elements [a, b) of p at element `off` of the chunk
+        self.factors = {}  # factor field -> (first element in the chunk's array of it, elements)
 
 
 class _Chunk:
-    __slots__ = ("fields", "cuda", "fmt", "n", "offset", "segments")
+    __slots__ = ("fields", "cuda", "fmt", "n", "offset", "segments", "factor_n")
 
     def __init__(self, fields, cuda, fmt):
         self.fields, self.cuda, self.fmt = fields, cuda, fmt
         self.n, self.offset, self.segments = 0, -1, []  # offset -1: not yet in the file
+        # factor fields (whole parameters only): their arrays packed in placement order, never moved (a
+        # forgotten segment leaves its place unused), so the record's layout is fixed once it is in the file
+        self.factor_n = {name: 0 for name in fields if fmt.is_factor(name)}
+
+    def add(self, seg, shape):
+        """Appends segment seg (of a parameter of `shape`), with room for its factors."""
+        self.segments.append(seg)
+        self.n = seg.off + seg.b - seg.a
+        for name in self.factor_n:
+            count = self.fmt.count(name, seg.b - seg.a, shape)
+            seg.factors[name] = (self.factor_n[name], count)
+            self.factor_n[name] += count
 
     def regions(self):
         """(field, byte offset in the record, elements, dtype) of each field."""
         out, at = [], 0
         for name in self.fields:
             dtype = self.fmt.dtype(name)
-            count = self.fmt.count(name, self.n)
+            count = self.factor_n[name] if name in self.factor_n else self.fmt.count(name, self.n)
             out.append((name, at, count, dtype))
             at += round_up(count * dtype.itemsize)
         return out, at
@@ -96,7 +109,7 @@ class NvmeState:
     optimizer's state dict (the same object for the optimizer's life; read only, to know which parameters have
     state); budget: the BufferBudget (slot size and count); io_settings: AioHandle settings."""
 
-    def __init__(self, fmt, state, swap_dir, budget, io_settings):
+    def __init__(self, fmt, state, swap_dir, budget, io_settings, whole=False):
         if swap_dir is None:
             raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
         swap_dir = os.fspath(swap_dir)
@@ -107,6 +120,9 @@ class NvmeState:
         except OSError as exc:
             raise OSError(exc.errno, f"cannot create swap_dir: {exc.strerror}", swap_dir) from None
         self.format, self.state = fmt, state
+        # the rule steps whole parameters (rules.Rule.whole): a parameter is never split over chunks, and a
+        # slot grows to the largest parameter's record where that exceeds buffer_bytes / buffer_count
+        self.whole = whole
         self.buffer_count = buffer_count = budget.count
         self.slot_bytes = budget.slot_bytes
         _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
@@ -141,7 +157,9 @@ class NvmeState:
         staging fit a slot."""
         probe = _Chunk(fields, cuda, self.format)
         fmt, many = self.format, 1 << 20
-        per_elem = sum(fmt.count(name, many) * fmt.dtype(name).itemsize for name in fields) / many
+        per_elem = sum(fmt.count(name, many) * fmt.dtype(name).itemsize for name in fields
+                       if not fmt.is_factor(name)) / many  # (factors: counted as each parameter is placed)
+        per_elem = max(per_elem, 1.0)  # factors alone (Adafactor, fp32 CPU parameters): chunks of slot_bytes elements
         probe.n = int(self.slot_bytes / (per_elem + (8 if cuda else 0))) // 1024 * 1024  # before padding: a bound
         while probe.n > 1024 and probe.record_bytes + probe.stage_bytes > self.slot_bytes:
             probe.n -= 1024
@@ -185,6 +203,15 @@ class NvmeState:
                     group = mine
                 segs = []
                 a, numel = 0, shard(p).numel()
+                if self.whole:  # one segment: in the current chunk if it fits, else in a new one
+                    off = -(-chunk.n // align) * align if chunk is not None else cap
+                    if chunk is None or off + numel > cap:
+                        chunk, off = _Chunk(fields, cuda, self.format), 0
+                        self.chunks.append(chunk)
+                    seg = _Segment(p, 0, numel, off)
+                    chunk.add(seg, shard(p).shape)
+                    segs.append((chunk, seg))
+                    a = numel
                 while a < numel:
                     off = -(-chunk.n // align) * align if chunk is not None else cap
                     if off >= cap:
@@ -192,8 +219,7 @@ class NvmeState:
                         self.chunks.append(chunk)
                     b = min(numel, a + cap - off)  # cap and off are multiples of align: so is b unless it ends p
                     seg = _Segment(p, a, b, off)
-                    chunk.segments.append(seg)
-                    chunk.n = off + b - a
+                    chunk.add(seg, None)
                     segs.append((chunk, seg))
                     a = b
                 self.placed[p] = (fields, cuda, segs)
@@ -221,7 +247,7 @@ class NvmeState:
         """Bytes a slot needs for the largest record (with the GPU staging behind it), at most slot_bytes: a state
         smaller than the budget pins only what it uses."""
         need = max((c.record_bytes + c.stage_bytes for c in self.chunks), default=ALIGN)
-        return min(self.slot_bytes, round_up(need))
+        return round_up(need) if self.whole else min(self.slot_bytes, round_up(need))
 
     def _slot(self, s):
         if self._slots is None:
@@ -248,7 +274,14 @@ class NvmeState:
     def _segment_views(self, chunk, views, seg):
         """{field: the elements of segment seg in the slot's views}."""
         end = seg.off + seg.b - seg.a
-        return {name: self.format.part(name, views[name], seg.off, end) for name in chunk.fields}
+        out = {}
+        for name in chunk.fields:
+            if name in seg.factors:
+                first, count = seg.factors[name]
+                out[name] = views[name][first:first + count]
+            else:
+                out[name] = self.format.part(name, views[name], seg.off, end)
+        return out
 
     def _drain(self, s):
         pending, self._pending[s] = self._pending[s], []

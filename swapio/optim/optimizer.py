@@ -61,12 +61,14 @@ class OffloadOptimizer(Optimizer):
     def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None, in_backward=False):
         if self._rule_type is None:
-            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW and OffloadLion: build one of "
-                            "those (or a subclass that sets _rule_type)")
+            raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW, OffloadLion and "
+                            "OffloadAdafactor: build one of those (or a subclass that sets _rule_type)")
         self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
-        _check_betas_kind(defaults["betas"])
+        if "betas" in defaults:
+            _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
-        defaults["betas"] = (hyper["beta1"], hyper["beta2"])
+        if "betas" in defaults:
+            defaults["betas"] = (hyper["beta1"], hyper["beta2"])
         if offload not in ("cpu", "nvme"):
             raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
         budget = BufferBudget(buffer_bytes, buffer_count)
@@ -101,9 +103,10 @@ class OffloadOptimizer(Optimizer):
         # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
         # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
         if offload == "nvme":
-            self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io)
+            self._backend = NvmeState(fmt, self.state, swap_dir, budget, self._io, whole=self._rule.whole)
         else:
-            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io, self._grad_copies)
+            self._backend = CpuState(fmt, self.state, budget.slot_bytes, self._io, self._grad_copies,
+                                     whole=self._rule.whole)
         try:
             self._offloaded.start(offload, self._backend, self._io)
         except BaseException:
@@ -146,7 +149,14 @@ class OffloadOptimizer(Optimizer):
             problem = None
             if p.device.type == "meta" and self._offloaded.adopt(p):
                 continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
-            p = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
+            if local is not p and self._rule.whole:
+                self.param_groups.pop()
+                raise ValueError(f"{type(self).__name__} steps each parameter whole (its norm and row/column means "
+                                 "are over all of it), but a DTensor parameter (FSDP2, tensor parallelism) holds "
+                                 "only its shard here: the update would differ from torch's. Give it the full "
+                                 "parameters (no fully_shard), or use OffloadAdamW, which is element-wise")
+            p = local
             if p.dtype not in PARAM_DTYPES:
                 problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
             elif p.device.type not in ("cpu", "cuda"):

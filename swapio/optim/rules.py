@@ -11,13 +11,18 @@ optimizer class and the state backends.
     rule.STATE_KEYS           every exported name it may keep (what load_state_dict() reads from a state dict)
     rule.hyper(group)         keyword arguments for update(), validated (tensors become floats); the
                               optimizer calls it on its defaults at construction, so bad values raise there
-    rule.update(param, grad, state, *, step, param_out, threads, seed, index_base, nonfinite, **hyper)
-                              one step of a flat fp32 slice in place (swapio.optim.functional)
+    rule.update(param, grad, state, *, shape, step, param_out, threads, seed, index_base, nonfinite, **hyper)
+                              one step of a flat fp32 slice in place (swapio.optim.functional); shape: the
+                              parameter's
+    rule.whole                True when the update needs the whole parameter at once (reductions over rows,
+                              columns or all of it: Adafactor); the backends then never split a parameter,
+                              and hand it to update() in one piece [0, numel). False: any slice on the
+                              state format's `align` may be stepped alone (Adam, Lion)
 
 The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
 """
-from ..kernels._hyper import check_adam_hyper, check_lion_hyper
-from .functional import adam, lion
+from ..kernels._hyper import check_adafactor_hyper, check_adam_hyper, check_lion_hyper
+from .functional import adafactor, adam, lion
 from .params import LOW_PRECISION, MASTER, needs_master, shard
 from .state_format import StateFormat
 
@@ -27,6 +32,7 @@ class Rule:
 
     MOMENTS = ()
     STATE_KEYS = (MASTER,)
+    whole = False
 
     def __init__(self, state_dtype="fp32"):
         self.format = StateFormat(state_dtype)  # ValueError for an unknown state_dtype
@@ -85,6 +91,41 @@ class LionRule(Rule):
         lr, beta1, beta2, weight_decay = check_lion_hyper(group["lr"], beta1, beta2, group["weight_decay"])
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
                 "maximize": bool(group["maximize"])}
+
+
+class AdafactorRule(Rule):
+    """Adafactor (torch.optim.Adafactor): the second moment of a parameter of two or more dimensions factored
+    over its last two ("row_var", "col_var": O(rows + cols)), of one of fewer dimensions kept whole ("variance");
+    no first moment. The update needs the whole parameter (its norm, row and column means, the update's norm):
+    whole. fp32 state only (the factors are already a vanishing fraction of the parameter)."""
+
+    FACTORED = ("row_var", "col_var")
+    VECTOR = ("variance",)
+    STATE_KEYS = (MASTER, *FACTORED, *VECTOR)
+    whole = True
+    update = staticmethod(adafactor)
+
+    def __init__(self, state_dtype="fp32"):
+        super().__init__(state_dtype)
+        if self.format.name != "fp32":
+            raise ValueError(f"OffloadAdafactor keeps fp32 state only (its factored second moments take "
+                             f"O(rows + cols) per matrix already), got state_dtype={state_dtype!r}")
+
+    def moments_of(self, p):
+        return self.FACTORED if shard(p).dim() > 1 else self.VECTOR
+
+    def fields(self, p, group):
+        return ((MASTER,) if needs_master(p) else ()) + self.moments_of(p)
+
+    def exported(self, p, group):
+        master = shard(p).dtype in LOW_PRECISION or shard(p).is_meta
+        return self.moments_of(p) + ((MASTER,) if master else ())
+
+    def hyper(self, group):
+        lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(
+            group["lr"], group["beta2_decay"], group["eps"], group["d"], group["weight_decay"])
+        return {"lr": lr, "beta2_decay": beta2_decay, "eps1": eps1, "eps2": eps2, "d": d,
+                "weight_decay": weight_decay, "maximize": bool(group["maximize"])}
 
 
 def betas_of(group):

@@ -37,8 +37,8 @@ def run_segment(w, a, b, fields, grad, out, threads):
         param = master
         if out is None and w.low:
             out = w.dst[a:b]
-    w.update(param, grad, fields, step=w.step, param_out=out, threads=threads, seed=w.seed, index_base=a,
-             nonfinite=w.nonfinite, **w.hyper)
+    w.update(param, grad, fields, shape=w.t.shape, step=w.step, param_out=out, threads=threads, seed=w.seed,
+             index_base=a, nonfinite=w.nonfinite, **w.hyper)
     w.started = True
     if master is not None and not w.cuda and not w.low:  # fp32, non-contiguous CPU parameter
         w.dst[a:b].copy_(master)

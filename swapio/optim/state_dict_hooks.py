@@ -72,7 +72,8 @@ def _take_state(opt, state_dict):
         values[p] = {}
         for key, val in entry.items():
             if key in opt.state_keys:
-                validate.state_tensor(key, val, opt.state_format.count(key, shard(p).numel()), where)
+                validate.state_tensor(key, val, opt.state_format.count(key, shard(p).numel(), shard(p).shape),
+                                      where)
                 values[p][key] = policy(p, val, k, state_dict["param_groups"], key).reshape(-1)
         state_transfer.check_loaded_fields(opt.state_format, p, opt.kept_fields(p, saved_group[k]), values[p])
     setattr(opt, _TAKEN, (steps, values))
@@ -91,7 +92,7 @@ def _install_state(opt):
             scale = values[p].get(name + SCALE)
             if scale is not None:
                 scales[name] = fmt.part(name + SCALE, scale, a, b)
-        fmt.encode_fields(views, {name: values[p][name][a:b] for name in fields}, scales)
+        fmt.encode_fields(views, {name: fmt.part(name, values[p][name], a, b) for name in fields}, scales)
 
     extra = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
     state_transfer.install(opt, opt.param_groups, steps, {p: set(v) for p, v in values.items()}, source, extra)

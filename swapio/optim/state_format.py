@@ -11,7 +11,14 @@ hand to the kernel starts on a block boundary (`align`) and a slice's scales are
 state_dict() carries fp32 moments (torch.optim.AdamW loads them): decode() turns stored arrays into fp32,
 encode() stores fp32 values (round to nearest for bf16, quantised for int8), e.g. an fp32 state dict loaded into
 an int8 optimizer. save()/load() carry the stored arrays as they are, so a resumed run is bit-identical.
+
+Factored second moments (Adafactor's "row_var" and "col_var", FACTORS) are shaped by the parameter, not by its
+element count: the parameter's shape with its last (row_var) or second-to-last (col_var) dimension 1, fp32. A
+rule that keeps them steps whole parameters (Rule.whole), so the backends hand out a parameter in one piece
+[0, numel) and a piece of such a field is the whole array.
 """
+import math
+
 import torch
 
 from ..kernels import quant
@@ -20,7 +27,20 @@ from .params import FP32, MASTER, shard
 STATE_DTYPES = ("fp32", "bf16", "int8")
 SCALE = "_scale"
 _MOMENT_DTYPE = {"fp32": FP32, "bf16": torch.bfloat16, "int8": torch.uint8}
-_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")  # never negative: the unsigned int8 map
+_UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq", "variance")  # never negative: the unsigned int8 map
+FACTORS = {"row_var": -1, "col_var": -2}  # factored second moment -> the parameter's dimension reduced to 1
+
+
+def factor_shape(name, shape):
+    """The shape of factor `name` of a parameter of `shape` (two or more dimensions)."""
+    shape = list(shape)
+    shape[FACTORS[name]] = 1
+    return tuple(shape)
+
+
+def shape_of_factors(row_shape, col_shape):
+    """The parameter's shape from the shapes of its row_var and col_var."""
+    return tuple(row_shape[:-1]) + (col_shape[-1],)
 
 
 def check_state_dtype(state_dtype):
@@ -84,30 +104,49 @@ class StateFormat:
     def is_scale(name):
         return name.endswith(SCALE)
 
+    @staticmethod
+    def is_factor(name):
+        """A factored second moment: its size follows the parameter's shape, and pieces of it are whole."""
+        return name in FACTORS
+
     def dtype(self, name):
         """The dtype an array is stored in."""
-        if name == MASTER or self.is_scale(name) or name == "max_exp_avg_sq":
+        if name == MASTER or self.is_scale(name) or name == "max_exp_avg_sq" or self.is_factor(name):
             return FP32
         return self.moment_dtype
 
-    def count(self, name, n):
-        """Stored elements of `name` for n parameter elements."""
+    def count(self, name, n, shape=None):
+        """Stored elements of `name` for n parameter elements; a factor needs the parameter's shape (its pieces
+        are whole parameters)."""
+        if self.is_factor(name):
+            return math.prod(factor_shape(name, shape))
         return quant.num_blocks(n) if self.is_scale(name) else n
 
+    def shape(self, name, shape):
+        """The shape of the array of `name` for a whole parameter of `shape` (flat scales)."""
+        if self.is_factor(name):
+            return factor_shape(name, shape)
+        return (self.count(name, math.prod(shape)),) if self.is_scale(name) else tuple(shape)
+
     def first(self, name, a):
-        """The stored element that holds parameter element a (a block boundary for a scale)."""
+        """The stored element that holds parameter element a (a block boundary for a scale; 0 for a factor,
+        whose pieces start at 0)."""
+        if self.is_factor(name):
+            return 0
         return a // quant.BLOCK if self.is_scale(name) else a
 
     def part(self, name, view, a, b):
-        """The elements of a field's flat view that belong to parameter elements [a, b) of that view."""
+        """The elements of a field's flat view that belong to parameter elements [a, b) of that view (a factor's
+        piece is the parameter whole: its whole view)."""
+        if self.is_factor(name):
+            return view
         first = self.first(name, a)
         return view[first:first + self.count(name, b - a)]
 
     def empty(self, name, p, dtype=None):
-        """A new array for the whole of parameter p (shaped like p, but flat scales), of the stored dtype."""
-        p = shard(p)
-        shape = (self.count(name, p.numel()),) if self.is_scale(name) else p.shape
-        return torch.empty(shape, dtype=dtype or self.dtype(name))
+        """A new array for the whole of parameter p (shaped like p, but flat scales and shaped factors), of the
+        stored dtype."""
+        return torch.empty(self.shape(name, shard(p).shape), dtype=dtype or self.dtype(name))
 
     def decode(self, views, name):
         """fp32 values of an exported field from the stored views of one slice ({field: view})."""

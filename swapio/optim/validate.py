@@ -11,8 +11,8 @@ import torch
 from .state_format import SCALE, STATE_DTYPES, StateFormat
 
 MAX_STEP = 2 ** 24  # steps are fp32 tensors (torch's format): whole numbers are exact up to here
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # of every swapio rule
-NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "row_var", "col_var", "variance")  # of every swapio rule
+NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "row_var", "col_var", "variance")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 _DATA_NAME = re.compile(r"swapio-optim-[0-9a-f]{1,64}\.bin")
 
@@ -125,7 +125,10 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
                 _require(name[:-len(SCALE)] in fields, where, f"has {name!r} without its moment")
             elif fmt.has_scales and name in MOMENTS:
                 _require(name + SCALE in fields, where, f"int8 moment {name!r} has no {name + SCALE!r}")
-            nbytes = fmt.count(name, numel) * fmt.dtype(name).itemsize
+            if fmt.is_factor(name):
+                _require(len(shape) >= 2, where, f"{name!r} needs a parameter of two or more dimensions, got "
+                         f"shape {tuple(shape)}")
+            nbytes = fmt.count(name, numel, shape) * fmt.dtype(name).itemsize
             _require(is_int(off) and 0 <= off and off + nbytes <= size, where,
                      f"field {name!r} at offset {off!r} ({nbytes} bytes) lies outside the data file's {size} bytes")
             if nbytes:

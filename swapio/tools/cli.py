@@ -139,7 +139,7 @@ def _bench_parser(sub):
 
 
 def _demo_parser(sub):
-    from .demo import DemoConfig
+    from .demo import OPTIMIZERS, DemoConfig
     d = DemoConfig()
     p = sub.add_parser("demo", help="train a small GPT with torch AdamW and OffloadAdamW (cpu, nvme) side by side",
                        description="Trains three copies of a small byte-level GPT on text from Python's standard "
@@ -161,6 +161,9 @@ def _demo_parser(sub):
     p.add_argument("--dir", dest="directory", default=".", help="where the temporary swap directory goes "
                    "(default: .)")
     p.add_argument("--seed", type=_int, default=d.seed, help="model and data seed (default 0)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=list(OPTIMIZERS),
+                   help="adamw: torch.optim.AdamW vs OffloadAdamW; adafactor: torch.optim.Adafactor vs "
+                        "OffloadAdafactor (default adamw)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the three loss curves (needs matplotlib)")
     _add_progress(p, "no progress bar")
     p.set_defaults(run=_run_demo)
@@ -355,7 +358,7 @@ def _run_demo(args):
     cfg = demo.DemoConfig(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads,
                           context=args.context, batch=args.batch, lr=args.lr, log_every=args.log_every,
                           buffer_bytes=args.buffer_bytes, directory=args.directory, seed=args.seed,
-                          progress=_progress_choice(args))
+                          optimizer=args.optimizer, progress=_progress_choice(args))
     try:
         cfg.validate()
     except ValueError as e:
@@ -384,6 +387,9 @@ def _run_plan(args):
         if bad:
             raise UsageError(f"{', '.join(bad)} must be positive", prog="swapio plan")
         activations = dict(shape, heads=args.heads)
+    if args.optimizer == "adafactor" and args.state_dtype != "fp32":
+        raise UsageError(f"--optimizer adafactor keeps fp32 state only (its factored moments are already next to "
+                         f"nothing): drop --state-dtype {args.state_dtype}")
     gpu_mem, ram = args.gpu_mem, args.ram
     if gpu_mem is None:
         gpu_mem = plan.gpu_memory()

@@ -6,7 +6,8 @@ temporary directory under the working directory, removed afterwards). The steps 
 see the same machine. Reported: the losses at every logged step and how far they are from torch's, the median
 optimizer step time, and the host memory each optimizer holds for its state, measured as the growth of the
 process's resident memory over the step that creates the state (freed heap pages are returned to the OS before
-each measurement, so reused memory cannot hide an allocation).
+each measurement, so reused memory cannot hide an allocation). optimizer="adafactor" runs torch.optim.Adafactor
+and OffloadAdafactor instead (the same three columns; the first keeps its label's place as the reference).
 """
 import copy
 import ctypes
@@ -21,10 +22,18 @@ from typing import Optional
 import torch
 
 from .. import _progress
-from ..optim import OffloadAdamW
+from ..optim import OffloadAdafactor, OffloadAdamW, OffloadOptimizer
 from . import demo_model
 
-RUNS = ("torch AdamW", 'offload="cpu"', 'offload="nvme"')
+RUNS = ("torch AdamW", 'offload="cpu"', 'offload="nvme"')  # the columns (runs_of); the first is torch's
+# --optimizer: (torch's class and its extra arguments, swapio's class, name)
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"fused": True}, OffloadAdamW, "AdamW"),
+              "adafactor": (torch.optim.Adafactor, {}, OffloadAdafactor, "Adafactor")}
+
+
+def runs_of(optimizer):
+    """The three runs' labels for --optimizer (RUNS for adamw)."""
+    return (f"torch {OPTIMIZERS[optimizer][3]}",) + RUNS[1:]
 
 
 @dataclasses.dataclass
@@ -41,6 +50,7 @@ class DemoConfig:
     buffer_bytes: int = 1 << 20   # pinned RAM of the nvme pipeline: smaller than the state, to show the bound
     directory: str = "."
     seed: int = 0
+    optimizer: str = "adamw"  # or "adafactor" (OPTIMIZERS)
     progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
@@ -49,6 +59,8 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.width % self.heads:
             raise ValueError(f"--width {self.width} must be a multiple of --heads {self.heads}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.buffer_bytes < 4 * (64 << 10):
@@ -75,7 +87,7 @@ class DemoResult:
         return sorted({s for s in range(every, self.config.steps + 1, every)} | {1, self.config.steps})
 
     def max_diff(self, run):
-        ref = self.losses[RUNS[0]]
+        ref = self.losses[runs_of(self.config.optimizer)[0]]
         return max(abs(a - b) for a, b in zip(self.losses[run], ref))
 
 
@@ -106,23 +118,23 @@ def run_demo(cfg, log=print):
     data = demo_model.corpus_bytes()
     batches = demo_model.Batches(data, cfg.context, cfg.batch, cfg.seed)
     n_params = sum(p.numel() for p in base.parameters())
-    models = {run: copy.deepcopy(base) for run in RUNS}
+    runs = runs_of(cfg.optimizer)
+    models = {run: copy.deepcopy(base) for run in runs}
     swap_root = tempfile.mkdtemp(prefix="swapio-demo-", dir=cfg.directory)
     opts = {}
     try:
-        opts[RUNS[0]] = torch.optim.AdamW(models[RUNS[0]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                          fused=True)
-        opts[RUNS[1]] = OffloadAdamW(models[RUNS[1]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     offload="cpu")
-        opts[RUNS[2]] = OffloadAdamW(models[RUNS[2]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     offload="nvme", swap_dir=swap_root, buffer_bytes=cfg.buffer_bytes)
-        losses = {run: [] for run in RUNS}
-        seconds = {run: [] for run in RUNS}
+        torch_cls, torch_kw, ours, _ = OPTIMIZERS[cfg.optimizer]
+        opts[runs[0]] = torch_cls(models[runs[0]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, **torch_kw)
+        opts[runs[1]] = ours(models[runs[1]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, offload="cpu")
+        opts[runs[2]] = ours(models[runs[2]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             offload="nvme", swap_dir=swap_root, buffer_bytes=cfg.buffer_bytes)
+        losses = {run: [] for run in runs}
+        seconds = {run: [] for run in runs}
         state_ram = {}
         bar = _progress_bar(cfg)
         for step in range(1, cfg.steps + 1):
             x, y = batches.next()
-            for run in RUNS:
+            for run in runs:
                 model, opt = models[run], opts[run]
                 loss = model(x, y)
                 loss.backward()
@@ -140,13 +152,13 @@ def run_demo(cfg, log=print):
                 losses[run].append(loss.item())
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[RUNS[0]][-1]:.3f}")
+                bar.set_postfix(loss=f"{losses[runs[0]][-1]:.3f}")
         if bar is not None:
             bar.close()
         state_disk = _disk_bytes(swap_root)
     finally:
         for opt in opts.values():
-            if isinstance(opt, OffloadAdamW):
+            if isinstance(opt, OffloadOptimizer):
                 opt.close()
         shutil.rmtree(swap_root, ignore_errors=True)
     return DemoResult(cfg, n_params, data.numel(), losses, seconds, state_ram, state_disk, 8 * n_params)
@@ -162,24 +174,27 @@ def _mib(n):
 
 def report(result):
     c = result.config
-    lines = [f"swapio demo: a byte-level GPT ({c.layers} layers, width {c.width}, {result.params / 1e6:.2f} M "
+    name, runs = OPTIMIZERS[c.optimizer][3], runs_of(c.optimizer)
+    lines = [f"swapio demo ({name}: torch's vs swapio's Offload{name}): a byte-level GPT ({c.layers} layers, "
+             f"width {c.width}, {result.params / 1e6:.2f} M "
              f"fp32 parameters) on {result.corpus_bytes / 1e3:.0f} KB of Python's standard-library source, "
              f"{c.steps} steps of {c.batch} x {c.context} bytes, the same batches for each optimizer.", "",
-             f"{'step':>6}  " + "  ".join(f"{run:>15}" for run in RUNS) + f"  {'max |diff| vs torch':>20}"]
+             f"{'step':>6}  " + "  ".join(f"{run:>15}" for run in runs) + f"  {'max |diff| vs torch':>20}"]
     for s in result.logged_steps:
-        row = [result.losses[run][s - 1] for run in RUNS]
+        row = [result.losses[run][s - 1] for run in runs]
         diff = max(abs(v - row[0]) for v in row[1:])
         lines.append(f"{s:>6}  " + "  ".join(f"{v:>15.6f}" for v in row) + f"  {diff:>20.2e}")
-    med = {run: statistics.median(result.step_seconds[run][1:] or result.step_seconds[run]) for run in RUNS}
-    lines += ["", f"{'':28}" + "".join(f"{run:>16}" for run in RUNS),
+    med = {run: statistics.median(result.step_seconds[run][1:] or result.step_seconds[run]) for run in runs}
+    lines += ["", f"{'':28}" + "".join(f"{run:>16}" for run in runs),
               f"{'loss: max |diff| vs torch':28}" + f"{'-':>16}"
-              + "".join(f"{result.max_diff(run):>16.2e}" for run in RUNS[1:]),
-              f"{'optimizer step (median)':28}" + "".join(f"{med[run] * 1e3:>13.2f} ms" for run in RUNS),
-              f"{'host RAM held by state':28}" + "".join(f"{_mib(result.state_ram[run]):>16}" for run in RUNS),
+              + "".join(f"{result.max_diff(run):>16.2e}" for run in runs[1:]),
+              f"{'optimizer step (median)':28}" + "".join(f"{med[run] * 1e3:>13.2f} ms" for run in runs),
+              f"{'host RAM held by state':28}" + "".join(f"{_mib(result.state_ram[run]):>16}" for run in runs),
               f"{'state on disk':28}" + f"{'-':>16}{'-':>16}{_mib(result.state_disk):>16}",
               "",
               f"Host RAM is measured: the growth of resident memory over the step that creates the state (torch's "
-              f"fp32 moments are {_mib(result.state_bytes)}). In nvme mode it is the pinned pipeline, at most "
+              f"{'AdamW' if c.optimizer == 'adamw' else 'Adam'}'s fp32 moments are {_mib(result.state_bytes)}). "
+              f"In nvme mode it is the pinned pipeline, at most "
               f"--buffer ({_mib(c.buffer_bytes)}), whatever the model size; the state itself is on disk."]
     return "\n".join(lines)
 
@@ -189,11 +204,12 @@ def plot(result, path):
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run, style in zip(RUNS, ("-", "--", ":")):
+    for run, style in zip(runs_of(result.config.optimizer), ("-", "--", ":")):
         ax.plot(range(1, len(result.losses[run]) + 1), result.losses[run], style, label=run)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (cross-entropy per byte)")
-    ax.set_title("swapio demo: torch AdamW vs OffloadAdamW")
+    name = OPTIMIZERS[result.config.optimizer][3]
+    ax.set_title(f"swapio demo: torch {name} vs Offload{name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -6,7 +6,9 @@ Per parameter, with weights and gradients in `dtype`:
   master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); 0 for fp32, which
                        is its own master
   moments              adam/adamw: 2 (exp_avg, exp_avg_sq); lion: 1 (exp_avg); each 4 bytes (fp32), 2 (bf16)
-                       or 1 byte + one fp32 scale per 256 elements (int8)
+                       or 1 byte + one fp32 scale per 256 elements (int8); adafactor: 0 (a matrix keeps rows +
+                       cols fp32 numbers, 1-D tensors 4 bytes an element: well under 0.01 bytes a parameter for
+                       an LLM's matrices and its small share of biases and norms; fp32 state only)
 So Adam on fp16 weights with fp32 master and moments is 2 + 2 + 4 + 8 = 16 bytes a parameter, 12 of them state.
 Activations (what autograd saves for backward) depend on the batch: counted only when the sequence length,
 batch and model shape are given (activations()).
@@ -18,7 +20,7 @@ from ..kernels.quant import state_bytes_per_element
 from ..optim.options import offloaded_batch_bytes
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1}
+MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": 0}  # adafactor: factored, counted as 0
 STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", "int8")}  # the kernels' own figures
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 
@@ -65,6 +67,9 @@ def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32"):
     w = WEIGHT_BYTES[_choice("dtype", dtype, WEIGHT_BYTES)]
     moments = MOMENT_COUNT[_choice("optimizer", optimizer, MOMENT_COUNT)]
     state = STATE_BYTES[_choice("state_dtype", state_dtype, STATE_BYTES)]
+    if optimizer == "adafactor" and state_dtype != "fp32":
+        raise ValueError(f"adafactor keeps fp32 state only (its factored moments are already next to nothing), "
+                         f"got state_dtype {state_dtype!r}")
     return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else 4, moments=moments * state)
 
 

@@ -86,12 +86,13 @@ def _b(x):
 def plan_text(p):
     per, tot, cap = p["bytes_per_param"], p["totals"], p["capacity"]
     n_mom = memplan.MOMENT_COUNT[p["optimizer"]]
+    moments = (f"{n_mom} moment{'s' if n_mom > 1 else ''} {_b(per['moments'])}" if n_mom else
+               "factored moments ~0: rows + cols numbers a matrix")
     lines = [f"swapio plan: {_count(p['params'])} parameters, {p['dtype']} weights and gradients, "
              f"{p['optimizer']} with {p['state_dtype']} moments", "",
              "bytes per parameter: "
              f"weights {_b(per['weights'])} + gradients {_b(per['grads'])} + optimizer state "
-             f"{_b(per['optimizer_state'])} (fp32 master {_b(per['master'])}, {n_mom} moment"
-             f"{'s' if n_mom > 1 else ''} {_b(per['moments'])}) = {_b(per['total'])}",
+             f"{_b(per['optimizer_state'])} (fp32 master {_b(per['master'])}, {moments}) = {_b(per['total'])}",
              f"totals: weights {_gb(tot['weights'])}, gradients {_gb(tot['grads'])}, optimizer state "
              f"{_gb(tot['optimizer_state'])}, all {_gb(tot['total'])}", ""]
     have = [f"{k} {_gb(v)}" for k, v in (("GPU", cap["gpu"]), ("RAM", cap["ram"]), ("disk free", cap["disk_free"]))
