@@ -50,3 +50,30 @@ def test_demo_runs_torch_adafactor_beside_offload_adafactor(tmp_path):
     assert "torch Adafactor" in text and "OffloadAdafactor" in text
     with pytest.raises(ValueError, match="--optimizer"):
         demo.DemoConfig(optimizer="sgd").validate()
+
+
+def test_plan_counts_the_nvme_slots_a_whole_largest_parameter_needs(capsys, tmp_path):
+    """nvme mode never splits an Adafactor parameter: each pipeline slot holds the largest one's master, beyond
+    buffer_bytes. The plan's pinned RAM (given --largest-module) is what the optimizer pins, to the factors and
+    alignment (under 1%)."""
+    big = torch.zeros(1024, 1024, dtype=torch.bfloat16, requires_grad=True)  # 2 MiB of bf16: 4 MiB master
+    small = torch.zeros(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    for p in (big, small):
+        p.grad = torch.ones_like(p)
+    buffer_bytes = 4 * (64 << 10)
+    with OffloadAdafactor([big, small], offload="nvme", swap_dir=tmp_path / "swap", buffer_bytes=buffer_bytes) as opt:
+        opt.step()
+        pinned = opt.memory_report()["pinned_parts"]["state"]["bytes"]
+    assert pinned > 4 * buffer_bytes  # the slots grew to the big parameter's master
+    params = big.numel() + small.numel()
+    rc, out, _ = run_cli(capsys, "plan", "--params", str(params), "--optimizer", "adafactor", "--buffer-bytes",
+                         str(buffer_bytes), "--largest-module", str(big.numel() * 2), "--json")
+    assert rc == 0
+    result = json.loads(out)
+    nvme = next(x for x in result["layouts"] if x["name"].startswith('no GPU, offload="nvme"'))
+    weights_and_grads = params * 4
+    assert nvme["ram"] - weights_and_grads == pytest.approx(pinned, rel=0.01)
+    assert result["offloaded_pinned"]["state"] == pytest.approx(pinned, rel=0.01)
+    rc, text, _ = run_cli(capsys, "plan", "--params", str(params), "--optimizer", "adafactor", "--buffer-bytes",
+                          str(buffer_bytes))
+    assert rc == 0 and "largest parameter" in text  # without --largest-module: says what it leaves out

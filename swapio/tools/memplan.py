@@ -23,6 +23,8 @@ WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": 0}  # adafactor: factored, counted as 0
 STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", "int8")}  # the kernels' own figures
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
+DEFAULT_BUFFER_COUNT = 4          # its slots
+WHOLE = {"adafactor"}  # optimizers that step each parameter whole: an nvme slot holds the largest one's record
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _COUNT_RE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE]\d+)?|\.\d+)\s*([kKmMbBgGtT]?)\s*")
@@ -88,33 +90,45 @@ def _fits(need, have):
     return None if have is None else need <= have
 
 
+def state_pipeline(state_bytes, buffer_bytes, largest_record=0):
+    """Pinned RAM of the nvme state pipeline: min(buffer_bytes, state), or, for an optimizer that never splits a
+    parameter, each of its DEFAULT_BUFFER_COUNT slots the largest parameter's record where that is larger."""
+    return max(min(buffer_bytes, state_bytes), DEFAULT_BUFFER_COUNT * largest_record)
+
+
+def largest_record(optimizer, per, largest_module=0):
+    """Bytes of the largest parameter's nvme record for an optimizer that steps whole parameters (its fp32 master;
+    the largest module's own weights as the bound of its largest parameter), else 0."""
+    return largest_module // per.weights * per.master if optimizer in WHOLE else 0
+
+
 def offloaded_training_pinned(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module=0,
-                              weight_itemsize=2, in_backward=False):
+                              weight_itemsize=2, in_backward=False, record=0):
     """{part: bytes}: the most pinned host memory that training weights offloaded by disk_offload(buffer_bytes=
     ring_bytes) with an optimizer of offload="nvme" and `buffer_bytes` holds, part by part as
     memory_report()["pinned_parts"] states it (docs/offload.md, "Host memory"). largest_module: bytes of the
-    largest module's own weights (an embedding, usually); 0 leaves out what depends on it."""
+    largest module's own weights (an embedding, usually); 0 leaves out what depends on it. record: largest_record's."""
     batch = offloaded_batch_bytes(buffer_bytes)
     largest_grads = largest_module * 4 // weight_itemsize  # its fp32 gradients
     return {"weight_ring": min(ring_bytes, weight_bytes), "weight_spare": largest_module,
-            "state": min(buffer_bytes, state_bytes), "weight_pool": max(batch, largest_module),
+            "state": state_pipeline(state_bytes, buffer_bytes, record), "weight_pool": max(batch, largest_module),
             "grads": 0 if in_backward else 2 * max(batch, largest_grads)}
 
 
 def offloaded_training_ram(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module=0,
-                           weight_itemsize=2, in_backward=False):
+                           weight_itemsize=2, in_backward=False, record=0):
     """Host memory of that training, not counting activations: the pinned parts, the largest module's gradient as
     autograd computes it (about twice its weights' bytes at the peak, measured on a Llama's embedding and head,
     before the gradient is summed), and with in_backward=True the fp32 gradients waiting for the update (two
     batches and one module's)."""
     pinned = offloaded_training_pinned(weight_bytes, state_bytes, buffer_bytes, ring_bytes, largest_module,
-                                       weight_itemsize, in_backward)
+                                       weight_itemsize, in_backward, record)
     waiting = 2 * offloaded_batch_bytes(buffer_bytes) + largest_module * 4 // weight_itemsize if in_backward else 0
     return sum(pinned.values()) + 2 * largest_module + waiting
 
 
 def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DEFAULT_BUFFER_BYTES, ring_bytes=None,
-            largest_module=0):
+            largest_module=0, record=0):
     """The ways to train, in this order: with a GPU, torch's optimizer with its state on the GPU,
     OffloadAdamW(offload="cpu") with the state in RAM, OffloadAdamW(offload="nvme") with the state on disk and
     `buffer_bytes` of pinned RAM; then without a GPU (training on the CPU), OffloadAdamW(offload="cpu") with
@@ -124,15 +138,17 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     offload="nvme", weights, fp32 gradient sums and state on disk (or no gradient sums with in_backward=True),
     in RAM the budget of offloaded_training_ram: the weights' ring (`ring_bytes`, default buffer_bytes), the
     state pipeline, gradient buffers and the weight store's pool, each sized by buffer_bytes or by the largest
-    module (`largest_module` bytes; 0: not counted). Not counted: activations."""
+    module (`largest_module` bytes; 0: not counted); an optimizer stepping whole parameters pins at least
+    DEFAULT_BUFFER_COUNT x `record` (largest_record) for its state. Not counted: activations."""
     weights_and_grads = round(params * (per.weights + per.grads))
     state = round(params * per.state)
-    pipeline = min(buffer_bytes, state)
+    pipeline = state_pipeline(state, buffer_bytes, record)
     weights, grad_sums = round(params * per.weights), params * 4  # offloaded weights' gradients sum in fp32
     ring = buffer_bytes if ring_bytes is None else ring_bytes
 
     def offloaded_ram(in_backward):
-        return offloaded_training_ram(weights, state, buffer_bytes, ring, largest_module, per.weights, in_backward)
+        return offloaded_training_ram(weights, state, buffer_bytes, ring, largest_module, per.weights, in_backward,
+                                      record)
     ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
             ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
             ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
@@ -169,6 +185,7 @@ def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=No
          largest_module=0):
     """Everything `swapio plan` prints, as a JSON-ready dict."""
     per = per_param(dtype, optimizer, state_dtype)
+    record = largest_record(optimizer, per, largest_module)
     totals = {"weights": round(params * per.weights), "grads": round(params * per.grads),
               "master": round(params * per.master), "moments": round(params * per.moments),
               "optimizer_state": round(params * per.state), "total": round(params * per.total)}
@@ -181,9 +198,9 @@ def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=No
            "largest_module": largest_module,
            "offloaded_pinned": offloaded_training_pinned(
                totals["weights"], totals["optimizer_state"], buffer_bytes,
-               buffer_bytes if ring_bytes is None else ring_bytes, largest_module, per.weights),
+               buffer_bytes if ring_bytes is None else ring_bytes, largest_module, per.weights, record=record),
            "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes,
-                                                               ring_bytes, largest_module)],
+                                                               ring_bytes, largest_module, record)],
            "nvme_step_seconds": None, "offloaded_step_seconds": None}
     if read_bytes_per_s and write_bytes_per_s:
         out["offloaded_step_seconds"] = {

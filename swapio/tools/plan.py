@@ -83,6 +83,25 @@ def _b(x):
     return f"{x:g}"
 
 
+def _whole(p):
+    return p["optimizer"] in memplan.WHOLE and p["bytes_per_param"]["master"]
+
+
+def _pipeline_rule(p):
+    """Adafactor never splits a parameter: its slots grow to the largest one's master (memplan.state_pipeline)."""
+    if _whole(p) and p["largest_module"]:
+        return (f"max(min(buffer_bytes, state), {memplan.DEFAULT_BUFFER_COUNT} x the largest parameter's fp32 "
+                "master, which is never split, bounded by --largest-module's)")
+    return "min(buffer_bytes, state)"
+
+
+def _whole_note(p):
+    if _whole(p) and not p["largest_module"]:
+        return (f", or {memplan.DEFAULT_BUFFER_COUNT} x the largest parameter's fp32 master where that is larger "
+                "(it is never split; give --largest-module to count it)")
+    return ""
+
+
 def plan_text(p):
     per, tot, cap = p["bytes_per_param"], p["totals"], p["capacity"]
     n_mom = memplan.MOMENT_COUNT[p["optimizer"]]
@@ -122,9 +141,9 @@ def plan_text(p):
     else:
         lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
     pinned = p["offloaded_pinned"]
-    lines += [f"nvme mode holds min(buffer_bytes, state) = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
-              f"(buffer_bytes {_gb(p['buffer_bytes'])}); a streaming checkpoint (opt.save) needs about the "
-              "state's size again on its disk.",
+    lines += [f"nvme mode holds {_pipeline_rule(p)} = {_gb(p['layouts'][2]['ram'])} of pinned RAM "
+              f"(buffer_bytes {_gb(p['buffer_bytes'])}){_whole_note(p)}; a streaming checkpoint (opt.save) needs "
+              "about the state's size again on its disk.",
               "weights offloaded, \"nvme\": pinned RAM (memory_report()[\"pinned_budget\"]) = "
               + " + ".join(f"{name} {_gb(n)}" for name, n in pinned.items()) + f" = {_gb(sum(pinned.values()))}"
               + (f" (largest module {_gb(p['largest_module'])})" if p["largest_module"] else
