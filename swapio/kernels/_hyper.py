@@ -19,6 +19,18 @@ def scalar(name, value):
     return float(value)
 
 
+def pair(name, value, entries):
+    """The two entries of a hyperparameter pair (betas, eps) in order. A set or dict has no order (torch indexes
+    the pair, and refuses them): which number would be which is not known."""
+    if isinstance(value, (set, frozenset, dict)):
+        raise TypeError(f"{name} must be an ordered pair {entries}, got a {type(value).__name__}")
+    try:
+        first, second = value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a pair {entries}, got {value!r}") from None
+    return first, second
+
+
 def check_step(step):
     if type(step) is int and step >= 1:
         return step
@@ -80,10 +92,7 @@ def check_adafactor_hyper(lr, beta2_decay, eps, d, weight_decay):
     beta2_decay = scalar("beta2_decay", beta2_decay)
     if not beta2_decay <= 0.0:
         raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
-    try:
-        eps1, eps2 = eps
-    except (TypeError, ValueError):
-        raise ValueError(f"eps must be a pair (eps1 or None, eps2), got {eps!r}") from None
+    eps1, eps2 = pair("eps", eps, "(eps1 or None, eps2)")
     if eps1 is not None:
         eps1 = scalar("eps1", eps1)
         if not 0.0 <= eps1 < math.inf:

@@ -21,7 +21,7 @@ optimizer class and the state backends.
 
 The backends know nothing of Adam: another update (Lion, one moment) or another state layout is another rule.
 """
-from ..kernels._hyper import check_adafactor_hyper, check_adam_hyper, check_lion_hyper
+from ..kernels._hyper import check_adafactor_hyper, check_adam_hyper, check_lion_hyper, pair
 from .functional import adafactor, adam, lion
 from .params import LOW_PRECISION, MASTER, needs_master, shard
 from .state_format import StateFormat
@@ -129,8 +129,4 @@ class AdafactorRule(Rule):
 
 
 def betas_of(group):
-    try:
-        beta1, beta2 = group["betas"]
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {group['betas']!r}") from None
-    return beta1, beta2
+    return pair("betas", group["betas"], "(beta1, beta2)")

@@ -1,0 +1,136 @@
+"""OffloadAdafactor as a hostile user drives it: Ctrl-C inside step(), odd shapes and layouts, every torch
+argument, lifecycle corners; each against torch.optim.Adafactor or an uninterrupted run."""
+import os
+import signal
+
+import pytest
+import torch
+
+import swapio
+import swapio.optim as so
+from swapio import ops
+from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
+
+SHAPES = [(3000,), (17, 33), (70, 1000), (513,), (2, 3, 5), ()]  # 70 x 1000: its own 64 KiB+ nvme record
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in SHAPES]
+
+
+def make_opt(params, mode, swap_dir):
+    extra = {"swap_dir": swap_dir, **SMALL_BUFFERS} if mode == "nvme" else {}
+    return so.OffloadAdafactor(params, offload=mode, lr=1e-2, weight_decay=0.05, **extra)
+
+
+def set_grads(params, step, only=None):
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = grad if only is None or i in only else None
+
+
+def train(opt, params, first, last):
+    for step in range(first, last + 1):
+        set_grads(params, step)
+        opt.step()
+
+
+def snapshot(opt, params):
+    sd = opt.state_dict()
+    return [p.detach().clone() for p in params], {k: {n: t.clone() for n, t in st.items()}
+                                                   for k, st in sd["state"].items()}
+
+
+def _sigint_on_call(monkeypatch, owner, name, at):
+    real, calls = getattr(owner, name), {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] - 1 == at:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def _sigint_on_swap_io(opt, monkeypatch, name, at):
+    real, calls = getattr(swapio.AioHandle, name), {"n": 0}
+
+    def wrapper(self, tensor, path, offset=0, **kw):
+        if os.path.dirname(os.fspath(path)) == opt.swap_path:
+            calls["n"] += 1
+            if calls["n"] - 1 == at:
+                signal.raise_signal(signal.SIGINT)
+        return real(self, tensor, path, offset, **kw)
+
+    monkeypatch.setattr(swapio.AioHandle, name, wrapper)
+
+
+CASES = [("cpu", "kernel", 0), ("cpu", "kernel", 3), ("nvme", "kernel", 0), ("nvme", "kernel", 2),
+         ("nvme", "pread", 1), ("nvme", "pwrite", 0), ("nvme", "pwrite", 2)]
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+@pytest.mark.parametrize("mode, point, at", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ctrl_c_in_step_leaves_each_parameter_stepped_or_untouched(mode, point, at, dtype, tmp_path, monkeypatch):
+    params = make_params(dtype=dtype)
+    opt = make_opt(params, mode, tmp_path)
+    train(opt, params, 1, 2)
+    before = snapshot(opt, params)
+    if point == "kernel":
+        _sigint_on_call(monkeypatch, ops, "adafactor_step_", at)
+    else:
+        _sigint_on_swap_io(opt, monkeypatch, point, at)
+    set_grads(params, 3)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.undo()
+    ref_params = make_params(dtype=dtype)
+    ref = make_opt(ref_params, "cpu", tmp_path)
+    train(ref, ref_params, 1, 3)
+    stepped, now = snapshot(ref, ref_params), snapshot(opt, params)
+    untouched = []
+    for i in range(len(params)):
+        count = now[1][i]["step"].item()
+        expected = {2.0: before, 3.0: stepped}.get(count)
+        assert expected is not None, f"parameter {i} has step {count}"
+        assert torch.equal(now[0][i], expected[0][i]), (i, count)
+        for name, t in now[1][i].items():
+            assert torch.equal(t, expected[1][i][name]), (i, count, name)
+        if count == 2.0:
+            untouched.append(i)
+    assert untouched, "Ctrl-C took effect before the end of the step"
+    set_grads(params, 3, only=untouched)
+    opt.step()
+    train(opt, params, 4, 5)
+    train(ref, ref_params, 4, 5)
+    a, b = snapshot(opt, params), snapshot(ref, ref_params)
+    for p, q in zip(a[0], b[0]):
+        assert torch.equal(p, q)
+    for k in a[1]:
+        for n in a[1][k]:
+            assert torch.equal(a[1][k][n], b[1][k][n]), (k, n)
+    opt.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("cls, key, value", [(so.OffloadAdafactor, "eps", {1e-30, 1e-3}),
+                                             (so.OffloadAdafactor, "eps", {None: 0, 1e-3: 0}),
+                                             (so.OffloadAdamW, "betas", {0.9, 0.999}),
+                                             (so.OffloadLion, "betas", {0.9, 0.99})])
+def test_an_unordered_pair_is_refused_as_by_torch(cls, key, value):
+    """A set or dict has no order: eps={1e-30, 1e-3} iterated as (1e-3, 1e-30), eps1 and eps2 silently swapped.
+    torch indexes the pair and refuses it; so do we (TypeError), in the constructor and in add_param_group."""
+    torch_cls = getattr(torch.optim, cls.__name__[len("Offload"):], None)  # (torch has no Lion)
+    if torch_cls is not None:
+        with pytest.raises((TypeError, KeyError)):  # torch: value[0] of a set, of a dict
+            torch_cls([torch.zeros(3, requires_grad=True)], **{key: value})
+    with pytest.raises(TypeError, match=f"{key} must be an ordered pair"):
+        cls([torch.zeros(3, requires_grad=True)], **{key: value})
+    opt = cls([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(TypeError, match=f"{key} must be an ordered pair"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], key: value})
+    opt.close()
