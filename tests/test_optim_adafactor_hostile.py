@@ -134,3 +134,26 @@ def test_an_unordered_pair_is_refused_as_by_torch(cls, key, value):
     with pytest.raises(TypeError, match=f"{key} must be an ordered pair"):
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], key: value})
     opt.close()
+
+
+@pytest.mark.parametrize("other", [so.OffloadAdamW, so.OffloadLion])
+def test_checkpoint_of_another_optimizer_names_its_saver(other, tmp_path):
+    """An AdamW checkpoint fails Adafactor's group checks first (eps 1e-8 is not a pair): the message names the
+    optimizer that saved it, as a mismatch of the state's fields does, not only the eps it tripped on."""
+    params = make_params()
+    with other(params) as saver:
+        set_grads(params, 1)
+        saver.step()
+        saver.save(tmp_path / "ckpt")
+    with so.OffloadAdafactor(params) as opt:
+        with pytest.raises(ValueError, match=f"saved by {other.__name__}; this optimizer is OffloadAdafactor"):
+            opt.load(tmp_path / "ckpt")
+        set_grads(params, 2)
+        opt.step()  # left usable
+    with so.OffloadAdafactor(params) as ada:
+        set_grads(params, 1)
+        ada.step()
+        ada.save(tmp_path / "ada")
+    with other(params) as opt:
+        with pytest.raises(ValueError, match=f"saved by OffloadAdafactor; this optimizer is {other.__name__}"):
+            opt.load(tmp_path / "ada")

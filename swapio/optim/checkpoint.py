@@ -365,7 +365,7 @@ def _load(opt, path, progress=False):
     except ValueError as exc:
         raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
     _check_same_parameters(opt.param_groups, meta["param_groups"], file)
-    _check_groups(opt, new_groups, file)
+    _check_groups(opt, new_groups, file, meta.get("optimizer"))
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map[k]
@@ -459,14 +459,16 @@ def _check_same_parameters(param_groups, saved_groups, file):
                                  f"optimizer's groups hold one parameter twice (index {k} does not match them)")
 
 
-def _check_groups(opt, groups, file):
+def _check_groups(opt, groups, file, saved=None):
     """Each saved group's hyperparameters as this optimizer's constructor checks them (its rule's checks),
-    and its flags (amsgrad, maximize, ...) bools: ValueError naming the file, before anything changes."""
+    and its flags (amsgrad, maximize, ...) bools: ValueError naming the file (and `saved`, the class that saved
+    it, where another), before anything changes."""
     for i, g in enumerate(groups):
         for key, default in opt.defaults.items():
             if isinstance(default, bool) and key in g and not isinstance(g[key], bool):
-                raise ValueError(f"{file}: param group {i}: {key!r} must be a bool, got {g[key]!r}")
+                raise ValueError(f"{file}: param group {i}: {key!r} must be a bool, got {g[key]!r}"
+                             f"{_saved_by(opt, saved)}")
         try:
             opt.check_group(g)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"{file}: param group {i}: {exc}") from None
+            raise ValueError(f"{file}: param group {i}: {exc}{_saved_by(opt, saved)}") from None
