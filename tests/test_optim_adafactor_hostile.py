@@ -157,3 +157,22 @@ def test_checkpoint_of_another_optimizer_names_its_saver(other, tmp_path):
     with other(params) as opt:
         with pytest.raises(ValueError, match=f"saved by OffloadAdafactor; this optimizer is {other.__name__}"):
             opt.load(tmp_path / "ada")
+
+
+def test_slots_larger_than_the_available_ram_are_refused_before_any_allocation(tmp_path, monkeypatch):
+    # A whole-parameter rule sizes every nvme slot to the largest parameter's record: on a machine that cannot
+    # hold buffer_count of them, the step must raise, not be killed by the OOM killer at its first touch.
+    import swapio.optim.nvme_state as nvme_state
+    p = torch.nn.Parameter(torch.randn(512, 512).bfloat16())  # its record: a 1 MiB fp32 master (+ factors)
+    opt = swapio.optim.OffloadAdafactor([p], offload="nvme", swap_dir=tmp_path, buffer_bytes=256 << 10,
+                                        buffer_count=4)
+    monkeypatch.setattr(nvme_state, "_available_ram", lambda: 3 * 512 * 512 * 4)  # less than 4 slots' worth
+    p.grad = torch.randn(512, 512).bfloat16()
+    before = p.detach().clone()
+    with pytest.raises(MemoryError, match="buffer_count"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+    monkeypatch.undo()
+    opt.step()  # with the memory there, the same optimizer goes on
+    assert not torch.equal(p.detach(), before)
+    opt.close()

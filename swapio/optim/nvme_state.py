@@ -82,6 +82,30 @@ class _Chunk:
         return 2 * round_up(self.n * 4) if self.cuda else 0
 
 
+def _available_ram(meminfo="/proc/meminfo"):
+    """MemAvailable in bytes (what can be allocated without swapping), or None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_fits_in_ram(slot_bytes, count):
+    """MemoryError before allocating slots the machine cannot hold: each allocation alone succeeds (memory is
+    overcommitted) and the process would be killed at its first step instead. Slots outgrow buffer_bytes only
+    for a rule that steps whole parameters (Adafactor): each slot then holds the largest parameter's record."""
+    need, available = slot_bytes * count, _available_ram()
+    if available is not None and need > available:
+        raise MemoryError(f"the nvme pipeline needs {count} pinned slots of {slot_bytes} bytes ({need} bytes) for its "
+                          f"largest record, more than this machine has available ({available} bytes): lower "
+                          "buffer_count (at least 3), or keep the largest parameter's state in RAM "
+                          "(offload=\"cpu\")")
+
+
 def _cleanup(handles, owner):
     if owner.pid != os.getpid():
         return  # a forked child's copy: the directory and the handles' workers are the parent's
@@ -252,6 +276,7 @@ class NvmeState:
     def _slot(self, s):
         if self._slots is None:
             size = self._slot_need()
+            _check_fits_in_ram(size, self.buffer_count)
             self._slots = [empty_pinned(size, torch.uint8) for _ in range(self.buffer_count)]
         return self._slots[s]
 
