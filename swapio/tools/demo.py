@@ -192,10 +192,15 @@ def report(result):
               f"{'host RAM held by state':28}" + "".join(f"{_mib(result.state_ram[run]):>16}" for run in runs),
               f"{'state on disk':28}" + f"{'-':>16}{'-':>16}{_mib(result.state_disk):>16}",
               "",
-              f"Host RAM is measured: the growth of resident memory over the step that creates the state (torch's "
-              f"{'AdamW' if c.optimizer == 'adamw' else 'Adam'}'s fp32 moments are {_mib(result.state_bytes)}). "
-              f"In nvme mode it is the pinned pipeline, at most "
-              f"--buffer ({_mib(c.buffer_bytes)}), whatever the model size; the state itself is on disk."]
+              "Host RAM is measured: the growth of resident memory over the step that creates the state"
+              + (f" (torch's {'AdamW' if c.optimizer == 'adamw' else 'Adam'}'s fp32 moments are "
+                 f"{_mib(result.state_bytes)})" if c.optimizer != "adafactor" else "")
+              + ". In nvme mode it is the pinned pipeline, at most "
+              + (f"--buffer ({_mib(c.buffer_bytes)}), whatever the model size"
+                 if c.optimizer != "adafactor" else
+                 f"--buffer ({_mib(c.buffer_bytes)}) or buffer_count x the largest parameter's record, whichever is "
+                 "larger (Adafactor steps whole parameters)")
+              + "; the state itself is on disk."]
     return "\n".join(lines)
 
 
