@@ -176,3 +176,10 @@ def test_slots_larger_than_the_available_ram_are_refused_before_any_allocation(t
     opt.step()  # with the memory there, the same optimizer goes on
     assert not torch.equal(p.detach(), before)
     opt.close()
+
+
+def test_an_infinite_hyperparameter_is_refused_saying_it_must_be_finite():
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    for kwargs in ({"lr": float("inf")}, {"d": float("inf")}, {"eps": (None, float("inf"))}):
+        with pytest.raises(ValueError, match="and finite but is: inf"):
+            so.OffloadAdafactor([p], **kwargs)
