@@ -183,3 +183,9 @@ def test_an_infinite_hyperparameter_is_refused_saying_it_must_be_finite():
     for kwargs in ({"lr": float("inf")}, {"d": float("inf")}, {"eps": (None, float("inf"))}):
         with pytest.raises(ValueError, match="and finite but is: inf"):
             so.OffloadAdafactor([p], **kwargs)
+
+
+def test_transformers_adafactor_arguments_are_named_as_not_offered():
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"transformers.Adafactor's \['relative_step', 'scale_parameter'\]"):
+        so.OffloadAdafactor([p], lr=None, relative_step=True, scale_parameter=True)

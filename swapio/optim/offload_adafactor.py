@@ -4,6 +4,11 @@ from .optimizer import OffloadOptimizer
 from .rules import AdafactorRule
 
 
+# transformers.Adafactor's own arguments, which torch's algorithm has no place for
+_TRANSFORMERS_ONLY = frozenset({"relative_step", "scale_parameter", "warmup_init", "clip_threshold", "decay_rate",
+                                "beta1"})
+
+
 class OffloadAdafactor(OffloadOptimizer):
     """Adafactor (Shazeer & Stern 2018) as torch.optim.Adafactor defines it, with optimizer state off the GPU:
 
@@ -37,6 +42,11 @@ class OffloadAdafactor(OffloadOptimizer):
                  foreach=None, maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20,
                  buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
                  **io_kwargs):
+        theirs = sorted(k for k in io_kwargs if k in _TRANSFORMERS_ONLY)
+        if theirs:
+            raise TypeError(f"OffloadAdafactor follows torch.optim.Adafactor; transformers.Adafactor's {theirs} are "
+                            "not offered (docs/optim.md, \"Adafactor\"): give lr (no relative step), beta2_decay, "
+                            "eps and d (the update clipping threshold) as torch.optim.Adafactor takes them")
         defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": tuple(eps) if isinstance(eps, list) else eps,
                     "d": d, "weight_decay": weight_decay, "foreach": foreach, "maximize": maximize}
         super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
