@@ -14,6 +14,15 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
+def kernel_banner(repeats):
+    """The first line of a kernel benchmark: the SIMD levels torch and swapio run, and how figures are taken."""
+    import torch
+
+    import swapio.ops as sops
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), swapio kernel: "
+          f"{sops.cpu_capability()}; medians of {repeats} interleaved rounds; Gp/s = 1e9 params/s")
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 

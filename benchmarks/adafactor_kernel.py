@@ -22,7 +22,7 @@ import time
 
 import torch
 
-import _common  # noqa: F401  (first: the checkout's swapio)
+import _common  # first: the checkout's swapio
 import swapio.ops as sops
 from swapio.kernels.adafactor_ops import factored_dims
 
@@ -80,8 +80,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
-    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), swapio kernel: "
-          f"{sops.cpu_capability()}; medians of {args.repeats} interleaved rounds; Gp/s = 1e9 params/s")
+    _common.kernel_banner(args.repeats)
     hdr = (f"{'shape':>12} {'thr':>3} | {'swapio':>7} {'loop':>7} {'foreach':>7} {'bound':>7} | "
            f"{'x loop':>7} {'x forea':>7} {'%bound':>6} | {'triad GB/s':>10}")
     print(hdr)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-import _common  # noqa: F401  (first: the checkout's swapio)
+import _common  # first: the checkout's swapio
 import swapio.ops as sops
 from swapio.tools import fmt_size, parse_size
 
@@ -163,8 +163,7 @@ def main(argv=None):
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
 
-    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), swapio kernel: "
-          f"{sops.cpu_capability()}; medians of {args.repeats} interleaved rounds; Gp/s = 1e9 params/s")
+    _common.kernel_banner(args.repeats)
     hdr = (f"{'size':>5} {'thr':>3} | {'swapio':>7} {'fused':>7} {'loop':>7} {'dspeed':>7} {'bound':>7} | "
            f"{'x fused':>7} {'x loop':>7} {'%bound':>6} || {'mix sw':>7} {'mix tch':>7} {'x mix':>6}")
     print(hdr)

@@ -17,15 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import swapio  # noqa: E402
-import swapio.optim as so  # noqa: E402
+import _common  # noqa: F401  (first: the checkout's swapio)
+import swapio
+import swapio.optim as so
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
