@@ -23,6 +23,20 @@ def kernel_banner(repeats):
           f"{sops.cpu_capability()}; medians of {repeats} interleaved rounds; Gp/s = 1e9 params/s")
 
 
+def interleaved_medians(fns, repeats):
+    """{name: median seconds of fn()} over `repeats` rounds that run every fn in turn (drift hits all alike),
+    after one warm-up call each (page faults, thread pools, lazy state)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(ts) for k, ts in times.items()}
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 

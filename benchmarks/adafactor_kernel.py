@@ -17,8 +17,6 @@ Usage: python benchmarks/adafactor_kernel.py [--shapes 4096x4096,16777216] [--th
 """
 import argparse
 import math
-import statistics
-import time
 
 import torch
 
@@ -57,15 +55,7 @@ def run_bench(shape, threads, repeats):
         torch.add(tb, tc, alpha=3.0, out=ta)
 
     fns = {"swapio": swapio_step, "torch-loop": loop.step, "torch-foreach": foreach.step, "triad": triad}
-    for fn in fns.values():  # warm-up: page faults, thread pools, lazy state
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(ts) for k, ts in times.items()}, 24 if dims else 32
+    return _common.interleaved_medians(fns, repeats), 24 if dims else 32
 
 
 def parse_shape(text):

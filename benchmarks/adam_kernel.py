@@ -27,8 +27,6 @@ smaller state (fp32 grads; each against the same triad bound divided by its own 
 Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--repeats 5]
 """
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -93,15 +91,7 @@ def run_bench(n, threads, repeats, with_deepspeed):
     mixed = {"swapio": swapio_mixed, "torch-best": torch_mixed}
 
     def timeit(fns):
-        for fn in fns.values():  # warm-up: page faults, thread pools, lazy state
-            fn()
-        times = {k: [] for k in fns}
-        for _ in range(repeats):
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-        return {k: statistics.median(ts) for k, ts in times.items()}
+        return _common.interleaved_medians(fns, repeats)
 
     t32 = timeit(fp32)
     tmx = timeit(mixed)
