@@ -1,7 +1,5 @@
 """OffloadAdafactor as a hostile user drives it: Ctrl-C inside step(), odd shapes and layouts, every torch
 argument, lifecycle corners; each against torch.optim.Adafactor or an uninterrupted run."""
-import os
-import signal
 
 import pytest
 import torch
@@ -9,6 +7,7 @@ import torch
 import swapio
 import swapio.optim as so
 from swapio import ops
+from ctrl_c_helpers import ctrl_c_on_call, ctrl_c_on_swap_io
 from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
 
 SHAPES = [(3000,), (17, 33), (70, 1000), (513,), (2, 3, 5), ()]  # 70 x 1000: its own 64 KiB+ nvme record
@@ -43,31 +42,6 @@ def snapshot(opt, params):
                                                    for k, st in sd["state"].items()}
 
 
-def _sigint_on_call(monkeypatch, owner, name, at):
-    real, calls = getattr(owner, name), {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] - 1 == at:
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
-
-
-def _sigint_on_swap_io(opt, monkeypatch, name, at):
-    real, calls = getattr(swapio.AioHandle, name), {"n": 0}
-
-    def wrapper(self, tensor, path, offset=0, **kw):
-        if os.path.dirname(os.fspath(path)) == opt.swap_path:
-            calls["n"] += 1
-            if calls["n"] - 1 == at:
-                signal.raise_signal(signal.SIGINT)
-        return real(self, tensor, path, offset, **kw)
-
-    monkeypatch.setattr(swapio.AioHandle, name, wrapper)
-
-
 CASES = [("cpu", "kernel", 0), ("cpu", "kernel", 3), ("nvme", "kernel", 0), ("nvme", "kernel", 2),
          ("nvme", "pread", 1), ("nvme", "pwrite", 0), ("nvme", "pwrite", 2)]
 
@@ -81,9 +55,9 @@ def test_ctrl_c_in_step_leaves_each_parameter_stepped_or_untouched(mode, point, 
     train(opt, params, 1, 2)
     before = snapshot(opt, params)
     if point == "kernel":
-        _sigint_on_call(monkeypatch, ops, "adafactor_step_", at)
+        ctrl_c_on_call(monkeypatch, ops, "adafactor_step_", at)
     else:
-        _sigint_on_swap_io(opt, monkeypatch, point, at)
+        ctrl_c_on_swap_io(opt, monkeypatch, point, at)
     set_grads(params, 3)
     with pytest.raises(KeyboardInterrupt):
         opt.step()

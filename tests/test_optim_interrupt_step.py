@@ -3,53 +3,18 @@ untouched, so retrying the step for the untouched ones continues bit-identically
 (cpu and nvme, every state_dtype, Adam and Lion). Ctrl-C is a real SIGINT sent from inside the step's machinery
 (the kernel call, a read or a write of the swap file), as a user's would land there."""
 import os
-import signal
 
 import pytest
 import torch
 
 import swapio
 from swapio import ops
+from ctrl_c_helpers import ctrl_c_on_call, ctrl_c_on_swap_io
 from optim_helpers import one_thread  # noqa: F401
 from resume_helpers import assert_same, assert_trains_like_fresh, make_opt, make_params, set_grads, snapshot, train
 
 
 pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner
-
-
-def _on_call(monkeypatch, owner, name, at, how, after=False):
-    """Makes the at-th call (0-based) of owner.name deliver Ctrl-C: how="signal" sends SIGINT to this process
-    (before the real call, or after it with after=True); how="raise" raises KeyboardInterrupt instead of it."""
-    real, calls = getattr(owner, name), {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        hit = calls["n"] - 1 == at
-        if hit and how == "raise":
-            raise KeyboardInterrupt
-        if hit and not after:
-            signal.raise_signal(signal.SIGINT)
-        out = real(*args, **kwargs)
-        if hit and after:
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return calls
-
-
-def _swap_io(opt, monkeypatch, name, at):
-    """Ctrl-C at the at-th read or write of the optimizer's swap file."""
-    real, calls = getattr(swapio.AioHandle, name), {"n": 0}
-
-    def wrapper(self, tensor, path, offset=0, **kw):
-        if os.path.dirname(os.fspath(path)) == opt.swap_path:
-            calls["n"] += 1
-            if calls["n"] - 1 == at:
-                signal.raise_signal(signal.SIGINT)
-        return real(self, tensor, path, offset, **kw)
-
-    monkeypatch.setattr(swapio.AioHandle, name, wrapper)
 
 
 KERNEL_POINTS = [("kernel", 0), ("kernel", 2), ("kernel", 4), ("after_kernel", 1), ("after_kernel", 4)]
@@ -64,9 +29,9 @@ def _interrupted_run(kind, mode, state_dtype, point, at, how, tmp_path, monkeypa
     before = snapshot(opt, params)
     kernel = "lion_step_" if kind == "lion" else "adam_step_"
     if point in ("kernel", "after_kernel"):
-        _on_call(monkeypatch, ops, kernel, at, how, after=point == "after_kernel")
+        ctrl_c_on_call(monkeypatch, ops, kernel, at, how, after=point == "after_kernel")
     else:
-        _swap_io(opt, monkeypatch, point, at)
+        ctrl_c_on_swap_io(opt, monkeypatch, point, at)
     set_grads(params, 3)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
