@@ -1,24 +1,35 @@
-"""Ctrl-C during an optimizer step takes effect only where the state is consistent.
+"""Signals around work that must not be cut in half: Ctrl-C deferred to consistent points (DeferredSigint), and
+threads started with the caller's signals blocked (start_shielded).
 
-Python runs a SIGINT handler between any two bytecodes of the main thread, so a KeyboardInterrupt could land
-after the kernel has rewritten a parameter and its moments but before its step count is advanced (the next step
-would then apply the same bias correction twice), or after a chunk of the nvme state was computed but before it
-was written back. While a step runs, DeferredSigint records SIGINT instead; the state backend calls poll() at
-each point where every parameter is either fully stepped or untouched (between parameters; in nvme mode at a
-chunk boundary that no parameter spans, once the writes before it are on disk). poll() then runs the handler
-that was in place (torch's default: KeyboardInterrupt), so Ctrl-C still stops a long step within about one
-parameter. A handler that returns (a training loop's own "stop after this step" flag) lets the step go on.
+DeferredSigint. Python runs a SIGINT handler between any two bytecodes of the main thread, so a KeyboardInterrupt
+could land after the kernel has rewritten a parameter and its moments but before its step count is advanced (the
+next step would then apply the same bias correction twice), or after a chunk of the nvme state was computed but
+before it was written back, or between the renames that commit a checkpoint. Inside the context, SIGINT is
+recorded instead; the code calls poll() at each point where its state is consistent (the optimizer's state
+backends: between parameters; in nvme mode at a chunk boundary that no parameter spans, once the writes before it
+are on disk). poll() then runs the handler that was in place (torch's default: KeyboardInterrupt), so Ctrl-C
+still stops a long step within about one parameter. A handler that returns (a training loop's own "stop after
+this step" flag) lets the work go on. Only the main thread receives Python signal handlers, so elsewhere this
+does nothing; neither does it where SIGINT is ignored or has its default action (SIG_IGN / SIG_DFL: no Python
+code runs for it).
 
-Only the main thread receives Python signal handlers, so elsewhere this does nothing; neither does it where
-SIGINT is ignored or has its default action (SIG_IGN / SIG_DFL: no Python code runs for it).
+start_shielded. A KeyboardInterrupt (or any signal handler's exception) raised while Thread.start() waits for the
+new thread to run leaves that thread running with its starter unaware of it: a helper that copies into buffers
+the caller then frees or reuses, or a writer never waited for. Blocking every signal on the calling thread for
+the duration of start() makes a signal arrive right after it instead, once the caller holds the started thread
+(its try/finally then joins or accounts for it. The new thread inherits the blocked mask, which suits a worker:
+Python runs signal handlers on the main thread only. This narrows the window, it does not close it: a signal
+that another thread's C handler catches still runs its Python handler on this thread at its next call.)
 """
 import signal
 import threading
 
 
 class DeferredSigint:
+    """`with DeferredSigint() as ctrl_c:` records SIGINT; ctrl_c.poll() at consistent points runs it (see the module)."""
+
     def __init__(self):
-        self._handler = None  # the handler displaced while the step runs, or None
+        self._handler = None  # the handler displaced while the context runs, or None
         self._frame = None
         self.pending = False
 
@@ -50,3 +61,15 @@ class DeferredSigint:
         if self.pending and exc_type is None:  # Ctrl-C after the last consistent point: the step is complete
             self.pending = False
             handler(signal.SIGINT, self._frame)
+
+
+def start_shielded(thread: threading.Thread) -> None:
+    """thread.start(), with the calling thread's signals blocked while it runs (see the module)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -21,7 +21,7 @@ from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
 from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
-from .ctrl_c import DeferredSigint
+from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState
