@@ -20,7 +20,6 @@ import torch
 
 from ..core import cuda_copy
 from ..core._align import round_up
-from ..core.pinned import empty_pinned
 from ..offload.training import lookup
 from ..offload.weight_store import current_value
 from .grad_marker import new_marker
@@ -28,39 +27,6 @@ from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
 from .worker import UpdateWorker
-
-
-_staging = {}  # CUDA device -> the pinned buffer gradients are copied into (one at a time: see to_host)
-
-
-def _reused(t):
-    return any(t.untyped_storage().data_ptr() == b.data_ptr() for b in _staging.values())
-
-
-def to_host(g):
-    """The gradient in host memory: a CPU gradient as it is; a CUDA one copied on the side copy stream into the
-    device's pinned staging buffer, after the compute stream's work that produced it, waiting for that copy
-    only (not the device). The result is a view of that buffer, valid until the next call: autograd runs a
-    device's hooks on one thread, and every caller consumes it (adds, copies) before returning."""
-    if g.device.type == "cpu":
-        return g
-    nbytes = g.numel() * g.element_size()
-    buf = _staging.get(g.device)
-    if buf is None or buf.numel() < nbytes:
-        _staging[g.device] = None
-        buf = _staging[g.device] = empty_pinned(max(nbytes, 1), torch.uint8)
-    host = buf[:nbytes].view(g.dtype).view(g.shape)
-    stream = cuda_copy.copy_stream(g.device, "to_host")
-    produced = torch.cuda.Event()
-    produced.record(torch.cuda.current_stream(g.device))
-    stream.wait_event(produced)
-    with torch.cuda.stream(stream):
-        host.copy_(g, non_blocking=True)
-    g.record_stream(stream)  # the caching allocator may not hand g's memory out before the copy ran
-    copied = torch.cuda.Event()
-    copied.record(stream)
-    copied.synchronize()  # this copy only; the buffer is reused by the next gradient
-    return host
 
 
 class OffloadedParams:
@@ -127,10 +93,10 @@ class OffloadedParams:
         arrival order, as autograd sums a leaf's inputs before accumulating them into .grad."""
         self._raise_error()
         p = self.param_of[slot]
-        g = to_host(g)
+        g = cuda_copy.to_host(g)
         with self.lock:
             part = self.parts.pop(p, None)
-            g = g.clone() if part is None and not complete and g.device.type == "cpu" and _reused(g) else g
+            g = g.clone() if part is None and not complete and g.device.type == "cpu" and cuda_copy.in_staging(g) else g
             g = g if part is None else part + g
             if not complete:
                 self.parts[p] = g
@@ -472,7 +438,7 @@ class OffloadedParams:
         if self.grads is not None:
             accumulating = isinstance(self.grads, FileGrads) and not self.in_backward
             add("grads", self.grads.pinned_bytes(), 2 * max(self.batch_bytes, largest_grads) if accumulating else 0)
-        staged = sum(b.numel() for b in _staging.values() if b is not None)
+        staged = cuda_copy.staging_bytes()
         if staged or cuda:  # one buffer per device, shared by every optimizer: the largest gradient copied so far
             add("grad_staging", staged, max(staged, largest_weight) if cuda else staged)
         return parts
@@ -499,7 +465,7 @@ def run_grad_hooks(p, g):
     hooks = p._backward_hooks
     if not hooks:
         return g
-    if _reused(g):
+    if cuda_copy.in_staging(g):
         g = g.clone()  # a hook may keep it: not a view of the staging buffer that the next gradient reuses
     for hook in list(hooks.values()):
         new = hook(g)
