@@ -17,7 +17,7 @@ import torch
 from ..core import cuda_copy
 from ..core._ranges import section
 from ..core.pinned import empty_pinned, is_pinned
-from .layout import round_up
+from .layout import round_up, slot_view
 from .ring import PinnedRing
 
 
@@ -334,9 +334,4 @@ class Fetcher:
 def view(fetch, slot):
     """The slot's tensor inside a fetched record (a copy only if the file put it at a misaligned offset)."""
     offset = fetch.record.offsets[slot] if fetch.device is None else fetch.record.device_layout()[0][slot]
-    raw = fetch.data[offset:offset + slot.nbytes]
-    if offset % slot.dtype.itemsize:
-        aligned = torch.empty(slot.shape, dtype=slot.dtype, device=raw.device)
-        aligned.view(-1).view(torch.uint8).copy_(raw)
-        return aligned
-    return raw.view(slot.dtype).view(slot.shape)
+    return slot_view(fetch.data, offset, slot)
