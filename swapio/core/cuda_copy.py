@@ -11,12 +11,12 @@ import time
 import torch
 
 from .futures import Future
-from .pinned import cuda_register, empty_pinned
+from .pinned import GrowingBlock, cuda_register
 
 _lock = threading.Lock()
 _streams = {}    # (device index, direction) -> torch.cuda.Stream used for staging copies
 _in_flight = []  # (event, objects the copy reads or writes), pruned as the events complete
-_staging = {}    # CUDA device -> the pinned buffer to_host copies into (one copy at a time: see to_host)
+_staging = {}    # CUDA device -> GrowingBlock to_host copies into (one copy at a time: see to_host)
 
 
 def normalize_device(device):
@@ -175,11 +175,9 @@ def to_host(g):
     if g.device.type == "cpu":
         return g
     nbytes = g.numel() * g.element_size()
-    buf = _staging.get(g.device)
-    if buf is None or buf.numel() < nbytes:
-        _staging[g.device] = None  # the old buffer goes before the larger one is pinned
-        buf = _staging[g.device] = empty_pinned(max(nbytes, 1), torch.uint8)
-    host = buf[:nbytes].view(g.dtype).view(g.shape)
+    with _lock:
+        staging = _staging.setdefault(g.device, GrowingBlock(size=_exactly))
+    host = staging.at_least(nbytes)[:nbytes].view(g.dtype).view(g.shape)
     produced = torch.cuda.Event()
     produced.record(torch.cuda.current_stream(g.device))
     # hold=False: the caching allocator may not hand g's memory out before the copy ran (record_stream)
@@ -189,10 +187,14 @@ def to_host(g):
 
 def in_staging(t):
     """Whether t lies in a to_host staging buffer (and so is overwritten by the device's next to_host)."""
-    ptr = t.untyped_storage().data_ptr()
-    return any(b is not None and ptr == b.data_ptr() for b in _staging.values())
+    return any(b.holds(t) for b in list(_staging.values()))
 
 
 def staging_bytes():
     """Bytes of the to_host staging buffers (one per CUDA device copied from so far)."""
-    return sum(b.numel() for b in _staging.values() if b is not None)
+    return sum(b.nbytes for b in list(_staging.values()))
+
+
+def _exactly(nbytes):
+    """A staging buffer of just the bytes asked (its size is what memory_report shows as grad_staging)."""
+    return max(nbytes, 1)
