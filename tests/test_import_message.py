@@ -21,11 +21,19 @@ def _import_in(tree):
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
 
 
-def test_unbuilt_source_tree_explains_the_fix(tmp_path):
+def _unbuilt_checkout(tmp_path):
+    """A copy of the source tree as a fresh clone has it: the stub swapio/_C.pyi, no compiled extension."""
     tree = tmp_path / "checkout"
     shutil.copytree(os.path.join(REPO, "swapio"), tree / "swapio",
-                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+                    ignore=shutil.ignore_patterns(*("_C" + s for s in importlib.machinery.EXTENSION_SUFFIXES),
+                                                  "_C.*.so", "__pycache__"))
+    assert (tree / "swapio" / "_C.pyi").is_file()  # the stub: no native module, whatever its name says
     shutil.copy(os.path.join(REPO, "setup.py"), tree / "setup.py")
+    return tree
+
+
+def test_unbuilt_source_tree_explains_the_fix(tmp_path):
+    tree = _unbuilt_checkout(tmp_path)
     r = _import_in(tree)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
@@ -35,11 +43,20 @@ def test_unbuilt_source_tree_explains_the_fix(tmp_path):
 
 
 def test_broken_build_names_the_file(tmp_path):
-    tree = tmp_path / "checkout"
-    shutil.copytree(os.path.join(REPO, "swapio"), tree / "swapio",
-                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    tree = _unbuilt_checkout(tmp_path)
     # named as this interpreter names its extensions (cpython-311 on CI, cpython-312 elsewhere), so it is found
     (tree / "swapio" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not an ELF file")
     r = _import_in(tree)
     assert r.returncode != 0 and "circular import" not in r.stderr
     assert "failed to load" in r.stderr and "Rebuild it" in r.stderr
+
+
+def test_a_build_for_another_python_is_named_without_python_s_circular_import_text(tmp_path):
+    tree = _unbuilt_checkout(tmp_path)
+    other = tree / "swapio" / "_C.cpython-20-x86_64-linux-gnu.so"  # no interpreter loads this suffix
+    other.write_bytes(b"built elsewhere")
+    r = _import_in(tree)
+    assert r.returncode != 0 and "circular import" not in r.stderr and "partially initialized" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "_C.pyi" not in last
+    assert other.name in last and "another Python" in last and "build_ext --inplace" in last

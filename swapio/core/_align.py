@@ -11,11 +11,11 @@ import mmap
 ALIGN = max(4096, mmap.PAGESIZE)
 
 
-def round_up(x, a=ALIGN):
+def round_up(x: int, a: int = ALIGN) -> int:
     """x rounded up to a multiple of a."""
     return (x + a - 1) // a * a
 
 
-def round_down(x, a=ALIGN):
+def round_down(x: int, a: int = ALIGN) -> int:
     """x rounded down to a multiple of a."""
     return x // a * a

@@ -1,5 +1,6 @@
-"""Host-to-GPU copies from pinned memory: one side stream per device, events instead of stream-wide syncs, and
-the source kept alive until the copy that reads it has finished.
+"""Copies between host and GPU, both directions: one side stream per device and direction, events instead of
+stream-wide syncs, and the source kept alive until the copy that reads it has finished. Host-to-GPU from pinned
+memory (copy_async, DeviceCopyFuture); GPU-to-host into a per-device pinned staging buffer (to_host).
 
 Nothing here touches CUDA unless a CUDA device is asked for, so CPU-only work never creates a CUDA context.
 """
@@ -10,11 +11,12 @@ import time
 import torch
 
 from .futures import Future
-from .pinned import cuda_register
+from .pinned import GrowingBlock, cuda_register
 
 _lock = threading.Lock()
 _streams = {}    # (device index, direction) -> torch.cuda.Stream used for staging copies
 _in_flight = []  # (event, objects the copy reads or writes), pruned as the events complete
+_staging = {}    # CUDA device -> GrowingBlock to_host copies into (one copy at a time: see to_host)
 
 
 def normalize_device(device):
@@ -162,3 +164,37 @@ class DeviceCopyFuture(Future):
 
     def __repr__(self):
         return f"<swapio.Future {'done' if self.done() else 'pending'} (read + copy to {self._target.device})>"
+
+
+def to_host(g):
+    """The tensor in host memory: a CPU tensor as it is; a CUDA one copied on the device's side copy stream
+    ("to_host") into the device's pinned staging buffer, after the compute stream's work that produced it,
+    waiting for that copy only (not the device). The result is a view of that buffer, valid until the next
+    call for the device: autograd runs a device's hooks on one thread, and every caller consumes it (adds,
+    copies) before returning; a caller that keeps it clones it (in_staging says when)."""
+    if g.device.type == "cpu":
+        return g
+    nbytes = g.numel() * g.element_size()
+    with _lock:
+        staging = _staging.setdefault(g.device, GrowingBlock(size=_exactly))
+    host = staging.at_least(nbytes)[:nbytes].view(g.dtype).view(g.shape)
+    produced = torch.cuda.Event()
+    produced.record(torch.cuda.current_stream(g.device))
+    # hold=False: the caching allocator may not hand g's memory out before the copy ran (record_stream)
+    copy_async(host, g, copy_stream(g.device, "to_host"), wait_for=produced, hold=False).synchronize()
+    return host
+
+
+def in_staging(t):
+    """Whether t lies in a to_host staging buffer (and so is overwritten by the device's next to_host)."""
+    return any(b.holds(t) for b in list(_staging.values()))
+
+
+def staging_bytes():
+    """Bytes of the to_host staging buffers (one per CUDA device copied from so far)."""
+    return sum(b.nbytes for b in list(_staging.values()))
+
+
+def _exactly(nbytes):
+    """A staging buffer of just the bytes asked (its size is what memory_report shows as grad_staging)."""
+    return max(nbytes, 1)

@@ -1,14 +1,16 @@
-"""Page-aligned, page-locked host tensors, and a registry so views of them count as pinned."""
+"""Page-aligned, page-locked host tensors, a registry so views of them count as pinned, and the reuse of pinned
+blocks (PinnedPool: blocks of recurring sizes; GrowingBlock: one buffer sized by its largest request)."""
 import bisect
 import math
 import os
 import sys
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from .. import _C
+from ._align import round_up
 from ._cudart import clear_last_error
 from ._errors import check_int, warn_once
 
@@ -178,3 +180,97 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     if _block_of(tensor.data_ptr()) is not None:
         return True
     return _cuda_in_use() and tensor.is_pinned()  # memory torch pinned implies CUDA was initialised
+
+
+# ---- reuse: pinning (mlock, cudaHostRegister) costs far more than a copy, so buffers that recur are kept ---------
+def page_size(nbytes: int) -> int:
+    """nbytes rounded up to whole pages (at least one): a block no larger than asked."""
+    return round_up(max(int(nbytes), 1))
+
+
+def size_class(nbytes: int) -> int:
+    """nbytes rounded up to the next of 8 steps per power of two (64 KiB at least; at most 12.5 % more than
+    asked), so that requests of nearby sizes share blocks."""
+    n = max(int(nbytes), _MIN_CLASS)
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
+_MIN_CLASS = 1 << 16
+
+
+class PinnedPool:
+    """Pinned uint8 blocks kept for reuse between uses of the same sizes (saved activations, step after step).
+
+    alloc(nbytes) hands out a free block of size(nbytes) bytes whose last GPU copy has completed, else pins a new
+    one; free(block, event) takes it back (`event`: a GPU copy that may still read or write it; the block is not
+    handed out again before it completed); clear() gives the free blocks back to the OS, after their copies.
+    `size`: page_size (blocks exactly as large as asked, in pages) or size_class (fewer distinct sizes). The
+    blocks are ordinary swapio pinned blocks: a forked child inherits them like any memory, and their CUDA
+    registration is forgotten there (see _forget_registrations_in_child)."""
+
+    def __init__(self, size: Callable[[int], int] = page_size) -> None:
+        self.size = size
+        self._free: Dict[int, List[Tuple[torch.Tensor, Any]]] = {}  # block size -> [(block, event or None)]
+        self.in_use = 0  # bytes of blocks handed out and not freed
+        self.cached = 0  # bytes of blocks kept for reuse
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 block of size(nbytes) >= nbytes bytes (its first nbytes are the caller's)."""
+        size = self.size(nbytes)
+        block = None
+        blocks = self._free.get(size, [])
+        for i, (_, event) in enumerate(blocks):
+            if event is None or event.query():
+                block = blocks.pop(i)[0]
+                self.cached -= size
+                break
+        if block is None:
+            block = empty_pinned(size, torch.uint8)
+        self.in_use += size
+        return block
+
+    def free(self, block: torch.Tensor, event: Any = None) -> None:
+        """Takes a block of alloc() back; `event`: the last GPU copy using it, if one may still run."""
+        size = block.numel()
+        self.in_use -= size
+        self.cached += size
+        self._free.setdefault(size, []).append((block, event))
+
+    def clear(self) -> None:
+        """Gives the free blocks back to the OS (after the copies still using them finished)."""
+        for blocks in self._free.values():
+            for _, event in blocks:
+                if event is not None:
+                    event.synchronize()
+        self._free.clear()
+        self.cached = 0
+
+
+class GrowingBlock:
+    """One pinned uint8 block reused for every request, replaced by a larger one when asked for more than it
+    holds: sized by the largest request so far (a staging buffer, a gradient buffer). The old block is let go
+    before the new one is pinned, so the two never coexist. `size`: what a request of nbytes pins (page_size)."""
+
+    def __init__(self, size: Callable[[int], int] = page_size) -> None:
+        self.size = size
+        self.block: Optional[torch.Tensor] = None
+
+    def at_least(self, nbytes: int) -> torch.Tensor:
+        """The block, holding at least nbytes bytes; nothing may read into or write from it while it grows."""
+        if self.block is None or self.block.numel() < nbytes:
+            self.block = None
+            self.block = empty_pinned(self.size(nbytes), torch.uint8)
+        return self.block
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.numel() if self.block is not None else 0
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of this block (so the next request may overwrite it)."""
+        return self.block is not None and tensor.untyped_storage().data_ptr() == self.block.data_ptr()
+
+    def release(self) -> None:
+        """Lets the block go (freed once no view of it is left); the next at_least() pins a new one."""
+        self.block = None

@@ -20,7 +20,7 @@ import torch
 from ..core import _swapdir
 from ..core._errors import check_int
 from ..core.handle import AioHandle
-from .activation_pool import PinnedPool
+from ..core.pinned import PinnedPool, size_class
 from .activation_store import Saved, Session
 
 DEFAULT_MIN_BYTES = 1 << 20
@@ -36,7 +36,7 @@ class _Resources:
         self.to, self.min_bytes, self.prefetch, self.staging_bytes = to, min_bytes, prefetch, staging_bytes
         self.model_ref = None if model is None else weakref.ref(model)
         self.lock = threading.RLock()
-        self.pool = PinnedPool()
+        self.pool = PinnedPool(size_class)  # saved tensors of many nearby sizes, step after step
         self.sessions = set()
         self.sessions_made = 0
         self.excluded = frozenset()

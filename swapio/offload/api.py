@@ -203,9 +203,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
             return current[slot]
         if slot in used_in_place:
             return used_in_place[slot]
-        record = slot.record
-        off = record.offsets[slot]
-        t = hosts[record][off:off + slot.nbytes].view(slot.dtype).view(slot.shape).to(devices[slot], copy=True)
+        t = slot.record.view(hosts[slot.record], slot).to(devices[slot], copy=True)
         return torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
 
     try:
@@ -220,9 +218,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
                 host = torch.empty(record.nbytes, dtype=torch.uint8)
             if own is None:
                 for slot in record.slots:
-                    off = record.offsets[slot]
-                    host[off:off + slot.nbytes].copy_(
-                        current[slot].detach().contiguous().reshape(-1).view(torch.uint8))
+                    record.view(host, slot, writable=True).copy_(current[slot].detach())
             hosts[record] = host
             for slot in record.slots:  # the model's own copy goes now that the host copy is complete
                 for unit in record.units:
@@ -373,8 +369,7 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
-    for optimizer in owner.training.owners_alive():
-        optimizer.flush()  # updates still running in backward: the weights come back as the last step left them
+    owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
     resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:
         owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back

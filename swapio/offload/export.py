@@ -29,6 +29,7 @@ from ..checkpoint.commit import PendingFile
 from ..checkpoint import buffers  # (a module: it imports swapio.offload in turn)
 from ..checkpoint.save import DEFAULT_STAGING, commit_pending, write_pending
 from ..core import _durable
+from ..core._signals import DeferredSigint
 from .export_tensors import Reader, items
 from .registry import offloaded
 from .safetensors_format import INDEX, SINGLE
@@ -203,7 +204,6 @@ def _remove_unnamed(directory, names):
 def _publish(directory, groups, plans, pendings, staged, finals):
     """Renames the shards into place under their staged names, then the index naming them (the commit point); then
     removes the files no index names, and gives tagged shards their usual names (see the module)."""
-    from ..optim.ctrl_c import DeferredSigint  # here: swapio.optim may import swapio.offload at import time
     with DeferredSigint():
         for plan, pending in zip(plans, pendings):
             commit_pending(pending, plan.total)

@@ -16,8 +16,8 @@ import torch
 
 from ..core import cuda_copy
 from ..core._ranges import section
-from ..core.pinned import empty_pinned, is_pinned
-from .layout import round_up
+from ..core.pinned import GrowingBlock, empty_pinned, is_pinned
+from .layout import round_up, slot_view
 from .ring import PinnedRing
 
 
@@ -56,7 +56,7 @@ class Fetcher:
         total = sum(r.nbytes for r in records)  # a ring larger than all the weights would only waste memory
         self.ring = PinnedRing(min(buffer_bytes, total)) if hosts is None else None
         self.spare_bytes = max((r.nbytes for r in records), default=0)
-        self._spare, self._spare_user = None, None
+        self._spare, self._spare_user = GrowingBlock(size=round_up), None  # pinned at its first use
         self.fetches = {}     # record -> Fetch, in the order they were started
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
@@ -81,14 +81,12 @@ class Fetcher:
                 pinned = sum(h.numel() for h in self.hosts.values() if is_pinned(h))
                 return {"weight_hosts": {"bytes": pinned, "budget": pinned}} if pinned else {}
             ring = self.ring.capacity if self.ring._arena is not None else 0
-            spare = self._spare.numel() if self._spare is not None else 0
+            spare = self._spare.nbytes
             return {"weight_ring": {"bytes": ring, "budget": self.ring.capacity},
                     "weight_spare": {"bytes": spare, "budget": round_up(self.spare_bytes)}}
 
     def _spare_region(self, nbytes):
-        if self._spare is None:
-            self._spare = empty_pinned(round_up(self.spare_bytes), torch.uint8)
-        return self._spare[:round_up(nbytes)]
+        return self._spare.at_least(round_up(self.spare_bytes))[:round_up(nbytes)]
 
     def _allocate(self, record, required):
         n = record.nbytes
@@ -256,8 +254,8 @@ class Fetcher:
         """Records changed size (moved to offload_dir for training): the spare fits the largest again."""
         with self.lock:
             self.spare_bytes = nbytes
-            if self._spare is not None and self._spare.numel() < round_up(nbytes) and self._spare_user is None:
-                self._spare = None
+            if self._spare.nbytes < round_up(nbytes) and self._spare_user is None:
+                self._spare.release()
 
     def forget(self, record):
         """Before the record's bytes are rewritten (training): drops its fetch, so that the next start() reads the
@@ -328,15 +326,10 @@ class Fetcher:
             self._deferred = []
             if self.ring is not None:
                 self.ring.release_arena()
-            self._spare = None
+            self._spare.release()
 
 
 def view(fetch, slot):
     """The slot's tensor inside a fetched record (a copy only if the file put it at a misaligned offset)."""
     offset = fetch.record.offsets[slot] if fetch.device is None else fetch.record.device_layout()[0][slot]
-    raw = fetch.data[offset:offset + slot.nbytes]
-    if offset % slot.dtype.itemsize:
-        aligned = torch.empty(slot.shape, dtype=slot.dtype, device=raw.device)
-        aligned.view(-1).view(torch.uint8).copy_(raw)
-        return aligned
-    return raw.view(slot.dtype).view(slot.shape)
+    return slot_view(fetch.data, offset, slot)

@@ -5,6 +5,8 @@ tied weight gets a record of its own, shared by the units that use it). A record
 memory: on disk, its tensors' byte ranges are merged into spans read with single aligned requests (start rounded
 down, end rounded up to 4 KiB, so each is one O_DIRECT request straight into a 4 KiB-aligned pinned region).
 """
+import torch
+
 from ..core._align import ALIGN, round_up
 
 TENSOR_ALIGN = 64      # tensors packed by swapio start at 64-byte boundaries, like torch's own allocations
@@ -18,6 +20,21 @@ def read_end(data_end, file_size):
     the file; never before data_end, so a file that shrank since its header was read makes the read fail
     (ENODATA) instead of leaving bytes unread."""
     return max(data_end, min(round_up(data_end), file_size))
+
+
+def slot_view(buf, offset, slot, writable=False):
+    """The slot's tensor at byte `offset` of a record's memory `buf` (uint8, host or device): a view, or a copy
+    where the offset is misaligned for the slot's dtype (a checkpoint may put a tensor there; swapio packs its own
+    records at TENSOR_ALIGN). writable=True: the caller writes the new value into it, so a copy is refused."""
+    raw = buf[offset:offset + slot.nbytes]
+    if offset % slot.dtype.itemsize == 0:
+        return raw.view(slot.dtype).view(slot.shape)
+    if writable:
+        raise RuntimeError(f"the offloaded weight {slot.name!r} lies at byte {offset} of its record, misaligned for "
+                           f"{slot.dtype}: its new value cannot be written in place")
+    aligned = torch.empty(slot.shape, dtype=slot.dtype, device=raw.device)
+    aligned.view(-1).view(torch.uint8).copy_(raw)
+    return aligned
 
 
 class Record:
@@ -54,6 +71,10 @@ class Record:
                 end = at + slot.nbytes
             self._device = (key, (offsets, max(end, 1), runs))
         return self._device[1]
+
+    def view(self, buf, slot, writable=False):
+        """The slot's tensor in `buf`, this record's host memory (see slot_view)."""
+        return slot_view(buf, self.offsets[slot], slot, writable)
 
     def __repr__(self):
         return f"<Record {self.index}: {[s.name for s in self.slots]}, {self.nbytes} bytes>"

@@ -1,9 +1,10 @@
 """Trainable offloaded weights: the streamer's side (gradients out, new weights in).
 
 model.parameters() of an offloaded model yields each offloaded weight's meta placeholder, one object per weight
-(ties kept). A swapio optimizer built from them claims their slots (OffloadedParams in swapio.optim.offloaded):
-it keeps the fp32 master with the moments and rewrites the compute-dtype copy in the offload storage at every
-step (WeightStore below), so the next forward reads the new weights.
+(ties kept). An owner (a TrainableOwner, trainable.py: swapio.optim's OffloadedParams) claims their slots: it
+keeps the fp32 master with the moments and rewrites the compute-dtype copy in the offload storage at every step
+(weight_store.py), so the next forward reads the new weights. swapio.offload calls the owner only through
+TrainableOwner; the owner calls only Training's public methods below (the "for owners" section).
 
 Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
@@ -11,11 +12,17 @@ never outlives the call), the gradient is handed to the slot's owner and the lea
 counts, per slot, the leaves whose gradient has not arrived yet: at 0 the slot's gradient for this backward is
 complete, which is when an optimizer stepping in backward may update it. A trainable weight with no owner is a
 ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
+
+One gradient's path: autograd -> watch()'s hook -> _arrived -> owner.gradient (optim/offloaded.py: summed, or
+handed to the update worker) -> the owner's update: begin(record) -> the optimizer's kernel writes the new
+values into view(buf, slot) -> end(record, buf) -> the weight store writes the record (weight_store.py) -> the
+next forward fetches it (fetch.py).
 """
 import threading
 import weakref
 
-import torch
+from .trainable import TrainableOwner
+from .weight_store import current_value
 
 _by_placeholder = {}  # id(placeholder) -> (weakref to it, weakref to Training, slot); tensors compare by value
 OWNERS = "OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim)"
@@ -41,8 +48,8 @@ class Training:
 
     def __init__(self, streamer, store):
         self._streamer = weakref.ref(streamer)
-        self.store = store  # WeightStore: where the compute-dtype copies are rewritten
-        self.owners = {}    # slot -> weakref to the OffloadedParams that owns it
+        self._store = store  # WeightStore: where the compute-dtype copies are rewritten
+        self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
         self.pending = {}   # slot -> leaves made by forwards whose gradient has not arrived yet
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
@@ -65,8 +72,13 @@ class Training:
             if entry is not None and entry[1]() is self:
                 del _by_placeholder[id(slot.placeholder)]
 
-    # ---- ownership --------------------------------------------------------------------------------------------
+    # ---- for owners: ownership ------------------------------------------------------------------------------
     def claim(self, slot, owner):
+        """`owner` (a TrainableOwner) takes the gradients of `slot` and rewrites its weight. ValueError when another
+        owner has it."""
+        if not isinstance(owner, TrainableOwner):
+            raise TypeError(f"an owner of offloaded weights must be a swapio.offload.trainable.TrainableOwner, got "
+                            f"{type(owner).__name__}")
         with self.lock:
             current = self.owners.get(slot)
             current = current() if current is not None else None
@@ -76,26 +88,87 @@ class Training:
             self.owners[slot] = weakref.ref(owner)
 
     def release(self, owner):
+        """`owner` gives up every slot it claimed."""
         with self.lock:
             for slot in [s for s, o in self.owners.items() if o() is owner or o() is None]:
                 del self.owners[slot]
 
-    def owner_of(self, slot):
-        ref = self.owners.get(slot)
-        return ref() if ref is not None else None
+    @property
+    def attached(self):
+        """The model is still offloaded (not remove_offload()ed or dropped): its slots' weights are the owner's."""
+        return not self.closed and self.streamer is not None
 
+    def in_order(self, records):
+        """`records` in the order the streamer fetches them: the order rewrites begin in (see RecordTurns)."""
+        wanted = set(records)
+        return [r for r in self.streamer.records if r in wanted]
+
+    # ---- for owners: rewriting the weights ---------------------------------------------------------------------
+    def prepare(self, records, batch_bytes):
+        """Before the first update: the records move into storage swapio may write (weight_store.ensure_owned),
+        and the store's pinned pool may hold batch_bytes of records begun together."""
+        self._store.ensure_owned(records)
+        self._store.reserve(batch_bytes)
+
+    def begin(self, record, need_current):
+        """Starts rewriting `record`: its memory (uint8) to write the new values into, holding the current ones when
+        need_current. One rewrite of a record at a time: a second begin() waits for end() or abort()."""
+        return self._store.begin(record, need_current)
+
+    @staticmethod
+    def view(buf, slot):
+        """The tensor of `slot` inside its record's memory from begin(), to write its new value into."""
+        return slot.record.view(buf, slot, writable=True)
+
+    def end(self, record, buf, keep=()):
+        """Writes the record's new bytes (asynchronously: flush() waits). keep: slots whose bytes in buf were not
+        written (an update that failed before them) and must keep their old value."""
+        self._store.end(record, buf, keep=keep)
+
+    def abort(self, record):
+        """Gives a begin() up: the record keeps the bytes it had."""
+        self._store.abort(record)
+
+    def flush(self):
+        """Waits for the writes of ended rewrites; raises the first error."""
+        self._store.flush()
+
+    def current(self, slot):
+        """A CPU copy of the slot's value as the streamer reads it now."""
+        return current_value(self.streamer.fetcher, slot)
+
+    def pinned(self):
+        """{part: {"bytes": pinned now, "budget": the most it holds}} of the model's pinned memory: the weights'
+        ring, spare or pinned host copies (fetch.py) and the store's pool (weight_store.py)."""
+        return {**self.streamer.fetcher.pinned(), **self._store.pinned()}
+
+    @property
+    def on_cuda(self):
+        """The model computes on a CUDA device (its gradients arrive there)."""
+        return self.streamer.device.type == "cuda"
+
+    # ---- the streamer's side: calls to the owners --------------------------------------------------------------
     def settle(self):
         """Waits for the updates the owners run on their own threads (in_backward) before a forward reads weights."""
-        for owner in self.owners_alive():
+        for owner in self._owners_alive():
             owner.settle()
 
     def check_backward(self, record):
         """A backward needs the record's weights: RuntimeError from an owner that already updated it in this
         backward (in_backward=True: a second backward before step(), e.g. retain_graph=True)."""
-        for owner in self.owners_alive():
+        for owner in self._owners_alive():
             owner.check_backward(record)
 
-    def owners_alive(self):
+    def flush_owners(self):
+        """remove_offload: every owner finishes its updates and their writes (TrainableOwner.flush)."""
+        for owner in self._owners_alive():
+            owner.flush()
+
+    def _owner_of(self, slot):
+        ref = self.owners.get(slot)
+        return ref() if ref is not None else None
+
+    def _owners_alive(self):
         return {o for o in (r() for r in list(self.owners.values())) if o is not None}
 
     # ---- gradients --------------------------------------------------------------------------------------------
@@ -110,7 +183,7 @@ class Training:
         with self.lock:
             left = self.pending.get(slot, 1) - 1
             self.pending[slot] = max(left, 0)
-        owner = self.owner_of(slot)
+        owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
                              f"swapio optimizer owns it: build an {OWNERS} over model.parameters() to train it (a "

@@ -254,8 +254,7 @@ class DiskStore(RecordTurns):
                 old = torch.empty(record.nbytes, dtype=torch.uint8)
                 self.handle.pread(old[:length], path, offset).wait()
                 for slot in keep:
-                    at = record.offsets[slot]
-                    buf[at:at + slot.nbytes].copy_(old[at:at + slot.nbytes])
+                    record.view(buf, slot, writable=True).copy_(record.view(old, slot))
             future = self.handle.pwrite(buf[:length], path, offset)
         except BaseException:
             with self._lock:

@@ -17,7 +17,7 @@ import torch
 
 from ..core._align import round_up
 from ..core.handle import AioHandle
-from ..core.pinned import empty_pinned
+from ..core.pinned import GrowingBlock
 from .finish import finish_all
 from .params import FP32, shard
 
@@ -96,15 +96,12 @@ class FileGrads:
         # and for step()'s reads (arena 0 and 1: the next batch's sums are read while this one steps). Backward and
         # step() never overlap, so they share: gradients pin two buffers, each the larger of the largest sum and
         # the largest batch, whatever the model's depth.
-        self._buffers, self._pending, self._turn = [None, None], [None, None], 0  # _pending: (future, p)
+        self._buffers, self._pending, self._turn = [GrowingBlock(), GrowingBlock()], [None, None], 0  # _pending: (future, p)
         self.lost = set()   # sums whose write failed: neither the old nor the new, until dropped or zeroed
 
     def _sized(self, k, nbytes):
         """Buffer k, grown (replaced) to hold at least nbytes; nothing may read into or write from it now."""
-        if self._buffers[k] is None or self._buffers[k].numel() < nbytes:
-            self._buffers[k] = None
-            self._buffers[k] = empty_pinned(round_up(max(nbytes, 1)), torch.uint8)
-        return self._buffers[k]
+        return self._buffers[k].at_least(nbytes)
 
     def _buffer(self, nbytes):
         k = self._turn
@@ -231,4 +228,4 @@ class FileGrads:
         return self.end
 
     def pinned_bytes(self):
-        return sum(b.numel() for b in self._buffers if b is not None)
+        return sum(b.nbytes for b in self._buffers)

@@ -3,8 +3,9 @@
 Such a parameter is the weight's meta placeholder (what model.parameters() yields); the optimizer keeps its fp32
 master with the moments (state field "master", in RAM or in the swap file) and, after each update, writes the
 compute-dtype copy back into the offload storage, a record (a module's weights) at a time
-(swapio.offload.weight_store). Gradients arrive from the streamer's hooks (swapio.offload.training), off the
-execution device as soon as each module's backward produced them, and are either
+(swapio.offload.weight_store). OffloadedParams is the models' TrainableOwner (swapio.offload.trainable): the
+streamer's hooks hand it each gradient (swapio.offload.training), off the execution device as soon as each
+module's backward produced them, and it calls only the Training object's public methods. Gradients are either
   summed in fp32 (grad_store: RAM in cpu mode, a file beside the state in nvme mode) until step(), or,
   with in_backward=True, handed to a worker thread that updates each record as soon as all of its gradients are
   in, while backward goes on with earlier modules: the gradient is never stored. step() waits for that worker,
@@ -12,17 +13,17 @@ execution device as soon as each module's backward produced them, and are either
 Records are updated in batches (consecutive records, up to batch_bytes of gradients) so that the state pipeline
 flows from one record to the next; in backward, at most two batches' gradients wait for the worker, beyond
 that backward waits (memory stays bounded).
+The optimizer hands OffloadedParams what it needs of it, never itself: `step` (steps given weights in given memory,
+see OffloadOptimizer._step_offloaded) and its state dict (the step counts), as the state backends get theirs.
 """
 import threading
-import weakref
 
 import torch
 
 from ..core import cuda_copy
 from ..core._align import round_up
-from ..core.pinned import empty_pinned
+from ..offload.trainable import TrainableOwner
 from ..offload.training import lookup
-from ..offload.weight_store import current_value
 from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
@@ -30,44 +31,16 @@ from .params import FP32, MASTER
 from .worker import UpdateWorker
 
 
-_staging = {}  # CUDA device -> the pinned buffer gradients are copied into (one at a time: see to_host)
+class OffloadedParams(TrainableOwner):
+    """The offloaded weights one optimizer trains. step(params, grad_of, data_of): the optimizer steps `params`
+    with the gradients grad_of(p) into the compute-dtype memory data_of(p), all or nothing per parameter (raising
+    while an earlier failure left its state torn); state: the optimizer's state dict (set once it exists)."""
 
-
-def _reused(t):
-    return any(t.untyped_storage().data_ptr() == b.data_ptr() for b in _staging.values())
-
-
-def to_host(g):
-    """The gradient in host memory: a CPU gradient as it is; a CUDA one copied on the side copy stream into the
-    device's pinned staging buffer, after the compute stream's work that produced it, waiting for that copy
-    only (not the device). The result is a view of that buffer, valid until the next call: autograd runs a
-    device's hooks on one thread, and every caller consumes it (adds, copies) before returning."""
-    if g.device.type == "cpu":
-        return g
-    nbytes = g.numel() * g.element_size()
-    buf = _staging.get(g.device)
-    if buf is None or buf.numel() < nbytes:
-        _staging[g.device] = None
-        buf = _staging[g.device] = empty_pinned(max(nbytes, 1), torch.uint8)
-    host = buf[:nbytes].view(g.dtype).view(g.shape)
-    stream = cuda_copy.copy_stream(g.device, "to_host")
-    produced = torch.cuda.Event()
-    produced.record(torch.cuda.current_stream(g.device))
-    stream.wait_event(produced)
-    with torch.cuda.stream(stream):
-        host.copy_(g, non_blocking=True)
-    g.record_stream(stream)  # the caching allocator may not hand g's memory out before the copy ran
-    copied = torch.cuda.Event()
-    copied.record(stream)
-    copied.synchronize()  # this copy only; the buffer is reused by the next gradient
-    return host
-
-
-class OffloadedParams:
-    def __init__(self, opt, in_backward, batch_bytes):
+    def __init__(self, step, in_backward, batch_bytes):
         if not isinstance(in_backward, bool):
             raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
-        self._opt = weakref.ref(opt)
+        self.step = step
+        self.state = {}      # the optimizer's state dict: p -> {"step", ...}
         self.in_backward = in_backward
         self.entries = {}    # p -> (Training, slot)
         self.param_of = {}   # slot -> p
@@ -110,15 +83,14 @@ class OffloadedParams:
         if self.grads is None:
             self.grads = FileGrads(backend.directory, io_settings) if offload == "nvme" else RamGrads()
         for training, records in self._records().items():
-            training.store.ensure_owned(records)
-            training.store.reserve(self.batch_bytes)  # an update begins up to a batch of records at once
+            training.prepare(records, self.batch_bytes)  # an update begins up to a batch of records at once
 
     def _records(self):
         """{Training: its records holding a weight of this optimizer, in the streamer's order}."""
         out = {}
         for training, slot in self.entries.values():
             out.setdefault(training, set()).add(slot.record)
-        return {t: [r for r in t.streamer.records if r in rs] for t, rs in out.items() if t.streamer is not None}
+        return {t: ordered for t, rs in out.items() if (ordered := t.in_order(rs))}
 
     # ---- gradients (the backward thread) --------------------------------------------------------------------
     def gradient(self, slot, g, complete):
@@ -127,10 +99,10 @@ class OffloadedParams:
         arrival order, as autograd sums a leaf's inputs before accumulating them into .grad."""
         self._raise_error()
         p = self.param_of[slot]
-        g = to_host(g)
+        g = cuda_copy.to_host(g)
         with self.lock:
             part = self.parts.pop(p, None)
-            g = g.clone() if part is None and not complete and g.device.type == "cpu" and _reused(g) else g
+            g = g.clone() if part is None and not complete and g.device.type == "cpu" and cuda_copy.in_staging(g) else g
             g = g if part is None else part + g
             if not complete:
                 self.parts[p] = g
@@ -278,31 +250,31 @@ class OffloadedParams:
         """Steps this optimizer's weights in `records` (consecutive, of one model) with grads {p: fp32 gradient}
         in one pass of the state pipeline, and writes each record back; a record none of whose weights got
         stepped (an error before it) keeps its bytes."""
-        opt = self._opt()
-        opt._check_whole()  # an earlier update (in backward) failed half way: nothing more until a load
-        order = {r: i for i, r in enumerate(training.streamer.records)}  # the order stores take turns in
         plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads])
-                for r in sorted(records, key=order.__getitem__)]
+                for r in training.in_order(records)]  # the order rewrites take turns in
         plan = [(r, params) for r, params in plan if params]
-        steps = {p: _step_of(opt, p) for _, params in plan for p in params}
-        store, begun = training.store, []
+        steps = {p: self._step_of(p) for _, params in plan for p in params}
+        begun = []
         try:
             for record, params in plan:
                 need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
-                begun.append((record, store.begin(record, need_current), need_current, params))
-            data = {p: _slot_view(buf, record, self.entries[p][1]) for record, buf, _, params in begun
-                    for p in params}
-            opt._step_params([p for _, _, _, params in begun for p in params], grads.get, data.get)
+                begun.append((record, training.begin(record, need_current), need_current, params))
+            data = {p: training.view(buf, self.entries[p][1]) for record, buf, _, params in begun for p in params}
+            self.step([p for _, _, _, params in begun for p in params], grads.get, data.get)
         finally:
-            finish_all(lambda b=b: self._end(store, opt, steps, *b) for b in begun)
+            finish_all(lambda b=b: self._end(training, steps, *b) for b in begun)
 
-    def _end(self, store, opt, steps, record, buf, need_current, params):
-        stepped = {id(p) for p in params if _step_of(opt, p) != steps[p]}
+    def _end(self, training, steps, record, buf, need_current, params):
+        stepped = {id(p) for p in params if self._step_of(p) != steps[p]}
         if not stepped:
-            store.abort(record)
+            training.abort(record)
             return
         kept = [self.entries[p][1] for p in params if id(p) not in stepped]  # not stepped: the old bytes
-        store.end(record, buf, keep=kept if kept and not need_current else ())
+        training.end(record, buf, keep=kept if kept and not need_current else ())
+
+    def _step_of(self, p):
+        st = self.state.get(p)
+        return int(st["step"].item()) if st and "step" in st else 0
 
     def _batches(self, records, nbytes_of):
         """Consecutive runs of `records` holding up to batch_bytes (at least one record each)."""
@@ -337,7 +309,7 @@ class OffloadedParams:
         self._flush_parts()
         self.check_step()
         for training, slot in self.entries.values():
-            if training.closed or training.streamer is None:
+            if not training.attached:
                 raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
                                    "dropped): its weights are resident parameters now, which this optimizer does "
                                    "not own; build a new optimizer over model.parameters()")
@@ -368,7 +340,7 @@ class OffloadedParams:
                 finally:  # no read may still fill an arena when the error propagates
                     if not self.in_backward:
                         finish_all(r for r in reads if r is not None)
-                training.store.flush()
+                training.flush()
         finally:
             for training in self._records():
                 training.reset()
@@ -387,9 +359,10 @@ class OffloadedParams:
         return self.grads.norms(list(self.entries))
 
     def flush(self):
+        """Waits for the updates of the worker and the writes of the new weights (opt.save(), remove_offload)."""
         self.wait()
         for training in self._records():
-            training.store.flush()
+            training.flush()
 
     def zero_grad(self, set_to_none=True):
         """Drops every gradient; set_to_none=False zeroes the sums instead, as torch zeroes .grad (a step()
@@ -415,35 +388,35 @@ class OffloadedParams:
         for training in self._records():
             training.reset()
 
-    def rewrite_from_master(self):
+    def rewrite_from_master(self, read_state):
         """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest
-        even, as the kernels round), so the storage holds the weights the loaded state implies."""
-        opt = self._opt()
+        even, as the kernels round), so the storage holds the weights the loaded state implies. read_state(params,
+        sink): the optimizer's (OffloadOptimizer.read_state)."""
         self.wait()
         for training, records in self._records().items():
             for record in records:
                 owned = [self.param_of[s] for s in record.slots if s in self.param_of]
-                stateful = [p for p in owned if _step_of(opt, p) > 0]
+                stateful = [p for p in owned if self._step_of(p) > 0]
                 if not stateful:
                     continue
-                buf = training.store.begin(record, len(stateful) < len(record.slots))
+                buf = training.begin(record, len(stateful) < len(record.slots))
                 try:
-                    views = {p: _slot_view(buf, record, self.entries[p][1]).view(-1) for p in stateful}
+                    views = {p: training.view(buf, self.entries[p][1]).view(-1) for p in stateful}
 
                     def sink(p, a, b, fields, views=views):
                         views[p][a:b].copy_(fields[MASTER][:b - a])
 
-                    opt.read_state(stateful, sink)
+                    read_state(stateful, sink)
                 except BaseException:
-                    training.store.abort(record)  # the record keeps its bytes; a later load rewrites it
+                    training.abort(record)  # the record keeps its bytes; a later load rewrites it
                     raise
-                training.store.end(record, buf)
-            training.store.flush()
+                training.end(record, buf)
+            training.flush()
 
     def current(self, p):
         """p's compute-dtype value as the offload storage holds it (a CPU copy)."""
         training, slot = self.entries[p]
-        return current_value(training.streamer.fetcher, slot)
+        return training.current(slot)
 
     def grad_bytes(self):
         return self.grads.nbytes() if self.grads is not None else 0
@@ -465,14 +438,13 @@ class OffloadedParams:
                 owned = [self.param_of[s] for s in record.slots if s in self.param_of]
                 largest_grads = max(largest_grads, _batch_bytes(record, owned))
                 largest_weight = max([largest_weight] + [p.numel() * p.element_size() for p in owned])
-            for model_parts in (training.streamer.fetcher.pinned(), training.store.pinned()):
-                for name, part in model_parts.items():
-                    add(name, part["bytes"], part["budget"])
-            cuda = cuda or training.streamer.device.type == "cuda"
+            for name, part in training.pinned().items():
+                add(name, part["bytes"], part["budget"])
+            cuda = cuda or training.on_cuda
         if self.grads is not None:
             accumulating = isinstance(self.grads, FileGrads) and not self.in_backward
             add("grads", self.grads.pinned_bytes(), 2 * max(self.batch_bytes, largest_grads) if accumulating else 0)
-        staged = sum(b.numel() for b in _staging.values() if b is not None)
+        staged = cuda_copy.staging_bytes()
         if staged or cuda:  # one buffer per device, shared by every optimizer: the largest gradient copied so far
             add("grad_staging", staged, max(staged, largest_weight) if cuda else staged)
         return parts
@@ -499,7 +471,7 @@ def run_grad_hooks(p, g):
     hooks = p._backward_hooks
     if not hooks:
         return g
-    if _reused(g):
+    if cuda_copy.in_staging(g):
         g = g.clone()  # a hook may keep it: not a view of the staging buffer that the next gradient reuses
     for hook in list(hooks.values()):
         new = hook(g)
@@ -517,17 +489,7 @@ def run_post_accumulate_hooks(p):
         hook(p)
 
 
-def _step_of(opt, p):
-    st = opt.state.get(p)
-    return int(st["step"].item()) if st and "step" in st else 0
-
-
 def _batch_bytes(record, params):
     """What a record weighs in a batch: its params' fp32 gradients as read (4 KiB-aligned each), or its own bytes
     (the weight store's buffer) when larger; a batch holds up to batch_bytes of both."""
     return max(sum(round_up(4 * p.numel()) for p in params), record.nbytes)
-
-
-def _slot_view(buf, record, slot):
-    off = record.offsets[slot]
-    return buf[off:off + slot.nbytes].view(slot.dtype).view(slot.shape)

@@ -21,7 +21,7 @@ from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
 from . import checkpoint, state_dict_hooks, timing
 from .cpu_state import CpuState
-from .ctrl_c import DeferredSigint
+from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState
@@ -83,8 +83,10 @@ class OffloadOptimizer(Optimizer):
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
-        # each)
-        self._offloaded = OffloadedParams(self, in_backward, budget.batch_bytes)
+        # each). Held weakly, as for GpuInBackward: the models' hooks reach OffloadedParams, which must not keep the
+        # optimizer alive.
+        step_offloaded = weakref.WeakMethod(self._step_offloaded)
+        self._offloaded = OffloadedParams(lambda *args: step_offloaded()(*args), in_backward, budget.batch_bytes)
         # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
         # its buffers, so its gradients come over segment by segment in step())
         self._grad_copies = GradCopies() if offload == "cpu" else None
@@ -99,6 +101,7 @@ class OffloadOptimizer(Optimizer):
         state_dict_hooks.register(self)
         if self._gpu_in_backward is not None:
             self._gpu_in_backward.state = self.state
+        self._offloaded.state = self.state
         fmt = self._rule.format
         # The backends get the format, the state dict and their budget, never the optimizer: no cycle, so
         # dropping the optimizer frees its files at once. self.state stays this dict object (__setstate__).
@@ -227,6 +230,12 @@ class OffloadOptimizer(Optimizer):
         done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
         self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
         return loss
+
+    def _step_offloaded(self, params, grad_of, data_of):
+        """OffloadedParams' updates (in step(), or on its worker during backward): offloaded weights stepped into
+        the memory data_of(p) gives, the compute-dtype copy their record is rewritten from."""
+        self._check_whole()  # an earlier update (in backward) failed half way: nothing more until a load
+        self._step_params(params, grad_of, data_of)
 
     def _step_in_backward(self, params, copies):
         """GpuInBackward's worker: steps GPU parameters whose gradients are complete, during backward."""
@@ -435,7 +444,7 @@ class OffloadOptimizer(Optimizer):
         def commit():
             self.__setstate__({"state": state, "param_groups": groups})
             self._torn = set()
-            self._offloaded.rewrite_from_master()  # the offload storage holds the weights the state implies
+            self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 
         self._backend.fill(entries, source, placement, state, check, commit)
 

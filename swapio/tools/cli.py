@@ -320,7 +320,7 @@ def _run_bench(args):
 
 
 def _run_tune(args):
-    from . import tune
+    from . import tune, tune_report
     if args.output is None:  # next to the disk it describes, where `swapio plan --disk DIR` looks for it
         args.output = os.path.join(args.directory or ".", tune.CONFIG_NAME)
     if args.directory is not None:
@@ -328,7 +328,7 @@ def _run_tune(args):
     _check_output_path(args.output)
     if args.plot:
         _check_output_path(args.plot, "--plot")
-        tune.require_matplotlib()
+        tune_report.require_matplotlib()
     cfg = tune.TuneConfig(directory=args.directory, size=args.size, ops=tuple(args.rw),
                           engines=tuple(args.engines) if args.engines else None,
                           block_sizes=tuple(args.block_sizes) if args.block_sizes else tune.BLOCK_SIZES,
@@ -339,12 +339,12 @@ def _run_tune(args):
     result = tune.run_tune(cfg, log=_note(args))
     tune.write_config(result, args.output)
     if args.plot:
-        tune.plot(result, args.plot)
+        tune_report.plot(result, args.plot)
     if args.json:
         print(json.dumps(result.json(), indent=2))
         _note(args)(f"wrote {os.path.abspath(args.output)}")
     else:
-        print(tune.summary(result, os.path.abspath(args.output), args.plot))
+        print(tune_report.summary(result, os.path.abspath(args.output), args.plot))
     return 0
 
 
@@ -353,7 +353,7 @@ def _run_demo(args):
     _check_directory(args.directory, "--dir")
     if args.plot:
         _check_output_path(args.plot, "--plot")
-        from .tune import require_matplotlib
+        from .tune_report import require_matplotlib
         require_matplotlib()
     cfg = demo.DemoConfig(steps=args.steps, layers=args.layers, width=args.width, heads=args.heads,
                           context=args.context, batch=args.batch, lr=args.lr, log_every=args.log_every,
