@@ -5,7 +5,7 @@ tensor swap handles, a SIMD CPU Adam kernel, offloaded optimizers and parameter 
 """
 import sys
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 try:
     from . import _C  # noqa: E402  (the native core; built by `pip install .`)

@@ -7,7 +7,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _C, __version__
+from . import _C
+from ._version import __version__
 from .kernels import ops
 from .core._errors import StrPath
 

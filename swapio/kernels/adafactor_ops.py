@@ -20,13 +20,11 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _C
+from ._args import GRAD_DTYPES, capability_arg, check_flat, check_tensor, out_code, ptr, threads_arg
 from ._hyper import check_adafactor_hyper, check_step
 
 __all__ = ["adafactor_step_", "adafactor_step_reference_", "factored_dims"]
 
-_CODES = _C.ADAM_DTYPE_CODES
-_GRAD_DTYPES = {torch.float32: _CODES["float32"], torch.bfloat16: _CODES["bfloat16"],
-                torch.float16: _CODES["float16"]}
 EPS1_DEFAULT = torch.finfo(torch.float32).eps  # torch's eps1=None for the float32 the step computes in
 Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a one-element tensor
 Step = Union[int, torch.Tensor]
@@ -41,15 +39,14 @@ def factored_dims(shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
 
 
 def _check(param, grad, row_var, col_var, variance, shape, param_out):
-    from .ops import _check_flat, _check_tensor  # the shared checks of flat CPU buffers
-    _check_tensor("param", param)
-    _check_tensor("grad", grad)
+    check_tensor("param", param)
+    check_tensor("grad", grad)
     n = param.numel()
     if math.prod(tuple(shape)) != n:
         raise ValueError(f"shape {tuple(shape)} does not hold param's {n} elements")
-    _check_flat("param", param, n, torch.float32)
-    _check_flat("grad", grad, n)
-    if grad.dtype not in _GRAD_DTYPES:
+    check_flat("param", param, n, torch.float32)
+    check_flat("grad", grad, n)
+    if grad.dtype not in GRAD_DTYPES:
         raise ValueError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     dims = factored_dims(shape)
     if dims is not None:
@@ -58,20 +55,16 @@ def _check(param, grad, row_var, col_var, variance, shape, param_out):
             if t is None:
                 raise ValueError(f"a parameter of shape {tuple(shape)} keeps row_var and col_var (factored); "
                                  f"{name} is missing")
-            _check_flat(name, _check_tensor(name, t), count, torch.float32)
+            check_flat(name, check_tensor(name, t), count, torch.float32)
     else:
         if variance is None:
             raise ValueError(f"a parameter of shape {tuple(shape)} keeps variance (not factored); it is missing")
-        _check_flat("variance", _check_tensor("variance", variance), n, torch.float32)
+        check_flat("variance", check_tensor("variance", variance), n, torch.float32)
     if param_out is not None:
-        _check_flat("param_out", _check_tensor("param_out", param_out), n)
-        if param_out.dtype not in _GRAD_DTYPES:
+        check_flat("param_out", check_tensor("param_out", param_out), n)
+        if param_out.dtype not in GRAD_DTYPES:
             raise ValueError(f"param_out must be bfloat16, float16 or float32, got {param_out.dtype}")
     return dims
-
-
-def _ptr(t):
-    return 0 if t is None else t.data_ptr()
 
 
 def adafactor_step_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[int],
@@ -87,21 +80,20 @@ def adafactor_step_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[
     (two or more dimensions: numel/shape[-1] and numel/shape[-2] elements) or variance (fewer: numel), fp32,
     read and updated. step: the step being taken, counting from 1. eps1=None: float32's machine epsilon.
     param_out, threads, capability: as for adam_step_. Returns param."""
-    from .ops import _capability, _out_code, _threads
     dims = _check(param, grad, row_var, col_var, variance, shape, param_out)
     step = check_step(step)
     lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(lr, beta2_decay, (eps1, eps2), d,
                                                                          weight_decay)
-    threads, capability = _threads(threads), _capability(capability)
+    threads, capability = threads_arg(threads), capability_arg(capability)
     n = param.numel()
     if n == 0:
         return param
     b, r, c = dims if dims is not None else (1, 1, n)
-    _C.adafactor_step(param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], _ptr(row_var), _ptr(col_var),
-                      _ptr(variance), n, factored=dims is not None, batches=b, rows=r, cols=c, step=step, lr=lr,
+    _C.adafactor_step(param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], ptr(row_var), ptr(col_var),
+                      ptr(variance), n, factored=dims is not None, batches=b, rows=r, cols=c, step=step, lr=lr,
                       beta2_decay=beta2_decay, eps1=EPS1_DEFAULT if eps1 is None else eps1, eps2=eps2, d=d,
-                      weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
-                      out_dtype=_out_code(param_out), threads=threads, capability=capability)
+                      weight_decay=weight_decay, maximize=bool(maximize), param_out=ptr(param_out),
+                      out_dtype=out_code(param_out), threads=threads, capability=capability)
     return param
 
 

@@ -27,6 +27,8 @@ import torch
 
 from .. import _C
 from . import quant
+from ._args import (CODES, GRAD_DTYPES, LEVELS, OUT_DTYPES, capability_arg, check_flat, check_tensor,
+                    out_code, ptr, threads_arg)
 from ..core._errors import SwapioWarning
 from ._hyper import check_adam_hyper, check_lion_hyper, check_step
 
@@ -37,12 +39,7 @@ OptTensor = Optional[torch.Tensor]
 __all__ = ["adam_step_", "adam_step_reference_", "lion_step_", "lion_step_reference_", "adafactor_step_",
            "adafactor_step_reference_", "cpu_capability", "cpu_capabilities"]
 
-_CODES = _C.ADAM_DTYPE_CODES
-_GRAD_DTYPES = {torch.float32: _CODES["float32"], torch.bfloat16: _CODES["bfloat16"],
-                torch.float16: _CODES["float16"]}
-_OUT_DTYPES = _GRAD_DTYPES
 _STATES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}  # moment dtype -> state type
-_LEVELS = ("scalar", "avx2", "avx512")
 _warned_capability = False
 
 
@@ -68,38 +65,19 @@ def cpu_capabilities() -> List[str]:
     return list(_C.adam_capability_info()["supported"])
 
 
-def _check_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_flat(name, t, n, dtype=None):
-    if t.layout is not torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
-    if not t.is_cpu:
-        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.numel() != n:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {n}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-
-
 def _check_buffers(param, grad, moments, param_out):
     """Checks param, grad, the moments ((name, tensor, scale), ...) and param_out; returns the state type."""
-    _check_tensor("param", param)
-    _check_tensor("grad", grad)
+    check_tensor("param", param)
+    check_tensor("grad", grad)
     n = param.numel()
-    _check_flat("param", param, n, torch.float32)
-    _check_flat("grad", grad, n)
-    if grad.dtype not in _GRAD_DTYPES:
+    check_flat("param", param, n, torch.float32)
+    check_flat("grad", grad, n)
+    if grad.dtype not in GRAD_DTYPES:
         raise ValueError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     state = None
     for name, t, scale in moments:
-        _check_tensor(name, t)
-        _check_flat(name, t, n)
+        check_tensor(name, t)
+        check_flat(name, t, n)
         kind = _STATES.get(t.dtype)
         if kind is None:
             raise ValueError(f"{name} must be float32, bfloat16 or uint8 (int8 codes), got {t.dtype}")
@@ -109,32 +87,12 @@ def _check_buffers(param, grad, moments, param_out):
         if kind == "int8":
             if scale is None:
                 raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
-            _check_flat(f"{name}_scale", _check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
+            check_flat(f"{name}_scale", check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
     if param_out is not None:
-        _check_flat("param_out", _check_tensor("param_out", param_out), n)
-        if param_out.dtype not in _OUT_DTYPES:
+        check_flat("param_out", check_tensor("param_out", param_out), n)
+        if param_out.dtype not in OUT_DTYPES:
             raise ValueError(f"param_out must be bfloat16, float16 or float32, got {param_out.dtype}")
     return state
-
-
-def _threads(threads):
-    if threads is None or threads == 0:
-        return int(min(torch.get_num_threads(), 1024))
-    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
-        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
-    if threads < 0:
-        raise ValueError(f"threads must be >= 0, got {threads}")
-    return int(min(threads, 1024))
-
-
-def _capability(capability):
-    if capability is None:
-        return ""
-    if not isinstance(capability, str):
-        raise TypeError(f"capability must be a str or None, got {type(capability).__name__}")
-    if capability.lower() not in _LEVELS:
-        raise ValueError(f"capability must be one of {_LEVELS}, got {capability!r}")
-    return capability
 
 
 def _seed(seed):
@@ -147,14 +105,6 @@ def _index_base(index_base):
     if isinstance(index_base, bool) or not isinstance(index_base, numbers.Integral) or index_base < 0:
         raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
     return int(index_base)
-
-
-def _ptr(t):
-    return 0 if t is None else t.data_ptr()
-
-
-def _out_code(param_out):
-    return _CODES["none"] if param_out is None else _OUT_DTYPES[param_out.dtype]
 
 
 def _count(nonfinite, found):
@@ -193,28 +143,28 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
             raise ValueError("amsgrad=True needs max_exp_avg_sq")
         if state != "fp32":
             raise ValueError(f"amsgrad needs float32 moments, got {exp_avg.dtype}")
-        _check_flat("max_exp_avg_sq", _check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
+        check_flat("max_exp_avg_sq", check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
     step = check_step(step)
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
-    threads, capability = _threads(threads), _capability(capability)
+    threads, capability = threads_arg(threads), capability_arg(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
     if n == 0:
         return param
     if state != "fp32":
         found = _C.adam_step_state(
-            param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale),
-            exp_avg_sq.data_ptr(), _ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
+            param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), ptr(exp_avg_scale),
+            exp_avg_sq.data_ptr(), ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
             index_base=index_base, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=_ptr(param_out),
-            out_dtype=_out_code(param_out), threads=threads, capability=capability)
+            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=ptr(param_out),
+            out_dtype=out_code(param_out), threads=threads, capability=capability)
         _count(nonfinite, found)
         return param
     _C.adam_step(
-        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+        param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
-        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=_ptr(max_exp_avg_sq) if amsgrad else 0,
-        param_out=_ptr(param_out), out_dtype=_out_code(param_out), threads=threads, capability=capability)
+        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=ptr(max_exp_avg_sq) if amsgrad else 0,
+        param_out=ptr(param_out), out_dtype=out_code(param_out), threads=threads, capability=capability)
     return param
 
 
@@ -234,16 +184,16 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     state = _check_buffers(param, grad, (("exp_avg", exp_avg, exp_avg_scale),), param_out)
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
-    threads, capability = _threads(threads), _capability(capability)
+    threads, capability = threads_arg(threads), capability_arg(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
     if n == 0:
         return param
     found = _C.lion_step(
-        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale), n,
+        param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), ptr(exp_avg_scale), n,
         state=_C.STATE_CODES[state], seed=seed, index_base=index_base, step=step, lr=lr,
-        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
-        out_dtype=_out_code(param_out), threads=threads, capability=capability)
+        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=ptr(param_out),
+        out_dtype=out_code(param_out), threads=threads, capability=capability)
     _count(nonfinite, found)
     return param
 
@@ -331,11 +281,11 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
             param_out.copy_(param.reshape(param_out.shape))
         return param
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check_tensor(name, t)
+        check_tensor(name, t)
     if amsgrad and max_exp_avg_sq is None:
         raise ValueError("amsgrad=True needs max_exp_avg_sq")
     if param_out is not None:
-        _check_tensor("param_out", param_out)
+        check_tensor("param_out", param_out)
     n = param.numel()
     sized: Tuple[Tuple[str, OptTensor], ...] = (
         ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),

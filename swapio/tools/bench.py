@@ -11,7 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import __version__, _C
+from .. import _C
+from .._version import __version__
 from ..core.handle import AioHandle
 from . import fiocompare, loadgen, report
 from .errors import ToolError, UsageError, VerifyError  # noqa: F401  (VerifyError: what --verify raises)

@@ -257,7 +257,7 @@ def _info_parser(sub):
 def build_parser():
     p = _Parser(prog="swapio", description="swapio: fast tensor swapping between memory and NVMe.",
                 allow_abbrev=False)
-    from .. import __version__
+    from .._version import __version__
     p.add_argument("--version", action="version", version=f"swapio {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{demo,plan,bench,tune,info}")
     _demo_parser(sub)

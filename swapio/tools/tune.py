@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 
 
-from .. import __version__, _C, _progress
+from .. import _C, _progress
+from .._version import __version__
 from ..core.handle import AioHandle
 from . import loadgen, report
 from .errors import ToolError, UsageError
