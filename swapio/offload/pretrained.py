@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .safetensors_format import open_checkpoint
+from ..safetensors.opened import open_checkpoint
 
 
 def _checkpoint_dtype(locations):
