@@ -20,15 +20,12 @@ import torch
 from .. import _progress
 from ..core import _durable
 from ..safetensors import writer
+from ..safetensors.dtypes import dtype_name
 from ..safetensors.header import MAX_HEADER, Location, strict_json
 
 from .dir_owner import DATA_PREFIX, DATA_SUFFIX, INDEX, remove_leftovers
 FORMAT, VERSION = "swapio.offload", 1
 CHUNK = 64 << 20
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
 
 
 def _reserve(path, nbytes):
@@ -62,7 +59,7 @@ def write(directory, records, source_of, handle, chunk=None, claim=None, progres
             offset = end + record.offsets[slot]
             locations[slot] = (data_path, offset, slot.nbytes)
             entries[slot.name] = {"names": slot.names, "offset": offset, "nbytes": slot.nbytes,
-                                  "dtype": _dtype_name(slot.dtype), "shape": list(slot.shape)}
+                                  "dtype": dtype_name(slot.dtype), "shape": list(slot.shape)}
         end += record.nbytes
     temporary = (tmp_data, tmp_index)
     if claim is not None:
