@@ -32,7 +32,7 @@ from .files import FILE, FORMAT, LEGACY, LEGACY_META, VERSION, regular
 from .legacy import read_legacy_meta
 from .reader import read_meta_v4
 from .restore import restore
-from .writer import write
+from .writer import write_file
 
 __all__ = ["FILE", "FORMAT", "LEGACY_META", "VERSION", "load", "read_meta", "save"]
 
@@ -41,7 +41,7 @@ def save(opt, path, progress=False):
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     with dir_lock.locked(path, exclusive=True):
-        write(opt, path, progress)
+        write_file(opt, path, progress)
         # the files this checkpoint replaced: the previous one (unlinked by a helper thread), a version <= 3 one
         commit.wait_for_unlinks()
         _durable.discard(os.path.join(path, LEGACY_META))

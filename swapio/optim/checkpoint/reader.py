@@ -16,8 +16,8 @@ from .files import FILE, FORMAT
 def read_meta_v4(file):
     """read_meta's form of the version 4 checkpoint file `file` (ValueError naming the first problem)."""
     structure = locate(file)
-    meta = meta_of(structure, file)
-    check_arrays(structure["state"], meta, file)  # first: the checks of offsets take these sizes as given
+    meta = _meta_of(structure, file)
+    _check_arrays(structure["state"], meta, file)  # first: the checks of offsets take these sizes as given
     return meta
 
 
@@ -44,7 +44,7 @@ def _checksum_value(text):
         else text
 
 
-def meta_of(structure, file):
+def _meta_of(structure, file):
     """read_meta's form of a version 4 file's structure (each array's Location in its place)."""
     if not isinstance(structure, dict) or structure.get("format") != FORMAT:
         raise ValueError(f"{file} is not a swapio optimizer checkpoint")
@@ -119,12 +119,12 @@ def _read_small(loc, where):
         else torch.empty(tuple(loc.shape), dtype=loc.dtype)
 
 
-def check_arrays(state, meta, file):
+def _check_arrays(state, meta, file):
     """Each array is stored with the dtype and shape its field has in the checkpoint's state_dtype (the header's
     byte ranges are the reader's: whole, inside the file, not overlapping)."""
     fmt = StateFormat(meta.get("state_dtype", "fp32"))
     for k, saved in state.items():
-        numel, shape = meta["state"][k]["numel"], meta["state"][k]["shape"]
+        shape = meta["state"][k]["shape"]
         if shape is None:
             continue  # no moment: validate.checkpoint_meta refuses it
         for name in meta["state"][k]["fields"]:

@@ -57,7 +57,7 @@ def _finish_header(plan, structure, streams):
     plan.header.copy_(final.header)
 
 
-def write(opt, path, progress=False):
+def write_file(opt, path, progress=False):
     """Writes and commits opt's checkpoint file in the directory `path` (see the module)."""
     structure, slots, stateful, index = _structure(opt)
     plan = plan_state(structure, placeholders=True)
