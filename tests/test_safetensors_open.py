@@ -77,3 +77,16 @@ def test_a_sharded_load_reads_the_header_of_its_rank_file_once(tmp_path, opens):
     opens.clear()
     assert torch.equal(swapio.checkpoint.load(directory)["w"], torch.arange(10.0))
     assert opens.get(str(rank_file)) == 1
+
+
+def test_from_pretrained_reads_the_header_of_the_checkpoint_once(tmp_path, opens):
+    """It reads the stored dtype and offloads from the same parse (it parsed the header twice)."""
+    import hf_tiny
+    from swapio.offload import from_pretrained
+    hf_tiny.save("llama", tmp_path)
+    opens.clear()
+    model = from_pretrained(hf_tiny.arch("llama")[1], tmp_path)
+    assert opens.get(str(tmp_path / "model.safetensors")) == 1
+    reference = hf_tiny.arch("llama")[1].from_pretrained(tmp_path).eval()
+    got, want = hf_tiny.run(model), hf_tiny.run(reference)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -13,7 +13,9 @@ from .header import parse_header
 class SafetensorsCheckpoint(Mapping):
     """{tensor name: Location} of a checkpoint (a read-only mapping), with `path` (as given), `files` (its
     .safetensors files), `weight_map` (the index's {name: file}; None without an index) and `metadata` (the
-    __metadata__ of a checkpoint held in one file; {} for one sharded over several)."""
+    __metadata__ of a checkpoint held in one file; {} for one sharded over several). It is path-like (its path),
+    so that a caller that parsed the headers already hands the result on where a checkpoint path is taken
+    (open_checkpoint returns it as it is)."""
 
     def __init__(self, path, files, weight_map, locations, metadata):
         self.path, self.files, self.weight_map = path, files, weight_map
@@ -28,13 +30,19 @@ class SafetensorsCheckpoint(Mapping):
     def __len__(self):
         return len(self._locations)
 
+    def __fspath__(self):
+        return self.path
+
     def __repr__(self):
         return f"SafetensorsCheckpoint({self.path!r}: {len(self)} tensors in {len(self.files)} file(s))"
 
 
 def open_checkpoint(checkpoint):
     """The SafetensorsCheckpoint of a path (a .safetensors file, a save_pretrained directory or a sharded index);
-    ValueError naming the file (and the tensor) on any defect of a header or of the index."""
+    ValueError naming the file (and the tensor) on any defect of a header or of the index. An opened checkpoint is
+    returned as it is (no header is read again)."""
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        return checkpoint
     files, weight_map = checkpoint_files(checkpoint)
     locations, metadata = {}, {}
     for path in files:
