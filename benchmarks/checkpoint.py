@@ -39,7 +39,7 @@ import torch
 
 import swapio
 import swapio.checkpoint as ckpt
-from swapio.checkpoint.buffers import new_handle
+from swapio.safetensors.buffers import new_handle
 from swapio.tools.report import parse_size
 
 MiB = 1 << 20

@@ -5,9 +5,10 @@ A bar is shown when asked (`progress=True`: the command's `--progress`, or SWAPI
 terminal. A bar redraws itself with carriage returns, which turn a log file or a CI transcript into noise, so
 output that nobody watches live gets none unless asked for.
 """
+import contextlib
 import os
 import sys
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 ENV = "SWAPIO_PROGRESS"
 _YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -40,3 +41,15 @@ def bar(progress: Optional[bool] = None, **tqdm_kwargs: Any) -> Any:
         return None
     tqdm_kwargs.setdefault("file", sys.stderr)
     return tqdm(**tqdm_kwargs)
+
+
+@contextlib.contextmanager
+def byte_bar(progress: Optional[bool], total: int, desc: str) -> Iterator[Any]:
+    """bar() of `total` bytes (shown in KiB, MiB, ...) for the block, closed on leaving it; None when no bar is
+    wanted."""
+    shown = bar(progress, total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    try:
+        yield shown
+    finally:
+        if shown is not None:
+            shown.close()

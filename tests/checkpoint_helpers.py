@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from swapio.checkpoint import commit
+from swapio.safetensors import commit
 
 
 def training_state(seed=0, width=24):

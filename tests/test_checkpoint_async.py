@@ -41,7 +41,7 @@ def test_async_save_returns_a_swapio_future(tmp_path):
 def test_a_second_async_save_queues_behind_the_first(tmp_path, monkeypatch):
     """The first save's write is held until the second was submitted: the second must still land last."""
     import importlib
-    writer = importlib.import_module("swapio.checkpoint.writer")
+    writer = importlib.import_module("swapio.safetensors.writer")
     release = threading.Event()
     real = writer.write
     first = []
@@ -79,7 +79,7 @@ def test_wait_raises_the_error_of_a_failed_background_write(small_ext4_dir):
 def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one(tmp_path):
     """Each save reuses the last one's staging and capture memory: every file must still hold its own state."""
     import safetensors.torch as st
-    from swapio.checkpoint import buffers
+    from swapio.safetensors import buffers
     g = torch.Generator().manual_seed(7)
     states = [{"w": torch.randn(700_000, generator=g), "v": torch.randn(123_457, generator=g).bfloat16()}
               for _ in range(3)]
@@ -98,7 +98,7 @@ def test_kept_buffers_are_reused_and_never_leak_an_earlier_save_into_a_later_one
 def test_a_save_after_an_async_save_to_the_same_path_lands_last(tmp_path, monkeypatch):
     """save(B) called after async_save(A) must win even while A's write is still queued (no data loss)."""
     import importlib
-    writer = importlib.import_module("swapio.checkpoint.writer")
+    writer = importlib.import_module("swapio.safetensors.writer")
     real = writer.write
     first = []
 
@@ -121,7 +121,7 @@ def test_a_save_after_an_async_save_to_the_same_path_lands_last(tmp_path, monkey
 def test_at_most_one_capture_waits_behind_the_save_being_written(tmp_path, monkeypatch):
     """A third async_save while one is written and one waits blocks until the first is done (bounded memory)."""
     import importlib
-    writer = importlib.import_module("swapio.checkpoint.writer")
+    writer = importlib.import_module("swapio.safetensors.writer")
     release = threading.Event()
     real = writer.write
 
@@ -147,7 +147,7 @@ def test_at_most_one_capture_waits_behind_the_save_being_written(tmp_path, monke
 def test_a_capture_holds_about_the_file_not_a_window_more(tmp_path):
     """The pinned block of an async_save's image is at most the file's size (a 64 MiB + header file once took a
     128 MiB block: 2x the state)."""
-    from swapio.checkpoint import buffers
+    from swapio.safetensors import buffers
     swapio.checkpoint.release_buffers()
     size = swapio.checkpoint.async_save({"v": torch.zeros(16 * MiB)}, tmp_path / "c.safetensors").wait(timeout=60)
     held = sum(t.numel() for t in buffers._spare.values())
@@ -158,7 +158,7 @@ def test_a_capture_holds_about_the_file_not_a_window_more(tmp_path):
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
 def test_a_failed_commit_names_the_checkpoint_not_the_temporary_file(tmp_path, monkeypatch, asynchronous):
     """The path becomes a directory between the call and the commit (the rename fails with EISDIR)."""
-    from swapio.checkpoint import commit
+    from swapio.safetensors import commit
     path = tmp_path / "c.safetensors"
     real = commit.PendingFile.commit
 

@@ -17,7 +17,7 @@ from checkpoint_crash_child import loaded_k, saver, uniform_state
 from checkpoint_helpers import leftovers
 from crash_helpers import kill_while_saving
 from conftest import REPO
-from swapio.checkpoint.commit import PendingFile, reclaim
+from swapio.safetensors.commit import PendingFile, reclaim
 
 ITERATIONS = 32
 

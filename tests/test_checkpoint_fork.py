@@ -12,7 +12,7 @@ from checkpoint_helpers import assert_same, leftovers
 from conftest import TIMEOUT
 from fork_helpers import run_in_child
 
-writer = importlib.import_module("swapio.checkpoint.writer")
+writer = importlib.import_module("swapio.safetensors.writer")
 
 
 def state(k):

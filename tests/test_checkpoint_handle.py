@@ -12,7 +12,7 @@ import torch
 import swapio
 import swapio.checkpoint as ckpt
 
-buffers = importlib.import_module("swapio.checkpoint.buffers")
+buffers = importlib.import_module("swapio.safetensors.buffers")
 load_module = importlib.import_module("swapio.checkpoint.load")
 
 

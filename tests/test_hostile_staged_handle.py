@@ -24,7 +24,7 @@ from swapio import _C
 
 from conftest import ENGINE_PARAMS, TIMEOUT
 
-buffers = importlib.import_module("swapio.checkpoint.buffers")
+buffers = importlib.import_module("swapio.safetensors.buffers")
 background = importlib.import_module("swapio.checkpoint.background")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -351,7 +351,7 @@ def test_pin_interrupted_loads_and_saves_leave_no_handle_or_bounce_memory(tmp_pa
     """PIN: KeyboardInterrupt inside load / save closes the kept handle; later calls work; after
     release_buffers no bounce or pinned memory is held and no worker thread is left."""
     load_module = importlib.import_module("swapio.checkpoint.load")
-    writer = importlib.import_module("swapio.checkpoint.writer")
+    writer = importlib.import_module("swapio.safetensors.writer")
     state = {f"t{i}": torch.randn(MiB // 2) for i in range(4)}
     state["small"] = torch.randn(10)
     path = tmp_path / "a.safetensors"

@@ -11,7 +11,7 @@ import torch
 
 from swapio.offload import disk_offload, load_file, remove_offload
 from swapio.offload import api as offload_api
-from swapio.offload import load as load_module
+from swapio.safetensors import reader as load_module
 from swapio.offload.api import _offloaded
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

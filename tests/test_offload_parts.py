@@ -7,7 +7,7 @@ import torch
 
 from swapio.offload.layout import ALIGN, MERGE_GAP, Record, place_on_disk
 from swapio.offload.ring import PinnedRing
-from swapio.offload.safetensors_format import open_checkpoint
+from swapio.safetensors import open_checkpoint
 from swapio.offload.schedule import Schedule
 from swapio.offload.units import Slot
 

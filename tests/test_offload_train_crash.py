@@ -84,7 +84,7 @@ KILLS = [
     "swapio.offload.training.Training._arrived:16",           # mid-backward of step 3 (6 gradients a backward)
     "swapio.offload.weight_store.DiskStore.begin:8",          # mid-step of step 3, between modules
     "swapio.offload.weight_store.DiskStore.end:9",            # step 3's last weight write
-    "swapio.checkpoint.commit.PendingFile.commit:3",          # the save after step 4, written, not committed
+    "swapio.safetensors.commit.PendingFile.commit:3",          # the save after step 4, written, not committed
 ]
 
 

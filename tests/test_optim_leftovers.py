@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swapio.checkpoint import commit
+from swapio.safetensors import commit
 from swapio.optim import checkpoint
 from fork_helpers import forkserver, run_child  # noqa: F401
 from resume_helpers import make_opt, make_params, train

@@ -5,13 +5,14 @@
     swapio.checkpoint.load(path, out={"model": model.state_dict(), ...})   # in place, no second copy
     fut = swapio.checkpoint.async_save(state, path); ...; fut.wait()
 
-See docs/checkpoint.md. Modules: structure (nesting <-> named tensors), dtypes, layout (the padded safetensors
-header), writer (the streaming O_DIRECT writer), commit (temporary file, lock, atomic publish), save, capture
-and background (async_save), load, sharded (torch.distributed).
+See docs/checkpoint.md. It sits on swapio.safetensors (the format: header, reader, layout, the streaming writer,
+commit). Modules: structure (nesting <-> named tensors), format (the structure in the header, the plan of a
+state's file), save (one file), capture and background (async_save), load (one file back), sharded
+(torch.distributed), api (save and load as called: the distributed dispatch).
 """
-from .buffers import release_buffers
-from .load import load
-from .save import DEFAULT_STAGING, save
+from ..safetensors.buffers import release_buffers
+from ..safetensors.file_writer import DEFAULT_STAGING
+from .api import load, save
 from .save_async import async_save
 
 __all__ = ["DEFAULT_STAGING", "async_save", "load", "release_buffers", "save"]

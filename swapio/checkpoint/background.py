@@ -8,7 +8,7 @@ save forever. Their futures tell a child that waits on them that the save is the
 import os
 import threading
 
-from ..core._threads import start_shielded
+from ..core._signals import start_shielded
 from ..core.futures import Future
 
 _lock = threading.Lock()

@@ -15,10 +15,10 @@ import threading
 import torch
 
 from .. import _C
-from ..core._threads import start_shielded
+from ..core._signals import start_shielded
 from ..core.tensors import cpu_memory
-from . import writer
-from .bytes_of import flat_bytes, place
+from ..safetensors import writer
+from ..safetensors.bytes_of import flat_bytes, place
 
 CAPTURE_THREADS = 2  # the copy is memory-bound, but two threads take page faults and cache misses in parallel
 

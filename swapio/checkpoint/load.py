@@ -1,4 +1,5 @@
-"""load(path): a checkpoint back as the structure that was saved, or in place into existing tensors (out=).
+"""read_state(opened): a checkpoint back as the structure that was saved, or in place into existing tensors (out=)
+(swapio.checkpoint.load's single-file case; api.py).
 
 Reading: a CPU tensor of at least 1 MiB is read by its own O_DIRECT request, in flight with all the others. Into
 ordinary memory (a new tensor, or one given in out=) the request is staged: the device reads into the handle's
@@ -11,53 +12,28 @@ copied into place.
 
 Any safetensors file, save_pretrained directory or sharded index loads (as {name: tensor}, like
 safetensors.torch.load_file); a file swapio wrote comes back as the nested structure it was saved from. The
-header is parsed, and the bytes streamed, by swapio.offload's reader (safetensors_format, load.read_into): one
-reader in the library. Everything is checked before a byte is read into `out`: that the file holds every
+header is parsed once, and the bytes streamed, by swapio.safetensors (open_checkpoint, read_into): one reader in
+the library. Everything is checked before a byte is read into `out`: that the file holds every
 tensor, whole (not truncated), with the dtype and shape of the tensor it goes into.
 """
-import errno
-import json
-import os
-
 import torch
 
 from .. import _C
 from ..core import cuda_copy
+from ..core._align import ALIGN, round_up
 from ..core.tensors import storage_bytes_needed
-from ..offload.load import read_into
-from ..offload.safetensors_format import checkpoint_files, open_checkpoint, read_metadata
-from . import background, buffers, layout
-from .bytes_of import copyable
-from .save import check_staging_bytes
-from .writer import wait_all
-from .dtypes import dtype_from_name
-from ..offload.safetensors_header import _max_depth
-from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes, unflatten
+from ..safetensors import buffers, layout
+from ..safetensors.bytes_of import copyable
+from ..safetensors.dtypes import dtype_from_name
+from ..safetensors.opened import open_checkpoint
+from ..safetensors.reader import read_into
+from ..safetensors.writer import wait_all
+from .format import skeleton_of
+from .structure import flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # CPU tensors at least this big are read by their own request (see the module)
 RUN_GAP = 256 << 10   # streamed tensors closer than this are read together, the bytes between them included
-
-
-def _skeleton(path, locations):
-    """The saved structure of a file swapio wrote, else {name: tensor} in file order."""
-    files, _ = checkpoint_files(path)
-    metadata = read_metadata(files[0]) if len(files) == 1 else {}
-    if metadata.get(layout.META_FORMAT) != layout.FORMAT:
-        return {"D": [[name, {"T": name}] for name in sorted(locations, key=lambda n: locations[n].offset)]}, \
-            files[0]
-    try:
-        if int(metadata.get(layout.META_VERSION, "0")) > int(layout.VERSION):
-            raise ValueError(f"{files[0]}: checkpoint format version {metadata[layout.META_VERSION]}; this swapio "
-                             f"reads up to {layout.VERSION}")
-        text = metadata[layout.META_STRUCTURE]
-        if _max_depth(text) > MAX_STRUCTURE_DEPTH:  # json.loads would recurse that deep (RecursionError)
-            raise ValueError(f"nests deeper than {MAX_STRUCTURE_DEPTH} levels; save allows {MAX_NESTING}")
-        skeleton = json.loads(text)
-        tensor_nodes(skeleton)
-    except (KeyError, TypeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"{files[0]}: the checkpoint's structure in __metadata__ is malformed ({exc})") from None
-    return skeleton, files[0]
 
 
 class _Target:
@@ -199,7 +175,7 @@ def _direct(loc, t):
     return t.device.type == "cpu" and loc.nbytes >= DIRECT_MIN
 
 
-def _device(device):
+def device_of(device):
     """load's device as a torch.device; a RuntimeError saying so when it is CUDA and this torch has none."""
     if isinstance(device, int) and not isinstance(device, bool):
         cuda = True  # an int means a CUDA device
@@ -211,36 +187,26 @@ def _device(device):
     return cuda_copy.normalize_device(device)
 
 
-def _open(path):
-    """(skeleton, {name: _Target}, the file named in errors) of a checkpoint, its header and structure checked."""
-    locations = open_checkpoint(path)
-    skeleton, where = _skeleton(path, locations)
-    return skeleton, _targets(skeleton, locations, where), where
+def _open(opened):
+    """(skeleton, {name: _Target}, the file named in errors) of an opened checkpoint, its structure checked."""
+    skeleton, where = skeleton_of(opened)
+    return skeleton, _targets(skeleton, opened, where), where
 
 
 def locate(path):
     """The structure saved in the file `path` with each tensor's Location (file, offset, bytes, dtype, shape) in
     its place ({name: Location} for a file swapio did not write): the header and structure checked as load()
     checks them, nothing else read. For readers that stream the bytes themselves (swapio.optim.checkpoint)."""
-    skeleton, targets, _ = _open(path)
+    skeleton, targets, _ = _open(open_checkpoint(path))
     return unflatten(skeleton, {name: tg.loc for name, tg in targets.items()})
 
 
-def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None, group=None):
-    """The state saved at `path` (see the module). out: a structure holding a tensor for every tensor of the
-    checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
-    those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
-    state (group: the process group, default the world)."""
-    path = os.fspath(path)
-    check_staging_bytes(staging_bytes)
-    background.wait_all()  # async_saves queued before this call land first (as save() does): it reads what they wrote
-    if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
-        raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)
-    from . import sharded
-    if sharded.is_sharded(path):
-        return sharded.load(path, group=group, device=device, out=out, staging_bytes=staging_bytes, handle=handle)
-    device = _device(device)
-    skeleton, targets, where = _open(path)
+def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=None):
+    """The state held by `opened` (swapio.safetensors.open_checkpoint's; see the module). out: a structure holding
+    a tensor for every tensor of the checkpoint (same names; e.g. what state_dict() returns), filled in place; the
+    returned structure then holds those tensors (and the saved non-tensor values)."""
+    device = device_of(device)
+    skeleton, targets, where = _open(opened)
     given = _match_out(out, targets, where) if out is not None else None
     tensors, pairs, after, direct = {}, [], [], []
     for name, tg in targets.items():
@@ -280,7 +246,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING, handle=
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
                     span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset
                     read_into(run, dev, handle=h,
-                              staging_bytes=min(staging_bytes, 2 * layout.round_up(span + layout.ALIGN)))
+                              staging_bytes=min(staging_bytes, 2 * round_up(span + ALIGN)))
         except BaseException:
             wait_all(futures)  # every read waited for after a failure too: none may go on writing into the tensors
             raise

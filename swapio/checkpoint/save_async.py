@@ -2,9 +2,11 @@
 file is written and committed in the background (background.py), exactly as save() would."""
 import os
 
+from ..safetensors.buffers import check_staging_bytes
+from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from . import background
 from .capture import capture
-from .save import DEFAULT_STAGING, prepare, write_and_commit
+from .format import plan_state
 
 
 def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None):
@@ -13,14 +15,21 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     is then intact). A save submitted while another is in flight starts when that one has finished."""
     slot = background.reserve()  # at most one capture waits behind the one being written: else block until one is done
     try:
-        plan, pending = prepare(state, os.fspath(path), metadata, staging_bytes)
+        check_staging_bytes(staging_bytes)
+        plan = plan_state(state, metadata)
+        f = FileWriter(os.fspath(path), plan)
         try:
             pieces, staging = capture(plan, staging_bytes)
         except BaseException:
-            pending.abort()
+            f.abort()
             raise
         plan.entries = None  # the live tensors are not needed any more (nor kept alive)
-        return background.submit(lambda: write_and_commit(plan, pending, pieces, staging, handle), slot)
+
+        def write_and_commit():
+            with f:
+                f.write_pieces(pieces, staging, handle=handle)
+                return f.commit()
+        return background.submit(write_and_commit, slot)
     except BaseException:
         slot.release_unless_taken()
         raise

@@ -12,6 +12,9 @@ import os
 import secrets
 
 from ..core import _durable
+from ..safetensors.opened import open_checkpoint
+from .load import read_state
+from .save import save_file
 
 INDEX = "swapio-checkpoint.json"
 FORMAT = "swapio.checkpoint.sharded"
@@ -35,8 +38,7 @@ def _group_info(group):
 
 
 def save(state, path, *, group=None, **kwargs):
-    """Collective: every rank of `group` calls it with its own state."""
-    from .save import save as save_file
+    """Collective: every rank of `group` calls it with its own state (kwargs: save_file's)."""
     dist, rank, world = _group_info(group)
     path = os.path.abspath(os.fspath(path))
     token = [secrets.token_hex(8) if rank == 0 else None]
@@ -66,9 +68,7 @@ def save(state, path, *, group=None, **kwargs):
 
 
 def load(path, *, group=None, **kwargs):
-    """This rank's state from a sharded checkpoint saved by the same number of ranks."""
-    from ..offload.safetensors_format import read_metadata
-    from .load import load as load_file
+    """This rank's state from a sharded checkpoint saved by the same number of ranks (kwargs: read_state's)."""
     index_path = os.path.join(path, INDEX)
     try:
         with open(index_path) as f:
@@ -91,8 +91,9 @@ def load(path, *, group=None, **kwargs):
     file = rank_file(path, rank)
     if not os.path.isfile(file):
         raise ValueError(f"{index_path} names {file}, which does not exist")
-    got = read_metadata(file).get(META_SAVE_ID)
+    opened = open_checkpoint(file)
+    got = opened.metadata.get(META_SAVE_ID)
     if got != save_id:
         raise ValueError(f"{file} belongs to another save ({got}) than the index {index_path} ({save_id}): a sharded "
                          "save was interrupted after some ranks replaced their files; this checkpoint is a mix")
-    return load_file(file, **kwargs)
+    return read_state(opened, **kwargs)

@@ -16,23 +16,13 @@ import collections
 
 import torch
 
-from .dtypes import dtype_name, stored_as
+from ..safetensors.dtypes import dtype_name
+from ..safetensors.layout import Entry
 
 _PLAIN = (int, float, bool, str, type(None))
 MAX_NESTING = 100  # dicts/lists/tuples within each other; deeper (or a cycle) is a TypeError
 MAX_STRUCTURE_DEPTH = 3 * MAX_NESTING + 8  # JSON brackets of the skeleton of such a state (load refuses deeper)
 _KEYS = (str, int, float, bool, type(None))
-
-
-class Entry:
-    """One stored tensor: its name, the tensor, and how it is stored."""
-
-    __slots__ = ("name", "tensor", "original", "dtype_name", "raw", "nbytes")
-
-    def __init__(self, name, original, key):
-        self.name, self.original, self.tensor = name, original, original.detach()
-        self.dtype_name, self.raw = stored_as(original.dtype, key)
-        self.nbytes = original.numel() * original.element_size()
 
 
 def _describe(path):

@@ -1,7 +1,7 @@
-"""Crash-safe commits of files, shared by checkpoints (swapio.checkpoint.commit, which the optimizers' save uses
-too) and offload directories (swapio.offload.offload_dir): data is written under a temporary name, fsynced,
-renamed into place, and the directory fsynced, so after a crash a reader finds the old file or the new one,
-never a torn one."""
+"""Crash-safe commits of files, shared by checkpoints (swapio.safetensors.commit, which every safetensors file
+swapio writes goes through) and offload directories (swapio.offload.offload_dir): data is written under a
+temporary name, fsynced, renamed into place, and the directory fsynced, so after a crash a reader finds the old
+file or the new one, never a torn one."""
 import os
 
 

@@ -5,12 +5,12 @@ switching is one import; save_checkpoint writes an offloaded model's current wei
 docs/offload.md. offload_activations moves the tensors autograd saves for backward to pinned RAM or NVMe (see
 docs/activations.md).
 """
+from ..safetensors.reader import load_file
 from .activations import (ActivationOffload, disable_activation_offload, enable_activation_offload,
                           offload_activations)
 from .api import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload, stats
 from .chain import CpuOffloadHook
 from .export import save_checkpoint
-from .load import load_file
 from .pretrained import from_pretrained
 
 __all__ = ["ActivationOffload", "CpuOffloadHook", "disable_activation_offload", "enable_activation_offload",

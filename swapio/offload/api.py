@@ -17,7 +17,7 @@ from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
 from .names import checkpoint_names, find
 from .prepare import buffer_owners_outside, compute_buffers, retie
-from .safetensors_format import check_against, open_checkpoint
+from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
 from .units import collect, get_entry, set_entry, table_of, trainable_modules

@@ -1,12 +1,12 @@
 """save_checkpoint(model, path, max_shard_size=None): a model's current weights as a safetensors checkpoint that
 transformers' from_pretrained, safetensors and disk_offload(checkpoint=...) read, streamed: one offloaded record
-in memory at a time (export_tensors.py), written by swapio.checkpoint's writer through its pinned staging.
+in memory at a time (export_tensors.py), written by swapio.safetensors' FileWriter through its pinned staging.
 
 Output: one file when path ends in .safetensors (or is no directory and max_shard_size is None); else the layout
 save_pretrained writes, model-0000i-of-0000N.safetensors shards of at most max_shard_size bytes of tensors (a
 bigger tensor alone in its shard; default 50GB, save_pretrained's) and model.safetensors.index.json.
 
-Crash safety: every file is first written in full under a locked temporary name (checkpoint/commit.py), the shards
+Crash safety: every file is first written in full under a locked temporary name (swapio/safetensors/commit.py), the shards
 and the index alike. A failure while writing (a full disk, Ctrl-C, a read error) removes the temporary files and
 leaves a previous export untouched; a process killed outright leaves them unlocked, and the next save into that
 directory removes them. Then, under deferred Ctrl-C, the shards are renamed into place under names the current
@@ -24,15 +24,14 @@ import secrets
 
 import torch
 
-from ..checkpoint import layout, writer
-from ..checkpoint.commit import PendingFile
-from ..checkpoint import buffers  # (a module: it imports swapio.offload in turn)
-from ..checkpoint.save import DEFAULT_STAGING, commit_pending, write_pending
 from ..core import _durable
 from ..core._signals import DeferredSigint
+from ..safetensors import buffers, layout
+from ..safetensors.commit import PendingFile, commit_pending
+from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
+from ..safetensors.files import INDEX, SINGLE
 from .export_tensors import Reader, items
 from .registry import offloaded
-from .safetensors_format import INDEX, SINGLE
 from .streamer import WeightStreamer
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
@@ -110,20 +109,22 @@ def save_checkpoint(model, path, max_shard_size=None):
         except FileExistsError:
             raise OSError(errno.EEXIST, f"cannot write the checkpoint {path}: a file has that name", path) from None
     staged = finals if single else _unnamed_by_index(path, finals)
-    pendings, done = [], False
+    files, index, done = [], None, False
     try:
-        for final in staged + ([] if single else [os.path.join(path, INDEX)]):
-            pendings.append(PendingFile(final))
-        _write(streamer, groups, plans, pendings)
+        for final, plan in zip(staged, plans):
+            files.append(FileWriter(final, plan))
+        if not single:
+            index = PendingFile(os.path.join(path, INDEX))
+        _write(streamer, groups, files)
         if single:
-            commit_pending(pendings[0], plans[0].total)
+            files[0].commit()
         else:
             _write_configs(model, path)
-            _publish(path, groups, plans, pendings, staged, finals)
+            _publish(path, groups, files, index, staged, finals)
         done = True
     finally:
-        for p in pendings:
-            p.abort()  # a no-op for those committed
+        for f in files + ([index] if index is not None else []):
+            f.abort()  # a no-op for those committed
         if created and not done:
             _durable.discard(path)  # (only when empty)
     return finals[0] if single else os.path.join(path, INDEX)
@@ -149,16 +150,14 @@ def _write_configs(model, directory):
             commit_pending(pending, len(data))
 
 
-def _write(streamer, groups, plans, pendings):
+def _write(streamer, groups, files):
     """Every shard's bytes into its temporary file; offloaded tensors read in file order, across the shards."""
-    in_order = [g[i] for g, plan in zip(groups, plans) for _, i in plan.pieces()]
+    in_order = [g[i] for g, f in zip(groups, files) for _, i in f.plan.pieces()]
     reader = Reader(streamer, in_order)
     handle = buffers.new_handle()
     try:
-        for g, plan, pending in zip(groups, plans, pendings):
-            pieces = [(0, plan.header.numel(), lambda h=plan.header: h)]
-            pieces += [(offset, g[i].entry.nbytes, reader.source(g[i])) for offset, i in plan.pieces()]
-            write_pending(plan, pending, pieces, writer.Staging(DEFAULT_STAGING, plan.total), handle)
+        for g, f in zip(groups, files):
+            f.write(staging_bytes=DEFAULT_STAGING, handle=handle, source=lambda i, g=g: reader.source(g[i]))
     finally:
         reader.release()
         handle.close()
@@ -201,13 +200,13 @@ def _remove_unnamed(directory, names):
             _durable.discard(os.path.join(directory, name))
 
 
-def _publish(directory, groups, plans, pendings, staged, finals):
+def _publish(directory, groups, files, index, staged, finals):
     """Renames the shards into place under their staged names, then the index naming them (the commit point); then
     removes the files no index names, and gives tagged shards their usual names (see the module)."""
     with DeferredSigint():
-        for plan, pending in zip(plans, pendings):
-            commit_pending(pending, plan.total)
-        _commit_index(pendings[-1], groups, staged)
+        for f in files:
+            f.commit()
+        _commit_index(index, groups, staged)
         _remove_unnamed(directory, staged)
         if staged == finals:
             return
@@ -219,6 +218,6 @@ def _publish(directory, groups, plans, pendings, staged, finals):
             _remove_unnamed(directory, staged)
             return
         _durable.fsync_path(directory, directory=True)
-        with PendingFile(os.path.join(directory, INDEX)) as index:
-            _commit_index(index, groups, finals)
+        with PendingFile(os.path.join(directory, INDEX)) as second:
+            _commit_index(second, groups, finals)
         _remove_unnamed(directory, finals)

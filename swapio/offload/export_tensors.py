@@ -8,8 +8,8 @@ fetcher knows where the current weights are, whoever rewrites them); a resident 
 """
 import torch
 
-from ..checkpoint.bytes_of import flat_bytes
-from ..checkpoint.structure import Entry
+from ..safetensors.bytes_of import flat_bytes
+from ..safetensors.layout import Entry
 from .fetch import view
 
 

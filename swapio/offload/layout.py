@@ -8,18 +8,12 @@ down, end rounded up to 4 KiB, so each is one O_DIRECT request straight into a 4
 import torch
 
 from ..core._align import ALIGN, round_up
+from ..safetensors.reader import read_end
 
 TENSOR_ALIGN = 64      # tensors packed by swapio start at 64-byte boundaries, like torch's own allocations
 DEVICE_ALIGN = 256     # on a GPU each tensor starts at a 256-byte boundary, as from torch's caching allocator:
                        # cuBLAS picks other (slower, differently rounding) kernels for less aligned operands
 MERGE_GAP = 256 << 10  # byte ranges closer than this in one file are read as one span, gap included
-
-
-def read_end(data_end, file_size):
-    """Where an aligned read of bytes up to data_end stops: data_end rounded up to 4 KiB, but not past the end of
-    the file; never before data_end, so a file that shrank since its header was read makes the read fail
-    (ENODATA) instead of leaving bytes unread."""
-    return max(data_end, min(round_up(data_end), file_size))
 
 
 def slot_view(buf, offset, slot, writable=False):

@@ -4,7 +4,7 @@ Files: `swapio-weights-<token>.bin` holds the records one after the other, each 
 with its tensors at 64-byte boundaries (so a record is one O_DIRECT read into a pinned region);
 `swapio-weights.json` names that file and, per tensor, its names, offset, byte count, dtype and shape.
 Writing never holds more than two staging windows beyond the model itself: the library's one streaming writer
-(swapio.checkpoint.writer) copies the tensors window by window into pinned buffers and writes one window while the
+(swapio.safetensors.writer) copies the tensors window by window into pinned buffers and writes one window while the
 next fills. The space is reserved first (a full disk fails before a
 byte is written), the data file is fsynced and renamed, then the index is written, fsynced and renamed over the
 old one (the commit point). Any failure removes everything this call created: nothing partial is left.
@@ -19,16 +19,13 @@ import torch
 
 from .. import _progress
 from ..core import _durable
-from ..checkpoint import writer
-from .safetensors_header import MAX_HEADER, Location, strict_json
+from ..safetensors import writer
+from ..safetensors.dtypes import dtype_name
+from ..safetensors.header import MAX_HEADER, Location, strict_json
 
 from .dir_owner import DATA_PREFIX, DATA_SUFFIX, INDEX, remove_leftovers
 FORMAT, VERSION = "swapio.offload", 1
 CHUNK = 64 << 20
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
 
 
 def _reserve(path, nbytes):
@@ -62,7 +59,7 @@ def write(directory, records, source_of, handle, chunk=None, claim=None, progres
             offset = end + record.offsets[slot]
             locations[slot] = (data_path, offset, slot.nbytes)
             entries[slot.name] = {"names": slot.names, "offset": offset, "nbytes": slot.nbytes,
-                                  "dtype": _dtype_name(slot.dtype), "shape": list(slot.shape)}
+                                  "dtype": dtype_name(slot.dtype), "shape": list(slot.shape)}
         end += record.nbytes
     temporary = (tmp_data, tmp_index)
     if claim is not None:

@@ -8,7 +8,7 @@ would skip the leave on a KeyboardInterrupt). The units' own wrappers then find 
 thread holds their locks, and the streamer counts nested entries (unit.depth), so they neither fetch again nor
 release early. streamer.detach() removes these wrappers first (they sit on top of the units' own).
 """
-from .streamer import OffloadedForward, _NONE
+from .streamer import NO_OWN_FORWARD, OffloadedForward
 
 
 def _class_names(preload_module_classes):
@@ -43,7 +43,7 @@ def attach(streamer, class_names):
         units = [by_module[id(m)] for m in module.modules() if id(m) in by_module]
         if units:
             wrapper = PreloadForward(streamer, units, module.forward)
-            previous = module.__dict__.get("forward", _NONE)
+            previous = module.__dict__.get("forward", NO_OWN_FORWARD)
             module.forward = wrapper
             streamer.handles.append(_Unwrap(module, wrapper, previous))
 
@@ -61,7 +61,7 @@ class _Unwrap:
         self.module = None
         if module.__dict__.get("forward") is not self.wrapper:
             return
-        if self.previous is _NONE:
+        if self.previous is NO_OWN_FORWARD:
             module.__dict__.pop("forward", None)
         else:
             module.forward = self.previous

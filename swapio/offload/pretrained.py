@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .safetensors_format import open_checkpoint
+from ..safetensors.opened import open_checkpoint
 
 
 def _checkpoint_dtype(locations):
@@ -103,7 +103,8 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir {directory} is not a directory (save_pretrained's output)")
     config, build = _model_class(transformers, model_class_or_config, directory)
-    stored = _checkpoint_dtype(open_checkpoint(directory)) or torch.get_default_dtype()
+    opened = open_checkpoint(directory)  # parsed once: disk_offload takes it as the checkpoint
+    stored = _checkpoint_dtype(opened) or torch.get_default_dtype()
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         dtype = stored
     elif not isinstance(dtype, torch.dtype):
@@ -117,5 +118,5 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
     generation = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation) and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
-    disk_offload(model, checkpoint=directory, **disk_offload_kwargs)
+    disk_offload(model, checkpoint=opened, **disk_offload_kwargs)
     return model.eval()

@@ -15,7 +15,7 @@ SAMPLE = 4096
 
 
 def fingerprint(locations):
-    """A hex digest of the checkpoint's {tensor name: Location} (safetensors_format.open_checkpoint's)."""
+    """A hex digest of the checkpoint's {tensor name: Location} (swapio.safetensors.open_checkpoint's)."""
     digest, files = hashlib.sha256(), {}
     try:
         for name in sorted(locations):

@@ -21,7 +21,7 @@ from .training import Training
 from .units import install_placeholders, move_to, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
-_NONE = object()  # a module without a forward of its own in its __dict__ (the usual case)
+NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
 
 
 class OffloadedForward:
@@ -112,7 +112,7 @@ class WeightStreamer:
             compiled.leave_out_of_graphs()
             self.fetcher.prepare(self.records)
             for unit in self.units:
-                unit.own_forward = unit.module.__dict__.get("forward", _NONE)
+                unit.own_forward = unit.module.__dict__.get("forward", NO_OWN_FORWARD)
                 unit.module.forward = OffloadedForward(self, unit, unit.module.forward)
             if self.device.type != "cpu":
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
@@ -266,7 +266,7 @@ class WeightStreamer:
             own = getattr(unit, "own_forward", None)
             if own is None:
                 continue
-            if own is _NONE:
+            if own is NO_OWN_FORWARD:
                 unit.module.__dict__.pop("forward", None)
             else:
                 unit.module.forward = own

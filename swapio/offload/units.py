@@ -57,7 +57,7 @@ class Unit:
         self.fetches = []          # the records' fetches while the forward runs
         self.hooks_entered = []    # saved-tensor hooks installed with the weights (SavedWeights.enter)
         self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
-        self.own_forward = None    # while offloaded: the module's own instance forward (or streamer._NONE)
+        self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
 
     @property
     def module(self):

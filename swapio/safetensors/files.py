@@ -1,34 +1,20 @@
-"""Reading safetensors checkpoints without the safetensors library, mmap or a state dict.
+"""Which files a safetensors checkpoint path names, and the raw header of each.
 
-A .safetensors file is an 8-byte little-endian header length N, N bytes of JSON
-({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the data, with each
-tensor's bytes at 8 + N + begin. A checkpoint is such a file, a directory holding `model.safetensors` or the
-sharded `model.safetensors.index.json` ({"weight_map": {name: shard file}}) that save_pretrained writes, or
-that index file itself. Every defect (bad header, a tensor past the end of a truncated file) is a ValueError
-naming the file and, where there is one, the tensor.
+A checkpoint is a .safetensors file (an 8-byte little-endian header length N, N bytes of JSON, then the data), a
+directory holding `model.safetensors` or the sharded `model.safetensors.index.json` ({"weight_map": {name: shard
+file}}) that save_pretrained writes, or that index file itself. The index comes from outside like the files: its
+shard names must stay inside its directory. Every defect is a ValueError naming the file.
 """
 import os
 import struct
 
-from .safetensors_header import (DTYPES, MAX_HEADER, Location, parse, parse_header,  # noqa: F401 - re-exported
-                                 strict_json)
+from .header import MAX_HEADER, strict_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def read_header(path):
-    """{name: Location} for one .safetensors file; ValueError naming the file (and tensor) on any defect."""
-    return parse(path, *_raw_header(path))
-
-
-def read_metadata(path):
-    """The header's "__metadata__" ({str: str}, empty when absent) of one .safetensors file, read by the same
-    validating parser as read_header: a file read_header refuses is the same ValueError here."""
-    return parse_header(path, *_raw_header(path))[1]
-
-
-def _raw_header(path):
+def raw_header(path):
     """(the header's JSON bytes, the file's size) of one .safetensors file; ValueError naming it if it cannot
     hold a header."""
     size = os.path.getsize(path)
@@ -92,35 +78,3 @@ def checkpoint_files(checkpoint):
         if not os.path.isfile(full):
             raise ValueError(f"{path} names shard {full}, which does not exist")
     return files, by_name
-
-
-def open_checkpoint(checkpoint):
-    """{tensor name: Location} for a whole checkpoint (single file, directory, or sharded index)."""
-    files, weight_map = checkpoint_files(checkpoint)
-    out = {}
-    for path in files:
-        out.update(read_header(path))
-    if weight_map is not None:
-        for name, path in weight_map.items():
-            if name not in out or out[name].path != path:
-                raise ValueError(f"{path}: the index says it holds tensor {name!r}, but it does not")
-    return out
-
-
-def check_against(locations, name, shape, dtype, checkpoint):
-    """The Location of a model tensor (any of its names), checked for shape and dtype; ValueError otherwise."""
-    names = [name] if isinstance(name, str) else list(name)
-    for n in names:
-        loc = locations.get(n)
-        if loc is None:
-            continue
-        if loc.shape != tuple(shape):
-            raise ValueError(f"{loc.path}: tensor {n!r} has shape {list(loc.shape)}, the model expects "
-                             f"{list(shape)}")
-        if loc.dtype != dtype:
-            raise ValueError(f"{loc.path}: tensor {n!r} is {loc.dtype}, the model expects {dtype} (build or cast "
-                             "the model in the checkpoint's dtype)")
-        return loc
-    raise ValueError(f"checkpoint {os.fspath(checkpoint)} lacks tensor {names[0]!r}"
-                     + (f" (also looked for {names[1:]})" if len(names) > 1 else ""))
-

@@ -166,3 +166,13 @@ class PendingFile:
     def __exit__(self, *exc):
         self.abort()
         return False
+
+
+def commit_pending(pending, size):
+    """Publishes a file of `size` bytes written to pending; OSError named after the final file, not the temporary
+    one (nor the rename's pair)."""
+    try:
+        pending.commit(size)
+    except OSError as exc:
+        raise OSError(exc.errno, f"committing the checkpoint {pending.final} failed: {exc.strerror or exc}",
+                      pending.final) from exc

@@ -1,4 +1,5 @@
-"""load_file: a safetensors checkpoint into memory, like safetensors.torch.load_file, without mmap.
+"""The library's one reader of tensor bytes: read_into fills tensors from their Locations; load_file is a
+safetensors checkpoint into memory, like safetensors.torch.load_file, without mmap (swapio.offload.load_file).
 
 Each file is streamed in windows of `staging_bytes` / 2: a window is one aligned O_DIRECT request into one of two
 pinned buffers (zero copy), and while the next window is read, the tensors' bytes in this one are copied to
@@ -11,10 +12,17 @@ import os
 import torch
 
 from ..core import cuda_copy
+from ..core._align import ALIGN, round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from .layout import ALIGN, read_end
-from .safetensors_format import open_checkpoint
+from .opened import open_checkpoint
+
+
+def read_end(data_end, file_size):
+    """Where an aligned read of bytes up to data_end stops: data_end rounded up to 4 KiB, but not past the end of
+    the file; never before data_end, so a file that shrank since its header was read makes the read fail
+    (ENODATA) instead of leaving bytes unread."""
+    return max(data_end, min(round_up(data_end), file_size))
 
 
 def _pieces(items, start, end):

@@ -1,4 +1,4 @@
-"""Where each tensor goes in a checkpoint file: a safetensors header padded so the data begin 4 KiB-aligned.
+"""Where each tensor goes in a safetensors file swapio writes: a header padded so the data begin 4 KiB-aligned.
 
 A safetensors file is an 8-byte little-endian length N, N bytes of JSON, then the tensors' bytes packed back
 to back (the format allows no gaps between them). JSON may end in spaces, so the header is padded with spaces
@@ -15,12 +15,22 @@ import struct
 import torch
 
 from ..core._align import ALIGN, round_up
-from ..offload.safetensors_header import MAX_HEADER
-from .dtypes import stored_shape
+from .dtypes import stored_as, stored_shape
+from .header import MAX_HEADER
 
-SMALL = 1 << 20  # = load.DIRECT_MIN
-FORMAT, VERSION = "swapio.checkpoint", "1"
-META_FORMAT, META_VERSION, META_STRUCTURE = "format", "format_version", "structure"
+SMALL = 1 << 20  # = swapio.checkpoint.load.DIRECT_MIN
+
+
+class Entry:
+    """One tensor to store: its name, the tensor (`original` as given, `tensor` detached), and how it is stored
+    (dtypes.stored_as; `key` names it in a TypeError)."""
+
+    __slots__ = ("name", "tensor", "original", "dtype_name", "raw", "nbytes")
+
+    def __init__(self, name, original, key):
+        self.name, self.original, self.tensor = name, original, original.detach()
+        self.dtype_name, self.raw = stored_as(original.dtype, key)
+        self.nbytes = original.numel() * original.element_size()
 
 
 class Plan:
@@ -40,7 +50,7 @@ class Plan:
 def _congruent_chain(entries):
     """(residue r, [entry index]): big contiguous CPU tensors that, written back to back from a file offset
     congruent to r modulo 4 KiB, each lie at a file offset congruent to their address, so that O_DIRECT writes
-    them from their own memory with no copy (save.py). r is the address residue holding the most bytes; a tensor
+    them from their own memory with no copy (file_writer.py). r is the address residue holding the most bytes; a tensor
     whose size is a multiple of 4 KiB keeps the chain going, one of another size (a multiple of 16) may end it
     (or go on with tensors at its end's residue). Sizes stay multiples of 16, so every tensor after the chain
     still starts at a multiple of its element size. (0, []) when there is none."""
@@ -63,23 +73,15 @@ def _congruent_chain(entries):
     return r, chain
 
 
-def plan(skeleton, entries, extra_metadata=None):
-    # First the chain of big tensors congruent to their place in the file (_congruent_chain), then by element
-    # size, largest first; within one size, tensors under 1 MiB first: load streams those through pinned windows
-    # and reads the big ones straight into their memory, and a run of small ones is read in one go.
+def plan(entries, metadata):
+    """The Plan of a file of `entries` with the __metadata__ `metadata` ({str: str}) laid out for zero-copy
+    writes and reads: first the chain of big tensors congruent to their place in the file (_congruent_chain), then
+    by element size, largest first; within one size, tensors under 1 MiB first (a loader streams those through
+    pinned windows and reads the big ones straight into their memory, and a run of small ones is read in one go)."""
     residue, chain = _congruent_chain(entries)
     chained = set(chain)
     order = chain + sorted((i for i in range(len(entries)) if i not in chained),
                            key=lambda i: (-entries[i].tensor.element_size(), entries[i].nbytes >= SMALL))  # stable
-    metadata = dict(extra_metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")
-    reserved = sorted(set(metadata) & {META_FORMAT, META_VERSION, META_STRUCTURE})
-    if reserved:
-        raise ValueError(f"metadata key {reserved[0]!r} is reserved: swapio.checkpoint writes "
-                         f"{META_FORMAT!r}, {META_VERSION!r} and {META_STRUCTURE!r} itself; use another key")
-    metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
-                     META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     return _pack(entries, order, metadata, residue)
 
 

@@ -17,13 +17,22 @@ from typing import Optional
 
 import torch
 
+from ..core._align import ALIGN
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from .layout import ALIGN
 
 _lock = threading.Lock()
 _spare: dict[str, torch.Tensor] = {}  # "pinned" / "image" -> a 1-D uint8 tensor
 _spare_handle: list[AioHandle] = []   # at most one
+
+
+def check_staging_bytes(staging_bytes):
+    """staging_bytes must be a positive int (TypeError / ValueError otherwise)."""
+    if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool):
+        raise TypeError(f"staging_bytes must be a positive int (bytes), got {type(staging_bytes).__name__} "
+                        f"{staging_bytes!r}")
+    if staging_bytes <= 0:
+        raise ValueError(f"staging_bytes must be a positive int (bytes), got {staging_bytes}")
 
 
 def new_handle():

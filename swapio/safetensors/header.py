@@ -10,22 +10,11 @@ than its own size). Every defect is a ValueError naming the file, and the tensor
 import json
 import math
 
-import torch
+from .dtypes import DTYPES
 
 MAX_HEADER = 100 << 20
 MAX_DEPTH = 8  # a valid header nests three deep (header, entry, shape); deeper is refused before parsing
 INT64_MAX = 2**63 - 1
-
-DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-          "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-          "F64": torch.float64}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
-                     ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
-for _name, _attr in (("C64", "complex64"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
-    if hasattr(torch, _attr):  # names the safetensors library (>= 0.5) writes too
-        DTYPES.setdefault(_name, getattr(torch, _attr))
 
 
 class Location:
@@ -45,7 +34,7 @@ def _short(value, limit=200):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _max_depth(text):
+def json_depth(text):
     """How deep brackets nest outside strings: a cheap scan, so deep nesting never reaches the recursive parser."""
     depth = deepest = 0
     in_string = escaped = False
@@ -73,7 +62,7 @@ def strict_json(raw, what):
         text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16 and UTF-32
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what}: not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
-    if _max_depth(text) > MAX_DEPTH:
+    if json_depth(text) > MAX_DEPTH:
         raise ValueError(f"{what}: the JSON nests deeper than {MAX_DEPTH} levels")
 
     def no_duplicates(pairs):
@@ -99,11 +88,6 @@ def _ints(value):
     if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= INT64_MAX for v in value):
         raise TypeError
     return tuple(value)
-
-
-def parse(path, raw, file_size):
-    """{name: Location} from the header bytes `raw` of the file at path, which has file_size bytes."""
-    return parse_header(path, raw, file_size)[0]
 
 
 def parse_header(path, raw, file_size):

@@ -1,0 +1,33 @@
+"""The files of an optimizer checkpoint directory: their names, the format's version, and what may stand in their
+place (a checkpoint file is a regular file; a directory, FIFO or device there is a ValueError, never "missing")."""
+import errno
+import os
+import stat
+
+FILE = "swapio-optim.safetensors"
+FORMAT = "swapio.optim.checkpoint"
+VERSION = 4  # 2: checksums; 3: state_dtype (bf16/int8 arrays); 4: one safetensors file
+LEGACY_META = "swapio-optim.pt"  # versions <= 3: this metadata and a swapio-optim-<hex>.bin, read only
+LEGACY = (("swapio-optim-", (".bin", ".bin.tmp")), (f".{LEGACY_META}.", (".tmp",)))  # (prefix, suffixes)
+
+
+def kind(mode):
+    """What a file of this st_mode is, in words, for an error."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")
+
+
+def regular(where):
+    """True for a regular file (symlinks followed), False when nothing is there; ValueError for anything else
+    there (a directory, a FIFO that would block the reader, a device): never reported as missing."""
+    try:
+        mode = os.stat(where).st_mode
+    except FileNotFoundError:
+        if os.path.islink(where):
+            raise FileNotFoundError(errno.ENOENT, "a dangling symlink in place of the checkpoint file", where) \
+                from None
+        return False
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{where} is {kind(mode)}, not a checkpoint file")
+    return True
