@@ -8,7 +8,8 @@ be divisible by 4") and recompiled at every forward. So they are torch.compiler.
 around each offloaded module, which runs as without compile (numbers equal eager), and the code between them
 (resident modules, activations, the loss) compiles. fullgraph=True cannot hold: dynamo then raises its error,
 with the reason below. The wrapping happens at the first offload, not at import, because
-torch.compiler.disable imports dynamo (about a second).
+torch.compiler.disable imports dynamo (about a second). The boundary classes name themselves (@runs_eagerly), so
+this module imports none of theirs.
 """
 import sys
 
@@ -16,7 +17,25 @@ import torch
 
 REASON = ("a module offloaded by swapio runs eagerly: its forward swaps the weights in and out, which a graph "
           "cannot hold; compile without fullgraph=True (the graph breaks around each offloaded module)")
+_boundaries = []  # the classes whose __call__ runs eagerly
 _done = False
+
+
+def runs_eagerly(cls):
+    """Class decorator: cls.__call__ is one of swapio's boundaries (left out of compiled graphs from the first
+    offload on)."""
+    _boundaries.append(cls)
+    if _done:  # a class defined after the first offload
+        _disable(cls)
+    return cls
+
+
+def _disable(cls):
+    call = cls.__dict__["__call__"]
+    try:
+        cls.__call__ = torch.compiler.disable(call, reason=REASON)
+    except TypeError:  # torch < 2.7 takes no reason
+        cls.__call__ = torch.compiler.disable(call)
 
 
 def leave_out_of_graphs():
@@ -24,15 +43,8 @@ def leave_out_of_graphs():
     global _done
     if _done:
         return
-    from .grafting import _Restore
-    from .preload import PreloadForward
-    from .streamer import OffloadedForward
-    for cls in (OffloadedForward, PreloadForward, _Restore):
-        call = cls.__dict__["__call__"]
-        try:
-            cls.__call__ = torch.compiler.disable(call, reason=REASON)
-        except TypeError:  # torch < 2.7 takes no reason
-            cls.__call__ = torch.compiler.disable(call)
+    for cls in _boundaries:
+        _disable(cls)
     _done = True
 
 

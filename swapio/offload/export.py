@@ -31,6 +31,7 @@ from ..safetensors.commit import PendingFile, commit_pending
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from ..safetensors.files import INDEX, SINGLE
 from .export_tensors import Reader, items
+from .hf_model import is_transformers_model
 from .registry import offloaded
 from .streamer import WeightStreamer
 
@@ -134,7 +135,6 @@ def _write_configs(model, directory):
     """A transformers model's config.json (and generation_config.json), as save_pretrained writes them (the dtype
     and class recorded in the config), so that from_pretrained(directory) rebuilds this model; each committed
     like a checkpoint file."""
-    from .hf_save import is_transformers_model
     if not is_transformers_model(model):
         return
     model.config.dtype = str(model.dtype).split(".")[1]

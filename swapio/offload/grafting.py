@@ -15,8 +15,9 @@ import weakref
 
 import torch
 
-from .compiled import is_compile_wrapper
-from .streamer import refuse_copy
+from .compiled import is_compile_wrapper, runs_eagerly
+from .no_copy import refuse_copy
+from .streamer import WeightStreamer
 from .registry import offloaded
 from .units import set_entry
 
@@ -35,7 +36,6 @@ def _table(module, kind):
 
 
 def _on_register(parent, name, child):
-    from .streamer import WeightStreamer
     if not isinstance(child, torch.nn.Module):
         return None
     streamer = offloaded.get(child)
@@ -83,6 +83,7 @@ def watch(streamer):
     streamer.handles.append(streamer.model.register_forward_pre_hook(_Restore(streamer), prepend=True))
 
 
+@runs_eagerly
 class _Restore:
     """The model's forward pre-hook that puts placeholders back; refuses copies, as the streamer's wrappers do."""
 

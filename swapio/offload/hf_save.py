@@ -8,12 +8,11 @@ cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refu
 """
 import weakref
 
+from .export import save_checkpoint
+from .hf_model import is_transformers_model
+from .no_copy import refuse_copy
+
 _ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
-
-
-def is_transformers_model(model):
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(model).__mro__)
 
 
 class SavePretrained:
@@ -26,7 +25,6 @@ class SavePretrained:
 
     def __call__(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False,
                  max_shard_size="50GB", variant=None, **kwargs):
-        from .export import save_checkpoint
         unknown = [k for k in kwargs if k not in _ACCEPTED]
         if unknown:
             raise TypeError(f"save_pretrained() of a model offloaded by swapio got an unexpected keyword argument "
@@ -45,7 +43,6 @@ class SavePretrained:
             save_checkpoint(self.model(), save_directory, max_shard_size=max_shard_size)
 
     def __reduce_ex__(self, protocol):
-        from .streamer import refuse_copy
         refuse_copy()
 
 

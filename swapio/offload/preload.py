@@ -8,6 +8,7 @@ would skip the leave on a KeyboardInterrupt). The units' own wrappers then find 
 thread holds their locks, and the streamer counts nested entries (unit.depth), so they neither fetch again nor
 release early. streamer.detach() removes these wrappers first (they sit on top of the units' own).
 """
+from .compiled import runs_eagerly
 from .streamer import NO_OWN_FORWARD, OffloadedForward
 
 
@@ -67,6 +68,7 @@ class _Unwrap:
             module.forward = self.previous
 
 
+@runs_eagerly
 class PreloadForward(OffloadedForward):
     """The forward of a preload module: every unit under it entered (in module order, parents before children,
     the order in which nested forwards take locks) for the whole call."""

@@ -14,8 +14,9 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, hf_save, saved_tensors
+from . import compiled, conversions, saved_tensors
 from .fetch import view
+from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
 from .units import install_placeholders, move_to, set_entry
@@ -24,6 +25,7 @@ SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `pre
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
 
 
+@compiled.runs_eagerly
 class OffloadedForward:
     """An offloaded module's forward: its weights are put in place, the module's own forward runs, and they are
     taken away again, whatever ends the call. A wrapper rather than forward hooks, because torch runs
@@ -76,23 +78,14 @@ class OffloadedForward:
     __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
 
 
-def refuse_copy():
-    """The TypeError of copying an offloaded model (its wrappers and hooks raise it when copied or pickled)."""
-    raise TypeError("a model offloaded by swapio cannot be copied or pickled (copy.deepcopy, pickle, torch.save "
-                    "of the model object): the copy would read the original's weights through the original's "
-                    "hooks. Copy it before offloading, or remove_offload(model), copy it, and offload each "
-                    "copy (each to its own offload_dir). A module holding no offloaded weights copies fine: "
-                    "peft's modules_to_save (which deep-copies its modules) works on modules kept resident "
-                    "(keep_resident=[...]) or with get_peft_model before offloading")
-
-
 class _Outer(threading.local):
     inside = False  # every thread starts outside any offloaded forward
 
 
 class WeightStreamer:
-    def __init__(self, model, units, slots, records, fetcher, device, prefetch, store):
+    def __init__(self, model, units, slots, records, fetcher, device, prefetch, store, dressings=()):
         self.model, self.units, self.slots, self.records = model, units, slots, records
+        self.dressings = tuple(dressings)  # modules whose install(model) / uninstall(model) attach and detach run
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
         self.handles = []
@@ -118,7 +111,8 @@ class WeightStreamer:
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
-            hf_save.install(self.model)
+            for dressing in self.dressings:
+                dressing.install(self.model)
             self.training.register(self.slots)
         except BaseException:
             self.detach()
@@ -261,7 +255,8 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
-        hf_save.uninstall(self.model)
+        for dressing in self.dressings:
+            dressing.uninstall(self.model)
         for unit in self.units:
             own = getattr(unit, "own_forward", None)
             if own is None:
