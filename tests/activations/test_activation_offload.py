@@ -5,8 +5,8 @@ import gc
 import pytest
 import torch
 
-from activation_helpers import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack,
-                                swap_files)
+from helpers.activations import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack,
+                                 swap_files)
 from swapio.offload import ActivationOffload, offload_activations
 from swapio.offload import activation_store
 

@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 
-from activation_helpers import assert_same_grads, batch, grads_of, hooks_installed, make_stack, swap_files
-from rss_child import PRELUDE
+from helpers.activations import assert_same_grads, batch, grads_of, hooks_installed, make_stack, swap_files
+from helpers.rss_child import PRELUDE
 from swapio.core import handle as handle_module
 from swapio.offload import offload_activations
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ctrl_c():
@@ -118,7 +118,7 @@ def test_a_failing_disk_fails_the_forward_with_its_oserror_and_cleans_up(tmp_pat
 KILLED = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
-from activation_helpers import make_stack, batch
+from helpers.activations import make_stack, batch
 from swapio.offload import offload_activations
 model = make_stack()
 act = offload_activations(to="nvme", swap_dir={swap!r}, min_bytes=0, staging_bytes=0)

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from activation_helpers import assert_same_grads, grads_of, hooks_installed, swap_files
-from offload_train_helpers import MLP, batches, build_opt, make_model, offload, resident_run, train, weights
+from helpers.activations import assert_same_grads, grads_of, hooks_installed, swap_files
+from helpers.offload_training import MLP, batches, build_opt, make_model, offload, resident_run, train, weights
 from swapio.offload import activation_store, disable_activation_offload, enable_activation_offload, \
     offload_activations
 

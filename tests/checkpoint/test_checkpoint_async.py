@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import swapio
-from checkpoint_helpers import assert_same, leftovers, training_state
+from helpers.checkpoint import assert_same, leftovers, training_state
 
 MiB = 1 << 20
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import swapio
-from checkpoint_helpers import assert_same
+from helpers.checkpoint import assert_same
 
 WORLD = 2
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swapio
-from checkpoint_helpers import assert_same, leftovers
+from helpers.checkpoint import assert_same, leftovers
 
 MiB = 1 << 20
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import swapio
-from checkpoint_helpers import assert_same, leftovers
+from helpers.checkpoint import assert_same, leftovers
 from conftest import TIMEOUT
-from fork_helpers import run_in_child
+from helpers.fork import run_in_child
 
 writer = importlib.import_module("swapio.checkpoint.writer")
 

@@ -8,7 +8,7 @@ import safetensors.torch as st
 import torch
 
 import swapio
-from checkpoint_helpers import assert_same, bytes_of, leftovers, training_state
+from helpers.checkpoint import assert_same, bytes_of, leftovers, training_state
 
 
 def test_training_state_round_trips_and_safetensors_reads_the_file(tmp_path):

@@ -27,7 +27,7 @@ from conftest import ENGINE_PARAMS, TIMEOUT
 buffers = importlib.import_module("swapio.checkpoint.buffers")
 background = importlib.import_module("swapio.checkpoint.background")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 
 

@@ -8,7 +8,7 @@ import torch
 
 from swapio.optim import OffloadAdafactor
 from swapio.tools import demo, memplan
-from _cli_helpers import run_cli
+from helpers.cli import run_cli
 
 
 @pytest.fixture(autouse=True)

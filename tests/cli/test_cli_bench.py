@@ -11,7 +11,7 @@ import swapio
 from swapio.tools import bench, pattern
 from swapio.tools.report import FIO_PERCENTILES, pct_key
 
-from _cli_helpers import assert_one_line_error, leftovers, run_cli
+from helpers.cli import assert_one_line_error, leftovers, run_cli
 
 MiB = 1 << 20
 

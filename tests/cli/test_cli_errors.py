@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _cli_helpers import assert_one_line_error, leftovers, run_cli
+from helpers.cli import assert_one_line_error, leftovers, run_cli
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import resource
 
 import pytest
 
-from _cli_helpers import assert_one_line_error, run_cli
+from helpers.cli import assert_one_line_error, run_cli
 
 
 def test_info_text_names_every_engine_and_the_path(capsys, tmp_path):

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from swapio.tools import plan
-from _cli_helpers import assert_one_line_error, run_cli
+from helpers.cli import assert_one_line_error, run_cli
 
 GB = 10**9
 

@@ -7,7 +7,7 @@ import pytest
 import swapio
 from swapio.tools import cli
 
-from _cli_helpers import leftovers, run_cli
+from helpers.cli import leftovers, run_cli
 
 try:
     import matplotlib  # noqa: F401

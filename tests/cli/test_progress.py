@@ -6,7 +6,7 @@ import io
 import pytest
 
 from swapio import _progress
-from _cli_helpers import run_cli
+from helpers.cli import run_cli
 
 
 class _Terminal(io.StringIO):

@@ -13,9 +13,9 @@ import time
 import torch
 
 import swapio
-from checkpoint_crash_child import loaded_k, saver, uniform_state
-from checkpoint_helpers import leftovers
-from crash_helpers import kill_while_saving
+from helpers.checkpoint_crash_child import loaded_k, saver, uniform_state
+from helpers.checkpoint import leftovers
+from helpers.crash import kill_while_saving
 from conftest import REPO
 from swapio.checkpoint.commit import PendingFile, reclaim
 
@@ -25,7 +25,7 @@ ITERATIONS = 32
 def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["checkpoint_crash_child"])
+    ctx.set_forkserver_preload(["helpers.checkpoint_crash_child"])
     ckpt = str(tmp_path / "c.safetensors")
     swapio.checkpoint.save(uniform_state(0), ckpt)
     rng = random.Random(20)

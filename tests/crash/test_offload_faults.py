@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from conftest import REPO
-from offload_crash_child import check_next_use, child
+from helpers.offload_crash_child import check_next_use, child
 
 PHASES = ("offload", "forward", "backward")
 SIGNALS = (signal.SIGINT, signal.SIGKILL)
@@ -27,7 +27,7 @@ def fork_context():
     os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
     try:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["offload_crash_child"])
+        ctx.set_forkserver_preload(["helpers.offload_crash_child"])
         yield ctx
     finally:
         if before is None:

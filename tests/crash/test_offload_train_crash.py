@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SAVE_AT = 4, 2
 
 CHILD = textwrap.dedent('''

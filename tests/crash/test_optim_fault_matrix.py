@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from swapio.optim import checkpoint
-from fork_helpers import forkserver, run_child  # noqa: F401
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, make_opt, make_params, set_grads, snapshot, train
+from helpers.fork import forkserver, run_child  # noqa: F401
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, make_opt, make_params, set_grads, snapshot, train
 
 LAST = 5
 POINTS = [("step", "kernel", 1), ("step", "kernel", 3), ("step", "swap_write", 1), ("save", "data_write", 1),
@@ -39,7 +39,7 @@ def reference():
 @pytest.mark.parametrize("mode, phase, point, at, sig", CASES)
 def test_signal_then_a_new_process_resumes_bit_identically(mode, phase, point, at, sig, reference, forkserver,
                                                            tmp_path):
-    import matrix_child
+    from helpers import matrix_child
 
     ckpt, swap_dir, dump = tmp_path / "ckpt", tmp_path / "swap", tmp_path / "params.pt"
     swap_dir.mkdir()

@@ -11,8 +11,8 @@ import pytest
 
 from swapio.checkpoint import commit
 from swapio.optim import checkpoint
-from fork_helpers import forkserver, run_child  # noqa: F401
-from resume_helpers import make_opt, make_params, train
+from helpers.fork import forkserver, run_child  # noqa: F401
+from helpers.resume import make_opt, make_params, train
 
 TMP = f".{checkpoint.FILE}{commit.TAG}"  # + <hex>.tmp: the checkpoint being written
 
@@ -20,7 +20,7 @@ TMP = f".{checkpoint.FILE}{commit.TAG}"  # + <hex>.tmp: the checkpoint being wri
 def _killed_saver(forkserver, ckpt, swap_dir, sig):
     """A process that saved a checkpoint, then signals itself (SIGKILL, SIGSTOP) inside its next save, once the
     temporary file is written, before its commit. Returns it (stopped, or ended)."""
-    import matrix_child
+    from helpers import matrix_child
 
     proc = forkserver.Process(target=matrix_child.child, daemon=True,
                               args=("cpu", str(swap_dir), str(ckpt), str(ckpt) + ".dump", "save", "file_fsync", 0, sig))
@@ -80,7 +80,7 @@ def test_save_never_touches_the_files_of_a_live_save(forkserver, tmp_path):
 
 
 def test_nvme_optimizers_out_of_descriptors_leave_nothing_the_next_one_keeps(forkserver, tmp_path):
-    import leftover_children
+    from helpers import leftover_children
 
     swap_dir, result = tmp_path / "swap", tmp_path / "result.json"
     swap_dir.mkdir()

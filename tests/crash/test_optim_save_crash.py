@@ -10,8 +10,8 @@ import warnings
 
 from swapio.optim import checkpoint
 from conftest import REPO
-from crash_child import loaded_k, make_optimizer, saver, uniform_state
-from crash_helpers import kill_while_saving
+from helpers.optim_save_crash_child import loaded_k, make_optimizer, saver, uniform_state
+from helpers.crash import kill_while_saving
 
 ITERATIONS = 48
 
@@ -21,7 +21,7 @@ def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monke
     # it gets the path through the environment).
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["crash_child"])
+    ctx.set_forkserver_preload(["helpers.optim_save_crash_child"])
     ckpt, swap_dir = str(tmp_path / "ckpt"), str(tmp_path / "swap")
     os.mkdir(swap_dir)
     first = make_optimizer("cpu", None)

@@ -5,7 +5,7 @@ a non-persistent inv_freq buffer) and T5 (encoder-decoder, tied shared embedding
 import pytest
 import torch
 
-from offload_helpers import one_thread
+from helpers.offload import one_thread
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

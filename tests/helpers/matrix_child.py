@@ -10,7 +10,7 @@ import swapio
 from swapio import ops
 from swapio.core import _durable
 from swapio.optim import checkpoint
-from resume_helpers import make_opt, make_params, set_grads, train
+from helpers.resume import make_opt, make_params, set_grads, train
 
 
 def _fire_at(owner, name, at, sig, counts=lambda *a, **k: True):

@@ -5,7 +5,7 @@ import json
 import torch
 
 import swapio.optim as so
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 
 exec(PRELUDE)  # status(key), reset_peak(): the helpers the memory tests' child processes share
 

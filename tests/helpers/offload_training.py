@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from offload_helpers import one_thread  # noqa: F401 - the tests import it from here too
+from helpers.offload import one_thread  # noqa: F401 - the tests import it from here too
 from swapio.core.handle import AioHandle
 from swapio.offload import cpu_offload, disk_offload, remove_offload
 from swapio.optim import OffloadAdafactor, OffloadAdam, OffloadAdamW, OffloadLion

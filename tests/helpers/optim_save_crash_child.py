@@ -5,7 +5,7 @@ import signal
 import torch
 
 import swapio.optim as so
-from optim_helpers import SMALL_BUFFERS
+from helpers.optim import SMALL_BUFFERS
 
 SHAPES = [(5000,), (70, 90), (12001,)]
 def make_optimizer(mode, swap_dir):

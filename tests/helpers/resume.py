@@ -3,7 +3,7 @@ optimizer states against an uninterrupted reference run."""
 import torch
 
 import swapio.optim as so
-from optim_helpers import SMALL_BUFFERS
+from helpers.optim import SMALL_BUFFERS
 
 # 70000 elements span several 64 KiB chunks in nvme mode (SMALL_BUFFERS); 513 ends mid int8 block.
 SHAPES = [(3000,), (17, 33), (70000,), (513,), (5,)]

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 from swapio.core.pinned import pinned_bytes
 from swapio.offload import disk_offload
 from swapio.optim import OffloadAdamW

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import swapio  # noqa: E402
-from framework_helpers import TokenData, assert_params_equal, params_of, tiny_gpt2  # noqa: E402
+from helpers.frameworks import TokenData, assert_params_equal, params_of, tiny_gpt2  # noqa: E402
 from swapio.integrations.transformers import OPTIMIZER_FILE, SwapioCheckpointCallback  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3

@@ -7,7 +7,7 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
 import swapio.optim as so  # noqa: E402
-from framework_helpers import assert_params_equal, mlp, mlp_batches, params_of  # noqa: E402
+from helpers.frameworks import assert_params_equal, mlp, mlp_batches, params_of  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import swapio.optim as so
-from framework_helpers import assert_params_equal, mlp, mlp_batches, params_of
+from helpers.frameworks import assert_params_equal, mlp, mlp_batches, params_of
 
 WORLD, STEPS = 2, 4
 LR, WD = 1e-2, 0.1

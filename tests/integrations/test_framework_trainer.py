@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup  # noqa: E402
 
 import swapio.optim as so  # noqa: E402
-from framework_helpers import TokenData, assert_params_equal, max_rel_diff, params_of, tiny_gpt2  # noqa: E402
+from helpers.frameworks import TokenData, assert_params_equal, max_rel_diff, params_of, tiny_gpt2  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 

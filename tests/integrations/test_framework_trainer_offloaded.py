@@ -12,8 +12,8 @@ from transformers import TrainingArguments, get_linear_schedule_with_warmup  # n
 
 import swapio.optim as so  # noqa: E402
 from swapio.offload import cpu_offload, disk_offload  # noqa: E402
-from framework_helpers import VOCAB, SEQ, TokenData, assert_params_equal  # noqa: E402
-from offload_helpers import one_thread  # noqa: E402
+from helpers.frameworks import VOCAB, SEQ, TokenData, assert_params_equal  # noqa: E402
+from helpers.offload import one_thread  # noqa: E402
 
 STEPS, SAVE_AT, MAX_NORM = 6, 3, 0.5
 

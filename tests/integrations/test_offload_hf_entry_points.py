@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from offload_helpers import assert_same_outputs, config, reference, resident_model, transformers
+from helpers.offload import assert_same_outputs, config, reference, resident_model, transformers
 from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint
 import swapio.optim as so
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swapio.offload import cpu_offload, disk_offload, remove_offload, stats
-import hf_tiny
+from helpers import hf_tiny
 
 peft = pytest.importorskip("peft")
 

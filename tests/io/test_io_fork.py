@@ -10,7 +10,7 @@ import torch
 
 import swapio
 from conftest import REPO, TIMEOUT, queued_behind_big_read, random_bytes
-from fork_helpers import run_in_child
+from helpers.fork import run_in_child
 
 
 def test_inherited_handle_is_dead_and_new_handles_work_in_the_child(tmp_path):

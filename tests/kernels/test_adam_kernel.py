@@ -20,7 +20,7 @@ LEVELS = ops.cpu_capabilities()
 SIMD_LEVELS = [lvl for lvl in LEVELS if lvl != "scalar"]
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = [1, 15, 17, 1023, (1 << 20) + 7]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_state(n, seed=0, grad_dtype=torch.float32):

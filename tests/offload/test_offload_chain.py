@@ -4,7 +4,7 @@ import torch
 
 from swapio.offload import cpu_offload_with_hook, remove_offload
 from swapio.offload.registry import offloaded as _offloaded
-from offload_helpers import assert_same_outputs, resident_model
+from helpers.offload import assert_same_outputs, resident_model
 
 
 def test_chain_offloads_the_previous_model_when_the_next_runs():

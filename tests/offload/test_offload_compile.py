@@ -6,8 +6,8 @@ Backends "eager" and "aot_eager" (aot_eager runs AOTAutograd's graphs, forward a
 import pytest
 import torch
 
-from offload_train_helpers import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
-                                   loss_of, make_model, offload, one_thread, resident_run, train, weights)
+from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
+                                      loss_of, make_model, offload, one_thread, resident_run, train, weights)
 from swapio.offload import remove_offload
 
 pytest.importorskip("safetensors")
@@ -103,7 +103,7 @@ def test_module_compile_in_place(tmp_path):
 def test_compiled_transformers_llama_forward_and_step(tmp_path, backend):
     """A tiny transformers Llama (RoPE, RMSNorm, SDPA between the offloaded projections): the compiled offloaded
     model's logits and one training step equal the resident model's, run eagerly."""
-    import hf_tiny
+    from helpers import hf_tiny
     from swapio.offload import disk_offload
     from swapio.optim import OffloadAdamW
     ids = hf_tiny.inputs()

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 
 transformers = pytest.importorskip("transformers")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 SLACK = 24 * MiB  # activations, allocator and import noise of one small forward
 

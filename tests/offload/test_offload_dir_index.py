@@ -7,7 +7,7 @@ import pytest
 
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, resident_model
+from helpers.offload import assert_same_outputs, meta_model, resident_model
 
 TENSOR = "transformer.h.0.attn.c_attn.weight"
 

@@ -13,9 +13,9 @@ import torch
 
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, reference, resident_model
+from helpers.offload import assert_same_outputs, meta_model, reference, resident_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def data_files(directory):

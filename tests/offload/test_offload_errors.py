@@ -8,7 +8,7 @@ import torch
 
 from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, resident_model
+from helpers.offload import assert_same_outputs, meta_model, resident_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

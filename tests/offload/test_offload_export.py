@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from offload_helpers import assert_same_outputs, meta_model, one_thread, reference, resident_model, transformers
+from helpers.offload import assert_same_outputs, meta_model, one_thread, reference, resident_model, transformers
 from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint, stats
 from swapio.offload import export_tensors
 from swapio.offload.api import _offloaded
 from swapio.checkpoint import DEFAULT_STAGING
 from swapio.offload.export import shard_size
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
@@ -303,7 +303,7 @@ def test_exporting_768_mib_keeps_rss_within_ring_staging_and_one_record(tmp_path
 def _loaded_value(directory):
     """What a loader finds in directory, following its index: the one value every tensor holds (a whole export),
     else an AssertionError (a missing index or shard, a tensor missing, two exports mixed)."""
-    from export_crash_child import model_of
+    from helpers.export_crash_child import model_of
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     tensors = {}
     for shard in sorted(set(index["weight_map"].values())):
@@ -321,11 +321,11 @@ def test_a_re_export_killed_at_any_step_leaves_the_previous_or_the_new_export(tm
     finds the previous export or the new one, whole, at every step; what killed exports left goes with the next
     export that finishes."""
     import multiprocessing
-    from export_crash_child import export_until
-    from fork_helpers import run_child
+    from helpers.export_crash_child import export_until
+    from helpers.fork import run_child
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["export_crash_child"])
+    ctx.set_forkserver_preload(["helpers.export_crash_child"])
     directory = tmp_path / "export"
     first, then = sizes
     assert run_child(ctx, export_until, str(directory), 1.0, first, 0) == 0

@@ -8,7 +8,7 @@ import torch
 
 from swapio.offload import from_pretrained, stats
 from swapio.offload.api import _offloaded
-import hf_tiny
+from helpers import hf_tiny
 
 transformers = hf_tiny.transformers
 

@@ -5,7 +5,7 @@ import torch
 
 import swapio
 from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, load_file, remove_offload, stats
-from offload_helpers import NEW_TOKENS, reference, resident_model
+from helpers.offload import NEW_TOKENS, reference, resident_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

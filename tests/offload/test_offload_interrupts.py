@@ -13,7 +13,7 @@ import swapio.offload.api as offload_api
 from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload
 from swapio.offload.api import _offloaded
 from swapio.offload.fetch import Fetcher
-from offload_helpers import NEW_TOKENS, assert_same_outputs, one_thread, reference, resident_model
+from helpers.offload import NEW_TOKENS, assert_same_outputs, one_thread, reference, resident_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner

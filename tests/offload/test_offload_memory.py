@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 WIDTH, LAYERS = 4096, 18                  # 18 x 64 MiB fp32 = 1.125 GiB of weights
 LAYER_BYTES = WIDTH * WIDTH * 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swapio.offload import disk_offload, remove_offload
-import hf_tiny
+from helpers import hf_tiny
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 import swapio
 from swapio.offload import cpu_offload, disk_offload, remove_offload, stats
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, reference, resident_model
+from helpers.offload import assert_same_outputs, meta_model, reference, resident_model
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

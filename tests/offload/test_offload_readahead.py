@@ -6,7 +6,7 @@ import torch
 import swapio
 from swapio.offload import disk_offload, remove_offload, stats
 from swapio.offload.api import _offloaded
-from offload_helpers import assert_same_outputs, meta_model, one_thread, reference, resident_model
+from helpers.offload import assert_same_outputs, meta_model, one_thread, reference, resident_model
 
 
 class CountingHandle(swapio.AioHandle):

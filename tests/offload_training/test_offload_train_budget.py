@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-import train_budget_child as child
+from helpers import train_budget_child as child
 from swapio.tools import memplan
-from fork_helpers import forkserver, run_child  # noqa: F401
+from helpers.fork import forkserver, run_child  # noqa: F401
 
 MiB = 1 << 20
 SHALLOW, DEEP = 2, 14  # the deep model has 12 more blocks: 12 MiB more bf16 weights, 24 MiB more fp32 gradients

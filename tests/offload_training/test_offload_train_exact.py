@@ -8,9 +8,9 @@ import torch
 
 from swapio.offload import disk_offload, remove_offload
 from swapio.optim import OffloadAdamW
-from offload_train_helpers import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
-                                   make_model, offload, one_thread, resident_run,
-                                   train, weights, loss_of)
+from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
+                                      make_model, offload, one_thread, resident_run,
+                                      train, weights, loss_of)
 
 pytest.importorskip("safetensors")
 

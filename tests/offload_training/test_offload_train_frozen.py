@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from swapio.offload import cpu_offload, disk_offload, remove_offload, stats
-from offload_helpers import one_thread, reference, resident_model
+from helpers.offload import one_thread, reference, resident_model
 
 
 class LoRA(torch.nn.Module):

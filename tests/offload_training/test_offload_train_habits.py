@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from swapio.offload import remove_offload
-from offload_train_helpers import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
-                                   make_model, offload, one_thread, weights)
+from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
+                                      make_model, offload, one_thread, weights)
 
 pytest.importorskip("safetensors")
 

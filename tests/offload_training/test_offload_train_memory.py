@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
 MiB = 1 << 20
 LAYERS, DIM = 8, 8192  # 8 x 8192 x 8192 bf16 = 1 GiB of weights, each module 128 MiB
 RING = 256 * MiB       # disk_offload's buffer_bytes: two modules
@@ -74,7 +75,7 @@ def measure(tmp_path, layers):
     write_checkpoint(ckpt, layers)
     swap, od = tmp_path / f"swap{layers}", tmp_path / f"od{layers}"
     os.makedirs(swap)
-    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import test_offload_train_memory as m; "
+    code = (f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import test_offload_train_memory as m; "
             f"m.child({ckpt!r}, {str(od)!r}, {str(swap)!r}, {layers})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from swapio.offload import remove_offload
-from offload_train_helpers import (MLP, assert_goes_on, batches, build_opt, fail_nth_write, make_model, offload,
-                                   one_thread, reference, started, train)
+from helpers.offload_training import (MLP, assert_goes_on, batches, build_opt, fail_nth_write, make_model, offload,
+                                      one_thread, reference, started, train)
 
 
 def wait_for(cond, timeout=5.0):

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from swapio.offload import disk_offload, remove_offload
-from offload_train_helpers import (MLP, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
-                                   make_model, meta_model, offload, one_thread, resident_run,
-                                   save_checkpoint_file, train, weights)
+from helpers.offload_training import (MLP, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
+                                      make_model, meta_model, offload, one_thread, resident_run,
+                                      save_checkpoint_file, train, weights)
 
 pytest.importorskip("safetensors")
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def digest(path):
@@ -31,7 +31,7 @@ def dir_digest(path):
 
 
 def run_child(spec):
-    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import json, offload_train_helpers as h; "
+    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import json; from helpers import offload_training as h; "
             f"h.child(json.loads({json.dumps(spec)!r}))")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

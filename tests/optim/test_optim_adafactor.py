@@ -4,7 +4,7 @@ import pytest
 import torch
 
 so = pytest.importorskip("swapio.optim", reason="swapio is not built (python setup.py build_ext --inplace)")
-from optim_helpers import SMALL_BUFFERS, feed, masters, one_thread, rel_diff  # noqa: E402,F401
+from helpers.optim import SMALL_BUFFERS, feed, masters, one_thread, rel_diff  # noqa: E402,F401
 
 SHAPES = [(37,), (24, 40), (3, 5, 33), (2, 2, 3, 17), (300, 70)]  # 300x70 spans SMALL_BUFFERS' 64 KiB slots
 

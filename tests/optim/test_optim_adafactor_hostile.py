@@ -7,8 +7,8 @@ import torch
 import swapio
 import swapio.optim as so
 from swapio import ops
-from ctrl_c_helpers import ctrl_c_on_call, ctrl_c_on_swap_io
-from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
+from helpers.ctrl_c import ctrl_c_on_call, ctrl_c_on_swap_io
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: F401
 
 SHAPES = [(3000,), (17, 33), (70, 1000), (513,), (2, 3, 5), ()]  # 70 x 1000: its own 64 KiB+ nvme record
 

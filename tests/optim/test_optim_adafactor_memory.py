@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import swapio.optim as so
-from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
-from rss_child import PRELUDE
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: F401
+from helpers.rss_child import PRELUDE
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 SLACK = 8 * MiB  # the kernel's column partial sums (1 MiB here), row sums, allocator rounding
 

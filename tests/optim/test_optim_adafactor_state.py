@@ -7,7 +7,7 @@ import pytest
 import torch
 
 so = pytest.importorskip("swapio.optim", reason="swapio is not built (python setup.py build_ext --inplace)")
-from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: E402,F401
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: E402,F401
 
 SHAPES = [(37,), (24, 40), (3, 5, 33), (300, 70)]
 

@@ -12,7 +12,7 @@ from swapio.core import _align
 from swapio.optim import functional
 from swapio.optim.options import BufferBudget
 from swapio.optim.state_format import StateFormat
-from optim_helpers import SMALL_BUFFERS
+from helpers.optim import SMALL_BUFFERS
 
 MODES = ["cpu", "nvme"]
 

@@ -11,8 +11,8 @@ import torch
 
 import swapio
 from swapio.optim import checkpoint
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, make_opt, make_params, snapshot, train
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, make_opt, make_params, snapshot, train
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "optim-v3")
 V3_SHAPES = [(300,), (17, 33), (513,)]

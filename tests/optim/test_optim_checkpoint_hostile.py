@@ -12,8 +12,8 @@ import torch
 
 import swapio
 from swapio.optim import checkpoint
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, assert_trains_like_fresh, make_opt, snapshot, train
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, assert_trains_like_fresh, make_opt, snapshot, train
 
 SHAPES = [(300,), (17, 33), (5,)]
 

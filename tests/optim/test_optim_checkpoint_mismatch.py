@@ -9,8 +9,8 @@ import torch
 
 import swapio
 from swapio.optim import checkpoint
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, make_opt, make_params, snapshot, train
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, make_opt, make_params, snapshot, train
 
 
 def _saved(kind, tmp_path, mode="cpu", state_dtype="fp32", **hyper):

@@ -11,7 +11,7 @@ import torch
 
 so = pytest.importorskip("swapio.optim", reason="swapio is not built (python setup.py build_ext --inplace)")
 transformers = pytest.importorskip("transformers")
-from optim_helpers import one_thread  # noqa: E402,F401  (autouse: a model this small runs faster on one thread)
+from helpers.optim import one_thread  # noqa: E402,F401  (autouse: a model this small runs faster on one thread)
 
 STEPS, BATCH, SEQ, SYMBOLS = 300, 16, 32, 32
 

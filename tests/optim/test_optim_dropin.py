@@ -11,7 +11,7 @@ import torch
 
 import swapio
 import swapio.optim as so
-from optim_helpers import one_thread  # noqa: F401
+from helpers.optim import one_thread  # noqa: F401
 
 MODES = ["cpu", "nvme"]
 

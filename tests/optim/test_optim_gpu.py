@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import swapio.optim as so
-from optim_helpers import SMALL_BUFFERS, TOL, feed, make_opts, masters, one_thread, ref_copy, rel_diff  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, TOL, feed, make_opts, masters, one_thread, ref_copy, rel_diff  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,9 +9,9 @@ import torch
 
 import swapio
 from swapio import ops
-from ctrl_c_helpers import ctrl_c_on_call, ctrl_c_on_swap_io
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, assert_trains_like_fresh, make_opt, make_params, set_grads, snapshot, train
+from helpers.ctrl_c import ctrl_c_on_call, ctrl_c_on_swap_io
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, assert_trains_like_fresh, make_opt, make_params, set_grads, snapshot, train
 
 
 pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner

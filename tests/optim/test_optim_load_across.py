@@ -4,8 +4,8 @@ into Lion (its exp_avg_sq is not used), exactly as load_state_dict() of the same
 import pytest
 import torch
 
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_same, make_opt, make_params, snapshot, train
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_same, make_opt, make_params, snapshot, train
 
 
 def _saved(kind, dtype, state_dtype, tmp_path):

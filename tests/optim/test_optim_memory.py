@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from rss_child import PRELUDE
+from helpers.rss_child import PRELUDE
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 NUMEL = 128 * MiB          # parameters, bf16: 256 MiB of params + 256 MiB of grads in RAM
 BUFFER_BYTES = 64 * MiB    # the optimizer's pinned buffer budget

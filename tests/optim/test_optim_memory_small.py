@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fork_helpers import forkserver, run_child  # noqa: F401
+from helpers.fork import forkserver, run_child  # noqa: F401
 
 MiB = 1 << 20
 SHAPES = [(1000, 1000), (1000, 1000), (1_000_000,)]  # 3 M parameters
@@ -14,7 +14,7 @@ BOUND = 64 * MiB
 
 
 def _growth(forkserver, mode, tmp_path):
-    import memory_child
+    from helpers import memory_child
 
     result = tmp_path / f"{mode}.json"
     assert run_child(forkserver, memory_child.peak_growth, mode, str(tmp_path), SHAPES, str(result)) == 0

@@ -5,7 +5,7 @@ Reference: torch updates an fp32 master copy with grad.float(); we compare our f
 import pytest
 import torch
 
-from optim_helpers import SMALL_BUFFERS, TOL, feed, make_opts, masters, one_thread, ref_copy, rel_diff  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, TOL, feed, make_opts, masters, one_thread, ref_copy, rel_diff  # noqa: F401
 
 STEPS = 100
 MODES = ["cpu", "nvme"]

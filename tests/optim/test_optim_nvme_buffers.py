@@ -4,7 +4,7 @@ arrive, and stay at buffer_bytes / buffer_count for states larger than the budge
 import torch
 
 import swapio.optim as so
-from optim_helpers import one_thread  # noqa: F401
+from helpers.optim import one_thread  # noqa: F401
 
 
 def _slot_bytes(opt):

@@ -11,7 +11,7 @@ import swapio
 import swapio.optim as so
 from swapio.core import _durable
 from swapio.optim import checkpoint
-from optim_helpers import SMALL_BUFFERS, one_thread  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: F401
 
 MODES = ["cpu", "nvme"]
 SHAPES = [(3000,), (17, 33), (12001,)]

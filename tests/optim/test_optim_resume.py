@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from optim_helpers import one_thread  # noqa: F401
-from resume_helpers import assert_trains_like_fresh, make_opt, make_params, train
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import assert_trains_like_fresh, make_opt, make_params, train
 
 MODES = [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")]
 

@@ -12,7 +12,7 @@ import torch
 
 import swapio.optim as so
 from swapio.optim import checkpoint
-from optim_helpers import SMALL_BUFFERS, TOL, feed, masters, one_thread, ref_copy, rel_diff  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, TOL, feed, masters, one_thread, ref_copy, rel_diff  # noqa: F401
 
 MODES = ["cpu", "nvme"]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -7,7 +7,7 @@ import torch
 import swapio._progress as _progress
 import swapio.core._ranges as _ranges
 import swapio.optim as so
-from optim_helpers import SMALL_BUFFERS
+from helpers.optim import SMALL_BUFFERS
 
 FIELDS = ("steps", "wall_s", "kernel_s", "io_wait_s", "other_s", "bytes_read", "bytes_written", "read_gbps",
           "write_gbps")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import swapio.optim as so
-from optim_helpers import one_thread  # noqa: F401
+from helpers.optim import one_thread  # noqa: F401
 
 N, STEPS = 100_003, 5
 KW = {"lr": 1e-3, "weight_decay": 0.01}

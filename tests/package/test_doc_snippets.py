@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
 TUNE_CONFIG = {"handle": {"block_size": 1 << 20, "queue_depth": 32, "threads": 1, "engine": "auto", "direct": None},
                "read": {"block_size": 1 << 20, "queue_depth": 32, "threads": 1, "engine": "auto", "direct": None},
