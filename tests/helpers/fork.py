@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO, TIMEOUT
 
-CHILD_MODULES = [f"helpers.{name}" for name in ("matrix_child", "leftover_children", "memory_child", "train_budget_child")]
+CHILD_MODULES = [f"helpers.{name}" for name in ("matrix_child", "leftover_children", "memory_child",
+                                                "train_budget_child")]
 
 
 @pytest.fixture(scope="module")
