@@ -1,18 +1,19 @@
-"""The fault-and-interrupt matrix of the offload path: SIGINT and SIGKILL at random points of disk_offload (with
-remove_offload), of forwards, and of forward + backward with a trainable resident adapter. After a Ctrl-C the
+"""The fault-and-interrupt matrix of the offload path: SIGINT and SIGKILL at points of disk_offload (with
+remove_offload), of forwards, and of forward + backward with a trainable resident adapter, drawn from a seeded
+generator; the child waits at its point until the signal comes (helpers/offload_crash_child.py). After a Ctrl-C the
 process goes on and its model works as the resident one does; after a SIGKILL the next user of the directory
 works and reclaims what the killed process left; either way nothing is left behind but the offload itself."""
 import multiprocessing
 import os
 import random
 import signal
-import time
 import warnings
 
 import pytest
 
 from conftest import REPO
-from helpers.offload_crash_child import check_next_use, child
+from helpers.crash import wait_ready
+from helpers.offload_crash_child import POINTS, check_next_use, child
 
 PHASES = ("offload", "forward", "backward")
 SIGNALS = (signal.SIGINT, signal.SIGKILL)
@@ -40,17 +41,14 @@ def fork_context():
 def test_interrupt_or_kill_at_random_points_then_the_next_use_works(tmp_path, fork_context, phase):
     rng = random.Random(f"offload-faults-{phase}")
     directory = str(tmp_path / "od")
-    deadline = time.monotonic() + 120
     for i in range(ROUNDS * len(SIGNALS)):
-        sig = SIGNALS[i % 2]
-        stage = fork_context.Value("b", 0, lock=False)
+        sig, target = SIGNALS[i % 2], rng.randint(1, POINTS[phase])
+        ready, ready_in_child = fork_context.Pipe(duplex=False)
         result = fork_context.Value("b", 0, lock=False)
-        proc = fork_context.Process(target=child, args=(phase, directory, stage, result), daemon=True)
+        proc = fork_context.Process(target=child, args=(phase, directory, target, ready_in_child, result), daemon=True)
         proc.start()
-        while stage.value == 0:  # until its loop runs
-            assert proc.is_alive() and time.monotonic() < deadline, "the child never started its loop"
-            time.sleep(0.001)
-        time.sleep(rng.uniform(0, 0.15))
+        ready_in_child.close()
+        wait_ready(ready, proc, f"point {target} of {phase}")
         os.kill(proc.pid, sig)
         proc.join(60)
         assert proc.exitcode is not None, "the child hung after the signal"

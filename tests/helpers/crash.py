@@ -1,7 +1,25 @@
-"""Killing a saver at a random moment of its save: shared by the crash tests of optimizer checkpoints
-(test_crash_save.py) and of swapio.checkpoint (test_checkpoint_crash.py)."""
+"""Signalling child processes at a moment of their work: killing a saver at a random moment of its save (the
+crash tests of optimizer checkpoints, test_optim_save_crash.py, and of swapio.checkpoint, test_checkpoint_crash.py),
+and waiting until a child says it has reached the point where the test signals it."""
+import multiprocessing.connection
 import os
 import time
+
+import pytest
+
+from conftest import TIMEOUT
+
+
+def wait_ready(conn, proc, what, timeout=TIMEOUT):
+    """Waits until the child `proc` sends on `conn` (the reading end of a one-way Pipe whose writing end only the
+    child holds) that it has reached `what`; fails the test if the child ends or `timeout` seconds pass first."""
+    if conn not in multiprocessing.connection.wait([conn, proc.sentinel], timeout):
+        pytest.fail(f"the child did not reach {what} within {timeout} s (exit code {proc.exitcode})")
+    try:
+        conn.recv()
+    except EOFError:
+        proc.join(TIMEOUT)
+        pytest.fail(f"the child ended (exit code {proc.exitcode}) before it reached {what}")
 
 
 def kill_while_saving(ctx, saver, args_of, sig, deadline, delay):

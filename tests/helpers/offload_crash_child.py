@@ -2,19 +2,29 @@
 
 The model: frozen layers offloaded to disk and a small trainable low-rank adapter kept resident (frozen-weight
 fine-tuning, as with LoRA). A child loops over one phase (disk_offload + remove_offload, forward, or forward +
-backward) until the parent interrupts it. After a Ctrl-C the child itself checks that the model still works as
-the resident one does; after a SIGKILL the parent checks the directory it left (check_next_use)."""
+backward) and counts the points it passes (Points); at the point the parent chose, it tells the parent and waits
+there for the parent's signal, so each signal lands at a known point. After a Ctrl-C the child itself checks that
+the model still works as the resident one does; after a SIGKILL the parent checks the directory it left
+(check_next_use)."""
 import os
 import signal
+import time
 import traceback
 
 import torch
 
+from swapio import _progress
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.registry import offloaded as _offloaded
 
 WIDTH, DEPTH, RANK = 512, 12, 4  # twelve 1 MiB layers: disk_offload writes 12 MiB
 INDEX = "swapio-weights.json"
+ITERATIONS = 2  # the points of this many rounds of the phase's loop are counted
+# Points per round: disk_offload's write (its progress bar made, advanced, closed) for "offload"; each layer's
+# forward for "forward"; those and the gradients of the adapter's two outputs for "backward" (the frozen layers
+# get none).
+POINTS = {"offload": 3 * ITERATIONS, "forward": DEPTH * ITERATIONS, "backward": (DEPTH + 2) * ITERATIONS}
+WAIT = 120  # seconds a child waits at its point for the parent's signal
 
 
 class Adapted(torch.nn.Module):
@@ -72,19 +82,64 @@ def check_works(model, directory, want, interrupted_backward=False):
     assert names == sorted([INDEX, *data]) and len(data) == 1, f"left behind in {directory}: {names}"
 
 
-def child(phase, directory, stage, result):
-    """Loops over `phase` until a signal; after a Ctrl-C, checks the model (result 1: works, 2: does not)."""
+class Points:
+    """Counts the points the child passes; at point number `target` it sends to `ready` and waits for the
+    parent's signal (a Ctrl-C raises KeyboardInterrupt right there; a SIGKILL ends the process there)."""
+
+    def __init__(self, target, ready):
+        self.count, self.target, self.ready = 0, target, ready
+
+    def __call__(self, *args):
+        self.count += 1
+        if self.count == self.target:
+            self.ready.send(self.count)
+            time.sleep(WAIT)
+            raise RuntimeError(f"no signal came within {WAIT} s of point {self.target}")
+
+
+class _PointBar:
+    """disk_offload's progress bar (swapio._progress.bar): made, advanced and closed inside its write."""
+
+    def __init__(self, point):
+        self.point = point
+        point()
+
+    def update(self, n=1):
+        self.point()
+
+    def close(self):
+        self.point()
+
+
+def _install(model, phase, point):
+    """Puts `point` on the phase's points; returns the function that takes it off again."""
+    if phase == "offload":
+        real = _progress.bar
+        _progress.bar = lambda *args, **kwargs: _PointBar(point)
+        return lambda: setattr(_progress, "bar", real)
+    hooks = [layer.register_forward_pre_hook(point) for layer in model.layers]
+    if phase == "backward":
+        def on_output(module, args, out):
+            out.register_hook(point)  # (returns None: a forward hook's result would replace the output)
+
+        hooks += [m.register_forward_hook(on_output) for m in (model.down, model.up)]
+    return lambda: [h.remove() for h in hooks]
+
+
+def child(phase, directory, target, ready, result):
+    """Loops over `phase` until the parent's signal, which comes at point number `target` (see Points); after a
+    Ctrl-C, checks the model (result 1: works, 2: does not)."""
     # Ctrl-C raises here even when the test runs where SIGINT is ignored (a background job), which the fork
     # server and its children would otherwise inherit.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     want = run(Adapted())
     model = Adapted()
+    if phase != "offload":
+        offload(model, directory)
+    uninstall = _install(model, phase, Points(target, ready))
     try:
-        if phase != "offload":
-            offload(model, directory)
-        stage.value = 1
-        while True:
+        for _ in range(ITERATIONS):
             if phase == "offload":
                 offload(model, directory)
                 remove_offload(model)
@@ -93,8 +148,11 @@ def child(phase, directory, stage, result):
                     model(inputs())
             else:
                 run(model)
+        raise RuntimeError(f"the loop ended before point {target}")
     except KeyboardInterrupt:
         pass
+    finally:
+        uninstall()
     try:
         check_works(model, directory, want, interrupted_backward=phase == "backward")
         result.value = 1
