@@ -1,9 +1,8 @@
-"""Review of issue 18 (training offloaded weights): faults and bad input that must leave the optimizer usable.
-
-Each test fails on 3f92f1c; see the docstrings for the bug."""
+"""Training offloaded weights: faults and bad input must leave the optimizer usable (a failed weight write in
+step(), an error of the in_backward worker, a failed weight rewrite in load(), a checkpoint for other dtypes).
+The docstrings name the bug each test caught."""
 import errno
 import os
-import time
 
 import pytest
 import torch
@@ -11,12 +10,7 @@ import torch
 from swapio.offload import remove_offload
 from helpers.offload_training import (MLP, assert_goes_on, batches, build_opt, fail_nth_write, make_model, offload,
                                       one_thread, reference, started, train)
-
-
-def wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.001)
+from helpers.waiting import wait_until
 
 pytest.importorskip("safetensors")
 
@@ -53,7 +47,8 @@ def test_in_backward_worker_error_is_raised_once(tmp_path, monkeypatch):
     with one_thread(), pytest.raises(OSError) as info:
         h = torch.tanh(model.b(model.norm(torch.tanh(model.a(x)))))
         # backward reaches b only once the worker's update of c has failed: b's gradient reports the error
-        h.register_hook(lambda g: wait_for(lambda: opt._offloaded.worker.error is not None))
+        h.register_hook(lambda g: wait_until(lambda: opt._offloaded.worker.error is not None,
+                                             "the failure of the worker's update of c"))
         torch.nn.functional.mse_loss(model.c(h), y).backward()
     restore()
     assert info.value.errno == errno.ENOSPC
