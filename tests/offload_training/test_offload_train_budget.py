@@ -1,5 +1,6 @@
 """Host memory while training offloaded weights does not grow with the model's depth, and every pinned buffer
-counts against the budget that memory_report() states. Each run is a child process (tests/train_budget_child.py):
+counts against the budget that memory_report() states. Each run is a child process
+(tests/helpers/train_budget_child.py):
 two steps of a small decoder-shaped model, disk_offload + OffloadAdamW, 2 and 8 layers. Measured: the growth of
 peak RSS, and swapio's own accounting of its pinned blocks (core/pinned.py), which also counts memory the kernel
 refused to lock (RLIMIT_MEMLOCK is 8 MiB here, so VmLck says little)."""

@@ -96,7 +96,7 @@ def test_a_parameter_changed_outside_is_adopted_as_with_torch(tmp_path):
 def test_sharded_parameter_is_refused_naming_the_reason():
     """A DTensor's local shard (what the family steps for FSDP2) is not the whole parameter Adafactor's norms need.
     Stand-in: the attribute by which swapio recognises a DTensor (params.shard); a real one needs a process group
-    (tests/test_framework_distributed.py)."""
+    (tests/integrations/test_framework_distributed.py)."""
     p = torch.zeros(4, 6, requires_grad=True)
     p._local_tensor = torch.zeros(2, 6)
     with pytest.raises(ValueError, match="DTensor"):

@@ -1,7 +1,7 @@
 """Drop-in behaviour against torch.optim.AdamW: copies and pickles are refused clearly (never a half-object),
 betas are validated like torch, old state dicts get torch's historical group defaults, parameters edited outside
 the optimizer are adopted into the fp32 master (bf16, fp16, non-contiguous). DTensor parameters (FSDP2):
-tests/test_framework_distributed.py (a real DTensor needs a process group)."""
+tests/integrations/test_framework_distributed.py (a real DTensor needs a process group)."""
 import copy
 import pickle
 import warnings

@@ -1,7 +1,8 @@
 """A model on a GPU trained with OffloadAdamW(offload="cpu") through the asynchronous pipeline (gradients copied to
 pinned RAM during backward, new values copied back on the side stream, optionally updated during backward):
 each step's parameters, read on the compute stream as the next forward reads them, equal torch's AdamW fed the
-same gradients. Skipped without CUDA (tests/test_gpu_step_pipeline.py runs the same logic on a simulated GPU)."""
+same gradients. Skipped without CUDA (tests/optim/test_optim_gpu_pipeline_simulated.py runs the same logic on a
+simulated GPU)."""
 import pytest
 import torch
 

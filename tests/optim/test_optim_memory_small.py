@@ -1,6 +1,6 @@
 """offload="nvme" costs a small model no more host memory than offload="cpu" plus 64 MiB: its pinned buffers are
 sized to the state (never larger than the state needs), not to buffer_bytes. Each mode runs in a child process
-(tests/memory_child.py) that reports the growth of its peak RSS over two AdamW steps of 3 M fp32 parameters
+(tests/helpers/memory_child.py) that reports the growth of its peak RSS over two AdamW steps of 3 M fp32 parameters
 (24 MB of state)."""
 import json
 
