@@ -1,6 +1,6 @@
 """Shared helpers for the swapio I/O-core tests.
 
-Every wait carries a timeout so a hang fails the test instead of blocking CI (style item 11).
+Every wait carries a timeout so a hang fails the test instead of blocking CI.
 """
 import contextlib
 import os

@@ -1,8 +1,8 @@
-"""Hostile tests of staged I/O, copy_bytes in async_save's capture, the kept checkpoint handle and load's direct
-reads (hostile round 3).
+"""Hostile use of staged I/O, copy_bytes in async_save's capture, the kept checkpoint handle and load's direct
+reads.
 
-Tests marked BUG fail against the code as it stands and pass once the bug is fixed. Tests marked PIN pass now
-and pin down behaviour that must hold (so a fix of one bug does not break it).
+Tests named test_bug_* each caught a bug (their docstrings say which); tests named test_pin_* pin down behaviour
+that must hold beside those fixes.
 """
 import importlib
 import os

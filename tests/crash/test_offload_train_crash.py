@@ -1,6 +1,6 @@
 """A process training offloaded weights is SIGKILLed at some point (mid-forward, mid-backward, mid-step, mid-save);
 a new process builds the model on meta, offloads it from the same offload_dir, builds the optimizer, load()s its
-last checkpoint and trains on: its final weights equal an uninterrupted run's, bit for bit (issue 18)."""
+last checkpoint and trains on: its final weights equal an uninterrupted run's, bit for bit."""
 import os
 import signal
 import subprocess

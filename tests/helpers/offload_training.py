@@ -3,7 +3,7 @@ resident with the same optimizer and options, for bit-exact comparisons.
 
 The resident reference is an independent run: the same model, the same swapio optimizer class and options, the
 plain torch training loop (loss.backward(); step(); zero_grad()). One exception, by design of swapio: an
-offloaded weight's gradients of several backward passes are summed in fp32 (issue 18), while torch sums a bf16
+offloaded weight's gradients of several backward passes are summed in fp32, while torch sums a bf16
 parameter's .grad in bf16; for bf16 weights with accumulation the reference therefore sums p.grad.float() itself
 and steps with the optimizer's _step_params seam (the update is the same kernel, fed the same fp32 sum).
 """

@@ -26,7 +26,7 @@ def test_chain_offloads_the_previous_model_when_the_next_runs():
 
 
 def test_the_compute_stream_waits_on_the_last_copy_issued_not_on_the_last_tensor():
-    """cpu_offload_with_hook's load(): empty tensors are not copied and have no event (issue 21, item 19)."""
+    """cpu_offload_with_hook's load(): empty tensors are not copied and have no event."""
     from swapio.offload.chain import last_copy
     first, second = object(), object()
     assert last_copy([first, second, None]) is second

@@ -1,4 +1,4 @@
-"""The index of an offload_dir (swapio-weights.json) is a file from outside like a checkpoint (issue 21, item 17):
+"""The index of an offload_dir (swapio-weights.json) is a file from outside like a checkpoint:
 every defect is a ValueError naming it, raised before anything is attached, the model and the directory untouched."""
 import json
 import os

@@ -1,5 +1,5 @@
-"""An offload_dir belongs to one live model (issue 21, item 1), and what a killed offload left there is reclaimed by
-the next user of the directory (item 10), never while a live model uses it."""
+"""An offload_dir belongs to one live model, and what a killed offload left there is reclaimed by the next user
+of the directory, never while a live model uses it."""
 import errno
 import gc
 import os

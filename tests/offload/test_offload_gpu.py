@@ -129,7 +129,7 @@ def test_load_file_to_cuda(tmp_path):
 
 
 class EndsEmpty(torch.nn.Module):
-    """A large weight, then an empty buffer: the model's last tensor has no copy (issue 21, item 19)."""
+    """A large weight, then an empty buffer: the model's last tensor has no copy."""
 
     def __init__(self):
         super().__init__()
@@ -153,8 +153,8 @@ def test_cpu_offload_with_hook_waits_for_the_copies_when_the_last_tensor_is_empt
 
 
 def test_a_forward_after_an_interrupted_hook_offload_works_and_keeps_device_changes():
-    """Ctrl-C inside hook.offload() leaves some tensors back in host memory and some on the device (issue 21,
-    item 6 on the cpu_offload_with_hook path): the next forward finishes the offload, then loads them all."""
+    """Ctrl-C inside hook.offload() leaves some tensors back in host memory and some on the device (Ctrl-C
+    on the cpu_offload_with_hook path): the next forward finishes the offload, then loads them all."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     x = torch.randn(4, 64)

@@ -1,4 +1,4 @@
-"""Checkpoints from outside are hostile (issue 21, items 5, 13, 14, 15): a malformed header, a shard outside its
+"""Checkpoints from outside are hostile: a malformed header, a shard outside its
 directory, or a file that shrinks under the reader is a ValueError or an OSError naming the file, never garbage,
 a huge allocation or another exception type. The safetensors library is the reference for what is malformed."""
 import errno
@@ -34,7 +34,7 @@ def entry(shape, begin, end, dtype="F32"):
 
 
 MALFORMED = {
-    # item 14: accepted before, refused by the safetensors library
+    # accepted before, refused by the safetensors library
     "overlapping": ({"a": entry([4], 0, 16), "b": entry([4], 8, 24)}, 24, r"starts at data byte 8, which overlaps"),
     "same-bytes": ({"a": entry([4], 0, 16), "b": entry([4], 0, 16)}, 16, "overlaps"),
     "gap": ({"a": entry([2], 0, 8), "b": entry([2], 16, 24)}, 24, r"leaves bytes \[8, 16\) unused"),
@@ -47,7 +47,7 @@ MALFORMED = {
     "shape-bool": ({"a": entry([True], 0, 4)}, 4, "malformed"),
     "utf16": (json.dumps({"a": entry([1], 0, 4)}).encode("utf-16"), 4, "not UTF-8"),
     "metadata-not-strings": ({"__metadata__": {"k": 1}, "a": entry([1], 0, 4)}, 4, "__metadata__"),
-    # item 15: other exception types before
+    # other exception types before
     "infinity": (b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 4]}}', 4, "Infinity"),
     "nan": (b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}', 4, "NaN"),
     "huge-dimension": ({"a": entry([2**64, 0], 0, 0)}, 0, "malformed"),
@@ -89,7 +89,7 @@ def test_a_valid_file_still_agrees_with_safetensors(tmp_path):
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
 
 
-# ---- item 5: a file that shrinks while it is read ---------------------------------------------------------------
+# ---- a file that shrinks while it is read -----------------------------------------------------------------------
 def shrink_after_header(monkeypatch, module, path, keep):
     real = module.open_checkpoint
 
@@ -153,7 +153,7 @@ def test_a_checkpoint_truncated_after_offloading_is_an_oserror_in_forward(tmp_pa
     assert info.value.errno == errno.ENODATA
 
 
-# ---- item 13: shards confined to the checkpoint directory ------------------------------------------------------
+# ---- shards confined to the checkpoint directory ---------------------------------------------------------------
 def sharded(tmp_path, shard_names):
     """A two-tensor checkpoint: tensor 'a' in a shard at shard_names['a'] (relative to tmp_path/ck), 'b' in b."""
     ck = tmp_path / "ck"

@@ -1,5 +1,4 @@
-"""Ctrl-C inside an offloaded forward (issue 21, item 6), failures while attaching (item 7), concurrent forwards
-(item 8) and copies (item 9): the model is always left working or as it was, never half offloaded."""
+"""Ctrl-C inside an offloaded forward, failures while attaching, concurrent forwards and copies: the model is always left working or as it was, never half offloaded."""
 import copy
 import os
 import pickle
@@ -114,7 +113,7 @@ def test_ctrl_c_during_generate_leaves_no_module_holding_the_ring(tmp_path):
     remove_offload(model)
 
 
-# ---- item 7: a failure or Ctrl-C while attaching ------------------------------------------------------------------
+# ---- a failure or Ctrl-C while attaching --------------------------------------------------------------------------
 def fail_in(monkeypatch, where, exc):
     def boom(*args, **kwargs):
         raise exc
@@ -168,7 +167,7 @@ def test_a_failure_while_attaching_leaves_the_model_as_it_was(tmp_path, monkeypa
     assert_same_outputs(model)
 
 
-# ---- item 8: concurrent forwards ----------------------------------------------------------------------------------
+# ---- concurrent forwards ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", list(OFFLOADS))
 def test_two_threads_forwarding_one_offloaded_model_get_the_resident_outputs(tmp_path, kind):
     ids, logits, _ = reference()
@@ -196,7 +195,7 @@ def test_two_threads_forwarding_one_offloaded_model_get_the_resident_outputs(tmp
     remove_offload(model)
 
 
-# ---- item 9: copies -----------------------------------------------------------------------------------------------
+# ---- copies -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["disk", "cpu", "with_hook"])
 def test_copying_an_offloaded_model_is_a_type_error(tmp_path, kind):
     model = resident_model()

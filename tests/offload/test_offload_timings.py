@@ -1,4 +1,4 @@
-"""Issue 22 items 11 and 12 for weight offload: swapio.offload.stats(model) says where forwards spent their
+"""Where weight offload's time goes: swapio.offload.stats(model) says where forwards spent their
 time (waiting for weights against computing, bytes read, GB/s) and resets; a torch.profiler trace shows the
 fetches by name; disk_offload(offload_dir=...) draws a progress bar of the weights it writes when asked."""
 import os
@@ -106,7 +106,7 @@ def test_a_profiler_trace_of_a_gpu_forward_names_the_copies(tmp_path):
         remove_offload(model)
 
 
-# ---- progress (item 12) -------------------------------------------------------------------------------------
+# ---- progress -----------------------------------------------------------------------------------------------
 
 
 def _data_file_bytes(directory):

@@ -1,4 +1,4 @@
-"""Issue 18: an offloaded model trained by a swapio optimizer gives exactly the losses and weights of the same
+"""An offloaded model trained by a swapio optimizer gives exactly the losses and weights of the same
 model trained resident with the same optimizer and options (torch.equal, no tolerance)."""
 import itertools
 import os

@@ -1,4 +1,4 @@
-"""Issue 18, bounds: host memory while training an offloaded model with >= 1 GiB of weights stays within the
+"""Bounds: host memory while training an offloaded model with >= 1 GiB of weights stays within the
 weight ring (buffer_bytes) + the optimizer's buffer budget + a small multiple of the largest offloaded module +
 activations. Measured in a child process: VmHWM (peak RSS) reset after the model is set up (clear_refs 5), then
 one training step with disk_offload(checkpoint=..., offload_dir=...) + OffloadAdamW(offload="nvme",

@@ -89,7 +89,7 @@ def test_load_whose_weight_rewrite_fails_can_be_retried(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("off", ["cpu", "nvme"])
 def test_load_of_a_checkpoint_for_other_dtypes_is_a_value_error(tmp_path, off):
-    """Bug (issue 18, "Bad input": names, shapes, dtypes): the checkpoint records each parameter's dtype
+    """Bug (bad input: names, shapes, dtypes): the checkpoint records each parameter's dtype
     (checkpoint.py writes entry["dtype"]) but load() checks only the shape: the state of a bf16 model loads
     into an fp32 offloaded model and rewrites all its weights. Expected: ValueError naming the mismatch, the
     weights untouched."""

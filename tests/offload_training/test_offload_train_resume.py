@@ -1,4 +1,4 @@
-"""Issue 18: errors of offloaded training, the user's checkpoint never written, and resume in a new process
+"""Errors of offloaded training, the user's checkpoint never written, and resume in a new process
 (opt.save / a new process that builds the model on meta, offloads from the same offload_dir, load()s and goes on
 bit-identically)."""
 import hashlib

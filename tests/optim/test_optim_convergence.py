@@ -1,6 +1,6 @@
 """Smaller optimizer state converges: a small GPT-2 (from a transformers config) trained for 300 steps with fixed
 seeds on byte sequences; the held-out loss with bf16 moments is within 1 % and with int8 moments within 2 % of
-the fp32-state run's (issue 8's bar), and Lion with int8 state learns the same data.
+the fp32-state run's, and Lion with int8 state learns the same data.
 
 The bytes come from a fixed random Markov chain over 32 byte values, whose entropy rate is a known floor that
 every run approaches: on English text a model this small is far from converged after 300 steps, and two fp32

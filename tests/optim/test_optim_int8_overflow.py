@@ -1,4 +1,4 @@
-"""int8 optimizer state and non-finite moments (issue 21, item 2): a huge finite gradient overflows g * g, so
+"""int8 optimizer state and non-finite moments: a huge finite gradient overflows g * g, so
 exp_avg_sq becomes inf while exp_avg stays finite. int8 cannot store inf; were exp_avg kept beside an exp_avg_sq
 stored as 0, the next step would move the parameter by exp_avg / eps (~1e38).
 

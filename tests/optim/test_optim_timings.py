@@ -1,4 +1,4 @@
-"""Issue 22 items 11 and 12 for the optimizers: opt.step_report() says where a step's time went (kernel, I/O
+"""Where the optimizers' time goes: opt.step_report() says where a step's time went (kernel, I/O
 waits, bytes moved), a torch.profiler trace shows swapio's phases by name, and save()/load() draw a progress
 bar when asked, never into a log by default."""
 import pytest
@@ -102,7 +102,7 @@ def test_without_a_profiler_the_ranges_cost_nothing():
         assert _ranges.section("swapio::step") is not _ranges._OFF
 
 
-# ---- progress (item 12) -------------------------------------------------------------------------------------
+# ---- progress -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
