@@ -230,6 +230,7 @@ def test_public_name():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("to", ["cpu", "nvme"])
 def test_cuda_gradients_bit_equal_to_no_offload(tmp_path, to):
@@ -244,6 +245,7 @@ def test_cuda_gradients_bit_equal_to_no_offload(tmp_path, to):
     assert act.stats()["pinned_bytes"] == 0
 
 
+@pytest.mark.gpu
 @cuda
 def test_cuda_second_backward_and_cpu_tensors_stay(tmp_path, monkeypatch):
     model, x = make_stack().cuda(), batch().cuda()

@@ -129,6 +129,7 @@ os.kill(os.getpid(), 9)
 """
 
 
+@pytest.mark.crash
 def test_swap_files_of_a_killed_process_are_reclaimed_by_the_next_one(tmp_path):
     code = KILLED.format(tests=os.path.join(REPO, "tests"), swap=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

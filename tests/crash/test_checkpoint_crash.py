@@ -1,6 +1,7 @@
 """SIGKILL and Ctrl-C (SIGINT) at random points of save() and async_save(): whatever the moment, the file at the
 checkpoint's path then loads as the previous or the new checkpoint, whole, never a mix; what a killed save left
 is removed by the next save into the directory, but never the temporary file of a save still running."""
+import pytest
 import multiprocessing
 import os
 import random
@@ -18,6 +19,8 @@ from helpers.checkpoint import leftovers
 from helpers.crash import kill_while_saving
 from conftest import REPO
 from swapio.checkpoint.commit import PendingFile, reclaim
+
+pytestmark = pytest.mark.crash
 
 ITERATIONS = 32
 

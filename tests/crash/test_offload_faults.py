@@ -15,6 +15,8 @@ from conftest import REPO
 from helpers.crash import wait_ready
 from helpers.offload_crash_child import POINTS, check_next_use, child
 
+pytestmark = pytest.mark.crash
+
 PHASES = ("offload", "forward", "backward")
 SIGNALS = (signal.SIGINT, signal.SIGKILL)
 ROUNDS = 3  # per phase and signal: 18 children in all

@@ -10,6 +10,8 @@ import textwrap
 import pytest
 import torch
 
+pytestmark = pytest.mark.crash
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, SAVE_AT = 4, 2
 

@@ -17,6 +17,8 @@ from helpers.fork import forkserver, run_child  # noqa: F401
 from helpers.optim import one_thread  # noqa: F401
 from helpers.resume import assert_same, make_opt, make_params, set_grads, snapshot, train
 
+pytestmark = pytest.mark.crash
+
 LAST = 5
 POINTS = [("step", "kernel", 1), ("step", "kernel", 3), ("step", "swap_write", 1), ("save", "data_write", 1),
           ("save", "data_write", 5), ("save", "file_fsync", 0), ("save", "dir_fsync", 0)]

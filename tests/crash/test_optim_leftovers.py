@@ -14,6 +14,8 @@ from swapio.optim import checkpoint
 from helpers.fork import forkserver, run_child  # noqa: F401
 from helpers.resume import make_opt, make_params, train
 
+pytestmark = pytest.mark.crash
+
 TMP = f".{checkpoint.FILE}{commit.TAG}"  # + <hex>.tmp: the checkpoint being written
 
 

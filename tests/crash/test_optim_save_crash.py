@@ -7,11 +7,14 @@ import signal
 import time
 import warnings
 
+import pytest
 
 from swapio.optim import checkpoint
 from conftest import REPO
 from helpers.optim_save_crash_child import loaded_k, make_optimizer, saver, uniform_state
 from helpers.crash import kill_while_saving
+
+pytestmark = pytest.mark.crash
 
 ITERATIONS = 48
 

@@ -162,6 +162,7 @@ def test_refused_registration_clears_cudas_last_error(fake_cuda):
     assert [c[0] for c in fake_cuda.rt.calls] == ["register"]  # a refused block is never unregistered
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_empty_pinned_creates_no_context_in_a_fresh_process():
     import subprocess
@@ -172,6 +173,7 @@ def test_empty_pinned_creates_no_context_in_a_fresh_process():
     assert r.stdout.strip() == "False"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_memory_allocated_before_cuda_starts_is_pinned_for_torch():
     import subprocess

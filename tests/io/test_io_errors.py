@@ -75,6 +75,7 @@ def test_meta_device_tensor_is_value_error(handle_factory, tmp_path, op):
         getattr(h, op)(torch.empty(16, device="meta"), tmp_path / "f")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 def test_cuda_tensor_is_value_error(handle_factory, tmp_path):
     h = handle_factory()

@@ -398,6 +398,7 @@ def test_requires_grad_parameter_swaps_out_and_in(store):
     assert p.requires_grad
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 def test_cuda_tensor_swaps_out_and_back_to_cuda(store):
     t = sample(seed=10).cuda()

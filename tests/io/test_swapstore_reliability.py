@@ -287,6 +287,7 @@ def _leftovers(tmp_path):
                   [n for n in os.listdir(tmp_path / "store") if n.endswith(".swap")])
 
 
+@pytest.mark.crash
 def test_directories_of_a_killed_process_are_reclaimed_with_a_warning(tmp_path, fresh_warnings):
     proc = _child("os.kill(os.getpid(), signal.SIGKILL)", tmp_path)
     out, err = proc.communicate(timeout=TIMEOUT)
@@ -302,6 +303,7 @@ def test_directories_of_a_killed_process_are_reclaimed_with_a_warning(tmp_path, 
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.crash
 def test_sigterm_removes_swap_files_and_still_ends_the_process(tmp_path):
     proc = _child("time.sleep(60)", tmp_path)
     assert proc.stdout.readline() == "ready\n"

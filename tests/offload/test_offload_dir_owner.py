@@ -65,6 +65,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.crash
 def test_a_directory_in_use_by_another_process_is_refused_until_it_dies(tmp_path):
     directory = str(tmp_path / "od")
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=REPO, directory=directory)],

@@ -314,6 +314,7 @@ def _loaded_value(directory):
     return values.pop()
 
 
+@pytest.mark.crash
 @pytest.mark.parametrize("sizes", [("40KB", "40KB"), ("40KB", "100KB"), ("100KB", "40KB")],
                          ids=["same-shards", "fewer-shards", "more-shards"])
 def test_a_re_export_killed_at_any_step_leaves_the_previous_or_the_new_export(tmp_path, monkeypatch, sizes):

@@ -7,7 +7,7 @@ import swapio
 from swapio.offload import cpu_offload, cpu_offload_with_hook, disk_offload, load_file, remove_offload, stats
 from helpers.offload import NEW_TOKENS, reference, resident_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def gpu_reference():

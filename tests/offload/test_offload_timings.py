@@ -92,6 +92,7 @@ def test_a_profiler_trace_of_an_offloaded_forward_names_the_fetches(tmp_path):
         remove_offload(model)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_profiler_trace_of_a_gpu_forward_names_the_copies(tmp_path):
     model = disk_offload(mlp(), tmp_path / "od", execution_device="cuda")

@@ -374,6 +374,7 @@ def test_in_backward_second_backward_of_one_graph_says_in_backward(tmp_path, mon
     remove_offload(model)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gradient_hooks_of_a_cuda_model_may_keep_the_gradient(tmp_path):
     """On a CUDA model a gradient reaches the optimizer through a pinned staging buffer that the next gradient

@@ -7,7 +7,7 @@ import torch
 import swapio.optim as so
 from helpers.optim import SMALL_BUFFERS, feed, masters, one_thread, ref_copy, rel_diff  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SHAPES = [(7000,), (129, 65), (3, 40, 33), (600, 300)]  # 600x300 exceeds SMALL_BUFFERS' slots: kept whole
 

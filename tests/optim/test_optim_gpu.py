@@ -8,7 +8,7 @@ import torch
 import swapio.optim as so
 from helpers.optim import SMALL_BUFFERS, TOL, feed, make_opts, masters, one_thread, ref_copy, rel_diff  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MODES = ["cpu", "nvme"]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),

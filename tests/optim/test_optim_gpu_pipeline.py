@@ -8,7 +8,7 @@ import torch
 
 import swapio.optim as so
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
