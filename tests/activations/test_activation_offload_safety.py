@@ -180,6 +180,7 @@ def peak_activation_rss(mode, swap_dir, staging):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_peak_rss_of_activations_is_bounded_by_the_staging_ring_and_two_layers(tmp_path):
     """RSS that the forward + backward adds at its peak: with to="nvme", at most staging_bytes + two layers' saved
     tensors (read back ahead) + two layers of working tensors (the layer computing and the gradient flowing

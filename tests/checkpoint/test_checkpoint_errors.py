@@ -154,6 +154,7 @@ def test_a_failed_save_leaves_no_file_and_the_old_one(tmp_path, monkeypatch):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
 def test_a_header_over_the_safetensors_limit_is_refused_before_any_file(tmp_path, asynchronous):
     """A header (JSON incl. __metadata__) over 100 MiB would make a file no reader (ours included) accepts."""

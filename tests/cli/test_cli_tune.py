@@ -29,6 +29,7 @@ def sweep(tmp_path_factory):
     return rc, d, cfg, png
 
 
+@pytest.mark.slow
 def test_tune_writes_a_config_that_from_config_loads(sweep, capsys):
     rc, d, cfg, _ = sweep
     assert rc == 0

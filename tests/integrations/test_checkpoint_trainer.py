@@ -33,6 +33,7 @@ def _train(out_dir, resume=None, trainer_builds_optimizer=False):
     return params_of(model), losses, trainer.optimizer
 
 
+@pytest.mark.slow
 def test_trainer_saves_the_optimizer_with_swapio_and_resumes_bit_identically(tmp_path):
     import safetensors.torch as st
     full, losses, opt = _train(tmp_path / "full")
@@ -53,6 +54,7 @@ def test_trainer_saves_the_optimizer_with_swapio_and_resumes_bit_identically(tmp
         assert resumed_losses[step] == losses[step], step
 
 
+@pytest.mark.slow
 def test_an_optimizer_trainer_builds_is_saved_by_trainer_with_a_warning_and_resumes(tmp_path):
     """Trainer builds the optimizer after the callbacks' last chance to patch it and loads optimizer.pt right
     after: a swapio reference there could not be resumed, so the callback leaves the save to Trainer and says so."""

@@ -31,6 +31,7 @@ def _prepared(mode, swap_dir):
     return accelerator, model, opt, sched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_accelerate_save_state_load_state_resume_bit_identically(mode, tmp_path):
     batches = mlp_batches(STEPS)

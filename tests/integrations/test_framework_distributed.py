@@ -120,6 +120,7 @@ def _assert_close(a, b):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ddp_matches_single_process(runs, tmp_path):
     _, ranks = runs
     assert_params_equal(ranks[0]["ddp"], ranks[1]["ddp"])

@@ -36,6 +36,7 @@ def _offload(mode, swap_dir):
     return lambda params: so.OffloadAdamW(params, lr=1e-2, weight_decay=0.1, offload=mode, **extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_trainer_matches_torch_and_resumes_bit_identically(mode, tmp_path):
     swap_dir = tmp_path / "swap"
@@ -59,6 +60,7 @@ def test_trainer_matches_torch_and_resumes_bit_identically(mode, tmp_path):
     assert os.listdir(swap_dir) == []  # every optimizer removed its swap files
 
 
+@pytest.mark.slow
 def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
     from swapio.integrations.transformers import StreamingCheckpointCallback
     swap_dir = tmp_path / "swap"
@@ -119,6 +121,7 @@ def _train_given(how, out_dir, swap_dir, resume=None):
     return params_of(model), losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["optimizers", "optimizer_cls_and_kwargs", "create_optimizer"])
 def test_streaming_callback_resumes_whichever_way_trainer_got_the_optimizer(how, tmp_path):
     # The callback used to patch load_state_dict only onto an optimizer that existed at on_init_end, so resuming

@@ -59,6 +59,7 @@ def _train(out_dir, offload=None, resume=None, meta=False, tied=False, accumulat
     return weights, logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["disk", "cpu"])
 def test_offloaded_trainer_equals_resident_and_resumes(offload, tmp_path):
     ref, ref_logs = _train(tmp_path / "resident")
@@ -88,6 +89,7 @@ def test_torch_optimizer_over_offloaded_weights_is_a_clear_error(tmp_path):
         trainer.train()
 
 
+@pytest.mark.slow
 def test_in_backward_trains_like_the_resident_model(tmp_path):
     # max_grad_norm=0: in_backward steps each module during backward, so there is nothing left to clip
     ref, ref_logs = _train(tmp_path / "resident", accumulate=1, max_norm=0.0)

@@ -20,6 +20,7 @@ def assert_loads_as_the_resident_model(directory):
     assert_same_outputs(loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-shard", "sharded"])
 @pytest.mark.parametrize("kind", list(OFFLOADS))
 def test_save_pretrained_of_an_offloaded_model(tmp_path, kind, sharded):
@@ -50,6 +51,7 @@ def test_a_save_checkpoint_directory_loads_with_from_pretrained(tmp_path, kind):
     remove_offload(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(OFFLOADS))
 def test_accelerator_prepare_of_an_offloaded_model_and_its_optimizer(tmp_path, kind):
     accelerate = pytest.importorskip("accelerate")

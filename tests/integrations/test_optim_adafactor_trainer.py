@@ -27,6 +27,7 @@ def _train(out_dir, cls, kwargs, resume=None, callbacks=None):
     return params_of(model), losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_trainer_matches_torch_adafactor_and_resumes_bit_identically(offload, tmp_path):
     from swapio.integrations.transformers import StreamingCheckpointCallback

@@ -21,6 +21,7 @@ def usable_engines():
     return [e for e in ENGINES if status[e] == "ok"] or ["psync"]
 
 
+@pytest.mark.slow
 def test_256_futures_in_flight_across_4_handles_and_8_threads(tmp_path):
     engines = usable_engines()
     handles = [swapio.AioHandle(engine=engines[i % len(engines)], block_size=4096, queue_depth=16,
@@ -90,6 +91,7 @@ def test_256_futures_in_flight_across_4_handles_and_8_threads(tmp_path):
         close_handle(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", usable_engines())
 def test_1000_dropped_futures_write_correctly_and_release_everything(tmp_path, engine):
     h = swapio.AioHandle(engine=engine, block_size=4096, queue_depth=32)

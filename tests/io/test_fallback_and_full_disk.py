@@ -119,6 +119,7 @@ def assert_intact(h, written):
         assert out.numpy().tobytes() == data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
 @pytest.mark.parametrize("direct", [None, False], ids=lambda d: f"direct{d}")
 def test_write_larger_than_free_space_is_enospc_and_keeps_other_files(handle_factory, small_ext4_dir, engine,

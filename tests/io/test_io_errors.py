@@ -209,6 +209,7 @@ def test_read_of_directory_gives_no_o_direct_fallback_warning(handle_factory, tm
     assert not [w for w in caught if issubclass(w.category, swapio.SwapioWarning)], str(caught[0].message)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
 @pytest.mark.parametrize("direct", [None, True, False], ids=lambda d: f"direct{d}")
 @pytest.mark.parametrize("file_size,offset,nbytes", [
@@ -291,6 +292,7 @@ _UNPRIVILEGED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_write_to_read_only_file_without_privileges_is_permission_error(tmp_path):
     """Root ignores file modes, so the write runs in a child that dropped CAP_DAC_OVERRIDE (setpriv)."""
     setpriv = shutil.which("setpriv")

@@ -51,6 +51,7 @@ def assert_released(before):
     assert kernel_resources() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("err", ["EIO", "ENOSPC", "EFAULT"])
 @pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_injected_error_reaches_its_future(monkeypatch, tmp_path, engine, err):
@@ -105,6 +106,7 @@ def test_short_transfers_resume_with_every_byte(monkeypatch, tmp_path, engine):
     close_handle(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_reap_that_keeps_failing_fails_requests_and_close_returns(monkeypatch, tmp_path, engine):
     data = [payload(5) for _ in range(4)]

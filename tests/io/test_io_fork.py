@@ -50,6 +50,7 @@ def test_future_pending_at_fork_is_an_error_in_the_child(handle_factory, tmp_pat
     queued.wait(timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 def test_child_exits_cleanly_with_a_busy_inherited_handle(tmp_path):
     # A fresh interpreter, so the child runs Python's whole shutdown (finalizers that joined the workers
     # hung there) with a request of the parent's still queued.

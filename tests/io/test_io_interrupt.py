@@ -46,6 +46,7 @@ def slow_handle(monkeypatch):
     return h
 
 
+@pytest.mark.slow
 def test_ctrl_c_interrupts_future_wait_and_the_future_can_be_waited_again(monkeypatch, tmp_path):
     h = slow_handle(monkeypatch)
     data = random_bytes(1 << 20, 1)
@@ -59,6 +60,7 @@ def test_ctrl_c_interrupts_future_wait_and_the_future_can_be_waited_again(monkey
     h.close()
 
 
+@pytest.mark.slow
 def test_ctrl_c_interrupts_handle_wait_and_keeps_requests_tracked(monkeypatch, tmp_path):
     h = slow_handle(monkeypatch)
     data = random_bytes(1 << 20, 2)

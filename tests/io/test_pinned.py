@@ -71,6 +71,7 @@ def test_memory_just_past_a_pinned_block_is_not_pinned():
     assert not swapio.is_pinned(other)
 
 
+@pytest.mark.slow
 def test_pinned_memory_is_released_when_last_tensor_dies():
     gc.collect()
     before = live_blocks()
@@ -85,6 +86,7 @@ def test_pinned_memory_is_released_when_last_tensor_dies():
     assert ptr not in swapio.core.pinned._ends
 
 
+@pytest.mark.slow
 def test_view_keeps_pinned_memory_alive():
     gc.collect()
     before = live_blocks()
@@ -101,6 +103,7 @@ def test_view_keeps_pinned_memory_alive():
     assert live_blocks() == before
 
 
+@pytest.mark.slow
 def test_many_pinned_allocations_do_not_accumulate():
     gc.collect()
     before = live_blocks()

@@ -56,6 +56,7 @@ def test_roundtrip_of_size_writes_exactly_nbytes(handle_factory, tmp_path, engin
     assert data == as_bytes(src)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 3], ids=lambda t: f"threads{t}")
 def test_roundtrip_of_64MiB(handle_factory, tmp_path, threads):
     h = handle_factory(threads=threads)
@@ -189,6 +190,7 @@ def test_staged_must_be_a_bool_or_auto(handle_factory, tmp_path):
         h.pwrite(torch.empty(4096, dtype=torch.uint8), tmp_path / "t.bin", staged="always")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
 @pytest.mark.parametrize("threads", [1, 3], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("offset", [0, 4097], ids=lambda o: f"offset{o}")

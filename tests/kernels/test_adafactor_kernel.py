@@ -25,6 +25,7 @@ def run_native(p0, shape, grads, hyper, **kw):
     return p, st
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("hyper", [{}, dict(weight_decay=0.1, maximize=True, lr=0.05),
                                    dict(eps1=1e-3, eps2=1e-2, d=1.5, beta2_decay=-0.5)])

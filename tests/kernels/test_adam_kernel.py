@@ -88,6 +88,7 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", SIMD_LEVELS or [pytest.param("none", marks=pytest.mark.skip("no SIMD level"))])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -145,6 +146,7 @@ def test_one_step_matches_torch(n, adamw, weight_decay):
     torch.testing.assert_close(p, tp, rtol=3e-7, atol=1e-9)  # torch's sqrt is off by up to 0.75 ulp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("kw", [dict(adamw=True, weight_decay=0.05), dict(adamw=False, weight_decay=0.05),
                                 dict(adamw=True, weight_decay=0.0, maximize=True),
@@ -159,6 +161,7 @@ def test_ten_steps_match_torch(level, kw):
     torch.testing.assert_close(v, tv, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n", [17, (1 << 20) + 7])
 def test_low_precision_grads_match_torch_on_widened_grads(grad_dtype, n):
@@ -353,6 +356,7 @@ def run_python(code, env_extra=None, timeout=60):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_env_var_forces_capability(level):
     r = run_python("""
@@ -368,6 +372,7 @@ def test_env_var_forces_capability(level):
     assert r.stdout.split()[-1] == level
 
 
+@pytest.mark.slow
 def test_env_var_with_unknown_level_warns_and_uses_the_best():
     r = run_python("""
         import warnings
@@ -382,6 +387,7 @@ def test_env_var_with_unknown_level_warns_and_uses_the_best():
     assert level == LEVELS[-1] and nwarn == "1" and category == "SwapioWarning"
 
 
+@pytest.mark.slow
 def test_pool_starts_lazily_runs_small_steps_inline_and_exits_cleanly():
     r = run_python("""
         import os, torch

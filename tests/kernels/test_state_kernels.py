@@ -82,6 +82,7 @@ def test_kernel_matches_plain_torch_reference(algo, state, n):
     assert not torch.equal(pk, p0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", SIMD_LEVELS or [pytest.param("none", marks=pytest.mark.skip("no SIMD level"))])
 @pytest.mark.parametrize("algo,state", CASES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)

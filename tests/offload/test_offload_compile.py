@@ -21,6 +21,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("storage", ["disk", "ckpt", "cpu"])
 def test_compiled_forward_equals_eager_and_resident(tmp_path, backend, storage):
@@ -40,6 +41,7 @@ def test_compiled_forward_equals_eager_and_resident(tmp_path, backend, storage):
     assert all(p.device.type == "meta" for p in compiled.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cls,storage,off,in_backward",
                          [(MLP, "disk", "nvme", False), (MLP, "cpu", "cpu", True), (Tied, "ckpt", "cpu", False)])
@@ -57,6 +59,7 @@ def test_compiled_training_equals_resident(tmp_path, backend, cls, storage, off,
     opt.close()
 
 
+@pytest.mark.slow
 def test_no_recompiles_between_forwards(tmp_path):
     """Each forward fetches new tensors for the weights; none of them is in a graph, so nothing recompiles."""
     model = offload(make_model(MLP), "disk", tmp_path)
@@ -99,6 +102,7 @@ def test_module_compile_in_place(tmp_path):
         assert torch.equal(model(x), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_transformers_llama_forward_and_step(tmp_path, backend):
     """A tiny transformers Llama (RoPE, RMSNorm, SDPA between the offloaded projections): the compiled offloaded
@@ -125,6 +129,7 @@ def test_compiled_transformers_llama_forward_and_step(tmp_path, backend):
     assert torch.equal(losses[0], losses[2]) and torch.equal(losses[1], losses[3])
 
 
+@pytest.mark.slow
 def test_inductor_forward(tmp_path):
     """The default backend (inductor, a C++ kernel for the tanh between the offloaded layers: about 15 s here).
     Inductor's fused tanh rounds differently from eager's, by an ulp: close, not bit-equal (as resident)."""

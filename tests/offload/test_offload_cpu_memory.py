@@ -46,6 +46,7 @@ def run_child(directory):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_cpu_offload_of_a_from_pretrained_model_holds_the_weights_once(tmp_path):
     import torch
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,

@@ -50,6 +50,7 @@ def offload_dir(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DEFECTS))
 def test_a_defective_index_is_a_value_error_before_anything_is_attached(offload_dir, name):
     mutate, message = DEFECTS[name]
@@ -74,6 +75,7 @@ def test_a_defective_index_is_a_value_error_before_anything_is_attached(offload_
     remove_offload(model)
 
 
+@pytest.mark.slow
 def test_data_file_holds_the_weights_and_zeros_between_them_across_reused_windows(tmp_path, monkeypatch):
     """offload_dir's data file goes through the library's streaming writer, whose two pinned windows are reused:
     each tensor's bytes land where the index says, and the padding between tensors and records is zeros, never

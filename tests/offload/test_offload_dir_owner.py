@@ -22,6 +22,7 @@ def data_files(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("swapio-weights-"))
 
 
+@pytest.mark.slow
 def test_a_second_offload_into_a_live_directory_is_refused(tmp_path):
     a = disk_offload(resident_model(), tmp_path / "od")
     before = data_files(tmp_path / "od")
@@ -42,6 +43,7 @@ def test_a_second_offload_into_a_live_directory_is_refused(tmp_path):
     remove_offload(b)
 
 
+@pytest.mark.slow
 def test_a_model_dropped_without_remove_offload_frees_its_directory(tmp_path):
     dropped = disk_offload(resident_model(), tmp_path / "od")
     with torch.no_grad():
@@ -126,6 +128,7 @@ def test_leftovers_are_reclaimed_when_a_model_reuses_the_directory(tmp_path):
     remove_offload(model)
 
 
+@pytest.mark.slow
 def test_leftovers_are_not_touched_while_a_live_model_uses_the_directory(tmp_path):
     directory = tmp_path / "od"
     model = disk_offload(resident_model(), directory)

@@ -112,6 +112,7 @@ class _Big(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(16))  # 64 MiB fp32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "fills-while-writing"])
 def test_full_disk_is_an_oserror_and_leaves_nothing(small_ext4_dir, monkeypatch, reserve):
     if not reserve:  # a file system without fallocate: the writes themselves hit ENOSPC
@@ -158,6 +159,7 @@ CONVERSIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("convert", list(CONVERSIONS))
 @pytest.mark.parametrize("kind", list(OFFLOADS))
 def test_a_conversion_of_an_offloaded_model_is_refused_before_anything_changed(tmp_path, kind, convert):

@@ -60,6 +60,7 @@ def shard_files(directory):
     return sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["offload_dir", "offload_dir+resident", "checkpoint", "cpu", "plain"])
 def test_a_single_file_holds_every_tensor_once(tmp_path, how):
     model = offloaded(how, tmp_path)
@@ -178,6 +179,7 @@ def _fail_after(monkeypatch, calls, exc):
     monkeypatch.setattr(export_tensors.Reader, "_offloaded", failing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
                          ids=["full-disk", "ctrl-c"])
 @pytest.mark.parametrize("sharded", [True, False], ids=["directory", "file"])
@@ -267,6 +269,7 @@ RSS_CHILD = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_exporting_768_mib_keeps_rss_within_ring_staging_and_one_record(tmp_path):
     """Peak RSS growth stays within the ring + the checkpoint writer's staging + the largest record + slack, less
     than the weights: no state dict is ever built."""

@@ -32,6 +32,7 @@ def llama():
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ring_kib", [300, 1024, 2048])
 def test_each_forward_reads_the_checkpoint_once_first_included(tmp_path, ring_kib):
     torch.manual_seed(0)

@@ -141,6 +141,7 @@ ATTACHES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), MemoryError("pinned memory")], ids=["ctrl-c", "error"])
 @pytest.mark.parametrize("where", ["ring", "placeholders", "register", "engine"])
 @pytest.mark.parametrize("kind", list(ATTACHES))
@@ -168,6 +169,7 @@ def test_a_failure_while_attaching_leaves_the_model_as_it_was(tmp_path, monkeypa
 
 
 # ---- concurrent forwards ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(OFFLOADS))
 def test_two_threads_forwarding_one_offloaded_model_get_the_resident_outputs(tmp_path, kind):
     ids, logits, _ = reference()

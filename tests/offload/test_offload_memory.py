@@ -63,6 +63,7 @@ def write_checkpoint(path):
             f.write(layer)
 
 
+@pytest.mark.slow
 def test_forward_over_1_gib_keeps_rss_within_ring_plus_largest_submodule(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     if free < 3 * 1024 * MiB:

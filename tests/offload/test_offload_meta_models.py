@@ -24,6 +24,7 @@ def saved(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("how", ["meta", "accelerate"])
 @pytest.mark.parametrize("name", sorted(hf_tiny.ARCHS))

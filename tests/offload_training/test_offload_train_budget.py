@@ -24,6 +24,7 @@ def _run(forkserver, tmp_path, layers, mode):
     return json.loads(result.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["accumulate", "in_backward"])
 def test_pinned_memory_is_within_the_stated_budget_and_independent_of_depth(forkserver, tmp_path, mode):
     shallow, deep = (_run(forkserver, tmp_path, n, mode) for n in (SHALLOW, DEEP))

@@ -35,6 +35,7 @@ def _matrix():
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name,state_dtype,storage,mode,wdtype,off", _matrix())
 def test_offloaded_training_equals_resident(tmp_path, opt_name, state_dtype, storage, mode, wdtype, off):
     dtype = DTYPES[wdtype]
@@ -334,6 +335,7 @@ def test_resident_model_dtype_preserved_after_remove(tmp_path):
     assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("in_backward", [False, True], ids=["accumulate+clip", "in_backward"])
 def test_llama_and_qwen2_style_models_train_exactly_like_resident(tmp_path, arch, in_backward):

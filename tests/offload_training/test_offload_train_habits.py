@@ -312,6 +312,7 @@ def test_clip_twice_and_low_precision_equal_torch_on_resident(tmp_path, storage,
 
 
 # ---- two optimizers sharing a module's weights ----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "cpu", True), ("disk", "nvme", True),
                                                      ("cpu", "cpu", True), ("disk", "nvme", False)])
 def test_two_optimizers_splitting_each_modules_weights(tmp_path, storage, off, in_backward):

@@ -88,6 +88,7 @@ def measure(tmp_path, layers):
     return got
 
 
+@pytest.mark.slow
 def test_training_peak_rss_is_bounded_for_a_1gib_model(tmp_path):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs /proc/self/clear_refs to reset the peak RSS")

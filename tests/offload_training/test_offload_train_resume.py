@@ -193,6 +193,7 @@ def train_with(model, opt, data, sched):
 
 
 # ---- resume in a new process --------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("source,dtype,off,state_dtype,in_backward", [
     ("od", "float32", "nvme", "fp32", False),
     ("od", "bfloat16", "cpu", "bf16", True),

@@ -51,6 +51,7 @@ def _child(*args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,master", [("float32", 0), ("bfloat16", 64 * MiB)])
 def test_peak_rss_of_a_4096_square_weight_is_its_master_and_next_to_nothing(dtype, master, tmp_path):
     out = _child("OffloadAdafactor", dtype, "cpu", tmp_path)

@@ -91,6 +91,7 @@ def test_checkpoint_of_another_optimizer_is_refused_clearly(tmp_path):
     steps(ada, params, 1, seed=2)  # left as it was: still usable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moments_of_a_4096_square_weight_take_under_a_hundredth_byte_per_parameter(offload, dtype, tmp_path):

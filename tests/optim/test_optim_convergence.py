@@ -58,6 +58,7 @@ def train(make_opt, P):
     return first, sum(held_out) / len(held_out)
 
 
+@pytest.mark.slow
 def test_bf16_and_int8_state_reach_the_fp32_loss():
     P, floor = markov_chain()
     hyper = dict(lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01)
@@ -70,6 +71,7 @@ def test_bf16_and_int8_state_reach_the_fp32_loss():
     assert abs(loss["int8"] / loss["fp32"] - 1) <= 0.02
 
 
+@pytest.mark.slow
 def test_lion_with_int8_state_learns():
     P, floor = markov_chain()
     first, last = train(lambda ps: so.OffloadLion(ps, lr=1e-3, weight_decay=0.1, state_dtype="int8"), P)

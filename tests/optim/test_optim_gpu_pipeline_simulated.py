@@ -338,6 +338,7 @@ def test_in_backward_refuses_a_second_backward_before_step(fake_gpu):
     opt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", ["state_dict", "save", "memory_report"])
 def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker(fake_gpu, tmp_path, read):
     # backward() returns while the worker may still update the last parameters: what state_dict(), save() and

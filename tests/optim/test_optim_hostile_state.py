@@ -144,6 +144,7 @@ def _refused_and_intact(opt, params, load, named, tmp_path):
     opt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(STRUCTURE_DAMAGE) + sorted(HEADER_DAMAGE))
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_damaged_checkpoint_metadata_is_refused_and_the_state_kept(mode, damage, tmp_path):

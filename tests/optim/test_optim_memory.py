@@ -62,6 +62,7 @@ def _child(script, *args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_nvme_state_of_1_5_gib_keeps_rss_within_buffer_budget(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     if free < 3 * 1024 * MiB:
@@ -103,6 +104,7 @@ SAVE_CHILD = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_nvme_save_and_load_of_a_state_larger_than_the_buffers_keep_rss_bounded(tmp_path):
     """opt.save streams the swap file into the checkpoint chunk by chunk (never a copy of the state in RAM), and
     load streams it back: 256 MiB of state through 16 MiB of buffers grows the peak RSS by far less."""

@@ -21,6 +21,7 @@ def _growth(forkserver, mode, tmp_path):
     return json.loads(result.read_text())
 
 
+@pytest.mark.slow
 def test_nvme_costs_a_small_model_at_most_64_mib_more_than_cpu(forkserver, tmp_path):
     cpu, nvme = _growth(forkserver, "cpu", tmp_path), _growth(forkserver, "nvme", tmp_path)
     if not (cpu["reset"] and nvme["reset"]):

@@ -20,6 +20,7 @@ def _mlp(dtype):
     return model.to(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls_name", CLASSES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
@@ -48,6 +49,7 @@ def test_mlp_matches_torch_over_100_steps_with_groups_and_scheduler(mode, dtype,
     ours.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls_name", CLASSES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)

@@ -48,9 +48,11 @@ def _most_calls_open_at_once(tmp_path, jobs, wait):
     return most
 
 
+@pytest.mark.slow
 def test_sources_compile_in_parallel(tmp_path):
     assert _most_calls_open_at_once(tmp_path, jobs=2, wait=120) == 2  # the wait ends when the second starts
 
 
+@pytest.mark.slow
 def test_swapio_build_jobs_1_compiles_one_at_a_time(tmp_path):
     assert _most_calls_open_at_once(tmp_path, jobs=1, wait=1) == 1

@@ -53,6 +53,7 @@ def test_the_readme_and_the_docs_have_snippets():
     assert os.path.join(REPO, "README.md") in DOCS_WITH_CODE and len(DOCS_WITH_CODE) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS_WITH_CODE, ids=lambda d: os.path.relpath(d, REPO))
 def test_snippets_run_in_order(doc, tmp_path):
     scratch = tmp_path / "scratch-cwd"

@@ -14,6 +14,7 @@ def test_every_example_is_tested():
     assert sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")) == sorted(EXAMPLES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_runs(script, tmp_path):
     if script != "swap_tensors.py":
