@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 import swapio
 from helpers.checkpoint import assert_same
 
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 
 
@@ -52,7 +54,6 @@ def sharded_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.slow
 def test_each_rank_writes_its_own_safetensors_file_and_an_index(sharded_dir):
     names = sorted(n for n in os.listdir(sharded_dir) if not n.startswith("."))
     assert names == ["rank-0.safetensors", "rank-1.safetensors", "swapio-checkpoint.json"]

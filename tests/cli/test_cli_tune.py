@@ -45,6 +45,7 @@ def test_tune_writes_a_config_that_from_config_loads(sweep, capsys):
                                                             if (d / f).exists())  # no test file left
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed (pip install 'swapio[plot]')")
 def test_tune_plot_writes_a_png(sweep):
     rc, _, _, png = sweep

@@ -45,6 +45,7 @@ def test_demo_draws_no_bar_into_a_log(capsys):
     assert "\r" not in err and "swapio demo" not in err
 
 
+@pytest.mark.slow
 def test_demo_draws_the_bar_when_asked(capsys, monkeypatch):
     assert "swapio demo" in _tiny_demo(capsys, "--progress")
     monkeypatch.setenv(_progress.ENV, "1")

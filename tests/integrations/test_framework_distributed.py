@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 import swapio.optim as so
 from helpers.frameworks import assert_params_equal, mlp, mlp_batches, params_of
 
+pytestmark = pytest.mark.slow
+
 WORLD, STEPS = 2, 4
 LR, WD = 1e-2, 0.1
 NVME = {"buffer_bytes": 3 << 16, "buffer_count": 3}
@@ -120,7 +122,6 @@ def _assert_close(a, b):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_ddp_matches_single_process(runs, tmp_path):
     _, ranks = runs
     assert_params_equal(ranks[0]["ddp"], ranks[1]["ddp"])

@@ -117,6 +117,7 @@ def _loss(model, i):
     return model(x).float().square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("habit", ["plain", "torch_clip", "accumulate", "opt_clip"])
 def test_gpu_parameters_step_like_torch_through_the_asynchronous_pipeline(fake_gpu, dtype, habit):

@@ -18,6 +18,7 @@ def model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_twenty_steps_match_plain_torch_lion(offload, tmp_path):
     net, ref = model(), model()
