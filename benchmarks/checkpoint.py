@@ -14,7 +14,7 @@ measurement, medians. Per round:
             the blocks; swapio.save frees the file it replaces off its own path, so it is not charged either)
   load      swapio.checkpoint.load | load(out=) into preallocated tensors | torch.load(weights_only) |
             safetensors.torch.load_file | dcp.load (into preallocated tensors) | raw O_DIRECT read (into the
-            pinned buffer, the issue's limit) | raw O_DIRECT read into new memory (each tensor's bytes into a new
+            pinned buffer, the limit to reach) | raw O_DIRECT read into new memory (each tensor's bytes into a new
             allocation, as a load that returns new tensors must; on a VM that hands freed memory back to its
             host (virtio-balloon free page reporting), new memory costs the host page faults this line includes);
             every load is followed by touching one byte per page of every tensor (an mmap-backed tensor is read
@@ -24,7 +24,7 @@ measurement, medians. Per round:
 Peak RSS growth during each save: RSS sampled every 2 ms on a helper thread, from just before the call; the
 largest over the rounds is printed (swapio keeps its staging for the next save: only the first grows).
 swapio's async_save stall is printed per round: the first call allocates its capture memory, later ones reuse it.
-Goals (issue 20): save >= 0.85x raw write and never slower than a peer; load >= 0.85x raw read; async stall
+Goals: save >= 0.85x raw write and never slower than a peer; load >= 0.85x raw read; async stall
 <= 0.25x the synchronous save; swapio's peak RSS growth during save <= staging + 64 MiB.
 """
 import argparse

@@ -7,7 +7,7 @@ Optimizer (a step = forward + backward + step() + zero_grad(), median of --repea
 model and batches for each): torch.optim.AdamW(fused=True) resident on the GPU; torchao's CPUOffloadOptimizer
 (skipped when torchao is not installed); OffloadAdamW(offload="cpu"), also with in_backward=True; and
 offload="nvme" against its own I/O bound (the state's bytes read and written once through an AioHandle in the
-same directory). Goals (issue "the GPU path"): cpu <= 0.95x torchao's step time, in_backward <= 0.8x torchao's and
+same directory). Goals: cpu <= 0.95x torchao's step time, in_backward <= 0.8x torchao's and
 <= 1.25x resident, nvme <= 1.1x its I/O bound, GPU memory no more than torchao's.
 Weights: cpu_offload forward of a GPT-2-style bf16 model against accelerate's cpu_offload and the PCIe copy of
 the same bytes. Training offloaded weights: disk_offload + OffloadAdamW step against the resident step.

@@ -18,7 +18,7 @@ disk), and peak RSS (VmHWM, reset every step). The bound of a step, measured in 
          as training overwrites its files: extending a file is slower on this disk);
   compute  forward + backward of one resident layer of the same shape x layers, + the embedding and head, + the
          Adam kernel (OffloadAdamW in cpu mode on a resident bf16 tensor) scaled to the parameter count;
-  bound = max(I/O, compute). Goals (issue 18): accumulate step <= 1.25 x bound; in_backward <= 0.75 x accumulate.
+  bound = max(I/O, compute). Goals: accumulate step <= 1.25 x bound; in_backward <= 0.75 x accumulate.
 Host memory: per step, the growth of peak RSS from before disk_offload, VmLck and swapio's own pinned peak
 (core/pinned.py, which counts memory the kernel refused to lock too), against memory_report()["pinned_budget"]
 and the RAM row `swapio plan` gives for the same options. --memory runs only that, e.g. a Llama at two depths:

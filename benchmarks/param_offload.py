@@ -30,7 +30,7 @@ rotates from one round to the next. Per round:
 Each process first runs matmuls of the model's shapes on small random tensors, so one-time kernel setup is not
 timed. Peak RSS growth is each process's peak RSS (VmHWM) from before its setup (offload hooks and ring, or the
 resident weights) to the end of the timed part.
-Goals (issue 7): swapio <= 1.15 x max(I/O bound, resident) and accelerate / swapio >= 1.5.
+Goals: swapio <= 1.15 x max(I/O bound, resident) and accelerate / swapio >= 1.5.
 """
 import argparse
 import json

@@ -9,7 +9,7 @@ creates their state); then their steps are timed in rounds (fp32, bf16, int8, fp
 the median step of each, its ratio to the fp32 step (each round's own, then their median), the bytes read and
 written per parameter (opt.memory_report()), and the CPU time of the step's kernel alone (the state in RAM),
 which bounds how far fewer bytes can help.
-Goals (issue 8): int8 <= 0.55 x the fp32-state step, bf16 <= 0.75 x.
+Goals: int8 <= 0.55 x the fp32-state step, bf16 <= 0.75 x.
 """
 import argparse
 import json

@@ -14,8 +14,8 @@ SWAPIO_SCALAR_ONLY=1 SWAPIO_EXTRA_CFLAGS="-O1 -fsanitize=address,undefined -fno-
 rm -rf "$out/pkg" && mkdir -p "$out/pkg"
 cp -r swapio "$out/pkg/" && rm -f "$out"/pkg/swapio/_C*.so && cp "$out"/lib/swapio/_C*.so "$out/pkg/swapio/"
 if [[ $# == 0 ]]; then
-  set -- tests/test_roundtrip.py tests/test_concurrency.py tests/test_errors.py tests/test_swapstore.py \
-    tests/test_pinned.py tests/test_adam_kernel.py
+  set -- tests/io/test_roundtrip.py tests/io/test_concurrency.py tests/io/test_io_errors.py tests/io/test_swapstore.py \
+    tests/io/test_pinned.py tests/kernels/test_adam_kernel.py
 fi
 args=()
 for a in "$@"; do [[ -e "$a" ]] && args+=("$root/$a") || args+=("$a"); done

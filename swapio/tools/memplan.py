@@ -133,7 +133,7 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     OffloadAdamW(offload="cpu") with the state in RAM, OffloadAdamW(offload="nvme") with the state on disk and
     `buffer_bytes` of pinned RAM; then without a GPU (training on the CPU), OffloadAdamW(offload="cpu") with
     everything in RAM and OffloadAdamW(offload="nvme") with the weights and gradients in RAM, the state on disk;
-    then the weights offloaded too (issue 18: swapio.offload + a swapio optimizer), where the GPU, if any, holds
+    then the weights offloaded too (swapio.offload + a swapio optimizer), where the GPU, if any, holds
     a few modules at a time: cpu_offload with everything in RAM (fp32 gradient sums), and disk_offload with
     offload="nvme", weights, fp32 gradient sums and state on disk (or no gradient sums with in_backward=True),
     in RAM the budget of offloaded_training_ram: the weights' ring (`ring_bytes`, default buffer_bytes), the

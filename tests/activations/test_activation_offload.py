@@ -1,0 +1,258 @@
+"""offload_activations: gradients bit-equal to the run without it, views and layouts restored exactly, what is
+offloaded and what never is, a second backward, checkpointing and autocast."""
+import gc
+
+import pytest
+import torch
+
+from helpers.activations import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack,
+                                 swap_files)
+from swapio.offload import ActivationOffload, offload_activations
+from swapio.offload import activation_store
+
+
+def nvme(tmp_path, **kw):
+    kw.setdefault("min_bytes", 0)
+    return offload_activations(to="nvme", swap_dir=tmp_path, **kw)
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 14, 64 << 20], ids=["no-staging", "small", "large"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_gradients_bit_equal_to_no_offload_cpu_nvme(tmp_path, staging_bytes, prefetch):
+    model, x = make_stack(), batch()
+    want = grads_of(model, x)
+    act = nvme(tmp_path, model=model, staging_bytes=staging_bytes, prefetch=prefetch)
+    for _ in range(2):  # the same offloader, step after step
+        assert_same_grads(grads_of(model, x, act), want)
+    stats = act.stats()
+    assert stats["tensors"] > 0 and stats["shared_views"] > 0  # the qkv views shared one offloaded storage
+    if staging_bytes < (1 << 20):
+        assert stats["read_bytes"] > 0  # came back from the disk, not from memory
+        assert stats["peak_staged_bytes"] <= max(staging_bytes, max_storage_bytes(model, x))
+    assert swap_files(act.directory) == [] and stats["live_sessions"] == 0
+    act.close()
+
+
+def max_storage_bytes(model, x):
+    """The largest storage the forward saves (a single one may exceed the staging bound)."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.clone().requires_grad_(True))
+    return max(sizes)
+
+
+class SaveViews(torch.autograd.Function):
+    """Saves views of one storage with their own sizes, strides, offsets and dtypes; backward checks each comes
+    back with exactly that layout, on one storage again."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a, a.t(), a[1:, ::2], a.view(torch.int32), a.reshape(-1)[3:7])
+        ctx.want = [(v.dtype, v.shape, v.stride(), v.storage_offset(), v.clone())
+                    for v in (a, a.t(), a[1:, ::2], a.view(torch.int32), a.reshape(-1)[3:7])]
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        saved = ctx.saved_tensors
+        ptrs = {t.untyped_storage().data_ptr() for t in saved}
+        assert len(ptrs) == 1, "views of one storage come back on one storage"
+        for t, (dtype, shape, stride, offset, values) in zip(saved, ctx.want):
+            assert (t.dtype, t.shape, t.stride(), t.storage_offset()) == (dtype, shape, stride, offset)
+            assert torch.equal(t, values)
+        return g * 2
+
+
+def test_views_come_back_with_their_layout_on_one_storage(tmp_path):
+    base = torch.randn(6, 8)
+    a = (base * 1).requires_grad_(False)  # a non-leaf activation
+    x = base.clone().requires_grad_(True)
+    with nvme(tmp_path, staging_bytes=0) as act:
+        y = SaveViews.apply(x * 1)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert act.stats()["tensors"] == 1 and act.stats()["shared_views"] == 4
+    del a
+
+
+def offloaded_storages(monkeypatch):
+    """The storages (data_ptr) the offloader takes, as they are taken."""
+    seen = []
+    real = activation_store.Session._offload
+
+    def spy(self, tensor, storage):
+        seen.append(storage.data_ptr())
+        return real(self, tensor, storage)
+    monkeypatch.setattr(activation_store.Session, "_offload", spy)
+    return seen
+
+
+def test_parameters_and_buffers_are_never_offloaded(tmp_path, monkeypatch):
+    model, x = make_stack(), batch()
+    seen = offloaded_storages(monkeypatch)
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    grads_of(model, x, nvme(tmp_path, model=model))
+    assert seen and not own & set(seen)
+    # without model=, parameters (and views of them, such as W.t()) still never are; the buffer is
+    seen.clear()
+    grads_of(model, x, nvme(tmp_path))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+    assert not params & set(seen) and buffers <= set(seen)
+
+
+def test_min_bytes_keeps_small_storages_and_cpu_mode_keeps_cpu_tensors(tmp_path, monkeypatch):
+    model, x = make_stack(), batch()
+    want = grads_of(model, x)
+    seen = offloaded_storages(monkeypatch)
+    big = 2 * 8 * 4 * 32 * 4  # the MLP's hidden activations (b, t, 4 * dim) in fp32
+    act = nvme(tmp_path, model=model, min_bytes=big)
+    assert_same_grads(grads_of(model, x, act), want)
+    assert seen and act.stats()["bytes"] == big * len(seen)
+    seen.clear()
+    act = offload_activations(to="cpu", min_bytes=0)  # a CPU model: nothing to move to the CPU
+    assert_same_grads(grads_of(model, x, act), want)
+    assert seen == [] and act.stats()["pinned_bytes"] == 0
+
+
+def test_second_backward_with_retain_graph_reads_again(tmp_path):
+    model, x = make_stack(), batch()
+    want = grads_of(model, x, backward_twice=True)
+    act = nvme(tmp_path, model=model, staging_bytes=0)
+    assert_same_grads(grads_of(model, x, act, backward_twice=True), want)
+    assert act.stats()["read_bytes"] > act.stats()["bytes"]  # the second backward read them again
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_nested_with_activation_checkpointing(tmp_path, monkeypatch, reentrant):
+    model, x = make_stack(checkpoint=reentrant), batch()
+    want = grads_of(make_stack(), x)  # checkpointing changes no gradient
+    assert_same_grads(grads_of(model, x), want)
+    seen = offloaded_storages(monkeypatch)
+    act = nvme(tmp_path, model=model)
+    assert_same_grads(grads_of(model, x, act), want)
+    if reentrant:
+        assert seen  # the segments' inputs, saved by the checkpoint function, were offloaded
+    assert not hooks_installed() and swap_files(act.directory) == []
+
+
+def test_autocast_bf16_on_the_cpu(tmp_path, monkeypatch):
+    model, x = make_stack(), batch()
+
+    def run(ctx):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return grads_of(model, x, ctx)
+    want = run(None)
+    seen = offloaded_storages(monkeypatch)
+    assert_same_grads(run(nvme(tmp_path, model=model, staging_bytes=0)), want)
+    assert seen
+
+
+def test_nested_offloaders_each_take_their_own_forward(tmp_path):
+    model, x = make_stack(depth=2), batch()
+    want = grads_of(model, x)
+    outer, inner = nvme(tmp_path / "a", model=model), nvme(tmp_path / "b", model=model)
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            h = model.blocks[0](x)
+            with inner:
+                return model.blocks[1](h)
+    split = Split()
+    split.named_parameters = model.named_parameters
+    split.zero_grad = model.zero_grad
+    assert_same_grads(grads_of(split, x, outer), want)
+    assert outer.stats()["tensors"] > 0 and inner.stats()["tensors"] > 0
+    assert not hooks_installed()
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+
+def test_inline_use_removes_its_directory_once_the_graph_is_gone(tmp_path):
+    model, x = make_stack(), batch()
+    xx = x.clone().requires_grad_(True)
+    with offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0) as act:
+        loss = model(xx).sum()
+    directory = act.directory
+    del act
+    assert swap_files(directory)  # the graph still needs its file
+    loss.backward()
+    del loss
+    gc.collect()
+    assert not (tmp_path / directory).exists()
+
+
+def test_close_discards_what_a_graph_still_holds(tmp_path):
+    model, x = make_stack(), batch()
+    act = nvme(tmp_path, staging_bytes=0)
+    with act:
+        loss = model(x.clone().requires_grad_(True)).sum()
+    directory = act.directory
+    act.close()
+    assert not (tmp_path / directory).exists()
+    with pytest.raises(RuntimeError, match="discarded"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="closed"):
+        with act:
+            pass
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(to="gpu"), ValueError, "to must be"),
+    (dict(to="nvme"), ValueError, "needs swap_dir"),
+    (dict(to="nvme", swap_dir="/nonexistent/dir"), ValueError, "not a directory"),
+    (dict(to="cpu", swap_dir="."), ValueError, "swap_dir is for"),
+    (dict(to="cpu", queue_depth=4), TypeError, "no file I/O"),
+    (dict(min_bytes=-1), ValueError, "min_bytes"),
+    (dict(prefetch=1.5), TypeError, "prefetch"),
+    (dict(model="gpt2"), TypeError, "model must be"),
+])
+def test_bad_arguments_name_the_problem(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        offload_activations(**kwargs)
+
+
+def test_public_name():
+    import swapio.offload
+    assert "offload_activations" in swapio.offload.__all__
+    assert isinstance(offload_activations(), ActivationOffload)
+    assert Stack  # the helpers' model is importable
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+def test_cuda_gradients_bit_equal_to_no_offload(tmp_path, to):
+    model, x = make_stack().cuda(), batch().cuda()
+    want = grads_of(model, x)
+    kw = dict(swap_dir=tmp_path, staging_bytes=1 << 14) if to == "nvme" else {}
+    act = offload_activations(to=to, model=model, min_bytes=0, **kw)
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    assert act.stats()["tensors"] > 0 and act.stats()["shared_views"] > 0
+    act.close()
+    assert act.stats()["pinned_bytes"] == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_second_backward_and_cpu_tensors_stay(tmp_path, monkeypatch):
+    model, x = make_stack().cuda(), batch().cuda()
+    want = grads_of(model, x, backward_twice=True)
+    act = offload_activations(to="cpu", model=model, min_bytes=0)
+    assert_same_grads(grads_of(model, x, act, backward_twice=True), want)
+    seen = offloaded_storages(monkeypatch)
+    cpu_model = make_stack()
+    grads_of(cpu_model, batch(), act)
+    assert seen == []

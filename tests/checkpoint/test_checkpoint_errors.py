@@ -1,0 +1,278 @@
+"""Bad input to swapio.checkpoint: missing and read-only directories, a full disk, truncated and tampered files.
+Each fails with an error naming the file (and the tensor), leaves the previous checkpoint intact and no temporary
+file behind, and a failed load leaves out= unchanged."""
+import errno
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import swapio
+from helpers.checkpoint import assert_same, leftovers
+
+MiB = 1 << 20
+
+
+def test_missing_directory_is_enoent_naming_the_path(tmp_path):
+    path = tmp_path / "nope" / "c.safetensors"
+    for save in (swapio.checkpoint.save, swapio.checkpoint.async_save):
+        with pytest.raises(OSError) as info:
+            save({"a": torch.ones(3)}, path)
+        assert info.value.errno == errno.ENOENT
+        assert info.value.filename == str(path)
+    assert not (tmp_path / "nope").exists()
+
+
+def test_read_only_directory_is_erofs_and_keeps_what_is_there(readonly_dir):
+    before = (readonly_dir / "existing.bin").read_bytes()
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"a": torch.ones(3)}, readonly_dir / "existing.bin")
+    assert info.value.errno in (errno.EROFS, errno.EACCES)
+    assert info.value.filename == str(readonly_dir / "existing.bin")
+    assert (readonly_dir / "existing.bin").read_bytes() == before
+
+
+def test_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path)
+    assert info.value.errno == errno.EISDIR
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_full_disk_fails_with_enospc_and_keeps_the_previous_checkpoint(small_ext4_dir, asynchronous):
+    path = small_ext4_dir / "c.safetensors"
+    previous = {"w": torch.randn(1000), "step": 1}
+    swapio.checkpoint.save(previous, path)
+    before = path.read_bytes()
+    big = {"w": torch.randn(16 * MiB), "step": 2}  # 64 MiB on a 48 MiB file system
+    with pytest.raises(OSError) as info:
+        if asynchronous:
+            swapio.checkpoint.async_save(big, path, staging_bytes=8 * MiB).wait(timeout=60)
+        else:
+            swapio.checkpoint.save(big, path, staging_bytes=8 * MiB)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == before
+    assert_same(swapio.checkpoint.load(path), previous)
+    assert leftovers(small_ext4_dir) == []
+    swapio.checkpoint.save({"w": torch.randn(10)}, path)  # the space came back
+
+
+def _saved(tmp_path):
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"model": {"a": torch.randn(3000), "b": torch.arange(500)}, "step": 7}, path)
+    return path
+
+
+def test_truncated_file_is_a_value_error_naming_file_and_tensor(tmp_path):
+    path = _saved(tmp_path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    a, b = torch.zeros(3000), torch.zeros(500, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'model\.a'.*truncated"):
+        swapio.checkpoint.load(path, out={"model": {"a": a, "b": b}})
+    assert not a.any() and not b.any()  # out= untouched
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(ValueError, match="c.safetensors"):
+        swapio.checkpoint.load(path)
+
+
+def _rewrite_header(path, edit):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    assert len(text) <= n
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+def _structure(step='{"V": 7}', a='{"T": "model.a"}'):
+    """The saved file's structure (model.a, model.b, step) with `step` or `a` replaced by a damaged node."""
+    return '{"D": [["model", {"D": [["a", %s], ["b", {"T": "model.b"}]]}], ["step", %s]]}' % (a, step)
+
+
+# Structure nodes flatten never writes (each a TypeError from deep inside the loader before they were checked)
+_BAD_STRUCTURES = {
+    "key-a-list": (_structure(step='{"D": [[["k"], {"V": 1}]]}'), "structure.*malformed.*dict key"),
+    "key-a-dict": (_structure(step='{"D": [[{"k": 1}, {"V": 1}]]}'), "structure.*malformed.*dict key"),
+    "items-a-dict": (_structure(step='{"D": {"k": {"V": 1}}}'), "structure.*malformed.*'D' must be a list"),
+    "item-not-a-pair": (_structure(step='{"D": [["k"]]}'), "structure.*malformed.*'D' must be a list"),
+    "list-a-dict": (_structure(step='{"L": {"k": 1}}'), "structure.*malformed.*'L' and 'U' must be lists"),
+    "value-a-list": (_structure(step='{"V": [1, 2]}'), "structure.*malformed"),
+    "stride-an-int": (_structure(a='{"T": "model.a", "stride": 5}'), r"'model\.a' has malformed strides"),
+    "stride-null": (_structure(a='{"T": "model.a", "stride": null}'), r"'model\.a' has malformed strides"),
+}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h["model.a"].update(shape=[3001]), r"'model\.a'.*\[3001\]"),
+    (lambda h: h["model.b"].update(data_offsets=[12000, 16008]), r"'model\.b'.*(truncated|spans)"),
+    (lambda h: h["model.a"].update(dtype="X99"), r"'model\.a'.*unsupported"),
+    (lambda h: h.update({"model.c": h.pop("model.b")}), r"structure names tensor 'model\.b'"),
+    (lambda h: h.pop("model.b"), r"leaves bytes \[0, 4000\) unused"),  # the entries must tile the data
+    (lambda h: h["__metadata__"].update(structure='{"D": [["a", {"Q": 1}]]}'), "structure.*malformed"),
+    (lambda h: h["__metadata__"].update(structure="{not json"), "structure.*malformed"),
+    *[(lambda h, text=text: h["__metadata__"].update(structure=text), match)
+      for text, match in _BAD_STRUCTURES.values()],
+], ids=["shape", "offsets", "dtype", "missing-tensor", "dropped-entry", "bad-node", "bad-json", *_BAD_STRUCTURES])
+def test_tampered_header_is_a_value_error_and_out_is_unchanged(tmp_path, edit, match):
+    path = _saved(tmp_path)
+    _rewrite_header(path, edit)
+    a, b = torch.zeros(3000), torch.zeros(500, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(path, out={"model": {"a": a, "b": b}})
+    assert "c.safetensors" in str(info.value)
+    assert not a.any() and not b.any()
+
+
+def test_a_failed_save_leaves_no_file_and_the_old_one(tmp_path, monkeypatch):
+    """An error in the middle of the writes (here: the second pwrite, the header's, after the big tensor's own
+    request was submitted) removes the temporary file."""
+    path = tmp_path / "c.safetensors"
+    old = {"x": torch.ones(10)}
+    swapio.checkpoint.save(old, path)
+    calls = []
+    real = swapio.AioHandle.pwrite
+
+    def failing(self, tensor, p, offset=0, **kw):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected", p)
+        return real(self, tensor, p, offset, **kw)
+
+    monkeypatch.setattr(swapio.AioHandle, "pwrite", failing)
+    with pytest.raises(OSError) as info:
+        swapio.checkpoint.save({"x": torch.randn(3 * MiB)}, path, staging_bytes=2 * MiB)
+    assert info.value.errno == errno.EIO and len(calls) == 2
+    monkeypatch.undo()
+    assert_same(swapio.checkpoint.load(path), old)
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_header_over_the_safetensors_limit_is_refused_before_any_file(tmp_path, asynchronous):
+    """A header (JSON incl. __metadata__) over 100 MiB would make a file no reader (ours included) accepts."""
+    path = tmp_path / "c.safetensors"
+    fn = swapio.checkpoint.async_save if asynchronous else swapio.checkpoint.save
+    with pytest.raises(ValueError, match="104857600 bytes"):
+        fn({"note": "x" * (101 * MiB), "t": torch.ones(3)}, path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: {"a": torch.zeros(3000), "b": torch.zeros(1, dtype=torch.int64).expand(500)}, r"'model\.b'.*sharing"),
+    (lambda: (lambda big: {"a": big[:3000], "b": big[1000:2000].view(torch.int64)})(torch.zeros(4000)),
+     r"'model\.a' and 'model\.b' share memory"),
+], ids=["expanded", "aliased"])
+def test_out_tensors_sharing_memory_are_refused_before_any_byte_is_written(tmp_path, make, match):
+    path = _saved(tmp_path)
+    inner = make()
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(path, out={"model": inner})
+    assert "c.safetensors" in str(info.value)
+    assert not inner["a"].any() and not inner["b"].any()  # out= unchanged
+
+
+def _nested(depth):
+    state = leaf = {}
+    for _ in range(depth - 1):
+        leaf["a"] = {}
+        leaf = leaf["a"]
+    leaf["t"] = torch.ones(2)
+    return state
+
+
+def test_a_cyclic_or_too_deep_state_is_a_type_error_and_100_levels_save(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cyclic = {"x": [1]}
+    cyclic["x"].append(cyclic)
+    with pytest.raises(TypeError, match=r"state\['x'\]\[1\].*cycle"):
+        swapio.checkpoint.save(cyclic, path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(3000), path)
+    with pytest.raises(TypeError, match="deeper than 100"):
+        swapio.checkpoint.save(_nested(101), path)
+    assert os.listdir(tmp_path) == []
+    shared = [1, 2]
+    swapio.checkpoint.save({"a": shared, "b": shared, "deep": _nested(99)}, path)  # shared is no cycle
+    assert_same(swapio.checkpoint.load(path), {"a": [1, 2], "b": [1, 2], "deep": _nested(99)})
+
+
+def test_a_deeply_nested_structure_in_the_file_is_a_value_error_naming_it(tmp_path):
+    path = _saved(tmp_path)
+    deep = json.dumps({"__metadata__": {"format": "swapio.checkpoint", "format_version": "1",
+                                        "structure": "[" * 100000 + "]" * 100000}}).encode()
+    path.write_bytes(struct.pack("<Q", len(deep)) + deep)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*structure.*deeper"):
+        swapio.checkpoint.load(path)
+
+
+def test_a_sharded_index_with_an_empty_weight_map_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*empty"):
+        swapio.checkpoint.load(tmp_path)
+
+
+def test_a_missing_file_is_file_not_found_and_a_fifo_a_value_error_without_blocking(tmp_path):
+    for missing in (tmp_path / "nothing.safetensors", tmp_path / "no" / "dir.safetensors"):
+        with pytest.raises(FileNotFoundError) as info:
+            swapio.checkpoint.load(missing)
+        assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    os.symlink(tmp_path / "gone", tmp_path / "link.safetensors")
+    with pytest.raises(FileNotFoundError):
+        swapio.checkpoint.load(tmp_path / "link.safetensors")
+    os.mkfifo(tmp_path / "fifo.safetensors")  # never opened: opening a FIFO blocks until a writer comes
+    with pytest.raises(ValueError, match="fifo.safetensors.*not a file"):
+        swapio.checkpoint.load(tmp_path / "fifo.safetensors")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda")])
+def test_loading_onto_cuda_without_cuda_is_a_runtime_error_saying_so(tmp_path, device):
+    path = _saved(tmp_path)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        swapio.checkpoint.load(path, device=device)
+
+
+def test_a_nested_tensor_is_a_type_error_naming_its_key(tmp_path):
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"state\['m'\]\['n'\]: a nested tensor"):
+        swapio.checkpoint.save({"m": {"n": nested}}, tmp_path / "c.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "c.safetensors"
+    h = json.dumps({"a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'a'.*overflows"):
+        swapio.checkpoint.load(path)
+
+
+@pytest.mark.parametrize("staging, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                            (None, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("call", ["save", "async_save", "load"])
+def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
+    path = tmp_path / "c.safetensors"
+    if call == "load":
+        swapio.checkpoint.save({"t": torch.ones(3)}, path)
+    with pytest.raises(error, match="staging_bytes must be a positive int"):
+        if call == "load":
+            swapio.checkpoint.load(path, staging_bytes=staging)
+        else:
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, staging_bytes=staging)
+    assert os.listdir(tmp_path) == (["c.safetensors"] if call == "load" else [])
+
+
+@pytest.mark.parametrize("key", ["format", "format_version", "structure"])
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call, key):
+    with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
+        getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
+    assert os.listdir(tmp_path) == []

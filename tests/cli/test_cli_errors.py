@@ -1,0 +1,162 @@
+"""Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, no file left behind."""
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers.cli import assert_one_line_error, leftovers, run_cli
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+BAD_BENCH = [
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--bs", "12X"], "cannot parse '12X'"),
+    (["--size", "lots"], "argument --size"),
+    (["--iodepth", "many"], "argument --iodepth"),
+    (["--rw", "sideways"], "invalid choice"),
+    (["--engine", "carrier-pigeon"], "invalid choice"),
+    (["--bs", "1000", "--size", "1000000", "--direct"], "alignment"),
+    (["--bs", "1000", "--size", "1000000"], "alignment"),
+    (["--iodepth", "0"], "--iodepth"),
+    (["--threads", "0"], "--threads"),
+    (["--size", "1M", "--bs", "4M"], "at least --bs"),
+    (["--size", "3M", "--bs", "2M"], "multiple of --bs"),
+    (["--runtime", "0"], "--runtime"),
+    (["--runtime", "1", "--loops", "2"], "not allowed with"),
+    (["--file", "f", "--dir", "."], "not allowed with"),
+    (["--direct", "--buffered"], "not allowed with"),
+    (["--dir", "/nonexistent/swapio"], "does not exist"),
+    (["--verify", "--buffered", "--bs", "12", "--size", "1200"], "multiple of 8"),
+    (["--fio-first"], "--compare-fio"),
+    (["--output", "/nonexistent/dir/out.json"], "does not exist"),
+    (["--size", "0"], "--size"),
+    (["--bs", "0"], "--bs"),
+    (["--loops", "0"], "--loops"),
+    (["--warmup", "-1"], "--warmup"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", BAD_BENCH, ids=[" ".join(a) for a, _ in BAD_BENCH])
+def test_bad_bench_input(capsys, tmp_path, argv, needle):
+    rc, out, err = run_cli(capsys, "bench", "-q", *argv)
+    assert_one_line_error(rc, err, needle)
+    assert err.startswith("swapio bench: error:")
+    assert rc == 2  # bad usage, as docs/cli.md says (it was 1 for errors found after parsing)
+    assert leftovers(tmp_path) == []
+
+
+def test_file_that_is_a_directory(capsys, tmp_path):
+    (tmp_path / "d").mkdir()
+    rc, _, err = run_cli(capsys, "bench", "-q", "--file", str(tmp_path / "d"), "--size", "1M")
+    assert_one_line_error(rc, err, "not a regular file")
+    assert rc == 2
+
+
+def test_reading_a_short_existing_file_leaves_it_alone(capsys, tmp_path):
+    f = tmp_path / "short.bin"
+    f.write_bytes(b"x" * 4096)
+    rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "read", "--file", str(f), "--size", "1M")
+    assert_one_line_error(rc, err, "fewer than --size")
+    assert rc == 2
+    assert f.read_bytes() == b"x" * 4096
+
+
+def test_new_named_file_is_removed_when_the_run_fails(capsys, tmp_path):
+    f = tmp_path / "new.bin"
+    rc, _, err = run_cli(capsys, "bench", "-q", "--file", str(f), "--bs", "1000", "--size", "1000000")
+    assert_one_line_error(rc, err, "alignment")
+    assert not f.exists()
+
+
+def test_io_error_mid_run_cleans_up(capsys, tmp_path):
+    """Writes past RLIMIT_FSIZE fail with EFBIG, like a disk that fills up during the run."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old_limit[1]))
+    try:
+        rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "write", "--size", "4M", "--bs", "256K")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert_one_line_error(rc, err, "swapio bench: error:", "too large")
+    assert rc == 1
+    assert leftovers(tmp_path) == []
+
+
+@contextlib.contextmanager
+def _mount_tmpfs(path, options):
+    path.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    except OSError:
+        proc = None
+    if proc is None or proc.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_not_enough_space(capsys, tmp_path):
+    with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
+        rc, _, err = run_cli(capsys, "bench", "-q", "--dir", str(d), "--size", "8M")
+        assert_one_line_error(rc, err, "not enough free space")
+        assert rc == 1  # the disk's failure, not the command line's
+        assert leftovers(d) == []
+
+
+def test_directory_not_writable(capsys, tmp_path):
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir(mode=0o500)
+        ctx = contextlib.nullcontext(d)
+    else:  # root writes through permission bits: use a read-only mount
+        ctx = _mount_tmpfs(tmp_path / "ro", "ro,size=1M")
+    with ctx as d:
+        rc, _, err = run_cli(capsys, "bench", "-q", "--dir", str(d), "--size", "1M")
+        assert_one_line_error(rc, err, "not writable")
+        assert rc == 2
+        rc, _, err = run_cli(capsys, "info", "--path", str(d))  # its probe needs to create a file there
+        assert_one_line_error(rc, err, "not writable")
+        assert rc == 2
+
+
+BAD_TUNE = [
+    (["--engines", "nosuch"], "unknown engine"),
+    (["--bs", "12X"], "cannot parse"),
+    (["--iodepth", "0"], "--iodepth"),
+    (["--rw", "sideways"], "--rw"),
+    (["--dir", "/nonexistent/swapio"], "does not exist"),
+    (["--point-time", "0"], "--point-time"),
+    (["--size", "0"], "--size"),
+    (["--threads", "0"], "--threads"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", BAD_TUNE, ids=[" ".join(a) for a, _ in BAD_TUNE])
+def test_bad_tune_input(capsys, tmp_path, argv, needle):
+    rc, _, err = run_cli(capsys, "tune", "-q", "-o", str(tmp_path / "cfg.json"), *argv)
+    assert_one_line_error(rc, err, needle)
+    assert rc == 2
+    assert leftovers(tmp_path) == []
+
+
+def test_tune_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc, _, err = run_cli(capsys, "tune", "-q", "-o", str(tmp_path / "c.json"), "--plot", str(tmp_path / "p.png"))
+    assert_one_line_error(rc, err, "pip install")
+    assert leftovers(tmp_path) == []
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    rc, _, err = run_cli(capsys)
+    assert rc == 2 and "bench" in err and "Traceback" not in err

@@ -1,0 +1,74 @@
+"""Hugging Face and accelerate entry points on an offloaded model: model.save_pretrained(dir), from_pretrained of
+a save_checkpoint directory, Accelerator().prepare(model, opt). Each gives what the resident model gives."""
+import os
+
+import pytest
+import torch
+
+from helpers.offload import assert_same_outputs, config, reference, resident_model, transformers
+from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint
+import swapio.optim as so
+
+OFFLOADS = {"disk": lambda tmp: disk_offload(resident_model(), tmp / "od", buffer_bytes=64 << 10),
+            "cpu": lambda tmp: cpu_offload(resident_model())}
+
+
+def assert_loads_as_the_resident_model(directory):
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert isinstance(loaded, transformers.GPT2LMHeadModel)
+    assert loaded.config.n_embd == config().n_embd and loaded.config.vocab_size == config().vocab_size
+    assert_same_outputs(loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-shard", "sharded"])
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_save_pretrained_of_an_offloaded_model(tmp_path, kind, sharded):
+    model = OFFLOADS[kind](tmp_path)
+    kwargs = {"max_shard_size": "100KB"} if sharded else {}
+    model.save_pretrained(tmp_path / "saved", **kwargs)
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(
+        os.listdir(tmp_path / "saved"))
+    assert_loads_as_the_resident_model(tmp_path / "saved")
+    assert_same_outputs(model)  # the offloaded model goes on working
+    for bad in ({"state_dict": resident_model().state_dict()}, {"push_to_hub": True}, {"variant": "fp16"}):
+        with pytest.raises(ValueError, match="remove_offload"):
+            model.save_pretrained(tmp_path / "refused", **bad)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such'"):
+        model.save_pretrained(tmp_path / "refused", no_such=1)
+    assert not (tmp_path / "refused").exists()
+    remove_offload(model)
+    assert "save_pretrained" not in model.__dict__  # transformers' own again
+    model.save_pretrained(tmp_path / "resident")
+    assert_loads_as_the_resident_model(tmp_path / "resident")
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_a_save_checkpoint_directory_loads_with_from_pretrained(tmp_path, kind):
+    model = OFFLOADS[kind](tmp_path)
+    save_checkpoint(model, tmp_path / "export", max_shard_size="100KB")
+    assert_loads_as_the_resident_model(tmp_path / "export")  # config.json written with the weights
+    remove_offload(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_accelerator_prepare_of_an_offloaded_model_and_its_optimizer(tmp_path, kind):
+    accelerate = pytest.importorskip("accelerate")
+    model = OFFLOADS[kind](tmp_path)
+    opt = so.OffloadAdamW(model.parameters(), lr=1e-3, offload="cpu")
+    prepared, prepared_opt = accelerate.Accelerator(cpu=True).prepare(model, opt)
+    assert prepared is model
+    assert_same_outputs(prepared)
+    ids = reference()[0]
+    loss = prepared(ids, labels=ids).loss
+    loss.backward()
+    prepared_opt.step()  # a step through accelerate's wrapper moves the weights, like the resident model's would
+    resident = resident_model()
+    want = torch.optim.AdamW(resident.parameters(), lr=1e-3, weight_decay=0.01)
+    resident(ids, labels=ids).loss.backward()
+    want.step()
+    remove_offload(model)
+    for (name, got), expected in zip(model.named_parameters(), resident.parameters()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=name)
+    opt.close()

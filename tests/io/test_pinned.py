@@ -1,0 +1,139 @@
+"""empty_pinned: page-aligned host tensors, tracked so that views count as pinned, returned to the OS when the
+last tensor using them dies."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import swapio
+from conftest import TIMEOUT, random_bytes, read_file, as_bytes
+
+
+def live_blocks():
+    return len(swapio.core.pinned._starts)
+
+
+@pytest.mark.parametrize("shape,dtype", [((1,), torch.uint8), ((4095,), torch.uint8), ((1000, 3), torch.float32),
+                                         ((7, 5, 3), torch.bfloat16), (12345, torch.complex64)],
+                         ids=["1B", "4095B", "2d-float32", "3d-bf16", "int-shape-complex64"])
+def test_empty_pinned_is_page_aligned_with_requested_shape_and_dtype(shape, dtype):
+    t = swapio.empty_pinned(shape, dtype)
+    assert t.data_ptr() % 4096 == 0
+    assert t.shape == (shape if isinstance(shape, tuple) else (shape,))
+    assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert swapio.is_pinned(t)
+
+
+def test_empty_pinned_default_dtype_is_float32():
+    assert swapio.empty_pinned((3,)).dtype == torch.float32
+
+
+def test_empty_pinned_memory_is_writable_end_to_end():
+    t = swapio.empty_pinned((3 * 4096 + 5,), torch.uint8)
+    src = random_bytes(3 * 4096 + 5)
+    t.copy_(src)
+    assert torch.equal(t, src)
+
+
+def test_empty_pinned_zero_elements_gives_empty_tensor():
+    t = swapio.empty_pinned((0, 4), torch.float32)
+    assert t.shape == (0, 4) and t.numel() == 0
+
+
+@pytest.mark.parametrize("bad", [(-1,), (2.5,), ("3",)], ids=["negative", "float", "str"])
+def test_empty_pinned_rejects_bad_shape(bad):
+    with pytest.raises((TypeError, ValueError)):
+        swapio.empty_pinned(bad, torch.float32)
+
+
+def test_empty_pinned_rejects_non_dtype():
+    with pytest.raises(TypeError):
+        swapio.empty_pinned((4,), "float32")
+
+
+def test_views_of_pinned_tensor_count_as_pinned():
+    t = swapio.empty_pinned((64, 64), torch.float32)
+    for view in (t[1:], t[10:20, 3:7], t.view(-1)[4095:], t.t(), t[-1, -1], t.view(torch.uint8)[1:]):
+        assert swapio.is_pinned(view)
+
+
+def test_ordinary_tensors_are_not_pinned():
+    assert not swapio.is_pinned(torch.empty(4096, dtype=torch.uint8))
+    assert not swapio.is_pinned(torch.empty(16, device="meta"))
+
+
+def test_memory_just_past_a_pinned_block_is_not_pinned():
+    t = swapio.empty_pinned((4096,), torch.uint8)
+    other = torch.empty(1 << 16, dtype=torch.uint8)
+    if t.data_ptr() <= other.data_ptr() < t.data_ptr() + 4096:
+        pytest.skip("allocator placed the tensor inside the block's page")  # impossible, but be safe
+    assert not swapio.is_pinned(other)
+
+
+@pytest.mark.slow
+def test_pinned_memory_is_released_when_last_tensor_dies():
+    gc.collect()
+    before = live_blocks()
+    t = swapio.empty_pinned((1 << 16,), torch.float32)
+    ref = weakref.ref(t)
+    ptr = t.data_ptr()
+    assert live_blocks() == before + 1
+    del t
+    gc.collect()
+    assert ref() is None
+    assert live_blocks() == before
+    assert ptr not in swapio.core.pinned._ends
+
+
+@pytest.mark.slow
+def test_view_keeps_pinned_memory_alive():
+    gc.collect()
+    before = live_blocks()
+    t = swapio.empty_pinned((4096,), torch.uint8)
+    t.fill_(9)
+    view = t[100:200]
+    del t
+    gc.collect()
+    assert live_blocks() == before + 1
+    assert swapio.is_pinned(view)
+    assert bool((view == 9).all())
+    del view
+    gc.collect()
+    assert live_blocks() == before
+
+
+@pytest.mark.slow
+def test_many_pinned_allocations_do_not_accumulate():
+    gc.collect()
+    before = live_blocks()
+    for _ in range(200):
+        swapio.empty_pinned((8192,), torch.uint8).fill_(1)
+    gc.collect()
+    assert live_blocks() == before
+
+
+def test_pinned_tensor_roundtrips_through_o_direct(tmp_path):
+    with swapio.AioHandle(direct=True) as h:
+        t = swapio.empty_pinned((1 << 18,), torch.float32)
+        t.view(torch.uint8).copy_(random_bytes(1 << 20, seed=31))
+        path = tmp_path / "p.bin"
+        assert h.pwrite(t, path).wait(timeout=TIMEOUT) == 1 << 20
+        assert read_file(path) == as_bytes(t)
+        out = swapio.empty_pinned((1 << 18,), torch.float32)
+        assert h.pread(out, path).wait(timeout=TIMEOUT) == 1 << 20
+        assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_pinned_block_larger_than_memlock_limit_still_works():
+    """Above RLIMIT_MEMLOCK, the memory is used unlocked (with a warning), not refused."""
+    limit = swapio.info()["memlock_limit"]
+    if limit is None or limit > 256 << 20:
+        pytest.skip("RLIMIT_MEMLOCK is unlimited or large here")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", swapio.SwapioWarning)
+        t = swapio.empty_pinned((limit + 4096,), torch.uint8)
+    t.fill_(3)
+    assert t.data_ptr() % 4096 == 0 and bool((t[-10:] == 3).all())
+    assert swapio.is_pinned(t)

@@ -1,0 +1,165 @@
+"""OffloadAdafactor as a hostile user drives it: Ctrl-C inside step(), odd shapes and layouts, every torch
+argument, lifecycle corners; each against torch.optim.Adafactor or an uninterrupted run."""
+
+import pytest
+import torch
+
+import swapio
+import swapio.optim as so
+from swapio import ops
+from helpers.ctrl_c import ctrl_c_on_call, ctrl_c_on_swap_io
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: F401
+
+SHAPES = [(3000,), (17, 33), (70, 1000), (513,), (2, 3, 5), ()]  # 70 x 1000: its own 64 KiB+ nvme record
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_(True) for s in SHAPES]
+
+
+def make_opt(params, mode, swap_dir):
+    extra = {"swap_dir": swap_dir, **SMALL_BUFFERS} if mode == "nvme" else {}
+    return so.OffloadAdafactor(params, offload=mode, lr=1e-2, weight_decay=0.05, **extra)
+
+
+def set_grads(params, step, only=None):
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = grad if only is None or i in only else None
+
+
+def train(opt, params, first, last):
+    for step in range(first, last + 1):
+        set_grads(params, step)
+        opt.step()
+
+
+def snapshot(opt, params):
+    sd = opt.state_dict()
+    return [p.detach().clone() for p in params], {k: {n: t.clone() for n, t in st.items()}
+                                                   for k, st in sd["state"].items()}
+
+
+CASES = [("cpu", "kernel", 0), ("cpu", "kernel", 3), ("nvme", "kernel", 0), ("nvme", "kernel", 2),
+         ("nvme", "pread", 1), ("nvme", "pwrite", 0), ("nvme", "pwrite", 2)]
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+@pytest.mark.parametrize("mode, point, at", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ctrl_c_in_step_leaves_each_parameter_stepped_or_untouched(mode, point, at, dtype, tmp_path, monkeypatch):
+    params = make_params(dtype=dtype)
+    opt = make_opt(params, mode, tmp_path)
+    train(opt, params, 1, 2)
+    before = snapshot(opt, params)
+    if point == "kernel":
+        ctrl_c_on_call(monkeypatch, ops, "adafactor_step_", at)
+    else:
+        ctrl_c_on_swap_io(opt, monkeypatch, point, at)
+    set_grads(params, 3)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.undo()
+    ref_params = make_params(dtype=dtype)
+    ref = make_opt(ref_params, "cpu", tmp_path)
+    train(ref, ref_params, 1, 3)
+    stepped, now = snapshot(ref, ref_params), snapshot(opt, params)
+    untouched = []
+    for i in range(len(params)):
+        count = now[1][i]["step"].item()
+        expected = {2.0: before, 3.0: stepped}.get(count)
+        assert expected is not None, f"parameter {i} has step {count}"
+        assert torch.equal(now[0][i], expected[0][i]), (i, count)
+        for name, t in now[1][i].items():
+            assert torch.equal(t, expected[1][i][name]), (i, count, name)
+        if count == 2.0:
+            untouched.append(i)
+    assert untouched, "Ctrl-C took effect before the end of the step"
+    set_grads(params, 3, only=untouched)
+    opt.step()
+    train(opt, params, 4, 5)
+    train(ref, ref_params, 4, 5)
+    a, b = snapshot(opt, params), snapshot(ref, ref_params)
+    for p, q in zip(a[0], b[0]):
+        assert torch.equal(p, q)
+    for k in a[1]:
+        for n in a[1][k]:
+            assert torch.equal(a[1][k][n], b[1][k][n]), (k, n)
+    opt.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("cls, key, value", [(so.OffloadAdafactor, "eps", {1e-30, 1e-3}),
+                                             (so.OffloadAdafactor, "eps", {None: 0, 1e-3: 0}),
+                                             (so.OffloadAdamW, "betas", {0.9, 0.999}),
+                                             (so.OffloadLion, "betas", {0.9, 0.99})])
+def test_an_unordered_pair_is_refused_as_by_torch(cls, key, value):
+    """A set or dict has no order: eps={1e-30, 1e-3} iterated as (1e-3, 1e-30), eps1 and eps2 silently swapped.
+    torch indexes the pair and refuses it; so do we (TypeError), in the constructor and in add_param_group."""
+    torch_cls = getattr(torch.optim, cls.__name__[len("Offload"):], None)  # (torch has no Lion)
+    if torch_cls is not None:
+        with pytest.raises((TypeError, KeyError)):  # torch: value[0] of a set, of a dict
+            torch_cls([torch.zeros(3, requires_grad=True)], **{key: value})
+    with pytest.raises(TypeError, match=f"{key} must be an ordered pair"):
+        cls([torch.zeros(3, requires_grad=True)], **{key: value})
+    opt = cls([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(TypeError, match=f"{key} must be an ordered pair"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], key: value})
+    opt.close()
+
+
+@pytest.mark.parametrize("other", [so.OffloadAdamW, so.OffloadLion])
+def test_checkpoint_of_another_optimizer_names_its_saver(other, tmp_path):
+    """An AdamW checkpoint fails Adafactor's group checks first (eps 1e-8 is not a pair): the message names the
+    optimizer that saved it, as a mismatch of the state's fields does, not only the eps it tripped on."""
+    params = make_params()
+    with other(params) as saver:
+        set_grads(params, 1)
+        saver.step()
+        saver.save(tmp_path / "ckpt")
+    with so.OffloadAdafactor(params) as opt:
+        with pytest.raises(ValueError, match=f"saved by {other.__name__}; this optimizer is OffloadAdafactor"):
+            opt.load(tmp_path / "ckpt")
+        set_grads(params, 2)
+        opt.step()  # left usable
+    with so.OffloadAdafactor(params) as ada:
+        set_grads(params, 1)
+        ada.step()
+        ada.save(tmp_path / "ada")
+    with other(params) as opt:
+        with pytest.raises(ValueError, match=f"saved by OffloadAdafactor; this optimizer is {other.__name__}"):
+            opt.load(tmp_path / "ada")
+
+
+def test_slots_larger_than_the_available_ram_are_refused_before_any_allocation(tmp_path, monkeypatch):
+    # A whole-parameter rule sizes every nvme slot to the largest parameter's record: on a machine that cannot
+    # hold buffer_count of them, the step must raise, not be killed by the OOM killer at its first touch.
+    import swapio.optim.nvme_state as nvme_state
+    p = torch.nn.Parameter(torch.randn(512, 512).bfloat16())  # its record: a 1 MiB fp32 master (+ factors)
+    opt = swapio.optim.OffloadAdafactor([p], offload="nvme", swap_dir=tmp_path, buffer_bytes=256 << 10,
+                                        buffer_count=4)
+    monkeypatch.setattr(nvme_state, "_available_ram", lambda: 3 * 512 * 512 * 4)  # less than 4 slots' worth
+    p.grad = torch.randn(512, 512).bfloat16()
+    before = p.detach().clone()
+    with pytest.raises(MemoryError, match="buffer_count"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state.get(p)
+    monkeypatch.undo()
+    opt.step()  # with the memory there, the same optimizer goes on
+    assert not torch.equal(p.detach(), before)
+    opt.close()
+
+
+def test_an_infinite_hyperparameter_is_refused_saying_it_must_be_finite():
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    for kwargs in ({"lr": float("inf")}, {"d": float("inf")}, {"eps": (None, float("inf"))}):
+        with pytest.raises(ValueError, match="and finite but is: inf"):
+            so.OffloadAdafactor([p], **kwargs)
+
+
+def test_transformers_adafactor_arguments_are_named_as_not_offered():
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"transformers.Adafactor's \['relative_step', 'scale_parameter'\]"):
+        so.OffloadAdafactor([p], lr=None, relative_step=True, scale_parameter=True)
