@@ -15,9 +15,8 @@ updated (torch's clip_grad_norm_, GradScaler.unscale_) cannot take effect: step(
 import threading
 
 from .cuda_staging import StepCopies
-from .offloaded import _second_backward
 from .params import shard
-from .worker import UpdateWorker
+from .worker import UpdateWorker, second_backward_error
 
 
 class GpuInBackward:
@@ -38,7 +37,7 @@ class GpuInBackward:
         its copy would also overwrite the one the worker may still read)."""
         with self.lock:
             if p in self.handed:
-                raise _second_backward("a parameter on a GPU got a gradient")
+                raise second_backward_error("a parameter on a GPU got a gradient")
 
     def gradient_ready(self, p):
         """From GradCopies' hook (the backward thread)."""

@@ -28,7 +28,7 @@ from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
-from .worker import UpdateWorker
+from .worker import UpdateWorker, second_backward_error
 
 
 class OffloadedParams(TrainableOwner):
@@ -122,7 +122,7 @@ class OffloadedParams(TrainableOwner):
         training = self.entries[p][0]
         with self.lock:
             if slot.record in self.queued:
-                raise _second_backward(f"{slot.name!r} got a gradient")
+                raise second_backward_error(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
                                    "applied: torch would add the two and step with the sum, but with in_backward=True "
@@ -147,7 +147,7 @@ class OffloadedParams(TrainableOwner):
     def check_backward(self, record):
         """A backward needs the weights of `record` (training.py): refused once this backward updated them."""
         if self.in_backward and record in self.queued:
-            raise _second_backward(f"a backward needs the weights of {record}")
+            raise second_backward_error(f"a backward needs the weights of {record}")
 
     def _mark(self, p):
         """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
@@ -456,13 +456,6 @@ class OffloadedParams(TrainableOwner):
         if self.grads is not None:
             self.grads.close()
             self.grads = None
-
-
-def _second_backward(what):
-    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), or "
-                        "retain_graph=True): with in_backward=True every backward is one step, so call step() (and "
-                        "zero_grad()) after each backward; to sum the gradients of several backward passes, build "
-                        "the optimizer with in_backward=False")
 
 
 def run_grad_hooks(p, g):

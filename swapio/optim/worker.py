@@ -58,3 +58,11 @@ class UpdateWorker:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+
+
+def second_backward_error(what):
+    """The error of a gradient arriving for a parameter its in_backward update already stepped."""
+    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), or "
+                        "retain_graph=True): with in_backward=True every backward is one step, so call step() (and "
+                        "zero_grad()) after each backward; to sum the gradients of several backward passes, build "
+                        "the optimizer with in_backward=False")
