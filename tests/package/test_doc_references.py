@@ -1,7 +1,7 @@
 """What the docs point at exists: every repository path the README, docs/*.md, the library, the tests and the
 benchmarks name (swapio/..., tests/..., benchmarks/..., examples/..., csrc/..., docs/...) is a file of the
-checkout. Files move (the tests went into folders, modules into packages); a reader following a stale path
-finds nothing."""
+checkout, and docs/design.md's source map names every module of swapio/. Files move (the tests went into
+folders, modules into packages); a reader following a stale path finds nothing."""
 import glob
 import os
 import re
@@ -37,3 +37,13 @@ def test_the_scan_sees_a_stale_path(tmp_path):
     assert [m.group(1) for m in PATH.finditer(text)] == ["swapio/_durable.py", "tests/test_x.py",
                                                          "benchmarks/RESULTS.md"]
 
+
+def test_the_design_source_map_names_every_module():
+    with open(os.path.join(REPO, "docs", "design.md")) as f:
+        design = f.read()
+    modules = [os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "swapio", "**", "*.py"),
+                                                           recursive=True)]
+    unnamed = sorted(m for m in modules
+                     if os.path.basename(m) != "__init__.py" and not re.search(
+                         r"(?<![\w.])" + re.escape(os.path.basename(m)) + r"\b", design))
+    assert not unnamed, f"docs/design.md's source map does not name {unnamed}"
