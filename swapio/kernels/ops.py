@@ -27,8 +27,10 @@ import torch
 
 from .. import _C
 from . import quant
-from ._args import (CODES, GRAD_DTYPES, LEVELS, OUT_DTYPES, capability_arg, check_flat, check_tensor,
-                    out_code, ptr, threads_arg)
+# the checks shared with adafactor_ops, under private names: swapio.ops's namespace shows its API only
+from ._args import (GRAD_DTYPES as _GRAD_DTYPES, OUT_DTYPES as _OUT_DTYPES, capability_arg as _capability,
+                    check_flat as _check_flat, check_tensor as _check_tensor, out_code as _out_code, ptr as _ptr,
+                    threads_arg as _threads)
 from ..core._errors import SwapioWarning
 from ._hyper import check_adam_hyper, check_lion_hyper, check_step
 
@@ -67,17 +69,17 @@ def cpu_capabilities() -> List[str]:
 
 def _check_buffers(param, grad, moments, param_out):
     """Checks param, grad, the moments ((name, tensor, scale), ...) and param_out; returns the state type."""
-    check_tensor("param", param)
-    check_tensor("grad", grad)
+    _check_tensor("param", param)
+    _check_tensor("grad", grad)
     n = param.numel()
-    check_flat("param", param, n, torch.float32)
-    check_flat("grad", grad, n)
-    if grad.dtype not in GRAD_DTYPES:
+    _check_flat("param", param, n, torch.float32)
+    _check_flat("grad", grad, n)
+    if grad.dtype not in _GRAD_DTYPES:
         raise ValueError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     state = None
     for name, t, scale in moments:
-        check_tensor(name, t)
-        check_flat(name, t, n)
+        _check_tensor(name, t)
+        _check_flat(name, t, n)
         kind = _STATES.get(t.dtype)
         if kind is None:
             raise ValueError(f"{name} must be float32, bfloat16 or uint8 (int8 codes), got {t.dtype}")
@@ -87,10 +89,10 @@ def _check_buffers(param, grad, moments, param_out):
         if kind == "int8":
             if scale is None:
                 raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
-            check_flat(f"{name}_scale", check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
+            _check_flat(f"{name}_scale", _check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
     if param_out is not None:
-        check_flat("param_out", check_tensor("param_out", param_out), n)
-        if param_out.dtype not in OUT_DTYPES:
+        _check_flat("param_out", _check_tensor("param_out", param_out), n)
+        if param_out.dtype not in _OUT_DTYPES:
             raise ValueError(f"param_out must be bfloat16, float16 or float32, got {param_out.dtype}")
     return state
 
@@ -143,28 +145,28 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
             raise ValueError("amsgrad=True needs max_exp_avg_sq")
         if state != "fp32":
             raise ValueError(f"amsgrad needs float32 moments, got {exp_avg.dtype}")
-        check_flat("max_exp_avg_sq", check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
+        _check_flat("max_exp_avg_sq", _check_tensor("max_exp_avg_sq", max_exp_avg_sq), param.numel(), torch.float32)
     step = check_step(step)
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
-    threads, capability = threads_arg(threads), capability_arg(capability)
+    threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
     if n == 0:
         return param
     if state != "fp32":
         found = _C.adam_step_state(
-            param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), ptr(exp_avg_scale),
-            exp_avg_sq.data_ptr(), ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
+            param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale),
+            exp_avg_sq.data_ptr(), _ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
             index_base=index_base, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=ptr(param_out),
-            out_dtype=out_code(param_out), threads=threads, capability=capability)
+            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=_ptr(param_out),
+            out_dtype=_out_code(param_out), threads=threads, capability=capability)
         _count(nonfinite, found)
         return param
     _C.adam_step(
-        param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
-        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=ptr(max_exp_avg_sq) if amsgrad else 0,
-        param_out=ptr(param_out), out_dtype=out_code(param_out), threads=threads, capability=capability)
+        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=_ptr(max_exp_avg_sq) if amsgrad else 0,
+        param_out=_ptr(param_out), out_dtype=_out_code(param_out), threads=threads, capability=capability)
     return param
 
 
@@ -184,16 +186,16 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     state = _check_buffers(param, grad, (("exp_avg", exp_avg, exp_avg_scale),), param_out)
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
-    threads, capability = threads_arg(threads), capability_arg(capability)
+    threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base)
     n = param.numel()
     if n == 0:
         return param
     found = _C.lion_step(
-        param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), ptr(exp_avg_scale), n,
+        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale), n,
         state=_C.STATE_CODES[state], seed=seed, index_base=index_base, step=step, lr=lr,
-        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=ptr(param_out),
-        out_dtype=out_code(param_out), threads=threads, capability=capability)
+        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
+        out_dtype=_out_code(param_out), threads=threads, capability=capability)
     _count(nonfinite, found)
     return param
 
@@ -281,11 +283,11 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
             param_out.copy_(param.reshape(param_out.shape))
         return param
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_tensor(name, t)
+        _check_tensor(name, t)
     if amsgrad and max_exp_avg_sq is None:
         raise ValueError("amsgrad=True needs max_exp_avg_sq")
     if param_out is not None:
-        check_tensor("param_out", param_out)
+        _check_tensor("param_out", param_out)
     n = param.numel()
     sized: Tuple[Tuple[str, OptTensor], ...] = (
         ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),

@@ -1,5 +1,5 @@
-"""The handle saves and loads share (checkpoint.buffers.handle_for): kept for the next call after a clean one,
-closed after an error or an interruption, never shared by two calls at once, dead ones (closed, inherited
+"""The handle saves and loads share (swapio.safetensors.buffers.handle_for): kept for the next call after a clean
+one, closed after an error or an interruption, never shared by two calls at once, dead ones (closed, inherited
 through fork()) replaced, closed by release_buffers()."""
 import hashlib
 import importlib

@@ -45,3 +45,15 @@ def test_public_functions_are_annotated(obj):
 
 def test_the_package_is_marked_typed():
     assert os.path.isfile(os.path.join(os.path.dirname(swapio.__file__), "py.typed"))
+
+
+def test_swapio_ops_does_not_show_the_argument_checks_it_shares():
+    """swapio.ops is a public module: the checks and dtype tables it shares with adafactor_ops (kernels/_args.py)
+    stay private to it, as they were when ops.py held them (dir(), tab completion and `swapio.ops.<name>` show the
+    API, not the helpers)."""
+    from swapio.kernels import _args
+    helpers = {name for name, value in vars(_args).items() if not name.startswith("_") and not inspect.ismodule(value)
+               and getattr(value, "__module__", _args.__name__) == _args.__name__}  # (tables have no __module__)
+    assert helpers  # the check sees them
+    shown = sorted(name for name in helpers if name in vars(swapio.ops))
+    assert not shown, f"swapio.ops shows kernels/_args.py's {shown}"
