@@ -8,7 +8,9 @@ with what swapio.offload guarantees when it calls it; the defaults do nothing, e
 must take (dropping a gradient silently would leave the weight untrained).
 
 The other direction, what an owner may call on the model's side, is Training's public methods (training.py):
-claim/release, begin/end/abort of a record's rewrite, flush, the order of records, current values, pinned memory.
+claim/release, begin/end/abort of a record's rewrite, flush, the order of records, current values, pinned memory,
+and report(error): an owner going away hands over an error about its updates it can no longer raise, which the
+next forward or remove_offload raises.
 """
 
 
@@ -26,7 +28,8 @@ class TrainableOwner:
 
     def settle(self):
         """A forward is about to read the model's weights: updates the owner still runs on its own threads (from
-        the last backward) finish first, so the forward reads the new weights."""
+        the last backward) finish first, so the forward reads the new weights. An owner whose updates run during
+        backward keeps what they need alive until they finish, even if the program drops it meanwhile."""
 
     def check_backward(self, record):
         """A backward needs the weights of `record` (an offloaded module's backward refetches them): raise

@@ -53,6 +53,7 @@ class Training:
         self.pending = {}   # slot -> leaves made by forwards whose gradient has not arrived yet
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
+        self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
 
     @property
     def streamer(self):
@@ -133,6 +134,14 @@ class Training:
         """Waits for the writes of ended rewrites; raises the first error."""
         self._store.flush()
 
+    def report(self, error):
+        """An owner that is going away hands over an error about its updates of this model that it can no longer
+        raise itself (an in_backward optimizer dropped right after backward, whose update failed): the next forward
+        or remove_offload raises it, once. The first one is kept."""
+        with self.lock:
+            if self.reported is None:
+                self.reported = error
+
     def current(self, slot):
         """A CPU copy of the slot's value as the streamer reads it now."""
         return current_value(self.streamer.fetcher, slot)
@@ -152,6 +161,7 @@ class Training:
         """Waits for the updates the owners run on their own threads (in_backward) before a forward reads weights."""
         for owner in self._owners_alive():
             owner.settle()
+        self._raise_reported()
 
     def check_backward(self, record):
         """A backward needs the record's weights: RuntimeError from an owner that already updated it in this
@@ -163,6 +173,13 @@ class Training:
         """remove_offload: every owner finishes its updates and their writes (TrainableOwner.flush)."""
         for owner in self._owners_alive():
             owner.flush()
+        self._raise_reported()
+
+    def _raise_reported(self):
+        with self.lock:
+            error, self.reported = self.reported, None
+        if error is not None:
+            raise error
 
     def _owner_of(self, slot):
         ref = self.owners.get(slot)

@@ -11,17 +11,25 @@ before the next forward; backward itself never waits for them.
 step() then waits for the worker and skips the parameters it stepped; a second step() before zero_grad() steps
 them again with the same gradients, as torch's optimizers do. A gradient changed after its parameter was
 updated (torch's clip_grad_norm_, GradScaler.unscale_) cannot take effect: step() raises instead of ignoring it.
+
+The optimizer's step is held weakly but for the work in flight (worker.HeldStep): dropped right after (or during)
+a backward, it still updates every parameter that backward handed it; once freed, the compute streams wait for
+those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
+raise it).
 """
 import threading
+import warnings
 
+from ..core._errors import SwapioWarning
 from .cuda_staging import StepCopies
 from .params import shard
-from .worker import UpdateWorker, second_backward_error
+from .worker import HeldStep, UpdateWorker, second_backward_error
 
 
 class GpuInBackward:
     def __init__(self, step_params, copied_as):
-        self._step_params = step_params  # (params, copies) -> steps params, queuing copies on `copies`
+        self._step = HeldStep(step_params, self._dropped)  # the optimizer's (params, copies) -> steps params,
+        # queuing their copies on `copies`
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
         self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
         self.lock = threading.Lock()
@@ -41,11 +49,12 @@ class GpuInBackward:
 
     def gradient_ready(self, p):
         """From GradCopies' hook (the backward thread)."""
+        self._step.hold_for_backward()  # its updates are part of this backward: dropping the optimizer stops none
         self.raise_error()
         with self.lock:
             self.handed.add(p)
             self.ready.append(p)
-            self.worker.start(self._work)
+            self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
 
     def _work(self):
         while True:
@@ -63,6 +72,9 @@ class GpuInBackward:
                 # those of the batch stepped before the error are stepped: step() must not step them again
                 self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
                 self.worker.keep_error(exc)
+
+    def _step_params(self, params, copies):
+        self._step()(params, copies)
 
     def _count(self, p):
         step = self.state.get(p, {}).get("step")
@@ -101,6 +113,16 @@ class GpuInBackward:
         self.wait()
         self.stepped, self.handed = {}, set()
         self.copies.end()
+
+    def _dropped(self):
+        """The optimizer was freed without close() (never while its work is in flight: see HeldStep)."""
+        self.copies.end()  # as step() does: the compute streams wait for the new values
+        error = self.worker.take_error()
+        if error is not None:
+            warnings.warn(f"an update of GPU parameters during backward (in_backward=True) failed after the optimizer "
+                          f"was dropped: {error!r}; the parameters it had not reached keep their old values. Keep a "
+                          "reference to the optimizer and call step() after each backward (it raises such an error, "
+                          "then updates what is left)", SwapioWarning, stacklevel=2)
 
     def close(self):
         self.worker.close()

@@ -14,7 +14,11 @@ Records are updated in batches (consecutive records, up to batch_bytes of gradie
 flows from one record to the next; in backward, at most two batches' gradients wait for the worker, beyond
 that backward waits (memory stays bounded).
 The optimizer hands OffloadedParams what it needs of it, never itself: `step` (steps given weights in given memory,
-see OffloadOptimizer._step_offloaded) and its state dict (the step counts), as the state backends get theirs.
+see OffloadOptimizer._step_offloaded), held weakly but for the work in flight (worker.HeldStep: a backward that
+handed it a gradient and the worker's runs keep the optimizer alive, so an in_backward update lands even when the
+program drops the optimizer right after backward), and its state dict (the step counts), as the state backends get
+theirs. An in_backward optimizer freed with work it could not finish (an update that failed, gradients step()
+would have applied) hands a RuntimeError to the models, whose next forward or remove_offload raises it.
 """
 import threading
 
@@ -28,18 +32,19 @@ from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
-from .worker import UpdateWorker, second_backward_error
+from .worker import HeldStep, UpdateWorker, second_backward_error
 
 
 class OffloadedParams(TrainableOwner):
-    """The offloaded weights one optimizer trains. step(params, grad_of, data_of): the optimizer steps `params`
-    with the gradients grad_of(p) into the compute-dtype memory data_of(p), all or nothing per parameter (raising
-    while an earlier failure left its state torn); state: the optimizer's state dict (set once it exists)."""
+    """The offloaded weights one optimizer trains. step(params, grad_of, data_of): the optimizer's bound method
+    that steps `params` with the gradients grad_of(p) into the compute-dtype memory data_of(p), all or nothing per
+    parameter (raising while an earlier failure left its state torn); state: the optimizer's state dict (set once
+    it exists)."""
 
     def __init__(self, step, in_backward, batch_bytes):
         if not isinstance(in_backward, bool):
             raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
-        self.step = step
+        self.step = HeldStep(step, self._dropped)  # self.step() is the method, while the optimizer lives
         self.state = {}      # the optimizer's state dict: p -> {"step", ...}
         self.in_backward = in_backward
         self.entries = {}    # p -> (Training, slot)
@@ -55,6 +60,7 @@ class OffloadedParams(TrainableOwner):
         self.ready_bytes = 0
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
+        self.closed = False
         self.lock = threading.Lock()
         self.ready_changed = threading.Condition(self.lock)
         self.worker = UpdateWorker(self.lock, "swapio-in-backward")
@@ -97,6 +103,8 @@ class OffloadedParams(TrainableOwner):
         """A gradient of `slot` arrived (complete: the last of this backward). The gradients of a weight used
         several times in a forward (ties, a module called twice) are summed first, in their own dtype and in
         arrival order, as autograd sums a leaf's inputs before accumulating them into .grad."""
+        if self.in_backward:
+            self.step.hold_for_backward()  # its updates are part of this backward: dropping the optimizer stops none
         self._raise_error()
         p = self.param_of[slot]
         g = cuda_copy.to_host(g)
@@ -190,6 +198,7 @@ class OffloadedParams(TrainableOwner):
         with self.ready_changed:
             if record in self.queued or not all(training.complete(s) for s in owned):
                 return
+            keep = self.step()  # the optimizer lives until the worker's run returns
             grads = {self.param_of[s]: self.partial.pop(self.param_of[s]) for s in owned
                      if self.param_of[s] in self.partial}
             if not grads:
@@ -198,7 +207,7 @@ class OffloadedParams(TrainableOwner):
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
-            self.worker.start(self._work)
+            self.worker.start(self._work, keep)
             # backward waits while more gradients than two batches' worth wait for the worker
             while self.ready_bytes > 2 * self.batch_bytes and self.worker.working:
                 self.ready_changed.wait()
@@ -237,9 +246,12 @@ class OffloadedParams(TrainableOwner):
         self.worker.raise_error()
 
     def settle(self):
-        """A forward is about to read weights: the updates handed to the worker finish first."""
-        if self.worker.working:
-            self.wait()
+        """A forward is about to read weights: the updates handed to the worker finish first (and a dropped
+        optimizer's last run has reported what it could not finish, see _dropped)."""
+        working = self.worker.working
+        self.worker.idle()
+        if working:
+            self._raise_error()
 
     def wait(self):
         """Waits until the worker has updated every ready record; raises the first error not raised yet."""
@@ -260,7 +272,7 @@ class OffloadedParams(TrainableOwner):
                 need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
                 begun.append((record, training.begin(record, need_current), need_current, params))
             data = {p: training.view(buf, self.entries[p][1]) for record, buf, _, params in begun for p in params}
-            self.step([p for _, _, _, params in begun for p in params], grads.get, data.get)
+            self.step()([p for _, _, _, params in begun for p in params], grads.get, data.get)
         finally:
             finish_all(lambda b=b: self._end(training, steps, *b) for b in begun)
 
@@ -449,7 +461,35 @@ class OffloadedParams(TrainableOwner):
             add("grad_staging", staged, max(staged, largest_weight) if cuda else staged)
         return parts
 
+    def _dropped(self):
+        """The optimizer was freed without close() (never while its in_backward work is in flight: see HeldStep):
+        what its last backward began and it could not finish is a RuntimeError for the models' next forward or
+        remove_offload, not a silent half-update: an update that failed (the weights it had not reached keep their
+        values), and gradients left for step() (incomplete when backward ended: a forward whose backward never
+        ran, an output left unused)."""
+        if not self.in_backward or self.closed:
+            return
+        error = self.worker.take_error()
+        left = [self.entries[p][1].name for p in [*self.partial, *self.parts]]
+        if error is not None:
+            problem = RuntimeError(f"an update of the offloaded weights during backward (in_backward=True) failed "
+                                   f"after the optimizer was dropped: {error!r}. The weights it had not reached keep "
+                                   "their old values. Keep a reference to the optimizer and call step() after each "
+                                   "backward (it raises such an error, then updates what is left), or load() a "
+                                   "checkpoint of the optimizer")
+            problem.__cause__ = error
+        elif left:
+            problem = RuntimeError(f"the in_backward=True optimizer was dropped before step() while the gradients of "
+                                   f"{', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''} were still "
+                                   "waiting for it (incomplete when backward ended: a forward whose backward never "
+                                   "ran); they were not applied. Call step() before dropping the optimizer")
+        else:
+            return
+        for training in {training for training, _ in self.entries.values()}:
+            training.report(problem)
+
     def close(self):
+        self.closed = True
         self.worker.close()
         for training in self._records():
             training.release(self)

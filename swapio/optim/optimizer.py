@@ -12,7 +12,6 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import os
 import warnings
-import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -83,19 +82,17 @@ class OffloadOptimizer(Optimizer):
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
-        # each). Held weakly, as for GpuInBackward: the models' hooks reach OffloadedParams, which must not keep the
-        # optimizer alive.
-        step_offloaded = weakref.WeakMethod(self._step_offloaded)
-        self._offloaded = OffloadedParams(lambda *args: step_offloaded()(*args), in_backward, budget.batch_bytes)
+        # each). The step is held weakly but for in_backward work in flight, as for GpuInBackward (worker.HeldStep):
+        # the models' hooks reach OffloadedParams, which must not keep the optimizer alive.
+        self._offloaded = OffloadedParams(self._step_offloaded, in_backward, budget.batch_bytes)
         # cpu mode: GPU parameters' gradients leave for pinned RAM during backward (nvme mode keeps RAM bounded by
         # its buffers, so its gradients come over segment by segment in step())
         self._grad_copies = GradCopies() if offload == "cpu" else None
         self._gpu_in_backward = None
         if in_backward and offload == "cpu":
-            # held weakly: the hooks on the model reach the worker, which must not keep the optimizer alive
-            step_in_backward = weakref.WeakMethod(self._step_in_backward)
-            self._gpu_in_backward = GpuInBackward(lambda params, copies: step_in_backward()(params, copies),
-                                                  self._grad_copies.copied_as)
+            # held weakly but for work in flight: the hooks on the model reach the worker, which must not keep the
+            # optimizer alive once its updates are done
+            self._gpu_in_backward = GpuInBackward(self._step_in_backward, self._grad_copies.copied_as)
             self._grad_copies.on_ready(self._gpu_in_backward.gradient_ready, self._gpu_in_backward.check_fresh)
         super().__init__(params, defaults)
         state_dict_hooks.register(self)

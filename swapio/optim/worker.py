@@ -1,11 +1,23 @@
 """The thread that runs optimizer updates during backward (in_backward=True), for offloaded weights
-(offloaded.OffloadedParams) and for parameters on a GPU (gpu_in_backward.GpuInBackward).
+(offloaded.OffloadedParams) and for parameters on a GPU (gpu_in_backward.GpuInBackward), and what keeps the
+optimizer alive while that work is in flight (HeldStep).
 
 Its owner hands it work under `lock` and start()s it; the run function loops until it finds nothing to do and
 then sets `working` back to None under the same lock. An error is kept (the first) and raised once, on the user's
 thread, by the next raise_error() or wait().
+
+Lifetime. The update is part of backward, as with torch's optimizer-in-backward hooks (which hold their
+optimizers): a backward that handed the optimizer a gradient keeps it alive until that backward ends, and each
+run of the worker keeps it alive until the run returns, so the updates of a backward land exactly once even when
+the program drops the optimizer right after (or during) it. At rest the optimizer is held weakly: the model's
+hooks reach the worker, and an optimizer the program dropped must stop updating the model and free its files at
+once. When it is freed, the owner's on_drop() reports what its last backward could not finish.
 """
+import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 
 class UpdateWorker:
@@ -13,35 +25,47 @@ class UpdateWorker:
         self.lock, self.name = lock, name
         self.executor = None
         self.working = None  # the run's future while it runs
+        self.last = None     # the last run's future: done once that run has let go of what it kept alive
         self.error = None
 
-    def start(self, run):
-        """Starts run() on the worker thread unless it is running; the caller holds `lock`."""
+    def start(self, run, keep=None):
+        """Starts run() on the worker thread unless it is running; the caller holds `lock`. keep: what the work
+        needs alive (the optimizer's step), held until run() returns."""
         if self.working is None:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
-            self.working = self.executor.submit(run)
+            self.working = self.last = self.executor.submit(_run, run, [keep])
 
     def keep_error(self, exc):
-        """The run's error, kept for raise_error(); returns whether it is the first."""
+        """The run's error, kept for raise_error(); returns whether it is the first. Its frames' locals are dropped
+        (the lines stay): kept, they would hold the optimizer, which must be freed when the program drops it."""
+        _drop_locals(exc)
         with self.lock:
             first = self.error is None
             if first:
                 self.error = exc
         return first
 
-    def raise_error(self):
+    def take_error(self):
+        """The kept error (None if none), which is then no longer raised."""
         with self.lock:
             error, self.error = self.error, None
+        return error
+
+    def raise_error(self):
+        error = self.take_error()
         if error is not None:
             raise error
 
     def idle(self):
-        """Waits until the worker has nothing left to do; its error stays for raise_error()."""
+        """Waits until the worker has nothing left to do and its last run has returned (an optimizer dropped
+        meanwhile is freed by then); its error stays for raise_error()."""
         while True:
             with self.lock:
-                working = self.working
+                working, last = self.working, self.last
             if working is None:
+                if last is not None:
+                    last.result()
                 return
             working.result()
 
@@ -58,6 +82,73 @@ class UpdateWorker:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+
+
+def _drop_locals(exc):
+    todo, seen = [exc], set()
+    while todo:
+        exc = todo.pop()
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)  # (frames still running are left as they are)
+            todo += [exc.__cause__, exc.__context__]
+
+
+def _run(run, keep):
+    try:
+        run()
+    finally:
+        keep.clear()  # an optimizer the program dropped meanwhile is freed here, before the run's future is done
+
+
+class HeldStep:
+    """An optimizer's step method as its in_backward work holds it (see the module): weakly, except while a
+    backward that handed it a gradient runs (hold_for_backward) and while the worker runs (UpdateWorker.start's
+    keep: call this object for the method). on_drop (a bound method, held weakly) runs when the optimizer is freed
+    by reference counting, which never happens while its work is in flight."""
+
+    def __init__(self, method, on_drop):
+        drop = weakref.WeakMethod(on_drop)
+        self._ref = weakref.WeakMethod(method, lambda _: _call(drop))
+        self._backward = None  # weak ref to the _BackwardHold of the backward that holds the optimizer now
+
+    def __call__(self):
+        """The step method (a strong reference to the optimizer)."""
+        method = self._ref()
+        if method is None:
+            raise RuntimeError("the in_backward=True optimizer owning these parameters was dropped (garbage-collected) "
+                               "before this gradient arrived: keep a reference to it while you train, and close() "
+                               "it when done")
+        return method
+
+    def hold_for_backward(self):
+        """From a gradient hook: the backward running keeps the optimizer alive until it ends (the engine's final
+        callbacks hold it), so its later gradients still reach the optimizer if the program drops it meanwhile."""
+        held = self._backward() if self._backward is not None else None
+        if held is not None and held.method is not None:
+            return
+        held = _BackwardHold(self())
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(held.release)
+        except RuntimeError:  # not called from a backward: none to hold it through
+            return
+        self._backward = weakref.ref(held)
+
+
+class _BackwardHold:
+    __slots__ = ("method", "__weakref__")
+
+    def __init__(self, method):
+        self.method = method
+
+    def release(self):
+        self.method = None
+
+
+def _call(weak_method):
+    method = weak_method()
+    if method is not None:
+        method()
 
 
 def second_backward_error(what):

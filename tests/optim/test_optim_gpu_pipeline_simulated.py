@@ -411,3 +411,111 @@ def test_an_error_in_the_in_backward_worker_leaves_the_parameters_it_stepped_ste
     for p, m in zip(model.parameters(), master):
         torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
     opt.close()
+
+
+def _gated_gpu_worker(monkeypatch):
+    """An event that holds the in_backward worker before each batch until it is set (before it resolves the
+    optimizer's step)."""
+    import threading
+    release = threading.Event()
+    real = grad_copies.GradCopies.copied_as
+    monkeypatch.setattr(grad_copies.GradCopies, "copied_as", lambda self, p: (release.wait(), real(self, p))[1])
+    return release
+
+
+def test_a_gpu_in_backward_optimizer_dropped_right_after_backward_lands_its_updates_once(fake_gpu, monkeypatch):
+    # The update is part of backward, as with torch's optimizer-in-backward hooks: the worker's queued work keeps
+    # the optimizer alive until it ran, then frees it (no cycle); the compute stream then waits for the copies of
+    # the new values, as step() would have made it.
+    import gc
+    import weakref
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    release = _gated_gpu_worker(monkeypatch)
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    worker = opt._gpu_in_backward  # holds the optimizer weakly
+    gc.collect()
+    gc.disable()
+    try:
+        _loss(model, 0).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is not None  # its queued updates hold it
+        release.set()
+        worker.idle()
+        assert dropped() is None
+    finally:
+        release.set()
+        gc.enable()
+    assert compute.ops[-1][1] == "wait"  # the next forward waits for the copies (on the GPU)
+    compute.run_until(len(compute.ops))
+    ref_opt.step()
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+
+
+def test_a_gpu_in_backward_optimizer_dropped_in_the_middle_of_backward_updates_every_parameter(fake_gpu):
+    # Dropped once the last layer's gradients reached it (its worker idle): the backward holds it until it ends.
+    import gc
+    import weakref
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    held = [swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)]
+    worker, dropped = held[0]._gpu_in_backward, weakref.ref(held[0])
+
+    def drop(grad):
+        worker.idle()  # the last layer is updated: nothing of the worker holds the optimizer
+        held.clear()
+        assert dropped() is not None
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    gc.collect()
+    gc.disable()
+    try:
+        h = model[0](x)
+        h.register_hook(drop)
+        model[2](model[1](h)).float().square().mean().backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        worker.idle()
+        assert not held and dropped() is None
+    finally:
+        gc.enable()
+    compute.run_until(len(compute.ops))
+    ref_opt.step()
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+
+
+def test_a_failed_update_of_a_dropped_gpu_in_backward_optimizer_is_a_warning(fake_gpu, monkeypatch):
+    # No step() is left to raise it, and no offloaded model's forward to: a SwapioWarning, not silence.
+    import gc
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    release = _gated_gpu_worker(monkeypatch)
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    worker = opt._gpu_in_backward
+    monkeypatch.setattr(swapio.optim.cpu_state.CpuState, "_empty",
+                        lambda self, name, p: (_ for _ in ()).throw(MemoryError("pinned memory refused")))
+    warned = []
+    monkeypatch.setattr(swapio.optim.gpu_in_backward.warnings, "warn", lambda *a, **k: warned.append(a))
+    gc.collect()
+    gc.disable()
+    try:
+        _loss(model, 0).backward()
+        del opt
+        release.set()
+        worker.idle()
+    finally:
+        release.set()
+        gc.enable()
+    hits = [w for w in warned if "dropped" in str(w[0])]
+    assert len(hits) == 1 and "MemoryError" in hits[0][0] and hits[0][1] is swapio.SwapioWarning
