@@ -1,9 +1,11 @@
 """Saved activations of one forward: where each saved storage went, and how it comes back for backward.
 
 One Entry per saved storage (views of one storage share it): the storage's bytes go
-- CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory; the tensor is
-  held only until its write completed, and at most `staging_bytes` of writes are in flight (the forward waits for
-  the oldest beyond that): that bounds the RAM that saved activations hold;
+- CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory (no copy: the
+  file offset has the address's place in its page, so the whole pages in between go by direct I/O and only the
+  two partial pages at the ends through the page cache); the tensor is held only until its write completed, and
+  at most `staging_bytes` of writes are in flight (the forward waits for the oldest beyond that): that bounds the
+  RAM that saved activations hold. It is read back the same way, into a recycled block (activation_blocks.py);
 - CUDA tensor: copied on the device-to-host side stream into a pinned block (the forward does not wait); for
   to="cpu" the block is where it stays, for to="nvme" it is written out once the copy finished and then reused,
   the blocks in flight bounded by `staging_bytes` as above.
@@ -20,7 +22,7 @@ import weakref
 import torch
 
 from ..core import _swapdir
-from ..core._align import round_up
+from ..core._align import ALIGN, round_up
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
 
@@ -79,6 +81,7 @@ class Session:
         self.aborted = False
         self.path = self.identity = None
         self.file_end = 0
+        self.reserved = 0      # bytes of the file allocated ahead of the writes
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
@@ -116,10 +119,9 @@ class Session:
         else:
             entry.host = source  # the tensor's own memory, held until its write completed
         if to_disk:
-            entry.offset = self._file_space(nbytes)
+            entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
             if entry.d2h is None:
-                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity,
-                                                staged="auto")
+                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
                 self.pending.append(entry)
         self.entries.append(entry)
         self.by_storage[storage.data_ptr()] = entry
@@ -129,14 +131,35 @@ class Session:
         self.poll()
         return entry
 
-    def _file_space(self, nbytes):
+    def _file_space(self, nbytes, address):
+        """Where nbytes from memory at `address` go in the file: at the same place in a page as the address, so
+        the direct I/O needs no bounce copy in either direction."""
         if self.path is None:
             self.path = os.path.join(self.res.directory, f"activations-{self.number}.swap")
             self.identity = _swapdir.create_private_file(self.path)
             self.res.owner.files.add(self.path)
-        offset = self.file_end
-        self.file_end = round_up(offset + nbytes)
+        offset = round_up(self.file_end) + address % ALIGN
+        self.file_end = offset + nbytes
+        self._reserve(round_up(self.file_end))
         return offset
+
+    def _reserve(self, end):
+        """Allocates the file's blocks ahead of the writes (as much as the last forward used, at once): writes
+        that extend a file take its inode lock exclusively, one at a time, and the I/O threads spun on it."""
+        if end <= self.reserved:
+            return
+        size = max(end, self.res.file_hint, 2 * self.reserved)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == self.identity:
+                    os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            size = float("inf")  # not supported (or no room for the reserve): the writes will say what is wrong
+        self.reserved = size
 
     def _make_room(self, nbytes):
         """Waits for the oldest transfers until nbytes more fit staging_bytes (or nothing is left in flight)."""
@@ -239,8 +262,8 @@ class Session:
             if entry.host is not None:  # still in memory (its write is in flight or just finished)
                 entry.loaded = Future.finished(entry.host)
                 return
-            target = torch.empty(n, dtype=torch.uint8)
-            read = res.handle.pread(target, self.path, entry.offset, identity=self.identity, staged="auto")
+            target = res.read_blocks.take(n, entry.offset % ALIGN)
+            read = res.handle.pread(target, self.path, entry.offset, identity=self.identity)
             entry.loaded = read._chain(lambda _: target)
             res.stats["read_bytes"] += n
             return
@@ -297,6 +320,7 @@ class Session:
             self.pending.pop(0)
         for entry in self.entries:
             self._release_host(entry)
+        self.res.file_hint = max(self.res.file_hint, round_up(self.file_end))
         self._remove_file()
         self.res.sessions.discard(self)
 
@@ -325,6 +349,7 @@ class Session:
             self.by_storage.clear()
             self._remove_file()
             self.res.sessions.discard(self)
+            self.res.read_blocks.clear()
 
     def _remove_file(self):
         if self.path is not None:
