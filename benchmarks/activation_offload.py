@@ -1,17 +1,20 @@
 """Activation offload: step time and activation memory with and without swapio.offload.offload_activations.
 
     python benchmarks/activation_offload.py [--dir /nvme/act] [--layers 6 --width 256 --heads 8 --seq 1024
-                                            --batch 2] [--steps 4] [--staging-mib 64] [--gpu-only | --cpu-only]
+                                            --batch 2] [--steps 4] [--rounds 3] [--staging-mib 64] [--prefetch 4]
+                                            [--gpu-only | --cpu-only]
 
 CPU (always): a GPT-2 (transformers, random init, fp32, eager attention) trained on long sequences, forward +
-backward, each mode in a fresh process (so peak RSS is its own): no offload, then to="nvme" in --dir. Printed:
-  step time (median of --steps after one warm-up step) and the ratio nvme / none; goal <= 1.15 when the disk's
-    time for the activations (bytes / write bandwidth + bytes / read bandwidth, measured in the same run with
-    swapio's handle on --dir) is below the compute;
+backward, each mode in a fresh process (so peak RSS is its own): no offload, then to="nvme" in --dir, the two
+interleaved --rounds times (so that other jobs on the machine slow both alike). Printed:
+  step time (median of --steps after one warm-up step; the best round of each mode) and the ratio nvme / none,
+    with each round's own ratio; goal <= 1.15 when the disk's time for the activations (bytes / write bandwidth
+    + bytes / read bandwidth, measured in the same run with swapio's handle on --dir) is below the compute;
   activation RSS: the growth of peak RSS (VmHWM, reset before the step; malloc returns big blocks at once,
-    MALLOC_MMAP_THRESHOLD_) during the step, the parameters' gradients taken off; goal with to="nvme": <= the
-    staging bytes + 2 layers' saved tensors (one layer's: the bytes a forward saves / layers, counted with
-    saved-tensor hooks).
+    MALLOC_MMAP_THRESHOLD_) during the step, the parameters' gradients taken off, plus (to="nvme") the read
+    buffers the offload kept from the step before (resident before the step, so not in the growth); goal with
+    to="nvme": <= the staging bytes + 2 layers' saved tensors (one layer's: the bytes a forward saves / layers,
+    counted with saved-tensor hooks).
 GPU (when CUDA is available): the same model on the GPU, to="cpu" vs no offload vs
 torch.autograd.graph.save_on_cpu(pin_memory=True), step time ratios and the GPU's activation peak
 (max_memory_allocated during the step minus before it).
@@ -86,11 +89,12 @@ def child(args):
     device = args["device"]
     model, ids = build(args, device)
     mode = args["mode"]
+    own = {} if args["prefetch"] is None else {"prefetch": args["prefetch"]}
     if mode == "nvme":
         ctx = offload_activations(to="nvme", swap_dir=args["dir"], model=model, staging_bytes=args["staging"],
-                                  min_bytes=args["min_bytes"])
+                                  min_bytes=args["min_bytes"], **own)
     elif mode == "cpu":
-        ctx = offload_activations(to="cpu", model=model, min_bytes=args["min_bytes"])
+        ctx = offload_activations(to="cpu", model=model, min_bytes=args["min_bytes"], **own)
     elif mode == "save_on_cpu":
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
     else:
@@ -106,7 +110,7 @@ def child(args):
         sync()
         if device == "cpu":
             reset_peak()
-            base = status("VmRSS")
+            base = status("VmRSS") - (ctx.stats()["read_buffer_bytes"] if mode == "nvme" else 0)
         else:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -153,11 +157,13 @@ def mib(n):
 def cpu_part(args):
     from swapio.tools.plan import measured_bandwidth
     read_bw, write_bw, how = measured_bandwidth(args["dir"], size=256 << 20)
-    rows = {}
-    for mode in ("none", "nvme", "none", "nvme"):  # interleaved: drift hits both
-        r = run_child(args, mode=mode, device="cpu")
-        if mode not in rows or r["step_s"] < rows[mode]["step_s"]:
-            rows[mode] = r
+    rows, rounds = {}, []
+    for _ in range(args["rounds"]):  # interleaved: drift and other jobs hit both
+        pair = {mode: run_child(args, mode=mode, device="cpu") for mode in ("none", "nvme")}
+        rounds.append(pair["nvme"]["step_s"] / pair["none"]["step_s"])
+        for mode, r in pair.items():
+            if mode not in rows or r["step_s"] < rows[mode]["step_s"]:
+                rows[mode] = r
     none, nvme = rows["none"], rows["nvme"]
     grads = 4 * sum_params(args)
     per_layer = none["saved_bytes"] / args["layers"]
@@ -174,7 +180,8 @@ def cpu_part(args):
     for name, r in (("no offload", none), ('to="nvme"', nvme)):
         print(f"  {name:12} step {r['step_s']:.3f} s   activation RSS {mib(r['peak'] - grads)}")
     print(f"  step ratio nvme / none = {nvme['step_s'] / none['step_s']:.3f} (goal <= 1.15 when the disk's time is "
-          f"below the compute)")
+          f"below the compute); each round: {', '.join(f'{r:.3f}' for r in rounds)}; load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"  activation RSS nvme = {mib(nvme['peak'] - grads)} vs bound staging {mib(args['staging'])} + 2 layers "
           f"{mib(2 * per_layer)} = {mib(bound)}: ratio {(nvme['peak'] - grads) / bound:.2f} (goal <= 1); "
           f"no offload / nvme = {(none['peak'] - grads) / max(nvme['peak'] - grads, 1):.1f}x")
@@ -191,7 +198,7 @@ def gpu_part(args):
         print("GPU: skipped (no CUDA here)")
         return
     rows = {}
-    for mode in ("none", "cpu", "save_on_cpu") * 2:
+    for mode in ("none", "cpu", "save_on_cpu") * args["rounds"]:
         r = run_child(args, mode=mode, device="cuda")
         if mode not in rows or r["step_s"] < rows[mode]["step_s"]:
             rows[mode] = r
@@ -215,6 +222,8 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each mode")
+    p.add_argument("--prefetch", type=int, default=None, help="offload_activations' prefetch (default: its own)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--staging-mib", type=int, default=64)
     p.add_argument("--min-bytes", type=int, default=1 << 20)
@@ -225,7 +234,8 @@ def main():
     print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory(dir=a.dir or ".") as tmp:
         args = dict(dir=tmp, layers=a.layers, width=a.width, heads=a.heads, seq=a.seq, batch=a.batch,
-                    steps=a.steps, threads=a.threads, staging=a.staging_mib << 20, min_bytes=a.min_bytes)
+                    steps=a.steps, threads=a.threads, staging=a.staging_mib << 20, min_bytes=a.min_bytes,
+                    rounds=a.rounds, prefetch=a.prefetch)
         if not a.gpu_only:
             cpu_part(args)
         if not a.cpu_only:

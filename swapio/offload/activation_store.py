@@ -15,6 +15,7 @@ same size, device and bytes, and every saved view is rebuilt on it with its own 
 so views that shared a storage share one again. The bytes on disk and in pinned memory stay until autograd drops
 the saved tensor (after its node ran, or with the graph): a second backward (retain_graph=True) reads them again.
 """
+import collections
 import os
 import threading
 import time
@@ -76,6 +77,7 @@ class Session:
         self.entries = []
         self.by_storage = {}   # storage data_ptr -> entry (checked against the storage itself and its version)
         self.pending = []      # entries with a copy or write in flight, oldest first
+        self.resident = collections.deque()  # CPU entries written and still held in RAM, oldest first
         self.staged = 0        # bytes counted against staging_bytes now
         self.live = 0          # entries some saved tensor still uses
         self.open = True       # the forward is still running
@@ -95,9 +97,11 @@ class Session:
             if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
                     or entry.version != tensor._version):
                 entry = self._offload(tensor, storage)
+                entry.refs += 1
+                self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
             else:
                 res.stats["shared_views"] += 1
-            entry.refs += 1
+                entry.refs += 1
             return Saved(self, entry, tensor)
 
     def _offload(self, tensor, storage):
@@ -129,7 +133,6 @@ class Session:
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
-        self.poll()
         return entry
 
     def _file_space(self, nbytes, address):
@@ -163,13 +166,18 @@ class Session:
         self.reserved = size
 
     def _make_room(self, nbytes):
-        """Waits for the oldest transfers until nbytes more fit staging_bytes (or nothing is left in flight)."""
+        """Lets the oldest written tensors go, then waits for the oldest transfers, until nbytes more fit
+        staging_bytes (or nothing is left in flight)."""
         self.poll()
+        while self.resident and self.staged + nbytes > self.res.staging_bytes:
+            self._unstage(self.resident.popleft())
         if self.pending and self.staged + nbytes > self.res.staging_bytes:
             t0 = time.perf_counter()
             while self.pending and self.staged + nbytes > self.res.staging_bytes:
                 self._advance(self.pending[0], block=True)
                 self.poll()
+                while self.resident and self.staged + nbytes > self.res.staging_bytes:
+                    self._unstage(self.resident.popleft())
             self.res.stats["forward_wait_s"] += time.perf_counter() - t0
 
     def poll(self):
@@ -194,7 +202,12 @@ class Session:
                 return
             write, entry.write = entry.write, None
             write.wait()  # raises the write's OSError
-            self._unstage(entry)
+            if entry.pooled or entry.refs == 0:
+                self._unstage(entry)
+            else:
+                # A CPU tensor stays while the staging room allows: the last ones a forward saves are the first
+                # its backward needs, and these it finds in memory (no read, no wait)
+                self.resident.append(entry)
 
     def _unstage(self, entry):
         """The entry's bytes are on disk: its host memory goes (unless a backward is using it right now)."""
@@ -231,8 +244,9 @@ class Session:
         storage = entry.restored() if entry.restored is not None else None
         if storage is None:
             if entry.loaded is None:
+                if entry.host is None or entry.pooled:
+                    self.res.stats["unpack_misses"] += 1
                 self._load(entry)
-                self.res.stats["unpack_misses"] += 1
             loaded, entry.loaded = entry.loaded, None
             self._prefetch_below(entry.index)
             t0 = time.perf_counter()
@@ -244,12 +258,13 @@ class Session:
         return storage
 
     def _prefetch_below(self, index):
-        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count)."""
+        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count;
+        CPU tensors still in memory need nothing brought back, and do not)."""
         ahead, i = 0, index - 1
         while ahead < self.res.prefetch and i >= 0:
             entry = self.entries[i]
             i -= 1
-            if entry.refs == 0:
+            if entry.refs == 0 or (entry.host is not None and not entry.pooled):
                 continue
             ahead += 1
             if entry.loaded is None and (entry.restored is None or entry.restored() is None):
@@ -303,7 +318,7 @@ class Session:
             self.live -= 1
             entry.loaded = entry.restored = None
             if entry.d2h is None and entry.write is None:
-                self._release_host(entry)
+                self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
             if self.by_storage.get(entry.key) is entry:
                 del self.by_storage[entry.key]
             self._finish_if_done()
@@ -319,6 +334,7 @@ class Session:
                 entry.d2h = entry.write = None
                 self._unstage(entry)
             self.pending.pop(0)
+        self.resident.clear()
         for entry in self.entries:
             self._release_host(entry)
         self.res.file_hint = max(self.res.file_hint, round_up(self.file_end))
@@ -340,6 +356,7 @@ class Session:
                     pass
                 entry.d2h = entry.write = None
             self.pending.clear()
+            self.resident.clear()
             for entry in self.entries:
                 entry.loaded = entry.restored = None
                 if entry.staged:
