@@ -110,7 +110,7 @@ def child(args):
         sync()
         if device == "cpu":
             reset_peak()
-            base = status("VmRSS") - (ctx.stats()["read_buffer_bytes"] if mode == "nvme" else 0)
+            base = status("VmRSS") - (ctx.stats().get("read_buffer_bytes", 0) if mode == "nvme" else 0)
         else:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

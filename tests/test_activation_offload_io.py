@@ -129,3 +129,21 @@ def test_with_little_room_the_oldest_are_read_back_and_grads_stay_equal(tmp_path
     assert 0 < stats["read_bytes"] < stats["bytes"]
     assert swap_files(act.directory) == []
     act.close()
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_tensor_changed_in_place_after_its_save_comes_back_as_saved(tmp_path, staging_bytes):
+    """Without offload autograd refuses such a backward; with it, the tensor comes back with the values it was
+    saved with, whether the backward finds it in RAM or reads it from the disk."""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
+    a = torch.randn(256, 1024, requires_grad=True)
+    with act:
+        b = a * 1
+        c = b.sin()  # saves b
+        d = (c * 2).exp()  # saves its output: with no staging room, b's copy in RAM goes
+    act._res.handle.wait()  # (b's write finished before the change below: the disk has it as saved)
+    b.add_(1)
+    d.sum().backward()
+    want = (2 * a.detach().sin()).exp() * 2 * a.detach().cos()
+    assert torch.equal(a.grad, want)
+    act.close()

@@ -3,17 +3,21 @@
 One Entry per saved storage (views of one storage share it): the storage's bytes go
 - CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory (no copy: the
   file offset has the address's place in its page, so the whole pages in between go by direct I/O and only the
-  two partial pages at the ends through the page cache); the tensor is held only until its write completed, and
-  at most `staging_bytes` of writes are in flight (the forward waits for the oldest beyond that): that bounds the
-  RAM that saved activations hold. It is read back the same way, into a recycled block (activation_blocks.py);
+  two partial pages at the ends through the page cache). The tensor is held while its write is in flight and,
+  written, while the staging room allows: at most `staging_bytes` of tensors are held (beyond that the oldest
+  written one goes, else the forward waits for the oldest write), which bounds the RAM that saved activations
+  hold, and the last ones a forward saves, the first its backward needs, are still there when it starts. The
+  others are read back the same way, into recycled blocks (activation_blocks.py);
 - CUDA tensor: copied on the device-to-host side stream into a pinned block (the forward does not wait); for
   to="cpu" the block is where it stays, for to="nvme" it is written out once the copy finished and then reused,
   the blocks in flight bounded by `staging_bytes` as above.
 Backward asks for entries in about the reverse order of saving: each unpack starts the reads (and host-to-device
-copies) of the next `prefetch` entries below it before waiting for its own. What comes back is a storage of the
-same size, device and bytes, and every saved view is rebuilt on it with its own dtype, size, stride and offset,
-so views that shared a storage share one again. The bytes on disk and in pinned memory stay until autograd drops
-the saved tensor (after its node ran, or with the graph): a second backward (retain_graph=True) reads them again.
+copies) of the next `prefetch` entries below it that need one before waiting for its own. What comes back is a
+storage of the same size, device and bytes, and every saved view is rebuilt on it with its own dtype, size,
+stride and offset, so views that shared a storage share one again. The bytes on disk and in pinned memory stay
+until autograd drops the saved tensor (after its node ran, or with the graph): a second backward
+(retain_graph=True) reads them again. The swap file's blocks are allocated ahead of the writes, as many as the
+largest forward before needed, and freed by a thread once the file left its directory.
 """
 import collections
 import os
@@ -31,7 +35,7 @@ from ..core.futures import Future
 
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged")
+                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch")
 
     def __init__(self, index, nbytes, device, storage, version):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -46,6 +50,7 @@ class Entry:
         self.restored = None  # weakref to the storage back on the device, while something uses it
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
+        self.watch = None     # a CPU tensor's detached view, sharing its version counter, while host holds it
 
 
 class Saved:
@@ -122,7 +127,8 @@ class Session:
             entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
             self.pending.append(entry)
         else:
-            entry.host = source  # the tensor's own memory, held until its write completed
+            entry.host = source  # the tensor's own memory, held until written and the staging room is needed
+            entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
         if to_disk:
             entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
             if entry.d2h is None:
@@ -216,7 +222,7 @@ class Session:
         self._release_host(entry)
 
     def _release_host(self, entry):
-        host, entry.host = entry.host, None
+        host, entry.host, entry.watch = entry.host, None, None
         if host is not None and entry.pooled:
             self.res.pool.free(host, entry.last_copy)
 
@@ -275,7 +281,12 @@ class Session:
         res, n = self.res, entry.nbytes
         self.poll()
         if entry.device.type == "cpu":
-            if entry.host is not None:  # still in memory (its write is in flight or just finished)
+            if entry.host is not None and entry.watch._version != entry.version:
+                # changed in place since it was saved: what the file has is what was saved
+                if entry.write is not None:
+                    self._advance(entry, block=True)
+                self._unstage(entry)
+            if entry.host is not None:  # still in memory (kept, or its write is in flight)
                 entry.loaded = Future.finished(entry.host)
                 return
             target = res.read_blocks.take(n, entry.offset % ALIGN)

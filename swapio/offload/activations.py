@@ -219,14 +219,15 @@ class ActivationOffload:
         return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
 
 
-def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=2,
+def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=4,
                         staging_bytes=DEFAULT_STAGING_BYTES, **io_kwargs):
     """An ActivationOffload: in its `with` block, the tensors autograd saves for backward are moved out.
 
     to="cpu": tensors on a GPU are copied to pinned RAM on a side stream (CPU tensors stay where they are);
-    to="nvme": they go to a private directory under swap_dir (CPU tensors from RAM, GPU tensors through pinned
-    RAM), with at most staging_bytes in flight. min_bytes: smaller storages stay. prefetch: the tensors read
-    back ahead of backward's need. model: its parameters and buffers are never offloaded (parameters never are,
+    to="nvme": they go to a private directory under swap_dir (CPU tensors from their own memory, GPU tensors
+    through pinned RAM), with at most staging_bytes held (in flight, or CPU tensors kept for the backward).
+    min_bytes: smaller storages stay. prefetch: the tensors brought back ahead of backward's need (those still
+    in RAM do not count). model: its parameters and buffers are never offloaded (parameters never are,
     whether given or not). io_kwargs: AioHandle settings (block_size, queue_depth, threads, engine, direct).
     """
     if to not in ("cpu", "nvme"):
