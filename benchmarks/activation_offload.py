@@ -1,15 +1,20 @@
 """Activation offload: step time and activation memory with and without swapio.offload.offload_activations.
 
     python benchmarks/activation_offload.py [--dir /nvme/act] [--layers 6 --width 256 --heads 8 --seq 1024
-                                            --batch 2] [--steps 4] [--rounds 3] [--staging-mib 64] [--prefetch 4]
+                                            --batch 2] [--steps 4] [--rounds 2] [--pairs 8] [--staging-mib 64]
+                                            [--prefetch 4]
                                             [--gpu-only | --cpu-only]
 
 CPU (always): a GPT-2 (transformers, random init, fp32, eager attention) trained on long sequences, forward +
 backward, each mode in a fresh process (so peak RSS is its own): no offload, then to="nvme" in --dir, the two
-interleaved --rounds times (so that other jobs on the machine slow both alike). Printed:
-  step time (median of --steps after one warm-up step; the best round of each mode) and the ratio nvme / none,
-    with each round's own ratio; goal <= 1.15 when the disk's time for the activations (bytes / write bandwidth
-    + bytes / read bandwidth, measured in the same run with swapio's handle on --dir) is below the compute;
+interleaved --rounds times; then both in one process, --pairs blocks of steps none, none, nvme, nvme (the second
+of each pair timed: each follows a step of its own mode, and the two are seconds apart, so that other jobs on the
+machine slow both alike: on a shared 2-core machine a 2-thread step ran 0.7 s or 3 s as they came and went).
+Printed:
+  step time (own processes: median of --steps after one warm-up step, the best round of each mode; one process:
+    the blocks' medians) and the ratio nvme / none (one process: the median of the blocks' ratios, and their
+    range); goal <= 1.15 when the disk's time for the activations (bytes / write bandwidth + bytes / read
+    bandwidth, measured in the same run with swapio's handle on --dir) is below the compute;
   activation RSS: the growth of peak RSS (VmHWM, reset before the step; malloc returns big blocks at once,
     MALLOC_MMAP_THRESHOLD_) during the step, the parameters' gradients taken off, plus (to="nvme") the read
     buffers the offload kept from the step before (resident before the step, so not in the growth); goal with
@@ -79,12 +84,45 @@ def reset_peak():
         f.write("5")
 
 
+def paired(args):
+    """Step times of no offload and to="nvme" in one process, in blocks none, none, nvme, nvme: the second step of
+    each pair is timed, so each mode's timed step follows one of its own (as in training: the work an offloaded
+    step leaves to the kernel lands in the next offloaded step) while the two stay close in time (other jobs on
+    the machine hit both alike). Returns [(none_s, nvme_s)] per block."""
+    import contextlib
+
+    import torch
+    from swapio.offload import offload_activations
+    torch.set_num_threads(args["threads"])
+    model, ids = build(args)
+    own = {} if args["prefetch"] is None else {"prefetch": args["prefetch"]}
+    modes = {"none": contextlib.nullcontext(),
+             "nvme": offload_activations(to="nvme", swap_dir=args["dir"], model=model, staging_bytes=args["staging"],
+                                         min_bytes=args["min_bytes"], **own)}
+    blocks = []
+    for _ in range(args["pairs"] + 1):  # the first block warms up
+        timed = {}
+        for mode in ("none", "none", "nvme", "nvme"):
+            model.zero_grad(set_to_none=False)
+            t0 = time.perf_counter()
+            with modes[mode]:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            timed[mode] = time.perf_counter() - t0
+            del loss
+        blocks.append((timed["none"], timed["nvme"]))
+    modes["nvme"].close()
+    return {"blocks": blocks[1:]}
+
+
 def child(args):
     """One mode in this process: step times, activation RSS (CPU) or GPU activation peak."""
     import contextlib
 
     import torch
     from swapio.offload import offload_activations
+    if args["mode"] == "paired":
+        return paired(args)
     torch.set_num_threads(args["threads"])
     device = args["device"]
     model, ids = build(args, device)
@@ -165,6 +203,7 @@ def cpu_part(args):
             if mode not in rows or r["step_s"] < rows[mode]["step_s"]:
                 rows[mode] = r
     none, nvme = rows["none"], rows["nvme"]
+    blocks = run_child(args, mode="paired", device="cpu")["blocks"]
     grads = 4 * sum_params(args)
     per_layer = none["saved_bytes"] / args["layers"]
     offloaded = nvme["stats"]["bytes"] / (args["steps"] + 1)  # per forward (the warm-up step counted too)
@@ -178,10 +217,16 @@ def cpu_part(args):
           f"{disk_s:.2f} s vs compute {compute_s:.2f} s ({'below' if disk_s < compute_s else 'ABOVE'} the compute)")
     bound = args["staging"] + 2 * per_layer
     for name, r in (("no offload", none), ('to="nvme"', nvme)):
-        print(f"  {name:12} step {r['step_s']:.3f} s   activation RSS {mib(r['peak'] - grads)}")
-    print(f"  step ratio nvme / none = {nvme['step_s'] / none['step_s']:.3f} (goal <= 1.15 when the disk's time is "
-          f"below the compute); each round: {', '.join(f'{r:.3f}' for r in rounds)}; load average "
-          f"{os.getloadavg()[0]:.2f}")
+        print(f"  {name:12} step {r['step_s']:.3f} s (own process, best of {args['rounds']})   activation RSS "
+              f"{mib(r['peak'] - grads)}")
+    print(f"  own processes: step ratio nvme / none = {nvme['step_s'] / none['step_s']:.3f}; each round: "
+          f"{', '.join(f'{r:.3f}' for r in rounds)}")
+    ratios = sorted(b / a for a, b in blocks)
+    steps = [sorted(x)[len(x) // 2] for x in zip(*blocks)]
+    print(f"  one process, {len(blocks)} blocks none, none, nvme, nvme: median step none {steps[0]:.3f} s, nvme "
+          f"{steps[1]:.3f} s; step ratio nvme / none = {ratios[len(ratios) // 2]:.3f} (median of the blocks' ratios; "
+          f"they ranged {ratios[0]:.3f}-{ratios[-1]:.3f}) (goal <= 1.15 when the disk's time is below the "
+          f"compute); load average {os.getloadavg()[0]:.2f}")
     print(f"  activation RSS nvme = {mib(nvme['peak'] - grads)} vs bound staging {mib(args['staging'])} + 2 layers "
           f"{mib(2 * per_layer)} = {mib(bound)}: ratio {(nvme['peak'] - grads) / bound:.2f} (goal <= 1); "
           f"no offload / nvme = {(none['peak'] - grads) / max(nvme['peak'] - grads, 1):.1f}x")
@@ -222,7 +267,8 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of each mode")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved runs of each mode in its own process")
+    p.add_argument("--pairs", type=int, default=8, help="blocks none, none, nvme, nvme in one process")
     p.add_argument("--prefetch", type=int, default=None, help="offload_activations' prefetch (default: its own)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--staging-mib", type=int, default=64)
@@ -235,7 +281,7 @@ def main():
     with tempfile.TemporaryDirectory(dir=a.dir or ".") as tmp:
         args = dict(dir=tmp, layers=a.layers, width=a.width, heads=a.heads, seq=a.seq, batch=a.batch,
                     steps=a.steps, threads=a.threads, staging=a.staging_mib << 20, min_bytes=a.min_bytes,
-                    rounds=a.rounds, prefetch=a.prefetch)
+                    rounds=a.rounds, pairs=a.pairs, prefetch=a.prefetch)
         if not a.gpu_only:
             cpu_part(args)
         if not a.cpu_only:
