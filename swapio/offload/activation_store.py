@@ -1,33 +1,41 @@
 """Saved activations of one forward: where each saved storage went, and how it comes back for backward.
 
 One Entry per saved storage (views of one storage share it): the storage's bytes go
-- CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory; the tensor is
-  held only until its write completed, and at most `staging_bytes` of writes are in flight (the forward waits for
-  the oldest beyond that): that bounds the RAM that saved activations hold;
+- CPU tensor, to="nvme": written to the session's swap file straight from the tensor's own memory (no copy: the
+  file offset has the address's place in its page, so the whole pages in between go by direct I/O and only the
+  two partial pages at the ends through the page cache). The tensor is held while its write is in flight and,
+  written, while the staging room allows: at most `staging_bytes` of tensors are held (beyond that the oldest
+  written one goes, else the forward waits for the oldest write), which bounds the RAM that saved activations
+  hold, and the last ones a forward saves, the first its backward needs, are still there when it starts. The
+  others are read back the same way, into recycled blocks (activation_blocks.py);
 - CUDA tensor: copied on the device-to-host side stream into a pinned block (the forward does not wait); for
   to="cpu" the block is where it stays, for to="nvme" it is written out once the copy finished and then reused,
   the blocks in flight bounded by `staging_bytes` as above.
 Backward asks for entries in about the reverse order of saving: each unpack starts the reads (and host-to-device
-copies) of the next `prefetch` entries below it before waiting for its own. What comes back is a storage of the
-same size, device and bytes, and every saved view is rebuilt on it with its own dtype, size, stride and offset,
-so views that shared a storage share one again. The bytes on disk and in pinned memory stay until autograd drops
-the saved tensor (after its node ran, or with the graph): a second backward (retain_graph=True) reads them again.
+copies) of the next `prefetch` entries below it that need one before waiting for its own. What comes back is a
+storage of the same size, device and bytes, and every saved view is rebuilt on it with its own dtype, size,
+stride and offset, so views that shared a storage share one again. The bytes on disk and in pinned memory stay
+until autograd drops the saved tensor (after its node ran, or with the graph): a second backward
+(retain_graph=True) reads them again. The swap file's blocks are allocated ahead of the writes, as many as the
+largest forward before needed, and freed by a thread once the file left its directory.
 """
+import collections
 import os
+import threading
 import time
 import weakref
 
 import torch
 
 from ..core import _swapdir
-from ..core._align import round_up
+from ..core._align import ALIGN, round_up
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
 
 
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged")
+                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch")
 
     def __init__(self, index, nbytes, device, storage, version):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -42,6 +50,7 @@ class Entry:
         self.restored = None  # weakref to the storage back on the device, while something uses it
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
+        self.watch = None     # a CPU tensor's detached view, sharing its version counter, while host holds it
 
 
 class Saved:
@@ -73,12 +82,14 @@ class Session:
         self.entries = []
         self.by_storage = {}   # storage data_ptr -> entry (checked against the storage itself and its version)
         self.pending = []      # entries with a copy or write in flight, oldest first
+        self.resident = collections.deque()  # CPU entries written and still held in RAM, oldest first
         self.staged = 0        # bytes counted against staging_bytes now
         self.live = 0          # entries some saved tensor still uses
         self.open = True       # the forward is still running
         self.aborted = False
         self.path = self.identity = None
         self.file_end = 0
+        self.reserved = 0      # bytes of the file allocated ahead of the writes
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
@@ -91,9 +102,11 @@ class Session:
             if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
                     or entry.version != tensor._version):
                 entry = self._offload(tensor, storage)
+                entry.refs += 1
+                self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
             else:
                 res.stats["shared_views"] += 1
-            entry.refs += 1
+                entry.refs += 1
             return Saved(self, entry, tensor)
 
     def _offload(self, tensor, storage):
@@ -114,38 +127,63 @@ class Session:
             entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
             self.pending.append(entry)
         else:
-            entry.host = source  # the tensor's own memory, held until its write completed
+            entry.host = source  # the tensor's own memory, held until written and the staging room is needed
+            entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
         if to_disk:
-            entry.offset = self._file_space(nbytes)
+            entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
             if entry.d2h is None:
-                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity,
-                                                staged="auto")
+                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
                 self.pending.append(entry)
         self.entries.append(entry)
         self.by_storage[storage.data_ptr()] = entry
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
-        self.poll()
         return entry
 
-    def _file_space(self, nbytes):
+    def _file_space(self, nbytes, address):
+        """Where nbytes from memory at `address` go in the file: at the same place in a page as the address, so
+        the direct I/O needs no bounce copy in either direction."""
         if self.path is None:
             self.path = os.path.join(self.res.directory, f"activations-{self.number}.swap")
             self.identity = _swapdir.create_private_file(self.path)
             self.res.owner.files.add(self.path)
-        offset = self.file_end
-        self.file_end = round_up(offset + nbytes)
+        offset = round_up(self.file_end) + address % ALIGN
+        self.file_end = offset + nbytes
+        self._reserve(round_up(self.file_end))
         return offset
 
+    def _reserve(self, end):
+        """Allocates the file's blocks ahead of the writes (as much as the last forward used, at once): writes
+        that extend a file take its inode lock exclusively, one at a time, and the I/O threads spun on it."""
+        if end <= self.reserved:
+            return
+        size = max(end, self.res.file_hint, 2 * self.reserved)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == self.identity:
+                    os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            size = float("inf")  # not supported (or no room for the reserve): the writes will say what is wrong
+        self.reserved = size
+
     def _make_room(self, nbytes):
-        """Waits for the oldest transfers until nbytes more fit staging_bytes (or nothing is left in flight)."""
+        """Lets the oldest written tensors go, then waits for the oldest transfers, until nbytes more fit
+        staging_bytes (or nothing is left in flight)."""
         self.poll()
+        while self.resident and self.staged + nbytes > self.res.staging_bytes:
+            self._unstage(self.resident.popleft())
         if self.pending and self.staged + nbytes > self.res.staging_bytes:
             t0 = time.perf_counter()
             while self.pending and self.staged + nbytes > self.res.staging_bytes:
                 self._advance(self.pending[0], block=True)
                 self.poll()
+                while self.resident and self.staged + nbytes > self.res.staging_bytes:
+                    self._unstage(self.resident.popleft())
             self.res.stats["forward_wait_s"] += time.perf_counter() - t0
 
     def poll(self):
@@ -170,7 +208,12 @@ class Session:
                 return
             write, entry.write = entry.write, None
             write.wait()  # raises the write's OSError
-            self._unstage(entry)
+            if entry.pooled or entry.refs == 0:
+                self._unstage(entry)
+            else:
+                # A CPU tensor stays while the staging room allows: the last ones a forward saves are the first
+                # its backward needs, and these it finds in memory (no read, no wait)
+                self.resident.append(entry)
 
     def _unstage(self, entry):
         """The entry's bytes are on disk: its host memory goes (unless a backward is using it right now)."""
@@ -179,7 +222,7 @@ class Session:
         self._release_host(entry)
 
     def _release_host(self, entry):
-        host, entry.host = entry.host, None
+        host, entry.host, entry.watch = entry.host, None, None
         if host is not None and entry.pooled:
             self.res.pool.free(host, entry.last_copy)
 
@@ -207,8 +250,9 @@ class Session:
         storage = entry.restored() if entry.restored is not None else None
         if storage is None:
             if entry.loaded is None:
+                if entry.host is None or entry.pooled:
+                    self.res.stats["unpack_misses"] += 1
                 self._load(entry)
-                self.res.stats["unpack_misses"] += 1
             loaded, entry.loaded = entry.loaded, None
             self._prefetch_below(entry.index)
             t0 = time.perf_counter()
@@ -220,12 +264,13 @@ class Session:
         return storage
 
     def _prefetch_below(self, index):
-        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count)."""
+        """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count;
+        CPU tensors still in memory need nothing brought back, and do not)."""
         ahead, i = 0, index - 1
         while ahead < self.res.prefetch and i >= 0:
             entry = self.entries[i]
             i -= 1
-            if entry.refs == 0:
+            if entry.refs == 0 or (entry.host is not None and not entry.pooled):
                 continue
             ahead += 1
             if entry.loaded is None and (entry.restored is None or entry.restored() is None):
@@ -236,11 +281,16 @@ class Session:
         res, n = self.res, entry.nbytes
         self.poll()
         if entry.device.type == "cpu":
-            if entry.host is not None:  # still in memory (its write is in flight or just finished)
+            if entry.host is not None and entry.watch._version != entry.version:
+                # changed in place since it was saved: what the file has is what was saved
+                if entry.write is not None:
+                    self._advance(entry, block=True)
+                self._unstage(entry)
+            if entry.host is not None:  # still in memory (kept, or its write is in flight)
                 entry.loaded = Future.finished(entry.host)
                 return
-            target = torch.empty(n, dtype=torch.uint8)
-            read = res.handle.pread(target, self.path, entry.offset, identity=self.identity, staged="auto")
+            target = res.read_blocks.take(n, entry.offset % ALIGN)
+            read = res.handle.pread(target, self.path, entry.offset, identity=self.identity)
             entry.loaded = read._chain(lambda _: target)
             res.stats["read_bytes"] += n
             return
@@ -279,7 +329,7 @@ class Session:
             self.live -= 1
             entry.loaded = entry.restored = None
             if entry.d2h is None and entry.write is None:
-                self._release_host(entry)
+                self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
             if self.by_storage.get(entry.key) is entry:
                 del self.by_storage[entry.key]
             self._finish_if_done()
@@ -295,8 +345,10 @@ class Session:
                 entry.d2h = entry.write = None
                 self._unstage(entry)
             self.pending.pop(0)
+        self.resident.clear()
         for entry in self.entries:
             self._release_host(entry)
+        self.res.file_hint = max(self.res.file_hint, round_up(self.file_end))
         self._remove_file()
         self.res.sessions.discard(self)
 
@@ -315,6 +367,7 @@ class Session:
                     pass
                 entry.d2h = entry.write = None
             self.pending.clear()
+            self.resident.clear()
             for entry in self.entries:
                 entry.loaded = entry.restored = None
                 if entry.staged:
@@ -325,12 +378,29 @@ class Session:
             self.by_storage.clear()
             self._remove_file()
             self.res.sessions.discard(self)
+            self.res.read_blocks.clear()
 
     def _remove_file(self):
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            remove_soon(self.path)
             self.res.owner.files.discard(self.path)
             self.path = None
+
+
+def remove_soon(path):
+    """Removes the file from its directory now and lets a thread free its blocks: the last reference to a large
+    file frees them, and on ext4 the step waited 45-60 ms for that (with almost no CPU) at each backward's end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        fd = None  # gone already, or not a file of ours (a symlink planted there): the unlink below says
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        if fd is not None:
+            try:
+                threading.Thread(target=os.close, args=(fd,), name="swapio-free-activations", daemon=True).start()
+            except RuntimeError:  # no new threads (the interpreter is exiting)
+                os.close(fd)

@@ -21,6 +21,7 @@ from ..core import _swapdir
 from ..core._errors import check_int
 from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
+from .activation_blocks import ReadBlocks
 from .activation_store import Saved, Session
 
 DEFAULT_MIN_BYTES = 1 << 20
@@ -37,6 +38,8 @@ class _Resources:
         self.model_ref = None if model is None else weakref.ref(model)
         self.lock = threading.RLock()
         self.pool = PinnedPool(size_class)  # saved tensors of many nearby sizes, step after step
+        self.read_blocks = ReadBlocks()     # what CPU tensors are read back into (to="nvme")
+        self.file_hint = 0                  # the largest swap file a forward needed: reserved at once
         self.sessions = set()
         self.sessions_made = 0
         self.excluded = frozenset()
@@ -52,7 +55,7 @@ class _Resources:
             except BaseException:
                 self.owner.remove_everything()
                 raise
-        self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool)
+        self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool, self.read_blocks)
 
     def note_model(self):
         """Storages of the model's parameters and buffers, which are never offloaded (read at each forward:
@@ -96,12 +99,13 @@ class _Resources:
         self._finalizer()
 
 
-def _close(owner, handle, pool):
+def _close(owner, handle, pool, read_blocks):
     try:
         if handle is not None:
             handle.close()
     finally:
         pool.clear()
+        read_blocks.clear(closing=True)
         if owner is not None:
             owner.remove_everything()
 
@@ -158,10 +162,12 @@ class ActivationOffload:
     def stats(self):
         """Counters since creation: tensors (storages offloaded), bytes, shared_views (saves that reused an
         offloaded storage), read_bytes, unpack_misses (unpacks that found nothing read ahead), peak_staged_bytes,
-        forward_wait_s (the forward waiting for staging room), backward_wait_s; and pinned_bytes held now."""
+        forward_wait_s (the forward waiting for staging room), backward_wait_s; and held now: pinned_bytes,
+        read_buffer_bytes (what CPU tensors were read back into, kept for the next backward's reads)."""
         res = self._res
         with res.lock:
             return {**res.stats, "pinned_bytes": res.pool.in_use + res.pool.cached,
+                    "read_buffer_bytes": res.read_blocks.in_use + res.read_blocks.cached,
                     "live_sessions": len(res.sessions)}
 
     def __enter__(self):
@@ -213,14 +219,15 @@ class ActivationOffload:
         return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
 
 
-def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=2,
+def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=4,
                         staging_bytes=DEFAULT_STAGING_BYTES, **io_kwargs):
     """An ActivationOffload: in its `with` block, the tensors autograd saves for backward are moved out.
 
     to="cpu": tensors on a GPU are copied to pinned RAM on a side stream (CPU tensors stay where they are);
-    to="nvme": they go to a private directory under swap_dir (CPU tensors from RAM, GPU tensors through pinned
-    RAM), with at most staging_bytes in flight. min_bytes: smaller storages stay. prefetch: the tensors read
-    back ahead of backward's need. model: its parameters and buffers are never offloaded (parameters never are,
+    to="nvme": they go to a private directory under swap_dir (CPU tensors from their own memory, GPU tensors
+    through pinned RAM), with at most staging_bytes held (in flight, or CPU tensors kept for the backward).
+    min_bytes: smaller storages stay. prefetch: the tensors brought back ahead of backward's need (those still
+    in RAM do not count). model: its parameters and buffers are never offloaded (parameters never are,
     whether given or not). io_kwargs: AioHandle settings (block_size, queue_depth, threads, engine, direct).
     """
     if to not in ("cpu", "nvme"):

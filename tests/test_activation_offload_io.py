@@ -1,0 +1,149 @@
+"""How activation offload to="nvme" moves CPU tensors: straight from their memory to the disk and back into
+recycled blocks (no bounce copy, no fresh pages each step), the last tensors of a forward kept in RAM while the
+staging room allows; and that none of it changes what backward computes."""
+import os
+
+import pytest
+import torch
+
+from activation_helpers import assert_same_grads, batch, grads_of, make_stack, swap_files
+from swapio import _C
+from swapio.offload import offload_activations
+
+
+def direct_io(directory):
+    probe = os.path.join(directory, "probe")
+    with open(probe, "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        return _C.probe_file(probe)["direct"]
+    finally:
+        os.unlink(probe)
+
+
+def wide_batch():
+    return batch(b=2, t=256)  # storages of 64 KiB - 2 MiB: whole pages between the partial ones at the ends
+
+
+def test_cpu_tensors_go_to_disk_and_back_without_bounce_copies(tmp_path):
+    if not direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT: every transfer goes through the page cache anyway")
+    model, x = make_stack(), wide_batch()
+    want = grads_of(model, x)
+    before = _C.held_bytes()["bounce"]
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0, staging_bytes=0)
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    stats = act.stats()
+    assert stats["read_bytes"] > 0 and stats["bytes"] > 0
+    # a handle's workers map their bounce buffers on the first transfer that needs one, and keep them until closed
+    assert _C.held_bytes()["bounce"] == before
+    act.close()
+
+
+def test_read_buffers_are_reused_step_after_step(tmp_path, monkeypatch):
+    from swapio.offload import activation_blocks
+    made = []
+    real = _C.PinnedBuffer
+
+    class Counting:
+        @staticmethod
+        def PinnedBuffer(nbytes, lock=True):
+            made.append(nbytes)
+            return real(nbytes, lock)
+    monkeypatch.setattr(activation_blocks, "_C", Counting)
+    model, x = make_stack(), wide_batch()
+    want = grads_of(model, x)
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0, staging_bytes=0)
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    first, read = len(made), act.stats()["read_bytes"]
+    assert first > 0 and read > 0
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    assert act.stats()["read_bytes"] > read  # read back from the disk again ...
+    assert len(made) == first  # ... into the blocks of the steps before
+    held = act.stats()["read_buffer_bytes"]
+    assert 0 < held <= sum(made)
+    act.close()
+    assert act.stats()["read_buffer_bytes"] == 0
+
+
+class Keep(torch.autograd.Function):
+    """Hands the tensor its backward got back out of the graph (as a hook or a debugging user might)."""
+    kept = []
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return a * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        Keep.kept.append(a)
+        return g * 3
+
+
+def test_a_tensor_read_back_and_kept_past_its_backward_keeps_its_values(tmp_path):
+    """Its block is reused only once nothing uses it: the next steps' reads go elsewhere."""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
+    Keep.kept.clear()
+    values = []
+    for step in range(3):
+        a = torch.randn(64, 1024, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        with act:
+            loss = Keep.apply(a * 1).exp().sum()  # exp's saved output pushes Keep's out of RAM
+        loss.backward()
+        values.append((a * 1).detach())
+    assert act.stats()["read_bytes"] > 0
+    for kept, value in zip(Keep.kept, values):
+        assert torch.equal(kept, value)
+    Keep.kept.clear()
+    act.close()
+
+
+def test_with_room_for_everything_the_backward_reads_nothing_back(tmp_path):
+    """The last tensors a forward saves stay in RAM while the staging room allows (written all the same): here
+    all of them, so the backward finds each in memory."""
+    model, x = make_stack(), wide_batch()
+    want = grads_of(model, x)
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0, staging_bytes=256 << 20)
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    stats = act.stats()
+    assert stats["bytes"] > 0 and stats["read_bytes"] == 0 and stats["unpack_misses"] == 0
+    assert swap_files(act.directory) == [] and stats["live_sessions"] == 0
+    act.close()
+
+
+@pytest.mark.parametrize("staging_mib", [0, 1])
+def test_with_little_room_the_oldest_are_read_back_and_grads_stay_equal(tmp_path, staging_mib):
+    model, x = make_stack(), wide_batch()
+    want = grads_of(model, x)
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0,
+                              staging_bytes=staging_mib << 20, prefetch=3)
+    for _ in range(2):
+        assert_same_grads(grads_of(model, x, act), want)
+    stats = act.stats()
+    assert 0 < stats["read_bytes"] < stats["bytes"]
+    assert swap_files(act.directory) == []
+    act.close()
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_tensor_changed_in_place_after_its_save_comes_back_as_saved(tmp_path, staging_bytes):
+    """Without offload autograd refuses such a backward; with it, the tensor comes back with the values it was
+    saved with, whether the backward finds it in RAM or reads it from the disk."""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
+    a = torch.randn(256, 1024, requires_grad=True)
+    with act:
+        b = a * 1
+        c = b.sin()  # saves b
+        d = (c * 2).exp()  # saves its output: with no staging room, b's copy in RAM goes
+    act._res.handle.wait()  # (b's write finished before the change below: the disk has it as saved)
+    b.add_(1)
+    d.sum().backward()
+    want = (2 * a.detach().sin()).exp() * 2 * a.detach().cos()
+    assert torch.equal(a.grad, want)
+    act.close()
