@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from activation_helpers import assert_same_grads, batch, grads_of, make_stack, swap_files
+from helpers.activations import assert_same_grads, batch, grads_of, make_stack, swap_files
 from swapio import _C
 from swapio.offload import offload_activations
 
@@ -25,6 +25,7 @@ def wide_batch():
     return batch(b=2, t=256)  # storages of 64 KiB - 2 MiB: whole pages between the partial ones at the ends
 
 
+@pytest.mark.slow
 def test_cpu_tensors_go_to_disk_and_back_without_bounce_copies(tmp_path):
     if not direct_io(tmp_path):
         pytest.skip("this file system refuses O_DIRECT: every transfer goes through the page cache anyway")
@@ -41,6 +42,7 @@ def test_cpu_tensors_go_to_disk_and_back_without_bounce_copies(tmp_path):
     act.close()
 
 
+@pytest.mark.slow
 def test_read_buffers_are_reused_step_after_step(tmp_path, monkeypatch):
     from swapio.offload import activation_blocks
     made = []
@@ -103,6 +105,7 @@ def test_a_tensor_read_back_and_kept_past_its_backward_keeps_its_values(tmp_path
     act.close()
 
 
+@pytest.mark.slow
 def test_with_room_for_everything_the_backward_reads_nothing_back(tmp_path):
     """The last tensors a forward saves stay in RAM while the staging room allows (written all the same): here
     all of them, so the backward finds each in memory."""
