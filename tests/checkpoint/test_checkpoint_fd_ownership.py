@@ -9,6 +9,7 @@ import importlib
 import os
 import threading
 
+import pytest
 import torch
 
 import swapio.checkpoint as ckpt
@@ -65,6 +66,7 @@ def test_bug_a_save_interrupted_at_any_point_closes_each_descriptor_exactly_once
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_pin_a_load_interrupted_at_any_point_leaves_loads_working(tmp_path):
     """PIN: load interrupted at each point of its reads (the header's file, the kept handle, its requests and
     their futures): no descriptor closed twice or left open, the next load reads the file's bytes, and after

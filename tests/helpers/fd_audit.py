@@ -40,9 +40,9 @@ def code_objects(*owners, exclude=()):
                 add_code(const)
 
     def add(obj, module):
-        if id(obj) in seen or isinstance(obj, types.ModuleType):  # (a module's imports are not its code)
+        if (id(obj), module) in seen or isinstance(obj, types.ModuleType):  # (a module's imports are not its code)
             return
-        seen.add(id(obj))
+        seen.add((id(obj), module))
         if isinstance(obj, (staticmethod, classmethod)):
             obj = obj.__func__
         if isinstance(obj, property):
@@ -108,9 +108,10 @@ class InterruptAt:
         return False
 
 
-def sweep(operation, codes, after_each=None, limit=20000):
+def sweep(operation, codes, after_each=None, limit=3000):
     """Runs operation() once interrupted before each bytecode in `codes` in turn (0, 1, 2, ...), then once
-    through; after_each() after every run. Returns how many interrupted runs there were."""
+    through; after_each() after every run. Returns how many interrupted runs there were. AssertionError past
+    `limit` runs (an operation whose points keep growing: what interrupted runs left behind, say)."""
     for at in range(limit):
         injector = InterruptAt(codes, at)
         try:
