@@ -6,13 +6,15 @@ untraced, as they never receive Python signal handlers) raises Interrupt at the 
 run a pending signal handler there: entering the function, right after a call returned (before its result is
 stored) and at a loop's back edge. sweep() tries each point in turn.
 
-FdAudit wraps os.open and os.close: a close of a descriptor that Python code does not hold (closed already: a
-second close, which would close whatever file took the number meanwhile), a close that fails with EBADF, an EBADF
+FdAudit wraps os.open and os.close: a close of a descriptor that Python code does not hold (neither opened
+during the audit nor open when it began; closed already: a second close, which would close whatever file took
+the number meanwhile), a close that fails with EBADF, an EBADF
 from a helper thread or a finalizer, and (at the end) a descriptor still open on the file it was opened on (a
 leak) are each recorded as a problem.
 """
 import dis
 import errno
+import gc
 import inspect
 import os
 import sys
@@ -138,6 +140,8 @@ class FdAudit:
         self.opened = 0
 
     def __enter__(self):
+        gc.collect()  # what earlier code left for the collector closes its descriptors now, not during the audit
+        self.before = {int(n) for n in os.listdir("/proc/self/fd")}  # open already: closing one is no problem
         real_open, real_close = os.open, os.close
 
         def audited_open(*args, **kwargs):
@@ -150,7 +154,8 @@ class FdAudit:
 
         def audited_close(fd):
             with self._lock:
-                owned = self.live.pop(fd, None) is not None
+                owned = self.live.pop(fd, None) is not None or fd in self.before
+                self.before.discard(fd)
             if not owned:
                 self.problems.append(f"os.close({fd}) of a descriptor no Python code holds (closed already?) "
                                      f"on {threading.current_thread().name}")
