@@ -88,3 +88,28 @@ def test_pin_a_load_interrupted_at_any_point_leaves_loads_working(tmp_path):
     ckpt.release_buffers()
     gc.collect()
     assert _C.held_bytes() == {"pinned": 0, "bounce": 0}
+
+
+def test_pin_an_owned_descriptor_closed_by_many_threads_at_once_is_closed_once(tmp_path):
+    """PIN: OwnedFd.close from 8 threads released together (and again, and by its finalizer): one os.close."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    with FdAudit() as audit:
+        for _ in range(20):
+            owned = owned_fd.OwnedFd.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            assert os.pread(owned.fileno(), 1, 0) == b"x"
+            start = threading.Barrier(8)
+
+            def close_it():
+                start.wait()
+                owned.close()
+            threads = [threading.Thread(target=close_it) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert owned.closed
+            owned.close()
+            del owned
+        leaks = audit.leaks()
+    assert audit.opened == 20 and audit.problems == [] and leaks == []
