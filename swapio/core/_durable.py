@@ -4,13 +4,12 @@ temporary name, fsynced, renamed into place, and the directory fsynced, so after
 file or the new one, never a torn one."""
 import os
 
+from ._owned_fd import OwnedFd
+
 
 def fsync_path(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with OwnedFd.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC) as owned:
+        os.fsync(owned.fileno())
 
 
 def publish(tmp, final):

@@ -26,6 +26,7 @@ import time
 
 from . import _durable
 from ._errors import warn_once
+from ._owned_fd import OwnedFd
 
 LOCK_NAME = ".swapio-owner"
 PRIVATE_PREFIX = "swapio-optim-"  # private directories (mkdtemp) that a dead owner's successor may remove whole
@@ -37,52 +38,47 @@ _sigterm_installed = False
 
 
 def _lock_file(path):
-    """(fd, previous content) with an exclusive flock on the lock file at path, or (None, content) if another
-    process holds it. Creates the file if it is missing."""
+    """(OwnedFd, previous content) with an exclusive flock on the lock file at path (dropped when it is closed),
+    or (None, content) if another process holds it. Creates the file if it is missing."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        owned = OwnedFd.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(owned.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            content = os.pread(fd, 64, 0)
-            os.close(fd)
+            content = os.pread(owned.fileno(), 64, 0)
+            owned.close()
             return None, content
         except BaseException:
-            os.close(fd)
+            owned.close()
             raise
-        st = os.fstat(fd)
+        st = os.fstat(owned.fileno())
         try:
             now = os.lstat(path)
             same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
         except FileNotFoundError:
             same = False
         if same:
-            return fd, os.pread(fd, 64, 0)
-        os.close(fd)  # the previous owner removed it between our open and our lock: try again
+            return owned, os.pread(owned.fileno(), 64, 0)
+        owned.close()  # the previous owner removed it between our open and our lock: try again
 
 
 def create_private_file(path):
     """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name; returns its
     identity (st_dev, st_ino), which the native core checks on every later open of it (pread/pwrite identity=)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        st = os.fstat(fd)
+    with OwnedFd.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600) as owned:
+        os.fchmod(owned.fileno(), 0o600)
+        st = os.fstat(owned.fileno())
         return st.st_dev, st.st_ino
-    finally:
-        os.close(fd)
 
 
 def resize_private_file(path, identity, size):
     """Sets the size of the file create_private_file made, never through a symlink or on another file."""
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # NONBLOCK: a FIFO there
-    try:
-        st = os.fstat(fd)
+    # NONBLOCK: a FIFO there
+    with OwnedFd.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
+        st = os.fstat(owned.fileno())
         if (st.st_dev, st.st_ino) != identity:
             raise OSError(errno.ESTALE, "another file replaced the file expected here", path)
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
+        os.ftruncate(owned.fileno(), size)
 
 
 def _pid_of(content):
@@ -93,14 +89,15 @@ def _pid_of(content):
 
 
 class Owner:
-    """This process's claim on a swap directory. files: paths inside it removed on SIGTERM."""
+    """This process's claim on a swap directory (held by `owned`, the lock file's locked OwnedFd). files: paths
+    inside it removed on SIGTERM."""
 
-    def __init__(self, directory, fd, private, created):
-        self.directory, self._fd, self.private, self.created = directory, fd, private, created
+    def __init__(self, directory, owned, private, created):
+        self.directory, self._owned, self.private, self.created = directory, owned, private, created
         self.pid = os.getpid()
         self.files = set()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{self.pid}\n".encode(), 0)
+        os.ftruncate(owned.fileno(), 0)
+        os.pwrite(owned.fileno(), f"{self.pid}\n".encode(), 0)
         with _live_lock:
             _live[id(self)] = self
         _install_sigterm_handler()
@@ -110,8 +107,7 @@ class Owner:
         Idempotent. In a forked child the parent's claim is left alone."""
         with _live_lock:
             _live.pop(id(self), None)
-        fd, self._fd = self._fd, None
-        if fd is None:
+        if self._owned.closed:
             return
         try:
             if os.getpid() == self.pid and not keep_lock_file:
@@ -120,7 +116,7 @@ class Owner:
                 except FileNotFoundError:
                     pass
         finally:
-            os.close(fd)
+            self._owned.close()  # drops the lock (once, also when the SIGTERM handler releases it meanwhile)
 
     def remove_everything(self):
         """What SIGTERM does: every file of this owner, then the lock, the directory if the owner made it."""
@@ -146,8 +142,8 @@ def claim(directory, created):
     """Claims a store's directory: OSError(EBUSY) if a live owner holds it; removes the `*.swap` files a dead
     owner left (and dead owners' private directories inside it), saying so."""
     reclaim(directory)
-    fd, content = _lock_file(os.path.join(directory, LOCK_NAME))
-    if fd is None:
+    owned, content = _lock_file(os.path.join(directory, LOCK_NAME))
+    if owned is None:
         pid = _pid_of(content)
         raise OSError(errno.EBUSY, f"another live SwapStore{f' (pid {pid})' if pid else ''} uses this directory; "
                       "two stores on one directory would overwrite and delete each other's files: give each "
@@ -168,9 +164,9 @@ def claim(directory, created):
             if left:
                 _say(f"{directory}: removed {len(left)} swap file(s) ({freed} bytes) left by process {dead}, "
                      "which died without closing its SwapStore")
-        return Owner(directory, fd, private=False, created=created)
+        return Owner(directory, owned, private=False, created=created)
     except BaseException:
-        os.close(fd)
+        owned.close()
         raise
 
 
@@ -181,11 +177,11 @@ def private_directory(parent):
     while True:
         directory = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=parent)
         try:
-            fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
-            while fd is None:  # a reclaimer is looking at the new, empty lock file: it lets go at once
+            owned, _ = _lock_file(os.path.join(directory, LOCK_NAME))
+            while owned is None:  # a reclaimer is looking at the new, empty lock file: it lets go at once
                 time.sleep(0.001)
-                fd, _ = _lock_file(os.path.join(directory, LOCK_NAME))
-            return Owner(directory, fd, private=True, created=True)
+                owned, _ = _lock_file(os.path.join(directory, LOCK_NAME))
+            return Owner(directory, owned, private=True, created=True)
         except FileNotFoundError:
             continue  # a reclaimer removed the directory while it was still empty (see reclaim): another one
         except BaseException:
@@ -213,10 +209,10 @@ def reclaim(parent):
         if not os.path.isfile(lock):
             continue
         try:
-            fd, content = _lock_file(lock)
+            owned, content = _lock_file(lock)
         except OSError:
             continue
-        if fd is None:
+        if owned is None:
             continue  # alive
         try:
             dead = _pid_of(content)
@@ -227,7 +223,7 @@ def reclaim(parent):
             _say(f"{directory}: removed the swap directory ({size} bytes) of process {dead}, which died "
                  "without cleaning up")
         finally:
-            os.close(fd)
+            owned.close()
 
 
 def _tree_bytes(directory):

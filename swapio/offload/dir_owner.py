@@ -59,24 +59,24 @@ def claim(directory):
         raise OSError(exc.errno, f"cannot create offload_dir: {exc.strerror}", directory) from None
     try:
         lock = os.path.join(directory, _swapdir.LOCK_NAME)
-        fd, content = _swapdir._lock_file(lock)
-        if fd is None and _swapdir._pid_of(content) == os.getpid():
+        owned, content = _swapdir._lock_file(lock)
+        if owned is None and _swapdir._pid_of(content) == os.getpid():
             # an offloaded model of this process that was dropped without remove_offload keeps the lock until
             # the garbage collector finalizes it (it is a reference cycle): collect it and look again
             gc.collect()
-            fd, content = _swapdir._lock_file(lock)
-        if fd is None:
+            owned, content = _swapdir._lock_file(lock)
+        if owned is None:
             pid = _swapdir._pid_of(content)
             who = " of this process" if pid == os.getpid() else f" (pid {pid})" if pid else ""
             raise OSError(errno.EBUSY, f"a live offloaded model (or SwapStore){who} uses this offload_dir: "
                           "writing into it would delete the weights that model reads. Call remove_offload on it "
                           "first, or give each model its own offload_dir", directory)
         try:
-            return Claim(_swapdir.Owner(directory, fd, private=False, created=created), created)
+            return Claim(_swapdir.Owner(directory, owned, private=False, created=created), created)
         except BaseException:
             if created:  # ours alone: nobody else could have locked it yet
                 _durable.discard(lock)
-            os.close(fd)
+            owned.close()
             raise
     except BaseException:
         if created:

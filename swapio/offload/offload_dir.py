@@ -19,6 +19,7 @@ import torch
 
 from .. import _progress
 from ..core import _durable
+from ..core._owned_fd import OwnedFd
 from ..safetensors import writer
 from ..safetensors.dtypes import dtype_name
 from ..safetensors.header import MAX_HEADER, Location, strict_json
@@ -29,17 +30,14 @@ CHUNK = 64 << 20
 
 
 def _reserve(path, nbytes):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
+    with OwnedFd.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644) as owned:
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            os.posix_fallocate(owned.fileno(), 0, nbytes)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise OSError(exc.errno, f"cannot reserve {nbytes} bytes for the offloaded weights: "
                                          f"{os.strerror(exc.errno)}", path) from None
-            os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
+            os.ftruncate(owned.fileno(), nbytes)
 
 
 def write(directory, records, source_of, handle, chunk=None, claim=None, progress=False):

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 
+from ..core._owned_fd import OwnedFd
+
 SAMPLE = 4096
 
 
@@ -22,10 +24,10 @@ def fingerprint(locations):
             loc = locations[name]
             digest.update(json.dumps([name, str(loc.dtype), list(loc.shape), loc.nbytes]).encode())
             if loc.path not in files:
-                files[loc.path] = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
+                files[loc.path] = OwnedFd.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
             n = min(SAMPLE, loc.nbytes)
-            digest.update(os.pread(files[loc.path], n, loc.offset + (loc.nbytes - n) // 2))
+            digest.update(os.pread(files[loc.path].fileno(), n, loc.offset + (loc.nbytes - n) // 2))
     finally:
-        for fd in files.values():
-            os.close(fd)
+        for owned in files.values():
+            owned.close()
     return digest.hexdigest()

@@ -8,6 +8,8 @@ import errno
 import fcntl
 import os
 
+from ..core._owned_fd import OwnedFd
+
 _UNSUPPORTED = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. some network file systems
 
 
@@ -16,10 +18,9 @@ def locked(path, exclusive):
     """Holds the directory's lock for the block: exclusive (save) or shared (load). OSError(EBUSY) when a live
     process holds it the other way (or, for exclusive, at all). Where the file system has no flock, runs
     unlocked (one writer per directory is then up to the caller)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    with OwnedFd.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) as owned:  # its close drops the lock
         try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            fcntl.flock(owned.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OSError(errno.EBUSY, f"another live process is {'using' if exclusive else 'saving into'} this "
                           "optimizer checkpoint directory; a save there now would overwrite or delete its files: "
@@ -28,5 +29,3 @@ def locked(path, exclusive):
             if exc.errno not in _UNSUPPORTED:
                 raise
         yield
-    finally:
-        os.close(fd)  # drops the lock

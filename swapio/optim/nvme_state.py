@@ -23,6 +23,7 @@ import torch
 
 from ..core import _durable, _swapdir
 from ..core._align import ALIGN, round_up
+from ..core._owned_fd import OwnedFd
 from ..core._ranges import section
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
@@ -120,7 +121,7 @@ def _cleanup(handles, owner):
 def _check_direct(path):
     """OSError(EINVAL) now, not at the first step, when direct=True but the file system refuses O_DIRECT."""
     try:
-        os.close(os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC))
+        OwnedFd.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC).close()
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

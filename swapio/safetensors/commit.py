@@ -9,6 +9,10 @@ rename happened is asked of the file system, since a signal can land between the
 While it writes, the owner holds an exclusive flock on the temporary file. A process killed mid-save (SIGKILL,
 OOM) cannot remove its file, but the kernel drops its lock: the next save into the directory removes every
 temporary file whose lock it can take, and never one a live save (in any process) still holds.
+
+Every descriptor here is an OwnedFd (swapio.core._owned_fd): held from the moment it is opened, closed exactly
+once, whatever a signal handler raises wherever it lands. A save interrupted before it holds its temporary file
+leaves that file unlocked (its OwnedFd, dropped, closes it): the next save removes it.
 """
 import errno
 import fcntl
@@ -18,12 +22,13 @@ import stat
 import threading
 
 from ..core import _durable
+from ..core._owned_fd import OwnedFd
 
 TAG = ".swapio-ckpt-"
 SUFFIX = ".tmp"
 
 
-_unlinking: list[threading.Thread] = []  # helper threads freeing replaced files
+_unlinking: list = []  # (helper thread, OwnedFd of the replaced file) per commit that replaced a file
 _unlinking_lock = threading.Lock()
 
 
@@ -38,9 +43,11 @@ os.register_at_fork(after_in_child=_fresh_after_fork)
 def wait_for_unlinks():
     """Waits until the files replaced by earlier commits are freed."""
     with _unlinking_lock:
-        threads = list(_unlinking)
-    for t in threads:
-        t.join()
+        jobs, _unlinking[:] = list(_unlinking), []
+    for thread, replaced in jobs:
+        replaced.close()  # closed here unless its thread did (a thread whose start was interrupted never runs)
+        if thread.is_alive():
+            thread.join()
 
 
 def _is_ours(name):
@@ -57,45 +64,48 @@ def reclaim(directory):
     for name in names:
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            owned = OwnedFd.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue  # gone meanwhile, or a symlink: not ours
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            st = os.fstat(fd)
-            if _durable.is_file(path, (st.st_dev, st.st_ino)):
-                os.unlink(path)  # still holding the lock, so no live writer can have it
-                removed.append(name)
-        except OSError:
-            pass  # a live save holds it
-        finally:
-            os.close(fd)
+        with owned:
+            try:
+                fcntl.flock(owned.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(owned.fileno())
+                if _durable.is_file(path, (st.st_dev, st.st_ino)):
+                    os.unlink(path)  # still holding the lock, so no live writer can have it
+                    removed.append(name)
+            except OSError:
+                pass  # a live save holds it
     return removed
 
 
 def _open_quietly(path):
-    """A read-only descriptor of the regular file at path, or None (none there, a symlink, unreadable)."""
+    """A read-only OwnedFd of the regular file at path, or None (none there, a symlink, unreadable)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        owned = OwnedFd.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    if not stat.S_ISREG(os.fstat(owned.fileno()).st_mode):
+        owned.close()
         return None
-    return fd
+    return owned
 
 
-def _close_on_helper(fd):
-    """Closes fd on a helper thread (the last close of an unlinked file frees its blocks), or here if no thread
-    could be started."""
-    t = threading.Thread(target=os.close, args=(fd,), name="swapio-checkpoint-unlink", daemon=True)
+def _close_on_helper(replaced):
+    """Closes `replaced` (an OwnedFd) on a helper thread: the last close of an unlinked file frees its blocks.
+    Where the thread cannot start, or its start is interrupted, it is closed here instead. The thread may have
+    started all the same (an interruption inside Thread.start() cannot tell): whichever of the two closes first
+    closes it, the other finds it closed."""
+    thread = threading.Thread(target=replaced.close, name="swapio-checkpoint-unlink", daemon=True)
+    with _unlinking_lock:
+        finished = [job for job in _unlinking if not job[0].is_alive()]
+        _unlinking[:] = [job for job in _unlinking if job[0].is_alive()] + [(thread, replaced)]
+    for _, earlier in finished:
+        earlier.close()  # (closed by its thread already, unless an interrupted commit's thread never ran)
     try:
-        with _unlinking_lock:
-            _unlinking[:] = [u for u in _unlinking if u.is_alive()] + [t]
-        t.start()
+        thread.start()
     except BaseException:
-        if t.ident is None:  # not started
-            os.close(fd)
+        replaced.close()
         raise
 
 
@@ -117,20 +127,21 @@ class PendingFile:
         while True:
             self.path = os.path.join(directory, f".{base[:180]}{TAG}{secrets.token_hex(8)}{SUFFIX}")
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                owned = OwnedFd.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o644)
             except OSError as exc:
                 raise _refuse(exc, self.final) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                st = os.fstat(fd)
+                fcntl.flock(owned.fileno(), fcntl.LOCK_EX)
+                st = os.fstat(owned.fileno())
                 self.identity = (st.st_dev, st.st_ino)
                 if _durable.is_file(self.path, self.identity):
                     break
             except BaseException:
-                os.close(fd)
+                owned.close()
                 raise
-            os.close(fd)  # another save's reclaim removed it between our create and our lock: again
-        self._fd = fd
+            owned.close()  # another save's reclaim removed it between our create and our lock: again
+        self._owned = owned
         self.committed = False
 
     def commit(self, size):
@@ -138,8 +149,8 @@ class PendingFile:
         held open across the rename, so that the rename does not free its blocks: freeing a GiB-sized file's
         extents takes 0.2-0.3 s on ext4, done afterwards on a helper thread that closes it instead. It has no name
         meanwhile: a process that dies first leaves nothing behind (the kernel closes and frees it)."""
-        os.ftruncate(self._fd, size)
-        replaced = _open_quietly(self.final)
+        os.ftruncate(self._owned.fileno(), size)
+        replaced = _open_quietly(self.final)  # (an interruption before the try below: dropped, it closes itself)
         try:
             _durable.publish(self.path, self.final)
             self.committed = True
@@ -149,16 +160,14 @@ class PendingFile:
                 _close_on_helper(replaced)
 
     def abort(self):
-        if self._fd is None:
+        if self._owned.closed:
             return
         if not (self.committed or _durable.is_file(self.final, self.identity)):
             _durable.discard(self.path)
         self.close()
 
     def close(self):
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # drops the lock
+        self._owned.close()  # drops the lock (once, however often it is called)
 
     def __enter__(self):
         return self

@@ -6,6 +6,7 @@ import stat
 
 import torch
 
+from ...core._owned_fd import OwnedFd
 from .. import validate
 from .files import FORMAT, kind
 
@@ -14,22 +15,17 @@ def read_legacy_meta(meta_path):
     """The torch.save metadata of a version <= 3 checkpoint (offsets and checksums of its raw data file), its
     format and data file name checked (swapio.optim.validate checks the rest)."""
     # opened without blocking and checked before torch.load reads it: a FIFO in its place would hang the load
-    fd = os.open(meta_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
+    with OwnedFd.open(meta_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
+        mode = os.fstat(owned.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise ValueError(f"{meta_path} is {kind(mode)}, not a checkpoint file")
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        with f:
-            meta = torch.load(f, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of a damaged file
-        raise ValueError(f"{meta_path} is not a readable swapio optimizer checkpoint: {exc}") from exc
+        try:
+            with open(owned.fileno(), "rb", closefd=False) as f:  # borrowed: `owned` alone closes it
+                meta = torch.load(f, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of a damaged file
+            raise ValueError(f"{meta_path} is not a readable swapio optimizer checkpoint: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path} is not a swapio optimizer checkpoint")
     validate.legacy_data_name(meta, meta_path)
