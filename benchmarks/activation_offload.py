@@ -278,6 +278,8 @@ def main():
     g.add_argument("--cpu-only", action="store_true")
     a = p.parse_args()
     print(f"machine: {machine()}")
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)  # a swap directory that does not exist yet is made, as the library does
     with tempfile.TemporaryDirectory(dir=a.dir or ".") as tmp:
         args = dict(dir=tmp, layers=a.layers, width=a.width, heads=a.heads, seq=a.seq, batch=a.batch,
                     steps=a.steps, threads=a.threads, staging=a.staging_mib << 20, min_bytes=a.min_bytes,
