@@ -196,3 +196,16 @@ class FdAudit:
             if (st.st_dev, st.st_ino) == ident:
                 left.append(fd)
         return left
+
+
+def settle_unlinks(errors):
+    """An after_each for sweep(): waits for the commits' unlink helpers, recording (not raising) what they raise,
+    so that the test asserts on every interrupted point's errors at the end."""
+    from swapio.safetensors import commit
+
+    def settle():
+        try:
+            commit.wait_for_unlinks()
+        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
+            errors.append(repr(exc))
+    return settle

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from helpers.fd_audit import FdAudit, code_objects, sweep
+from helpers.fd_audit import FdAudit, code_objects, sweep, settle_unlinks
 from swapio.offload import disk_offload, remove_offload, save_checkpoint
 
 commit = importlib.import_module("swapio.safetensors.commit")
@@ -28,15 +28,6 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
 
 
-def _settle(errors):
-    def settle():
-        try:
-            commit.wait_for_unlinks()
-        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
-            errors.append(repr(exc))
-    return settle
-
-
 @pytest.mark.slow
 def test_bug_an_export_interrupted_anywhere_closes_each_descriptor_once(tmp_path):
     """BUG (as in checkpoint/test_checkpoint_fd_ownership.py: the replaced file closed twice by an interrupted
@@ -48,9 +39,9 @@ def test_bug_an_export_interrupted_anywhere_closes_each_descriptor_once(tmp_path
     errors = []
     with FdAudit() as audit:
         runs = sweep(lambda: save_checkpoint(model, single), _fd_code("swapio.offload.export"),
-                     after_each=_settle(errors))
+                     after_each=settle_unlinks(errors))
         runs += sweep(lambda: save_checkpoint(model, sharded, max_shard_size=1024),
-                      _fd_code("swapio.offload.export"), after_each=_settle(errors))
+                      _fd_code("swapio.offload.export"), after_each=settle_unlinks(errors))
         gc.collect()
         leaks = audit.leaks()
     assert runs > 100

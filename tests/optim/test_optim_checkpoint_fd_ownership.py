@@ -12,11 +12,10 @@ import threading
 
 import pytest
 
-from helpers.fd_audit import FdAudit, code_objects, sweep
+from helpers.fd_audit import FdAudit, code_objects, sweep, settle_unlinks
 from helpers.optim import one_thread  # noqa: F401
 from helpers.resume import assert_same, make_opt, make_params, snapshot, train
 
-commit = importlib.import_module("swapio.safetensors.commit")
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "optim-v3")
 V3_SHAPES = [(300,), (17, 33), (513,)]
 
@@ -26,15 +25,6 @@ def _fd_code(*more):
                                                     "swapio.optim.checkpoint.legacy", "swapio.safetensors.commit",
                                                     "swapio.core._durable", "swapio.core._owned_fd")]
     return code_objects(*modules, threading.Thread.start, exclude=("OwnedFd.__del__",))
-
-
-def _settle(errors):
-    def settle():
-        try:
-            commit.wait_for_unlinks()
-        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the test
-            errors.append(repr(exc))
-    return settle
 
 
 @pytest.mark.slow
@@ -49,7 +39,7 @@ def test_bug_optimizer_save_and_load_interrupted_anywhere_close_each_descriptor_
     opt.save(ckpt)
     saved, errors = {**snapshot(opt, params), "params": []}, []  # (the parameters are the model's, not saved)
     with FdAudit() as audit:
-        runs = sweep(lambda: opt.save(ckpt), _fd_code(), after_each=_settle(errors))
+        runs = sweep(lambda: opt.save(ckpt), _fd_code(), after_each=settle_unlinks(errors))
         runs += sweep(lambda: opt.load(ckpt), _fd_code())
         gc.collect()
         leaks = audit.leaks()
