@@ -7,10 +7,15 @@ once); host records (cpu_offload) need no read. For a CUDA execution device the 
 fresh device tensor on the side copy stream, as soon as the read is seen finished; the compute stream waits on
 that copy's event, never on a whole-stream synchronize, and the region goes back to the ring only after that
 event completed. Host memory for weights is therefore bounded by buffer_bytes + the largest record (temporary
-buffers beyond that only when nested modules hold both, counted in stats["temp"]).
+buffers beyond that only when nested modules hold both, counted in stats["temp"]). Backward computes with the
+fetched region itself (hold(): it returns to the ring when autograd drops the weight), and an optimizer's
+step() borrows what the weights do not use meanwhile (lend()) to write the trained records from.
 """
+import collections
+import ctypes
 import errno
 import threading
+import weakref
 
 import torch
 
@@ -23,17 +28,20 @@ from .ring import PinnedRing
 
 # Counters (swapio.offload.stats): wait_s and forward_s are seconds the streamer measures (streamer.py)
 REWRITING = object()  # Fetcher.writing's mark of a record whose new bytes an optimizer step computes now
+LENT = object()       # Fetcher._spare_user while lend() gave the spare out
 
 ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 
 class Fetch:
-    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy")
+    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy", "held", "detached")
 
     def __init__(self, record, host, alloc, copy):
         self.record, self.host, self.alloc = record, host, alloc  # alloc: ("ring", start) | spare | temp | host
         self.reads, self.device, self.event, self.users = [], None, None, 0
         self.copy = copy  # CUDA: copy to the device as soon as the bytes are in (else only when acquired)
+        self.held = 0  # of the users, the aliases from hold() still alive
+        self.detached = False  # forgotten or drained while held: its memory is freed when the last alias dies
 
     @property
     def data(self):
@@ -58,6 +66,7 @@ class Fetcher:
         self.spare_bytes = max((r.nbytes for r in records), default=0)
         self._spare, self._spare_user = GrowingBlock(size=round_up), None  # pinned at its first use
         self.fetches = {}     # record -> Fetch, in the order they were started
+        self._let_go = collections.deque()  # fetches whose alias from hold() died, released at the next call
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = threading.RLock()
@@ -151,6 +160,7 @@ class Fetcher:
         no room now. `copy`: for CUDA, copy it to the device as soon as it is read (False: read ahead into host
         memory only, so device memory holds no more than the records expected soon)."""
         with self.lock:
+            self._settle_holds()
             fetch = self.fetches.get(record)
             if fetch is not None:
                 fetch.copy = fetch.copy or copy
@@ -237,12 +247,87 @@ class Fetcher:
 
     def release(self, fetch):
         with self.lock:
-            fetch.users -= 1
-            if fetch.users == 0 and self.fetches.get(fetch.record) is fetch:
-                if fetch.alloc[0] == "spare" and len(fetch.record.units) > 1:
-                    self._keep(fetch)
-                else:
-                    self._drop(fetch)
+            self._settle_holds()
+            self._release(fetch)
+
+    def _release(self, fetch):
+        fetch.users -= 1
+        if fetch.users:
+            return
+        if fetch.detached:
+            fetch.detached = False
+            self._free(fetch)
+        elif self.fetches.get(fetch.record) is fetch:
+            if fetch.alloc[0] == "spare" and len(fetch.record.units) > 1:
+                self._keep(fetch)
+            else:
+                self._drop(fetch)
+
+    def hold(self, fetch, tensor):
+        """An alias of `tensor` (host memory inside the acquired `fetch`) that owns the acquisition: the fetch is
+        released when the last tensor sharing the alias's memory dies, not by the caller. Backward uses it for
+        the weights it fetches again, instead of a private copy of each: a copy of the largest record (an
+        embedding or LM head) was that much heap beyond the ring at the start of every backward. Released by
+        whichever thread frees the alias, or by the next call into the fetcher (see _alias_died)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes or not tensor.is_contiguous():
+            self.release(fetch)
+            return tensor.clone()
+        region = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
+        region.block = fetch.host  # the pinned block stays allocated while the alias lives, even past drain()
+        with self.lock:
+            fetch.held += 1
+        weakref.finalize(region, self._alias_died, fetch)
+        return torch.frombuffer(region, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+
+    def _alias_died(self, fetch):
+        """Queues the release; settles it at once unless this thread is inside the fetcher (a garbage collection
+        there must not change the tables under it) or another thread is (the next call settles it)."""
+        self._let_go.append(fetch)
+        if not self.lock._is_owned() and self.lock.acquire(blocking=False):
+            try:
+                self._settle_holds()
+            finally:
+                self.lock.release()
+
+    def lend(self, nbytes):
+        """(loan, region): pinned memory for nbytes that no fetch uses now (free ring space, else the spare if
+        free and already pinned), or None. An optimizer step, which runs while the model does not, writes a
+        record's new bytes from it instead of pinning a buffer of its own: the weights' memory serves both.
+        take_back() it once its write finished; fetches meanwhile find it in use, as if a module held it."""
+        with self.lock:
+            self._settle_holds()
+            self._reclaim(block=False)
+            n = round_up(max(nbytes, 1))
+            if self.ring is not None and n <= self.ring.capacity:
+                got = self.ring.alloc(n)
+                if got is not None:
+                    return ("ring", got[0], n), got[1]
+            spare_pinned = self._spare.nbytes >= round_up(self.spare_bytes)  # lending never pins more
+            if self.ring is not None and self._spare_user is None and spare_pinned and n <= self._spare.nbytes:
+                self._spare_user = LENT
+                return ("spare",), self._spare_region(n)
+            return None
+
+    def take_back(self, loan):
+        with self.lock:
+            if loan[0] == "ring":
+                self.ring.free(loan[1], loan[2])
+            elif self._spare_user is LENT:
+                self._spare_user = None
+
+    @staticmethod
+    def is_region(fetch, tensor):
+        """True when `tensor` lies in the fetch's host memory (view() copies a slot the file misaligned)."""
+        start = fetch.host.data_ptr()
+        return start <= tensor.data_ptr() < start + fetch.host.numel()
+
+    def _settle_holds(self):
+        """Releases the fetches whose aliases died since the last call (under the lock)."""
+        while self._let_go:
+            fetch = self._let_go.popleft()
+            fetch.held -= 1
+            self._release(fetch)
 
     def _keep(self, fetch):
         """A tied record in the spare stays there, read once, until its next user runs (GPT-2's wte, then
@@ -262,12 +347,16 @@ class Fetcher:
         new bytes, after waiting for any read into it and any device copy out of it (whose source may be the
         very host copy about to change). RuntimeError if a running module uses it now."""
         with self.lock:
+            self._settle_holds()
             fetch = self.fetches.get(record)
             if fetch is not None:
-                if fetch.users:
+                if fetch.users > fetch.held:
                     raise RuntimeError(f"the weights of {record} are rewritten by an optimizer step while a module "
                                        "runs with them (step() or a gradient inside that module's forward?)")
-                self._drop(fetch)
+                if fetch.users:
+                    self._detach(fetch)  # backward's aliases keep the old bytes; the next start() reads the new
+                else:
+                    self._drop(fetch)
             for event, f in self._deferred:
                 if f.record is record:
                     event.synchronize()  # that one copy only
@@ -293,11 +382,17 @@ class Fetcher:
         """Drops the ring's fetches that nobody uses and that are not in `keep` (read ahead for modules that no
         longer come next); returns whether it dropped any."""
         with self.lock:
+            self._settle_holds()
             stale = [f for f in self.fetches.values()
                      if f.users == 0 and f.alloc[0] == "ring" and f.record not in keep]
             for f in stale:
                 self._drop(f)
             return bool(stale)
+
+    def _detach(self, fetch):
+        """Takes a fetch that only aliases from hold() still use out of the table; the last of them frees it."""
+        del self.fetches[fetch.record]
+        fetch.detached = True
 
     def _drop(self, fetch):
         if self.fetches.get(fetch.record) is fetch:
@@ -318,8 +413,12 @@ class Fetcher:
                 if written is not REWRITING:
                     written.exception()  # waits; the writer reports its own error
             self.writing = {}
+            self._settle_holds()
             for fetch in list(self.fetches.values()):
-                self._drop(fetch)
+                if fetch.held:
+                    self._detach(fetch)
+                else:
+                    self._drop(fetch)
             for event, fetch in self._deferred:
                 event.synchronize()
                 self._free(fetch)

@@ -3,8 +3,10 @@
 While an offloaded module's forward runs with grad enabled, a saved-tensor hook replaces every tensor autograd
 saves that lies in a fetched weight (the weight itself or a view such as W.t()) by a token: the slot, offset,
 size and stride. In backward, unpacking a token fetches the record again (the ring and prefetch work as in
-forward, `prefetch` units back in forward order) and rebuilds the view on a private copy, which autograd drops
-after the node ran. So a forward with grad enabled holds no weight, and the memory bound holds in backward.
+forward, `prefetch` units back in forward order) and rebuilds the view on the fetched region itself, which stays
+out of the ring until autograd drops the unpacked weight after the node ran (no copy: a copy of an LM head was
+that much heap beyond the ring's budget). So a forward with grad enabled holds no weight, and the memory bound
+holds in backward.
 """
 import threading
 import weakref
@@ -115,9 +117,12 @@ class SavedWeights:
             try:
                 streamer._prefetch(streamer.schedule.behind, unit)
                 t = view(fetch, slot)
-                if fetch.device is None and fetch.transient:
-                    t = t.clone()  # the host region goes back to the ring at release
-            finally:
+            except BaseException:
+                fetcher.release(fetch)
+                raise
+            if fetch.device is None and fetch.transient and fetcher.is_region(fetch, t):
+                t = fetcher.hold(fetch, t)  # the region goes back to the ring when autograd drops the weight
+            else:
                 fetcher.release(fetch)
         self.refetches += 1
         self._cache[slot] = weakref.ref(t)

@@ -111,10 +111,12 @@ class Training:
         self._store.ensure_owned(records)
         self._store.reserve(batch_bytes)
 
-    def begin(self, record, need_current):
+    def begin(self, record, need_current, idle=False):
         """Starts rewriting `record`: its memory (uint8) to write the new values into, holding the current ones when
-        need_current. One rewrite of a record at a time: a second begin() waits for end() or abort()."""
-        return self._store.begin(record, need_current)
+        need_current. One rewrite of a record at a time: a second begin() waits for end() or abort(). idle: no
+        module of the model runs until flush() or return_loans() (an optimizer's step()), so the memory may be
+        what the streamer keeps for weights and does not use meanwhile."""
+        return self._store.begin(record, need_current, idle)
 
     @staticmethod
     def view(buf, slot):
@@ -133,6 +135,11 @@ class Training:
     def flush(self):
         """Waits for the writes of ended rewrites; raises the first error."""
         self._store.flush()
+
+    def return_loans(self):
+        """Waits for the writes from the streamer's memory (idle begins) and gives it back; errors stay for
+        flush(). After a step that failed before its flush()."""
+        self._store.return_loans()
 
     def report(self, error):
         """An owner that is going away hands over an error about its updates of this model that it can no longer

@@ -69,7 +69,7 @@ class HostStore(RecordTurns):
     def pinned(self):
         return {}
 
-    def begin(self, record, need_current):
+    def begin(self, record, need_current, idle=False):
         """The record's memory to write the new values into (holding the current ones)."""
         self.take_turn(record)
         try:
@@ -88,6 +88,9 @@ class HostStore(RecordTurns):
         self.end_turn(record)
 
     def flush(self):
+        pass
+
+    def return_loans(self):
         pass
 
     def close(self):
@@ -109,6 +112,7 @@ class DiskStore(RecordTurns):
         self._free = []                # pinned buffers no write uses
         self._writes = []              # (future, buffer) of the writes in flight, oldest first
         self._taken = {}               # record -> its buffer, from begin() to end() / abort()
+        self._lent = {}                # data_ptr of a buffer the fetcher lent -> its loan (not the pool's)
         self._pool = 0                 # bytes of pinned buffers allocated
         self._error = None             # a write that failed, found while reusing its buffer, raised by flush()
         self._lock = threading.Lock()  # the pool is shared by the optimizers of one model (their own threads)
@@ -168,11 +172,23 @@ class DiskStore(RecordTurns):
             budget = max(self.pool_bytes, largest) if self.pool_bytes else 0
             return {"weight_pool": {"bytes": self._pool, "budget": budget}}
 
-    def _take(self, nbytes):
-        """A free buffer of at least nbytes (its last write finished), reusing, else allocating while the pool
-        stays under its bound (dropping free buffers too small for this record to make room), else waiting for
-        the oldest write. With no write in flight it allocates anyway: the records begun together (one batch)
-        are what the pool must hold."""
+    def _take(self, nbytes, idle):
+        """A buffer of at least nbytes: with the model idle, the fetcher's unused memory if it has enough (see
+        Fetcher.lend), once the oldest write from it finished if need be; else a free one of the pool (its last
+        write finished), else one allocated while the pool stays under its bound (dropping free buffers too small
+        for this record to make room), else the oldest write's once it finished. With no write in flight it
+        allocates anyway: the records begun together (one batch) are what the pool must hold."""
+        while idle:  # waiting for a write from lent memory rather than pinning more
+            lent = self.fetcher.lend(nbytes)
+            if lent is not None:
+                with self._lock:
+                    self._lent[lent[1].data_ptr()] = lent[0]
+                return lent[1]
+            with self._lock:
+                oldest = next((e for e in self._writes if e[1].data_ptr() in self._lent), None)
+            if oldest is None:
+                break
+            self._reap(oldest)
         need = round_up(nbytes)
         while True:
             with self._lock:
@@ -196,13 +212,22 @@ class DiskStore(RecordTurns):
         with self._lock:
             if any(e is entry for e in self._writes):
                 self._writes = [e for e in self._writes if e is not entry]
-                self._free.append(entry[1])
+                self._put_back(entry[1])
             self._error = self._error or failed
 
-    def begin(self, record, need_current):
+    def _put_back(self, buf):
+        """A buffer no write uses any more goes back where it came from (under self._lock)."""
+        loan = self._lent.pop(buf.data_ptr(), None)
+        if loan is not None:
+            self.fetcher.take_back(loan)
+        else:
+            self._free.append(buf)
+
+    def begin(self, record, need_current, idle=False):
         """A pinned buffer for the record's new bytes (holding the current ones when need_current); end() writes
         it, abort() gives it up. The record is not read ahead meanwhile (Fetcher.rewriting). Several records may
-        be begun at once (one update of a batch of records)."""
+        be begun at once (one update of a batch of records). idle: the model runs no module until the writes
+        are flushed (step()), so the buffer may be the fetcher's idle memory."""
         self.take_turn(record)
         try:
             with self.fetcher.lock:
@@ -214,7 +239,7 @@ class DiskStore(RecordTurns):
             raise
         self.fetcher.rewriting(record)
         try:
-            whole = self._take(record.nbytes)
+            whole = self._take(record.nbytes, idle)
             buf = whole[:record.nbytes]
             try:
                 if need_current:
@@ -224,7 +249,7 @@ class DiskStore(RecordTurns):
                     buf.zero_()  # the padding between tensors
             except BaseException:
                 with self._lock:
-                    self._free.append(whole)
+                    self._put_back(whole)
                 raise
         except BaseException:
             self.fetcher.wrote(record, None)  # the old bytes are still the record's
@@ -239,7 +264,7 @@ class DiskStore(RecordTurns):
         with self._lock:
             whole = self._taken.pop(record, None)
             if whole is not None:
-                self._free.append(whole)
+                self._put_back(whole)
         self.fetcher.wrote(record, None)
         self.end_turn(record)
 
@@ -258,7 +283,7 @@ class DiskStore(RecordTurns):
             future = self.handle.pwrite(buf[:length], path, offset)
         except BaseException:
             with self._lock:
-                self._free.append(whole)
+                self._put_back(whole)
             self.fetcher.wrote(record, None)
             self.end_turn(record)
             raise
@@ -266,6 +291,15 @@ class DiskStore(RecordTurns):
         with self._lock:
             self._writes.append((future, whole))
         self.end_turn(record)
+
+    def return_loans(self):
+        """Waits for the writes from memory the fetcher lent, which goes back to it (errors stay for flush())."""
+        while True:
+            with self._lock:
+                entry = next((e for e in self._writes if e[1].data_ptr() in self._lent), None)
+            if entry is None:
+                return
+            self._reap(entry)
 
     def flush(self):
         """Waits for every write; raises the first error (the record stays marked failed in the fetcher until

@@ -144,9 +144,11 @@ class FileGrads:
             self.handle.pread(buf, self.path, off).wait()
             self._apply(s, p)
             s.add_(g)
+            norm = _norm(s, p.dtype)
         else:
             s.copy_(g)
-        self.held[p] = (_norm(s, p.dtype), [])
+            norm = _norm(g, p.dtype)  # s holds g exactly: no rounded copy of s (for an LM head, 2 bytes a weight)
+        self.held[p] = (norm, [])
         self._pending[k] = (self.handle.pwrite(buf, self.path, off), p)
 
     def _apply(self, s, p):

@@ -258,10 +258,11 @@ class OffloadedParams(TrainableOwner):
         self.worker.wait()
 
     # ---- updates -------------------------------------------------------------------------------------------
-    def update(self, training, records, grads):
+    def update(self, training, records, grads, idle=False):
         """Steps this optimizer's weights in `records` (consecutive, of one model) with grads {p: fp32 gradient}
         in one pass of the state pipeline, and writes each record back; a record none of whose weights got
-        stepped (an error before it) keeps its bytes."""
+        stepped (an error before it) keeps its bytes. idle: called by step(), while no module runs (see
+        Training.begin)."""
         plan = [(r, [self.param_of[s] for s in r.slots if self.param_of.get(s) in grads])
                 for r in training.in_order(records)]  # the order rewrites take turns in
         plan = [(r, params) for r, params in plan if params]
@@ -270,7 +271,7 @@ class OffloadedParams(TrainableOwner):
         try:
             for record, params in plan:
                 need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
-                begun.append((record, training.begin(record, need_current), need_current, params))
+                begun.append((record, training.begin(record, need_current, idle), need_current, params))
             data = {p: training.view(buf, self.entries[p][1]) for record, buf, _, params in begun for p in params}
             self.step()([p for _, _, _, params in begun for p in params], grads.get, data.get)
         finally:
@@ -348,13 +349,14 @@ class OffloadedParams(TrainableOwner):
                         grads, reads[i] = reads[i](), None
                         if not self.in_backward and i + 1 < len(batches):
                             reads[i + 1] = self.grads.start_reads(wanted[i + 1], (i + 1) % 2)
-                        self.update(training, batch, grads)
+                        self.update(training, batch, grads, idle=True)
                 finally:  # no read may still fill an arena when the error propagates
                     if not self.in_backward:
                         finish_all(r for r in reads if r is not None)
                 training.flush()
         finally:
             for training in self._records():
+                training.return_loans()  # after an error: the streamer's memory back before the next forward
                 training.reset()
             self.queued.clear()
             self.partial.clear()

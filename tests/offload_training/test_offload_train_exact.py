@@ -244,7 +244,8 @@ def test_bf16_accumulation_sums_in_fp32(tmp_path):
 
 
 # ---- clip_grad_norm_ --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("storage,off,max_norm,micro", [("disk", "nvme", 0.05, 2), ("cpu", "cpu", 0.05, 1),
+@pytest.mark.parametrize("storage,off,max_norm,micro", [("disk", "nvme", 0.05, 2), ("disk", "nvme", 0.05, 1),
+                                                         ("cpu", "cpu", 0.05, 1),
                                                          ("ckpt", "cpu", 100.0, 1), ("disk", "cpu", 0.05, 1)])
 def test_clip_grad_norm_equals_torch(tmp_path, storage, off, max_norm, micro):
     data = batches(MLP, 3 * micro)
