@@ -8,7 +8,8 @@ TrainableOwner; the owner calls only Training's public methods below (the "for o
 
 Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
-never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped. `pending`
+never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
+of gradients handed over, the C heap gives its free pages back (core/heap.py). `pending`
 counts, per slot, the leaves whose gradient has not arrived yet: at 0 the slot's gradient for this backward is
 complete, which is when an optimizer stepping in backward may update it. A trainable weight with no owner is a
 ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
@@ -21,6 +22,7 @@ next forward fetches it (fetch.py).
 import threading
 import weakref
 
+from ..core.heap import HeapTrim
 from .trainable import TrainableOwner
 from .weight_store import current_value
 
@@ -54,6 +56,7 @@ class Training:
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
+        self.heap = HeapTrim()  # gradients freed one after another in backward: the heap gives their pages back
 
     @property
     def streamer(self):
@@ -214,7 +217,10 @@ class Training:
                              "torch.optim optimizer would step the meta placeholder and never update the weight), "
                              "or freeze it (requires_grad_(False)), or keep its module resident with "
                              "keep_resident=[...]")
+        nbytes = grad.numel() * grad.element_size()
         owner.gradient(slot, grad, complete=left <= 0)
+        del grad  # summed or queued by the owner: its heap memory comes back with the next trim
+        self.heap.freed(nbytes)
 
     def complete(self, slot):
         """No leaf of the slot waits for its gradient."""
