@@ -34,14 +34,18 @@ ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0
 
 
 class Fetch:
-    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy", "held", "detached")
+    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy", "holds", "detached")
 
     def __init__(self, record, host, alloc, copy):
         self.record, self.host, self.alloc = record, host, alloc  # alloc: ("ring", start) | spare | temp | host
         self.reads, self.device, self.event, self.users = [], None, None, 0
         self.copy = copy  # CUDA: copy to the device as soon as the bytes are in (else only when acquired)
-        self.held = 0  # of the users, the aliases from hold() still alive
+        self.holds = set()  # of the users, the Claims that an alias from hold() owns
         self.detached = False  # forgotten or drained while held: its memory is freed when the last alias dies
+
+    @property
+    def held(self):
+        return len(self.holds)
 
     @property
     def data(self):
@@ -52,6 +56,16 @@ class Fetch:
     def transient(self):
         """True when this memory is reused after release (ring, spare, temp buffers and device copies)."""
         return self.device is not None or self.alloc[0] != "host"
+
+
+class Claim:
+    """One acquire() of a fetch, released exactly once: by Fetcher.let_go(), or by the death of the alias that
+    Fetcher.hold() made of it, whichever comes first (both under the fetcher's lock). A Ctrl-C anywhere between
+    the acquire and the alias's registration leaves a claim the caller's let_go() still releases."""
+    __slots__ = ("fetch", "aliased")
+
+    def __init__(self, fetch):
+        self.fetch, self.aliased = fetch, False
 
 
 class Fetcher:
@@ -66,7 +80,7 @@ class Fetcher:
         self.spare_bytes = max((r.nbytes for r in records), default=0)
         self._spare, self._spare_user = GrowingBlock(size=round_up), None  # pinned at its first use
         self.fetches = {}     # record -> Fetch, in the order they were started
-        self._let_go = collections.deque()  # fetches whose alias from hold() died, released at the next call
+        self._let_go = collections.deque()  # claims whose alias from hold() died, released at the next call
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = threading.RLock()
@@ -263,27 +277,50 @@ class Fetcher:
             else:
                 self._drop(fetch)
 
-    def hold(self, fetch, tensor):
-        """An alias of `tensor` (host memory inside the acquired `fetch`) that owns the acquisition: the fetch is
-        released when the last tensor sharing the alias's memory dies, not by the caller. Backward uses it for
-        the weights it fetches again, instead of a private copy of each: a copy of the largest record (an
+    def hold(self, claim, tensor):
+        """An alias of `tensor` (host memory inside the fetch acquired by `claim`) that owns the acquisition: the
+        fetch is released when the last tensor sharing the alias's memory dies, not by the caller. Backward uses
+        it for the weights it fetches again, instead of a private copy of each: a copy of the largest record (an
         embedding or LM head) was that much heap beyond the ring at the start of every backward. Released by
-        whichever thread frees the alias, or by the next call into the fetcher (see _alias_died)."""
+        whichever thread frees the alias, or by the next call into the fetcher (see _alias_died). The caller
+        let_go()es the claim if this raises (a Ctrl-C): the release then happens once, by whichever comes first."""
+        fetch = claim.fetch
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes or not tensor.is_contiguous():
-            self.release(fetch)
-            return tensor.clone()
+            copy = tensor.clone()  # before the region can go back to the ring
+            self.let_go(claim)
+            return copy
         region = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
         region.block = fetch.host  # the pinned block stays allocated while the alias lives, even past drain()
+        alias = torch.frombuffer(region, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
         with self.lock:
-            fetch.held += 1
-        weakref.finalize(region, self._alias_died, fetch)
-        return torch.frombuffer(region, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+            fetch.holds.add(claim)
+            weakref.finalize(region, self._alias_died, claim)
+            claim.aliased = True
+        return alias
 
-    def _alias_died(self, fetch):
+    def claim(self, record):
+        """acquire() of `record` as a Claim, for hold() or let_go()."""
+        return Claim(self.acquire(record))
+
+    def let_go(self, claim):
+        """Releases the claim's fetch unless an alias owns it now (hold() finished) or released it already."""
+        with self.lock:
+            self._settle_holds()
+            if not claim.aliased:
+                self._settle(claim)
+
+    def _settle(self, claim):
+        """Releases the claim's acquisition if nobody did yet (under the lock)."""
+        fetch, claim.fetch = claim.fetch, None
+        if fetch is not None:
+            fetch.holds.discard(claim)
+            self._release(fetch)
+
+    def _alias_died(self, claim):
         """Queues the release; settles it at once unless this thread is inside the fetcher (a garbage collection
         there must not change the tables under it) or another thread is (the next call settles it)."""
-        self._let_go.append(fetch)
+        self._let_go.append(claim)
         if not self.lock._is_owned() and self.lock.acquire(blocking=False):
             try:
                 self._settle_holds()
@@ -325,9 +362,7 @@ class Fetcher:
     def _settle_holds(self):
         """Releases the fetches whose aliases died since the last call (under the lock)."""
         while self._let_go:
-            fetch = self._let_go.popleft()
-            fetch.held -= 1
-            self._release(fetch)
+            self._settle(self._let_go.popleft())
 
     def _keep(self, fetch):
         """A tied record in the spare stays there, read once, until its next user runs (GPT-2's wte, then

@@ -113,17 +113,15 @@ class SavedWeights:
         streamer, fetcher = self.streamer, self.streamer.fetcher
         streamer.training.check_backward(slot.record)
         with fetcher.lock:
-            fetch = fetcher.acquire(slot.record)
+            claim = fetcher.claim(slot.record)
+            fetch = claim.fetch
             try:
                 streamer._prefetch(streamer.schedule.behind, unit)
                 t = view(fetch, slot)
-            except BaseException:
-                fetcher.release(fetch)
-                raise
-            if fetch.device is None and fetch.transient and fetcher.is_region(fetch, t):
-                t = fetcher.hold(fetch, t)  # the region goes back to the ring when autograd drops the weight
-            else:
-                fetcher.release(fetch)
+                if fetch.device is None and fetch.transient and fetcher.is_region(fetch, t):
+                    t = fetcher.hold(claim, t)  # the region goes back to the ring when autograd drops the weight
+            finally:
+                fetcher.let_go(claim)  # unless the alias owns it now
         self.refetches += 1
         self._cache[slot] = weakref.ref(t)
         return t

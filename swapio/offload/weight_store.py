@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..core._signals import DeferredSigint
 from ..core.pinned import empty_pinned
 from . import offload_dir as odir
 from .fetch import REWRITING, view
@@ -209,14 +210,16 @@ class DiskStore(RecordTurns):
     def _reap(self, entry):
         """Waits for one write (future, buffer) and puts its buffer back; its error is flush()'s to raise."""
         failed = entry[0].exception()
-        with self._lock:
+        with DeferredSigint(), self._lock:  # out of the writes and back where it came from, or neither
             if any(e is entry for e in self._writes):
                 self._writes = [e for e in self._writes if e is not entry]
                 self._put_back(entry[1])
             self._error = self._error or failed
 
     def _put_back(self, buf):
-        """A buffer no write uses any more goes back where it came from (under self._lock)."""
+        """A buffer no write uses any more goes back where it came from (under self._lock). A Ctrl-C between
+        taking a buffer and recording it, or between un-recording it and this, would lose a loan (the streamer's
+        ring short of it for good): the callers' spans defer it (DeferredSigint) to where their state is whole."""
         loan = self._lent.pop(buf.data_ptr(), None)
         if loan is not None:
             self.fetcher.take_back(loan)
@@ -239,58 +242,54 @@ class DiskStore(RecordTurns):
             raise
         self.fetcher.rewriting(record)
         try:
-            whole = self._take(record.nbytes, idle)
-            buf = whole[:record.nbytes]
-            try:
-                if need_current:
-                    path, offset, length, _ = record.spans[0]
-                    self.handle.pread(buf[:length], path, offset).wait()
-                else:
-                    buf.zero_()  # the padding between tensors
-            except BaseException:
+            with DeferredSigint():  # the buffer is recorded as taken before a Ctrl-C acts (see _put_back)
+                whole = self._take(record.nbytes, idle)
                 with self._lock:
-                    self._put_back(whole)
-                raise
+                    self._taken[record] = whole
+            buf = whole[:record.nbytes]
+            if need_current:
+                path, offset, length, _ = record.spans[0]
+                self.handle.pread(buf[:length], path, offset).wait()
+            else:
+                buf.zero_()  # the padding between tensors
         except BaseException:
-            self.fetcher.wrote(record, None)  # the old bytes are still the record's
-            self.end_turn(record)
+            self.abort(record)  # the old bytes are still the record's
             raise
-        with self._lock:
-            self._taken[record] = whole
         return buf
 
     def abort(self, record):
         """Gives up a begin() without writing: the record's bytes are as they were."""
-        with self._lock:
-            whole = self._taken.pop(record, None)
-            if whole is not None:
-                self._put_back(whole)
-        self.fetcher.wrote(record, None)
-        self.end_turn(record)
+        with DeferredSigint():
+            with self._lock:
+                whole = self._taken.pop(record, None)
+                if whole is not None:
+                    self._put_back(whole)
+            self.fetcher.wrote(record, None)
+            self.end_turn(record)
 
     def end(self, record, buf, keep=()):
         """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
         before them, on a buffer begin() did not fill), read back from the file first."""
-        with self._lock:
-            whole = self._taken.pop(record)
         path, offset, length, _ = record.spans[0]
-        try:
-            if keep:
-                old = torch.empty(record.nbytes, dtype=torch.uint8)
-                self.handle.pread(old[:length], path, offset).wait()
-                for slot in keep:
-                    record.view(buf, slot, writable=True).copy_(record.view(old, slot))
-            future = self.handle.pwrite(buf[:length], path, offset)
-        except BaseException:
+        with DeferredSigint():  # from taken to written, or back (see _put_back)
             with self._lock:
-                self._put_back(whole)
-            self.fetcher.wrote(record, None)
+                whole = self._taken.pop(record)
+            try:
+                if keep:
+                    old = torch.empty(record.nbytes, dtype=torch.uint8)
+                    self.handle.pread(old[:length], path, offset).wait()
+                    for slot in keep:
+                        record.view(buf, slot, writable=True).copy_(record.view(old, slot))
+                future = self.handle.pwrite(buf[:length], path, offset)
+            except BaseException:
+                with self._lock:
+                    self._taken[record] = whole
+                self.abort(record)
+                raise
+            self.fetcher.wrote(record, future)
+            with self._lock:
+                self._writes.append((future, whole))
             self.end_turn(record)
-            raise
-        self.fetcher.wrote(record, future)
-        with self._lock:
-            self._writes.append((future, whole))
-        self.end_turn(record)
 
     def return_loans(self):
         """Waits for the writes from memory the fetcher lent, which goes back to it (errors stay for flush())."""

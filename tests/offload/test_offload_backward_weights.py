@@ -11,6 +11,8 @@ import torch
 
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.api import _offloaded
+from swapio.offload.fetch import Fetcher
+from helpers.ctrl_c import ctrl_c_on_call
 
 WIDTH, LAYERS = 64, 4
 LAYER = WIDTH * WIDTH * 4
@@ -135,3 +137,25 @@ def test_remove_offload_while_a_weight_is_held(offloaded, tmp_path):
     assert torch.equal(kept, old)
     assert torch.equal(model[LAYERS - 1].weight, resident[LAYERS - 1])
     disk_offload(model, tmp_path / "od2", buffer_bytes=2 * LAYER)  # the fixture's remove_offload has one to remove
+
+
+@pytest.mark.parametrize("how,after", [("raise", False), ("signal", True)], ids=["before_hold", "after_hold"])
+def test_ctrl_c_around_hold_leaves_nothing_held(offloaded, monkeypatch, ctrl_c_raises, how, after):
+    """A Ctrl-C as backward hands a refetched weight to hold() (raised instead of the call, or right after it
+    returned): the acquisition is released all the same, so the ring is not left short of a record for good
+    and a step may rewrite the record (forget() took a leaked acquisition for a module running with it)."""
+    model, resident, streamer, unpacked = offloaded
+    fetcher = streamer.fetcher
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    ctrl_c_on_call(monkeypatch, Fetcher, "hold", 1, how=how, after=after)
+    with pytest.raises(KeyboardInterrupt):
+        torch.autograd.grad(forward(model, x), x)
+    monkeypatch.undo()
+    unpacked.kept.clear()
+    gc.collect()
+    assert all(f.users == 0 and f.held == 0 for f in fetcher.fetches.values())
+    for record in list(fetcher.fetches):
+        fetcher.forget(record)  # no module runs: every record may be rewritten
+    fetcher.drop_unused(keep=())
+    assert fetcher.ring.in_use == 0
+    assert torch.equal(torch.autograd.grad(forward(model, x), x)[0], want_grad(resident, x))

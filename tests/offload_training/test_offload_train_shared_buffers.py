@@ -7,9 +7,12 @@ import errno
 import pytest
 import torch
 
+from swapio.core.handle import AioHandle
 from swapio.offload.api import _offloaded
+from swapio.offload.fetch import Fetcher
 from swapio.offload.dir_owner import DATA_PREFIX
-from helpers.offload_training import (MLP, batches, build_opt, fail_nth_write, loss_of, make_model, offload,
+from helpers.ctrl_c import ctrl_c_on_call
+from helpers.offload_training import (MLP, Tied, batches, build_opt, fail_nth_write, loss_of, make_model, offload,
                                       one_thread, reference, train)
 
 
@@ -60,3 +63,31 @@ def test_memory_lent_to_a_failed_step_comes_back(tmp_path, monkeypatch, where):
         restore()
         assert info.value.errno == errno.ENOSPC
         assert fetcher.ring.in_use == 0 and fetcher._spare_user is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("owner,name,after", [(Fetcher, "lend", True), (Fetcher, "take_back", False),
+                                              (AioHandle, "pwrite", True)], ids=["lend", "take_back", "pwrite"])
+@pytest.mark.parametrize("at", [0, 1])
+def test_ctrl_c_in_a_step_leaves_no_memory_lent(tmp_path, monkeypatch, ctrl_c_raises, owner, name, after, at):
+    """A Ctrl-C right as step() borrows the streamer's memory, gives it back, or writes from it: the memory
+    comes back all the same (a loan lost between lend() and its record stayed out of the ring for good), every
+    record's turn ends, and training goes on."""
+    data = batches(Tied, 4)
+    model = offload(make_model(Tied), "disk", tmp_path, Tied, buffer_bytes=1 << 20)
+    fetcher = _offloaded[model].fetcher
+    with build_opt("AdamW", model.parameters(), str(tmp_path / "s"), offload="nvme") as opt:
+        train(model, opt, data[:1])
+        with one_thread():
+            loss_of(model, data[1]).backward()
+        calls = ctrl_c_on_call(monkeypatch, owner, name, at, after=after)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert calls["n"] > at
+        monkeypatch.undo()
+        fetcher.drop_unused(keep=())
+        assert fetcher.ring.in_use == 0 and fetcher._spare_user in (None, *fetcher.fetches)
+        opt.zero_grad()
+        train(model, opt, data[2:])  # every turn was ended: no step waits for one
+        fetcher.drop_unused(keep=())
+        assert fetcher.ring.in_use == 0
