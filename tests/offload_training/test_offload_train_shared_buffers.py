@@ -9,6 +9,8 @@ import torch
 
 from swapio.core.handle import AioHandle
 from swapio.offload.api import _offloaded
+from swapio.offload.layout import round_up
+from swapio.offload.fetch import LENT
 from swapio.offload.fetch import Fetcher
 from swapio.offload.dir_owner import DATA_PREFIX
 from helpers.ctrl_c import ctrl_c_on_call
@@ -37,11 +39,13 @@ def test_step_writes_weights_from_the_streamers_memory(tmp_path, in_backward):
             assert pool > 0  # updates during backward, while the ring streams: a pool of their own
         else:
             assert pool == 0  # every record written from the ring
-        in_use = ring.in_use
         with one_thread():
             loss_of(model, data[0]).backward()
         opt.step()
-        assert ring.in_use <= in_use  # every loan came back with its write
+        # every loan came back with its write: what the ring holds now is fetches (read ahead), nothing else
+        fetcher = _offloaded[model].fetcher
+        assert ring.in_use == sum(round_up(f.record.nbytes) for f in fetcher.fetches.values() if f.alloc[0] == "ring")
+        assert fetcher._spare_user is not LENT
 
 
 @pytest.mark.parametrize("where", ["state.swap", DATA_PREFIX])
