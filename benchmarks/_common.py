@@ -70,6 +70,24 @@ def io_bytes():
     return out["read_bytes"], out["write_bytes"]
 
 
+def proc_status(key):
+    """A /proc/self/status field in bytes (VmRSS, VmHWM: peak RSS, VmLck: locked)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak_rss():
+    """Resets VmHWM to the current RSS (Linux >= 4.0; where the kernel cannot, the peak stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def resident_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401 - puts the checkout first on sys.path
+from _common import proc_status, reset_peak_rss  # first: puts the checkout first on sys.path
 
 CHILD = """
 import json, sys, time, torch
@@ -70,18 +70,6 @@ def saved_bytes(model, ids):
         model(input_ids=ids, labels=ids).loss
     return sum(seen.values())
 
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def paired(args):
@@ -147,8 +135,8 @@ def child(args):
         model.zero_grad(set_to_none=False)
         sync()
         if device == "cpu":
-            reset_peak()
-            base = status("VmRSS") - (ctx.stats().get("read_buffer_bytes", 0) if mode == "nvme" else 0)
+            reset_peak_rss()
+            base = proc_status("VmRSS") - (ctx.stats().get("read_buffer_bytes", 0) if mode == "nvme" else 0)
         else:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -158,7 +146,7 @@ def child(args):
         loss.backward()
         sync()
         times.append(time.perf_counter() - t0)
-        peaks.append((status("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated()) - base)
+        peaks.append((proc_status("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated()) - base)
         del loss
     out["step_s"] = sorted(times[1:])[len(times[1:]) // 2]
     out["peak"] = max(peaks[1:])

@@ -37,8 +37,8 @@ import subprocess
 import sys
 import time
 
-from _common import REPO, io_bytes, print_table  # first: the checkout's swapio
-from param_offload import _meta_model, _reset_peak, _status, write_checkpoint
+from _common import REPO, io_bytes, print_table, proc_status, reset_peak_rss  # first: the checkout's swapio
+from param_offload import _meta_model, write_checkpoint
 
 GiB = 1 << 30
 CONFIGS = [dict(block_size=1 << 20, queue_depth=32, threads=1), dict(block_size=4 << 20, queue_depth=16, threads=2)]
@@ -58,8 +58,8 @@ def child_train(args):
     largest = max(sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
                   for m in model.modules())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    _reset_peak()
-    base_rss = _status("VmRSS")  # before disk_offload: its ring counts
+    reset_peak_rss()
+    base_rss = proc_status("VmRSS")  # before disk_offload: its ring counts
     t0 = time.perf_counter()
     disk_offload(model, checkpoint=os.path.join(args.dir, "model.safetensors"), offload_dir=od,
                  buffer_bytes=args.ring_mib << 20)
@@ -69,7 +69,7 @@ def child_train(args):
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     steps = []
     for _ in range(args.steps):
-        _reset_peak()
+        reset_peak_rss()
         pinned_bytes(reset_peak=True)
         r0, w0 = io_bytes()
         t0 = time.perf_counter()
@@ -82,8 +82,8 @@ def child_train(args):
         t3 = time.perf_counter()
         r1, w1 = io_bytes()
         steps.append(dict(loss=float(loss.detach()), forward_s=t1 - t0, backward_s=t2 - t1, step_s=t3 - t2, total_s=t3 - t0,
-                          read=r1 - r0, written=w1 - w0, peak_rss=_status("VmHWM"),
-                          rss_growth=_status("VmHWM") - base_rss, locked=_status("VmLck"),
+                          read=r1 - r0, written=w1 - w0, peak_rss=proc_status("VmHWM"),
+                          rss_growth=proc_status("VmHWM") - base_rss, locked=proc_status("VmLck"),
                           pinned_peak=pinned_bytes()[1]))
         print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
     report = opt.memory_report()

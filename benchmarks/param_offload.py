@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from _common import REPO, drop_caches, print_table  # first: the checkout's swapio
+from _common import REPO, drop_caches, print_table, proc_status, reset_peak_rss  # first: the checkout's swapio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,22 +53,6 @@ READ_CONFIGS = [dict(block_size=1 << 20, queue_depth=32, threads=1), dict(block_
 
 
 # ---- child side -------------------------------------------------------------------------------------------
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def _llama_ffn(width):
     return (8 * width // 3 + 255) // 256 * 256
 
@@ -139,8 +123,8 @@ def _timed(fn, cold):
 
 def _rss_base():
     """RSS now, with the peak reset to it: peak growth from here covers the setup and the timed part."""
-    base = _status("VmRSS")
-    _reset_peak()
+    base = proc_status("VmRSS")
+    reset_peak_rss()
     return base
 
 
@@ -167,7 +151,7 @@ def child(args):
             model.load_state_dict(load_file(ckpt), strict=False, assign=True)
             model.tie_weights()
         out["seconds"] = _timed(lambda: _forward(model, args), cold=args.child != "resident")
-        out["rss"] = _status("VmHWM") - base
+        out["rss"] = proc_status("VmHWM") - base
         if args.child == "swapio":  # what this forward read over what it needs: the records' spans (4 KiB-rounded),
             from swapio.offload import stats   # not counting the reads already started for the next forward
             from swapio.offload.api import _offloaded
@@ -205,7 +189,7 @@ def child(args):
                 "load-swapio": lambda: load_file(ckpt)}[args.child]
         base = _rss_base()
         out["seconds"] = _timed(lambda: _touch(load()), cold=True)
-        out["rss"] = _status("VmHWM") - base
+        out["rss"] = proc_status("VmHWM") - base
     print(json.dumps(out))
 
 

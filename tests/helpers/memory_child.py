@@ -5,9 +5,7 @@ import json
 import torch
 
 import swapio.optim as so
-from helpers.rss_child import PRELUDE
-
-exec(PRELUDE)  # status(key), reset_peak(): the helpers the memory tests' child processes share
+from helpers.rss_child import reset_peak, status
 
 
 def peak_growth(mode, swap_dir, shapes, result_path):
@@ -22,12 +20,12 @@ def peak_growth(mode, swap_dir, shapes, result_path):
         warm.step()
         warm.state_dict()
     del warm
-    baseline = status("VmRSS")  # noqa: F821 - from PRELUDE
-    reset = reset_peak()  # noqa: F821
+    baseline = status("VmRSS")
+    reset = reset_peak()
     opt = so.OffloadAdamW(params, lr=1e-3, offload=mode, **extra)
     for _ in range(2):
         opt.step()
-    peak = status("VmHWM")  # noqa: F821
+    peak = status("VmHWM")
     report = opt.memory_report()
     opt.close()
     with open(result_path, "w") as f:

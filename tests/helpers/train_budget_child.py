@@ -6,12 +6,11 @@ import os
 
 import torch
 
-from helpers.rss_child import PRELUDE
+from helpers.rss_child import reset_peak, status
 from swapio.core.pinned import pinned_bytes
 from swapio.offload import disk_offload
 from swapio.optim import OffloadAdamW
 
-exec(PRELUDE)  # status(key), reset_peak(): the helpers the memory tests' child processes share
 
 VOCAB, DIM, TOKENS = 4096, 256, 8
 RING, BUDGET = 2 << 20, 1 << 20  # disk_offload's buffer_bytes; the optimizer's buffer_bytes
@@ -64,15 +63,15 @@ def train(layers, mode, directory, result_path):
         os.makedirs(extra["swap_dir"])
     opt = OffloadAdamW(model.parameters(), lr=1e-3, offload="nvme" if mode != "cpu" else "cpu",
                        in_backward=mode == "in_backward", buffer_bytes=BUDGET, **extra)
-    baseline = status("VmRSS")  # noqa: F821 - from PRELUDE
-    reset = reset_peak()  # noqa: F821
+    baseline = status("VmRSS")
+    reset = reset_peak()
     pinned_before = pinned_bytes(reset_peak=True)[0]
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(model(ids).float().view(-1, VOCAB), ids.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
-    peak = status("VmHWM")  # noqa: F821
+    peak = status("VmHWM")
     pinned_now, pinned_peak = pinned_bytes()
     report = opt.memory_report()
     opt.close()

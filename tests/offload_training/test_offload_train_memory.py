@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from helpers.rss_child import status
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 MiB = 1 << 20
@@ -33,14 +35,6 @@ def write_checkpoint(path, layers=LAYERS):
         f.write(len(raw).to_bytes(8, "little") + raw)
         for i in range(layers):
             f.write((base * (1 + i / 16)).view(torch.uint8).numpy().tobytes())
-
-
-def status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(field)
 
 
 def child(ckpt, od, swap, layers=LAYERS):
