@@ -332,16 +332,17 @@ class Fetcher:
         free and already pinned), or None. An optimizer step, which runs while the model does not, writes a
         record's new bytes from it instead of pinning a buffer of its own: the weights' memory serves both.
         take_back() it once its write finished; fetches meanwhile find it in use, as if a module held it."""
+        if self.ring is None:  # cpu_offload: no ring, and its records are rewritten in place
+            return None
         with self.lock:
             self._settle_holds()
             self._reclaim(block=False)
             n = round_up(max(nbytes, 1))
-            if self.ring is not None and n <= self.ring.capacity:
-                got = self.ring.alloc(n)
-                if got is not None:
-                    return ("ring", got[0], n), got[1]
+            got = self.ring.alloc(n) if n <= self.ring.capacity else None
+            if got is not None:
+                return ("ring", got[0], n), got[1]
             spare_pinned = self._spare.nbytes >= round_up(self.spare_bytes)  # lending never pins more
-            if self.ring is not None and self._spare_user is None and spare_pinned and n <= self._spare.nbytes:
+            if self._spare_user is None and spare_pinned and n <= self._spare.nbytes:
                 self._spare_user = LENT
                 return ("spare",), self._spare_region(n)
             return None

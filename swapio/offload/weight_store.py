@@ -185,8 +185,7 @@ class DiskStore(RecordTurns):
                 with self._lock:
                     self._lent[lent[1].data_ptr()] = lent[0]
                 return lent[1]
-            with self._lock:
-                oldest = next((e for e in self._writes if e[1].data_ptr() in self._lent), None)
+            oldest = self._oldest_lent_write()
             if oldest is None:
                 break
             self._reap(oldest)
@@ -293,12 +292,13 @@ class DiskStore(RecordTurns):
 
     def return_loans(self):
         """Waits for the writes from memory the fetcher lent, which goes back to it (errors stay for flush())."""
-        while True:
-            with self._lock:
-                entry = next((e for e in self._writes if e[1].data_ptr() in self._lent), None)
-            if entry is None:
-                return
+        while (entry := self._oldest_lent_write()) is not None:
             self._reap(entry)
+
+    def _oldest_lent_write(self):
+        """The oldest write in flight from memory the fetcher lent, or None."""
+        with self._lock:
+            return next((e for e in self._writes if e[1].data_ptr() in self._lent), None)
 
     def flush(self):
         """Waits for every write; raises the first error (the record stays marked failed in the fetcher until

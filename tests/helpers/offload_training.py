@@ -153,6 +153,19 @@ def train(model, opt, data, micro=1, fp32_accumulate=False):
     return losses
 
 
+def clipped_norms(model, opt, data, clip, micro=1):
+    """Trains on data, micro batches a step, calling clip(model, opt) before each step; its results, in order."""
+    norms = []
+    with one_thread():
+        for k in range(0, len(data), micro):
+            for b in data[k:k + micro]:
+                loss_of(model, b).backward()
+            norms.append(clip(model, opt))
+            opt.step()
+            opt.zero_grad()
+    return norms
+
+
 def weights(model):
     """{name: a copy} of a resident model's parameters (ties under each name)."""
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}

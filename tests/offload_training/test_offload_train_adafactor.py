@@ -6,7 +6,8 @@ import torch
 
 from swapio.offload import remove_offload
 from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
-                                      loss_of, make_model, offload, one_thread, resident_run, train, weights)
+                                      clipped_norms,
+                                      make_model, offload, resident_run, train, weights)
 
 pytest.importorskip("safetensors")
 
@@ -34,22 +35,12 @@ def test_offloaded_training_equals_resident(tmp_path, storage, mode, wdtype, off
 def test_clip_grad_norm_equals_torch_on_resident(tmp_path, storage, off):
     data = batches(MLP, 3)
 
-    def loop(model, opt, clip):
-        norms = []
-        with one_thread():
-            for b in data:
-                loss_of(model, b).backward()
-                norms.append(clip(model, opt))
-                opt.step()
-                opt.zero_grad()
-        return norms
-
     ref = make_model()
     with build_opt("Adafactor", ref.parameters(), tmp_path / "r", offload=off) as opt:
-        want_norms = loop(ref, opt, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+        want_norms = clipped_norms(ref, opt, data, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
     model = offload(make_model(), storage, tmp_path)
     with build_opt("Adafactor", model.parameters(), tmp_path, offload=off) as opt:
-        got_norms = loop(model, opt, lambda m, o: o.clip_grad_norm_(0.05))
+        got_norms = clipped_norms(model, opt, data, lambda m, o: o.clip_grad_norm_(0.05))
     assert all(torch.equal(g.reshape(()), w.reshape(())) for g, w in zip(got_norms, want_norms))
     assert all(w > 0.05 for w in want_norms)  # clipping did happen
     remove_offload(model)

@@ -9,6 +9,7 @@ import torch
 from swapio.offload import disk_offload, remove_offload
 from swapio.optim import OffloadAdamW
 from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
+                                      clipped_norms,
                                       make_model, offload, one_thread, resident_run,
                                       train, weights, loss_of)
 
@@ -251,23 +252,13 @@ def test_clip_grad_norm_equals_torch(tmp_path, storage, off, max_norm, micro):
     data = batches(MLP, 3 * micro)
     keep = ["c"] if storage == "disk" else []  # with a resident module too: the norm covers both
 
-    def loop(model, opt, clip):
-        norms = []
-        with one_thread():
-            for k in range(0, len(data), micro):
-                for b in data[k:k + micro]:
-                    loss_of(model, b).backward()
-                norms.append(clip(model, opt))
-                opt.step()
-                opt.zero_grad()
-        return norms
-
     ref = make_model()
     with build_opt("AdamW", ref.parameters(), tmp_path / "r", offload=off) as opt:
-        want_norms = loop(ref, opt, lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+        torch_clip = lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)  # noqa: E731
+        want_norms = clipped_norms(ref, opt, data, torch_clip, micro)
     model = offload(make_model(), storage, tmp_path, keep_resident=keep)
     with build_opt("AdamW", model.parameters(), tmp_path, offload=off) as opt:
-        got_norms = loop(model, opt, lambda m, o: o.clip_grad_norm_(max_norm))
+        got_norms = clipped_norms(model, opt, data, lambda m, o: o.clip_grad_norm_(max_norm), micro)
     for g, w in zip(got_norms, want_norms):
         assert torch.equal(g.reshape(()), w.reshape(())), (g, w)
     if max_norm < 1:
