@@ -35,7 +35,7 @@ from ..core.futures import Future
 
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch")
+                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight")
 
     def __init__(self, index, nbytes, device, storage, version):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -50,7 +50,9 @@ class Entry:
         self.restored = None  # weakref to the storage back on the device, while something uses it
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
-        self.watch = None     # a CPU tensor's detached view, sharing its version counter, while host holds it
+        self.watch = None     # the tensor's detached view, sharing its version counter: a CPU tensor's while host
+        #                       holds it, a CUDA tensor's until its copy to the host is seen finished
+        self.changed_in_flight = False  # changed in place before the transfer reading it was seen finished
 
 
 class Saved:
@@ -128,7 +130,7 @@ class Session:
             self.pending.append(entry)
         else:
             entry.host = source  # the tensor's own memory, held until written and the staging room is needed
-            entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
+        entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
         if to_disk:
             entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
             if entry.d2h is None:
@@ -200,6 +202,7 @@ class Session:
                 return
             entry.d2h.synchronize()
             entry.d2h = None
+            self._seen_read(entry)
             if res.to == "nvme":
                 entry.write = res.handle.pwrite(entry.host[:entry.nbytes], self.path, entry.offset,
                                                 identity=self.identity)
@@ -208,12 +211,23 @@ class Session:
                 return
             write, entry.write = entry.write, None
             write.wait()  # raises the write's OSError
+            if not entry.pooled:
+                self._seen_read(entry)
             if entry.pooled or entry.refs == 0:
                 self._unstage(entry)
             else:
                 # A CPU tensor stays while the staging room allows: the last ones a forward saves are the first
                 # its backward needs, and these it finds in memory (no read, no wait)
                 self.resident.append(entry)
+
+    def _seen_read(self, entry):
+        """The transfer that reads the tensor's own memory (a CUDA tensor's copy to the host, a CPU tensor's
+        write) was seen to finish. A change in place seen by now may have met the bytes on their way out: unpack
+        raises, as autograd does without offload. (A change after that leaves the saved bytes as they were.)"""
+        if entry.watch is not None and entry.watch._version != entry.version:
+            entry.changed_in_flight = True
+        if entry.pooled:
+            entry.watch = None  # the device memory is the caching allocator's again
 
     def _unstage(self, entry):
         """The entry's bytes are on disk: its host memory goes (unless a backward is using it right now)."""
@@ -242,6 +256,13 @@ class Session:
                                    "them was interrupted, or the ActivationOffload was closed. Run the forward "
                                    "again.")
             storage = self._restore(saved.entry)
+        if saved.entry.changed_in_flight:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"an activation saved for backward ({saved.dtype}, size {list(saved.size)}) was changed in place "
+                "while swapio was still copying it out of the forward, so what it saved may be half changed. "
+                "Without offload autograd refuses this backward too: change a copy of the tensor instead "
+                "(torch.autograd.set_detect_anomaly(True) shows the operation that saved it).")
         out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
         return out.set_(storage, saved.offset, saved.size, saved.stride)
 

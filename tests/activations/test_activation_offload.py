@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from helpers.activations import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack,
+from helpers.activations import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack, settle,
                                  swap_files)
 from swapio.offload import ActivationOffload, offload_activations
 from swapio.offload import activation_store
@@ -243,6 +243,35 @@ def test_cuda_gradients_bit_equal_to_no_offload(tmp_path, to):
     assert act.stats()["tensors"] > 0 and act.stats()["shared_views"] > 0
     act.close()
     assert act.stats()["pinned_bytes"] == 0
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+@pytest.mark.parametrize("when", ["while-copied-out", "after"])
+def test_cuda_tensor_changed_in_place(tmp_path, to, when):
+    """Changed while its copy to the host may still read it: the backward raises autograd's error; changed after
+    the copy was seen finished: it comes back as saved."""
+    from swapio.core.cuda_copy import copy_stream
+    act = offload_activations(to=to, min_bytes=0, **(dict(swap_dir=tmp_path) if to == "nvme" else {}))
+    a = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    if when == "while-copied-out":
+        with torch.cuda.stream(copy_stream(a.device, "to_host")):
+            torch.cuda._sleep(200_000_000)  # (about 0.1 s) the copies out of the forward below wait behind it
+    with act:
+        b = a * 1
+        d = (b.sin() * 2).exp()  # the sin saves b
+    if when == "after":
+        settle(act)
+    b.add_(1)
+    if when == "after":
+        d.sum().backward()
+        torch.testing.assert_close(a.grad, (2 * a.detach().sin()).exp() * 2 * a.detach().cos(), rtol=0, atol=0)
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            d.sum().backward()
+    del b, d
+    act.close()
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from helpers.activations import assert_same_grads, batch, grads_of, make_stack, swap_files
+from helpers.activations import GatedWrites, assert_same_grads, batch, grads_of, make_stack, settle, swap_files
 from swapio import _C
 from swapio.offload import offload_activations
 
@@ -134,19 +134,50 @@ def test_with_little_room_the_oldest_are_read_back_and_grads_stay_equal(tmp_path
     act.close()
 
 
-@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
-def test_a_tensor_changed_in_place_after_its_save_comes_back_as_saved(tmp_path, staging_bytes):
-    """Without offload autograd refuses such a backward; with it, the tensor comes back with the values it was
-    saved with, whether the backward finds it in RAM or reads it from the disk."""
-    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
-    a = torch.randn(256, 1024, requires_grad=True)
+def sin_exp(act, a):
+    """(2 sin(a)).exp() in act, and b = a * 1, which the sin saves."""
     with act:
         b = a * 1
         c = b.sin()  # saves b
         d = (c * 2).exp()  # saves its output: with no staging room, b's copy in RAM goes
-    act._res.handle.wait()  # (b's write finished before the change below: the disk has it as saved)
+    return b, d
+
+
+def sin_exp_grad(a):
+    return (2 * a.detach().sin()).exp() * 2 * a.detach().cos()
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_tensor_changed_in_place_after_its_save_comes_back_as_saved(tmp_path, staging_bytes):
+    """Without offload autograd refuses such a backward; with it, a change after the tensor's write was seen
+    finished leaves what it saved as it was, whether the backward finds it in RAM or reads it from the disk."""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
+    a = torch.randn(256, 1024, requires_grad=True)
+    b, d = sin_exp(act, a)
+    settle(act)  # b's write finished, and its forward saw it: the disk has b as saved
     b.add_(1)
     d.sum().backward()
-    want = (2 * a.detach().sin()).exp() * 2 * a.detach().cos()
-    assert torch.equal(a.grad, want)
+    assert torch.equal(a.grad, sin_exp_grad(a))
     act.close()
+
+
+def test_a_tensor_changed_in_place_while_its_write_is_in_flight_fails_loudly(tmp_path, monkeypatch):
+    """A change while the tensor's own memory is being written may tear what it saved: the backward raises
+    autograd's error for a saved tensor changed in place, never computes with half-changed bytes, and the
+    offload goes on working. (With staging room: without it the forward waits for each write to finish.)"""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=64 << 20)
+    writes = GatedWrites(act, monkeypatch)
+    a = torch.randn(256, 1024, requires_grad=True)
+    b, d = sin_exp(act, a)
+    b.add_(1)  # b's write has not finished
+    writes.release()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*\[256, 1024\].*changed in place"):
+        d.sum().backward()
+    assert a.grad is None
+    del b, d
+    b, d = sin_exp(act, a)  # the next forward and backward are as without offload
+    d.sum().backward()
+    assert torch.equal(a.grad, sin_exp_grad(a))
+    del b, d
+    act.close()
+    assert swap_files(tmp_path) == []

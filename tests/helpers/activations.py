@@ -88,3 +88,46 @@ def swap_files(directory):
 
 def hooks_installed():
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def settle(act):
+    """Waits for every transfer of act's forwards and lets their sessions see it, as their next save or unpack
+    would: after this, a change in place leaves the saved bytes as they were."""
+    res = act._res
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    res.handle.wait()
+    with res.lock:
+        for session in list(res.sessions):
+            session.poll()
+
+
+class GatedWrites:
+    """Holds act's writes unfinished (as the kernel sees them) until release(): the window in which a change in
+    place can meet the bytes on their way out."""
+
+    def __init__(self, act, monkeypatch):
+        import threading
+        self.gate = threading.Event()
+        handle, real = act._res.handle, act._res.handle.pwrite
+        gate = self.gate
+
+        class Gated:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def done(self):
+                return gate.is_set() and self.inner.done()
+
+            def wait(self, timeout=None):
+                gate.wait()
+                return self.inner.wait(timeout)
+
+            def exception(self, timeout=None):
+                gate.wait()
+                return self.inner.exception(timeout)
+
+        monkeypatch.setattr(handle, "pwrite", lambda *a, **k: Gated(real(*a, **k)))
+
+    def release(self):
+        self.gate.set()
