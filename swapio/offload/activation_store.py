@@ -71,6 +71,31 @@ class Saved:
             session.drop(self.entry)
 
 
+class Kept:
+    """A saved tensor left where it was (pack did not move it), with its version when saved. Saved-tensor hooks
+    turn autograd's check for a saved tensor changed in place off; unpack makes it instead."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self):
+        tensor = self.tensor
+        if tensor._version != self.version:
+            raise modified_in_place(tensor.dtype, tensor.size(),
+                                    f"is at version {tensor._version}; expected version {self.version} instead")
+        return tensor
+
+
+def modified_in_place(dtype, size, what):
+    """Autograd's error for a saved tensor changed in place, with what happened to it."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a tensor saved for backward ({dtype}, size {list(size)}) {what}. Without offload autograd refuses "
+        "this backward too: change a copy of the tensor instead (torch.autograd.set_detect_anomaly(True) shows the "
+        "operation that saved it).")
+
+
 def byte_view(storage, device, nbytes):
     """A flat uint8 tensor over a whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
@@ -97,7 +122,7 @@ class Session:
     def pack(self, tensor):
         res = self.res
         if not res.wanted(tensor):
-            return tensor
+            return Kept(tensor)
         storage = tensor.untyped_storage()
         with res.lock:
             entry = self.by_storage.get(storage.data_ptr())
@@ -257,12 +282,8 @@ class Session:
                                    "again.")
             storage = self._restore(saved.entry)
         if saved.entry.changed_in_flight:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"an activation saved for backward ({saved.dtype}, size {list(saved.size)}) was changed in place "
-                "while swapio was still copying it out of the forward, so what it saved may be half changed. "
-                "Without offload autograd refuses this backward too: change a copy of the tensor instead "
-                "(torch.autograd.set_detect_anomaly(True) shows the operation that saved it).")
+            raise modified_in_place(saved.dtype, saved.size, "was changed in place while swapio was still copying "
+                                    "it out of the forward, so what it saved may be half changed")
         out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
         return out.set_(storage, saved.offset, saved.size, saved.stride)
 

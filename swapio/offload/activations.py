@@ -22,7 +22,7 @@ from ..core._errors import check_int
 from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
-from .activation_store import Saved, Session
+from .activation_store import Kept, Session
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -121,8 +121,8 @@ class _Hooks:
         return self.session.pack(t)
 
     def unpack(self, saved):
-        if not isinstance(saved, Saved):  # a tensor pack left where it was
-            return saved
+        if isinstance(saved, Kept):  # a tensor pack left where it was
+            return saved.unpack()
         session = saved.session
         if session is None:
             raise RuntimeError("this saved activation was already released by autograd")
