@@ -245,11 +245,16 @@ class Session:
                 # its backward needs, and these it finds in memory (no read, no wait)
                 self.resident.append(entry)
 
+    @staticmethod
+    def _changed(entry):
+        """Whether the tensor was changed in place since it was saved (while its view is watched)."""
+        return entry.watch is not None and entry.watch._version != entry.version
+
     def _seen_read(self, entry):
         """The transfer that reads the tensor's own memory (a CUDA tensor's copy to the host, a CPU tensor's
         write) was seen to finish. A change in place seen by now may have met the bytes on their way out: unpack
         raises, as autograd does without offload. (A change after that leaves the saved bytes as they were.)"""
-        if entry.watch is not None and entry.watch._version != entry.version:
+        if self._changed(entry):
             entry.changed_in_flight = True
         if entry.pooled:
             entry.watch = None  # the device memory is the caching allocator's again
@@ -290,6 +295,8 @@ class Session:
     def _restore(self, entry):
         """The entry's storage back on its device (the one already back, while something still uses it)."""
         storage = entry.restored() if entry.restored is not None else None
+        if storage is not None and entry.host is not None and not entry.pooled and self._changed(entry):
+            storage = None  # the CPU tensor's own memory, changed in place since: back from the disk as saved
         if storage is None:
             if entry.loaded is None:
                 if entry.host is None or entry.pooled:
@@ -323,7 +330,7 @@ class Session:
         res, n = self.res, entry.nbytes
         self.poll()
         if entry.device.type == "cpu":
-            if entry.host is not None and entry.watch._version != entry.version:
+            if entry.host is not None and self._changed(entry):
                 # changed in place since it was saved: what the file has is what was saved
                 if entry.write is not None:
                     self._advance(entry, block=True)

@@ -162,3 +162,78 @@ def test_a_tensor_left_in_place_and_not_changed_comes_back_itself(tmp_path):
     loss.backward()
     assert seen == [b.data_ptr()] and torch.equal(a.grad, torch.full((4,), 2.0))
     act.close()
+
+
+# ---- a change after the save was written comes back as saved, however often it is unpacked -------------------------
+
+def sin_times(act, a):
+    """b saved twice: by sin (its node runs last in backward) and by the product (runs first)."""
+    with act:
+        b = a * 1
+        c = b.sin()
+        loss = (c * b).sum()
+    return b, c, loss
+
+
+def sin_times_grad(a):
+    a = a.detach()
+    return a.cos() * a + a.sin()
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_tensor_changed_between_two_backwards_comes_back_as_saved_in_the_second(tmp_path, staging_bytes):
+    """(The first backward found it in RAM, the tensor's own memory: the second must not use that memory again.)"""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
+    a = torch.randn(256, 256, requires_grad=True)
+    b, c, loss = sin_times(act, a)
+    settle(act)
+    loss.backward(retain_graph=True)
+    assert torch.equal(a.grad, sin_times_grad(a))
+    a.grad = None
+    b.add_(1)
+    loss.backward()
+    assert torch.equal(a.grad, sin_times_grad(a))
+    del b, c, loss
+    act.close()
+    assert swap_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_tensor_changed_during_backward_between_its_unpacks_comes_back_as_saved(tmp_path, staging_bytes):
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=staging_bytes)
+    a = torch.randn(256, 256, requires_grad=True)
+    b, c, loss = sin_times(act, a)
+    settle(act)
+
+    def change_b(grad):  # after the product's node unpacked b, before sin's node does
+        b.add_(1)
+        return grad
+    c.register_hook(change_b)
+    loss.backward()
+    assert torch.equal(a.grad, sin_times_grad(a))
+    del b, c, loss
+    act.close()
+
+
+def test_a_tensor_changed_during_backward_while_its_write_is_in_flight_fails_loudly(tmp_path, monkeypatch):
+    """The first unpack found it in RAM with its write still in flight; changed then, what the disk got may be torn:
+    the second unpack raises, as autograd does without offload."""
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=64 << 20)
+    writes = GatedWrites(act, monkeypatch)
+    a = torch.randn(256, 256, requires_grad=True)
+    b, c, loss = sin_times(act, a)
+
+    def change_b(grad):
+        b.add_(1)
+        writes.release()
+        return grad
+    c.register_hook(change_b)
+    with pytest.raises(RuntimeError, match=INPLACE + r".*\[256, 256\].*changed in place while swapio"):
+        loss.backward()
+    del b, c, loss
+    b, c, loss = sin_times(act, a)  # the offload goes on working
+    loss.backward()
+    assert torch.equal(a.grad, sin_times_grad(a))
+    del b, c, loss
+    act.close()
+    assert swap_files(tmp_path) == []
