@@ -31,6 +31,7 @@ from ..core import _swapdir
 from ..core._align import ALIGN, round_up
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
+from .kept import Kept, modified_in_place
 
 
 class Entry:
@@ -69,31 +70,6 @@ class Saved:
         if session is not None:
             self.session = None
             session.drop(self.entry)
-
-
-class Kept:
-    """A saved tensor left where it was (pack did not move it), with its version when saved. Saved-tensor hooks
-    turn autograd's check for a saved tensor changed in place off; unpack makes it instead."""
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor):
-        self.tensor, self.version = tensor, tensor._version
-
-    def unpack(self):
-        tensor = self.tensor
-        if tensor._version != self.version:
-            raise modified_in_place(tensor.dtype, tensor.size(),
-                                    f"is at version {tensor._version}; expected version {self.version} instead")
-        return tensor
-
-
-def modified_in_place(dtype, size, what):
-    """Autograd's error for a saved tensor changed in place, with what happened to it."""
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"a tensor saved for backward ({dtype}, size {list(size)}) {what}. Without offload autograd refuses "
-        "this backward too: change a copy of the tensor instead (torch.autograd.set_detect_anomaly(True) shows the "
-        "operation that saved it).")
 
 
 def byte_view(storage, device, nbytes):

@@ -22,7 +22,8 @@ from ..core._errors import check_int
 from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
-from .activation_store import Kept, Session
+from .activation_store import Session
+from .kept import Kept
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_STAGING_BYTES = 256 << 20

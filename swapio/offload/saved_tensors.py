@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from .fetch import view
+from .kept import Kept
 
 
 class _Token:
@@ -76,7 +77,7 @@ class SavedWeights:
             return token
         lower = self.lower.hooks
         if lower is None:
-            return t
+            return Kept(t)  # (checked for changes in place at unpack, as autograd does without hooks)
         return _Delegated(lower[1], lower[0](t))
 
     def token(self, t):
@@ -100,6 +101,8 @@ class SavedWeights:
     def unpack(self, saved):
         if isinstance(saved, _Delegated):
             return saved.unpack(saved.packed)
+        if isinstance(saved, Kept):
+            return saved.unpack()
         if not isinstance(saved, _Token):
             return saved
         base = self._fetch(saved.slot, saved.unit)

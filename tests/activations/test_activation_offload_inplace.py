@@ -237,3 +237,37 @@ def test_a_tensor_changed_during_backward_while_its_write_is_in_flight_fails_lou
     del b, c, loss
     act.close()
     assert swap_files(tmp_path) == []
+
+
+# ---- the same under the hooks of training offloaded weights ---------------------------------------------------------
+
+class ChangesWhatItSaved(torch.nn.Linear):
+    """Inside an offloaded module's forward (where swapio's hooks for its weights are on): saves its output for
+    sin, then changes that output in place."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        y = h.sin()
+        h.add_(1)
+        return y
+
+
+@pytest.mark.parametrize("with_activation_offload", [False, True], ids=["weights-only", "with-activations"])
+def test_a_saved_tensor_changed_in_an_offloaded_module_raises_as_without_offload(tmp_path, with_activation_offload):
+    from helpers.offload_training import build_opt
+    from swapio.offload import disk_offload, remove_offload
+
+    def step(model, ctx):
+        with ctx:
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum()
+        loss.backward()
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=INPLACE):  # the reference: resident, no hooks
+        step(torch.nn.Sequential(ChangesWhatItSaved(8, 16)), contextlib.nullcontext())
+    model = disk_offload(torch.nn.Sequential(ChangesWhatItSaved(8, 16)), str(tmp_path / "od"))
+    opt = build_opt("AdamW", list(model.parameters()), tmp_path)  # trains the offloaded weights
+    act = offload_activations(to="cpu") if with_activation_offload else contextlib.nullcontext()
+    with pytest.raises(RuntimeError, match=INPLACE + r".*is at version \d+; expected version \d+ instead"):
+        step(model, act)
+    del opt
+    remove_offload(model)
