@@ -119,3 +119,27 @@ def test_training_offloaded_weights_with_offloaded_activations_in_one_step(tmp_p
     assert len(seen) == len(data) * saved_activation_storages(make_model(), data[0])
     assert not hooks_installed()
     opt.close() if hasattr(opt, "close") else None
+
+
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+def test_a_compiled_model_offloads_what_its_graph_saves_and_computes_the_same(tmp_path, to):
+    """torch.compile's autograd saves its graph's tensors through the saved-tensor hooks too: with to="nvme" they
+    go to the disk, and the gradients equal the compiled run's without offload, bit for bit."""
+    from helpers.activations import make_stack, batch
+    model, x = make_stack(), batch()
+    compiled = torch.compile(model, backend="aot_eager")  # (autograd as inductor's; no C++ build)
+
+    def grads(ctx=None):
+        model.zero_grad()
+        torch.manual_seed(123)  # (the same dropout masks)
+        with ctx if ctx is not None else torch.enable_grad():
+            y = compiled(x)
+        y.sum().backward()  # (the sum saves nothing: what is offloaded is the compiled graph's)
+        return [p.grad.clone() for p in model.parameters()]
+    want = grads()
+    act = offload_activations(to=to, min_bytes=0, **(dict(swap_dir=tmp_path) if to == "nvme" else {}))
+    got = grads(act)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (act.stats()["tensors"] > 0) == (to == "nvme")  # (to="cpu" moves only CUDA tensors)
+    act.close()
+    assert swap_files(tmp_path) == []
