@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from helpers.activations import assert_same_grads, grads_of, hooks_installed, swap_files
+from helpers.activations import assert_same_grads, batch, grads_of, hooks_installed, make_stack, swap_files
 from helpers.offload_training import MLP, batches, build_opt, make_model, offload, resident_run, train, weights
 from swapio.offload import activation_store, disable_activation_offload, enable_activation_offload, \
     offload_activations
@@ -125,7 +125,6 @@ def test_training_offloaded_weights_with_offloaded_activations_in_one_step(tmp_p
 def test_a_compiled_model_offloads_what_its_graph_saves_and_computes_the_same(tmp_path, to):
     """torch.compile's autograd saves its graph's tensors through the saved-tensor hooks too: with to="nvme" they
     go to the disk, and the gradients equal the compiled run's without offload, bit for bit."""
-    from helpers.activations import make_stack, batch
     model, x = make_stack(), batch()
     compiled = torch.compile(model, backend="aot_eager")  # (autograd as inductor's; no C++ build)
 

@@ -2,6 +2,7 @@
 offload_activations must equal, bit for bit, the same run without it."""
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -104,12 +105,11 @@ def settle(act):
 
 
 class GatedWrites:
-    """Holds act's writes unfinished (as the kernel sees them) until release(): the window in which a change in
+    """Holds act's writes unfinished, as the offload sees them, until release(): the window in which a change in
     place can meet the bytes on their way out. hold_waits=False: only polls see them unfinished, a wait for one
     returns once it is written (a disk whose writes are seen late, with no forward blocked on the gate)."""
 
     def __init__(self, act, monkeypatch, hold_waits=True):
-        import threading
         self.gate = threading.Event()
         handle, real = act._res.handle, act._res.handle.pwrite
         polled, waited = self.gate, (self.gate if hold_waits else _Open())
