@@ -12,16 +12,17 @@ import torch
 from swapio.core import heap
 from swapio.offload.api import _offloaded
 from helpers.offload_training import MLP, batches, build_opt, make_model, offload, train
+from helpers.rss_child import PRELUDE
 
 pytestmark = pytest.mark.skipif(heap._malloc_trim is None, reason="the C library has no malloc_trim (not glibc)")
 
-CHILD = textwrap.dedent("""
+CHILD = PRELUDE + textwrap.dedent("""
     import sys
     import torch
     from swapio.core.heap import HeapTrim
 
     def rss():
-        return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) << 10
+        return status("VmRSS")
 
     block = torch.empty(30 << 18)
     del block                    # a 30 MiB block freed: glibc's mmap threshold rises to 30 MiB

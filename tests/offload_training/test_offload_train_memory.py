@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers.rss_child import status
+from helpers.rss_child import reset_peak, status
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -49,8 +49,7 @@ def child(ckpt, od, swap, layers=LAYERS):
     opt = OffloadAdamW(model.parameters(), lr=1e-4, offload="nvme", swap_dir=swap, state_dtype="bf16",
                        in_backward=True, buffer_bytes=OPT_BUDGET)
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    assert reset_peak()  # VmHWM := VmRSS
     base = status("VmRSS")
     t0 = time.perf_counter()
     loss = model(x).float().square().mean()
