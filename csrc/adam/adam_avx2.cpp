@@ -264,9 +264,9 @@ struct V {
   }
   static SWAPIO_INLINE F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
-  // quick_code8, lane by lane); returns rint(P), whose lanes on a multiple of kPosUnit defer to the bucket lookup,
-  // and the lanes' codes in `c`.
-  static SWAPIO_INLINE __m256i quick_code(F y, const QuantMap& q, __m256i& c) {
+  // quick_code8, lane by lane), before the clamp: returns rint(P), whose lanes on a multiple of kPosUnit defer to the
+  // bucket lookup, and the region r in `r` (dwords 0 .. 16: the unsigned map's pair_below carries + 8, quant.h).
+  static SWAPIO_INLINE __m256i unclamped_code(F y, const QuantMap& q, __m256i& r) {
     const __m256i bits = _mm256_castps_si256(y);
     // the pair of binades, 0 below the table: y >= 0, so exponent / 2 fits the low 16 bits of each lane and an
     // unsigned saturating 16-bit subtraction clamps it; the other three bytes of each lane are 0 and read entry 0
@@ -274,10 +274,15 @@ struct V {
     const __m256i below = _mm256_shuffle_epi8(
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(q.pair_below))), pair);
     const F mid = _mm256_permutevar8x32_ps(_mm256_load_ps(q.mid8), below);
-    const __m256i r = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(y, mid, _CMP_GT_OQ)));
+    r = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(y, mid, _CMP_GT_OQ)));
     const F pos = _mm256_fmsub_ps(y, _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_scale8), r),
                                   _mm256_permutevar8x32_ps(_mm256_load_ps(q.pos_offset8), r));
-    const __m256i u = _mm256_cvtps_epi32(pos);  // round to nearest even (MXCSR's default, as nearbyint)
+    return _mm256_cvtps_epi32(pos);  // round to nearest even (MXCSR's default, as nearbyint)
+  }
+  // unclamped_code, clamped lane by lane: the lanes' codes in `c`
+  static SWAPIO_INLINE __m256i quick_code(F y, const QuantMap& q, __m256i& c) {
+    __m256i r;
+    const __m256i u = unclamped_code(y, q, r);
     const __m256i code_max = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.code_max8));
     c = _mm256_min_epi32(_mm256_srli_epi32(u, kPosBits), _mm256_permutevar8x32_epi32(code_max, r));
     return u;
@@ -333,34 +338,41 @@ struct V {
     _mm_storeh_pi(reinterpret_cast<__m64*>(out1), _mm_castsi128_ps(both));  // vmovhps: a store, no shuffle
   }
   // lowp_loops.h's int8 Adam with kAdamVectors 2: the codes of first moments m0, m1 (8 each, |m| am0, am1) to
-  // mout[0, 16) and of second moments v0, v1 to vout[0, 16). One deferral test for the 32 lanes; the signed map's
-  // k = c - zero, sign(m) k by vpsignd, packed with signed saturation (|k| <= 128) and zero added to the 16 words
-  // at once, the codes of both maps packed to bytes together (-1, zero - 128, saturates to 0 as in signed_codes),
-  // and one vpermd orders them into 16 bytes of m and 16 of v.
+  // mout[0, 16) and of second moments v0, v1 to vout[0, 16). One deferral test for the 32 lanes. The 32 codes of +y
+  // (unclamped, < 2^11) and regions are packed to bytes at once, in the same order; one vpshufb looks up the clamps of
+  // both maps by region (code_max16) and one vpminub applies them. A negative m takes 2 zero - c, saturated at 0 (no
+  // -1.0), picked by its sign byte: signed saturation keeps the sign of m's bits (-0 is negative too, and its
+  // c = zero gives zero), and v's bytes are 0. Then one vpermd orders 16 bytes of m and 16 of v.
   static SWAPIO_INLINE void encode4a(uint8_t* mout, F m0, F am0, F m1, F am1, F minv, const QuantMap& qm,
                                      uint8_t* vout, F v0, F v1, F vinv, const QuantMap& qv) {
+    static_assert(2 * kSignedZero == 254, "2 zero fits a byte");
     const F y0 = _mm256_mul_ps(am0, minv), y1 = _mm256_mul_ps(am1, minv);
     const F y2 = _mm256_mul_ps(v0, vinv), y3 = _mm256_mul_ps(v1, vinv);
-    __m256i c0, c1, c2, c3;
-    const __m256i u0 = quick_code(y0, qm, c0), u1 = quick_code(y1, qm, c1);
-    const __m256i u2 = quick_code(y2, qv, c2), u3 = quick_code(y3, qv, c3);
+    __m256i r0, r1, r2, r3;
+    const __m256i u0 = unclamped_code(y0, qm, r0), u1 = unclamped_code(y1, qm, r1);
+    const __m256i u2 = unclamped_code(y2, qv, r2), u3 = unclamped_code(y3, qv, r3);
     const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
     const __m256i least = _mm256_min_epu32(_mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low)),
                                            _mm256_min_epu32(_mm256_and_si256(u2, low), _mm256_and_si256(u3, low)));
+    __m256i c0 = _mm256_srli_epi32(u0, kPosBits), c1 = _mm256_srli_epi32(u1, kPosBits);
+    __m256i c2 = _mm256_srli_epi32(u2, kPosBits), c3 = _mm256_srli_epi32(u3, kPosBits);
     if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
-      c0 = exact_codes(y0, qm);
+      c0 = exact_codes(y0, qm);  // within their region's clamp: the clamp below keeps them
       c1 = exact_codes(y1, qm);
       c2 = exact_codes(y2, qv);
       c3 = exact_codes(y3, qv);
     }
-    const __m256i zero = _mm256_set1_epi32(kSignedZero);
-    const __m256i k0 = _mm256_sign_epi32(_mm256_sub_epi32(c0, zero), _mm256_castps_si256(m0));
-    const __m256i k1 = _mm256_sign_epi32(_mm256_sub_epi32(c1, zero), _mm256_castps_si256(m1));
-    // per 128-bit lane: words of m0's 4, m1's 4 (then v0's 4, v1's 4), bytes; dwords 0 4 1 5 (m), 2 6 3 7 (v)
-    const __m256i wm = _mm256_add_epi16(_mm256_packs_epi32(k0, k1), _mm256_set1_epi16(kSignedZero));
-    const __m256i wv = _mm256_packs_epi32(c2, c3);  // codes 0 .. 255
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(wm, wv), order);
+    // per 128-bit lane: bytes of c0's 4, c1's 4 (m), c2's 4, c3's 4 (v); dwords 0 4 1 5 (m), 2 6 3 7 (v)
+    const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    const __m256i regions = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
+    const __m256i code_max = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(qm.code_max16))), regions);
+    const __m256i c = _mm256_min_epu8(codes, code_max);
+    const __m256i sign = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(m0), _mm256_castps_si256(m1)),
+                                            _mm256_setzero_si256());
+    const __m256i negative = _mm256_subs_epu8(_mm256_set1_epi8(static_cast<char>(2 * kSignedZero)), c);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_blendv_epi8(c, negative, sign),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mout), _mm256_castsi256_si128(b));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(vout), _mm256_extracti128_si256(b, 1));
   }

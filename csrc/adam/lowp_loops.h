@@ -216,13 +216,19 @@ struct Loops {
       Slot& se = slots[(n + 2) % 3];
       F mmax = V::set1(0.0f), vmax = V::set1(0.0f);
       if (dec && stp && enc && b_dec + kQuantBlock <= e) {  // all three whole blocks
+        // the running maxima in copies whose address never escapes (refit takes mmax by reference): a vector type
+        // may alias any float, so the escaped ones went through memory at every store of the loop
+        F mm = mmax, vm = vmax, bd = bad;
         for (int64_t j = 0; j < kQuantBlock; j += kStride) {
           prefetch(a, b_dec + kPrefetchBlocks * kQuantBlock + j, e);
           // the step first: its chain through the divider is the longest, the other two fill its wait
-          step_vectors(a, b_stp, j, ss, mmax, vmax, bad);
+          step_vectors(a, b_stp, j, ss, mm, vm, bd);
           encode_stride(a, b_enc, j, se);
           decode_vectors(a, b_dec, j, sd);
         }
+        mmax = mm;
+        vmax = vm;
+        bad = bd;
       } else {
         if (dec) decode_block(a, b_dec, end_of(b_dec, e), sd);
         if (stp) {

@@ -85,7 +85,7 @@ void build_regions8(QuantMap& q, const float (&region)[8], bool& valid) {
     const float lo = t == 0 ? 0.0f : scalar_ops::f32_from_bits(e << 23), hi = scalar_ops::f32_from_bits((e + 2) << 23);
     int below = 0, inside = 0;
     for (float m : region) below += m < lo, inside += m >= lo && m < hi;
-    q.pair_below[t] = static_cast<uint8_t>(below);
+    q.pair_below[t] = static_cast<uint8_t>(below + (t > 0 && !q.is_signed ? 8 : 0));  // (quant.h)
     // one comparison settles the pair; mid8[below] exists; entry 0 is 0 (the kernel's vpshufb reads it for the
     // other three bytes of each lane)
     if (inside > 1 || below > 7 || (t == 0 && below != 0)) valid = false;
@@ -180,10 +180,31 @@ Built build(bool is_signed) {
   return b;
 }
 
+struct Maps {
+  Built s, u;
+};
+
+// Both maps, and their shared clamp table code_max16 (quant.h).
+Maps build_maps() {
+  Maps b{build(true), build(false)};
+  for (QuantMap* q : {&b.s.map, &b.u.map}) {
+    for (int r = 0; r < 8; ++r) {
+      q->code_max16[r] = static_cast<uint8_t>(b.s.map.code_max8[r]);
+      q->code_max16[8 + r] = static_cast<uint8_t>(b.u.map.code_max8[r]);
+    }
+  }
+  // the signed map's region 8 reads entry 8: both maps' line 0 must clamp alike; every clamp fits a byte
+  const bool fits = b.s.map.code_max8[0] == b.u.map.code_max8[0] &&
+                    std::all_of(b.s.map.code_max8, b.s.map.code_max8 + 8, [](int32_t c) { return c >= 0 && c < 256; }) &&
+                    std::all_of(b.u.map.code_max8, b.u.map.code_max8 + 8, [](int32_t c) { return c >= 0 && c < 256; });
+  b.s.valid = b.s.valid && fits;
+  b.u.valid = b.u.valid && fits;
+  return b;
+}
+
 const Built& built(bool is_signed) {
-  static const Built s = build(true);
-  static const Built u = build(false);
-  return is_signed ? s : u;
+  static const Maps b = build_maps();
+  return is_signed ? b.s : b.u;
 }
 
 }  // namespace

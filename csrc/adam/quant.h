@@ -70,12 +70,17 @@ struct QuantMap {
   // (a pair, 4x, holds at most one; they are ~10x apart); one comparison with the next one, mid8, gives the region
   // r in 0 .. 8, and line r % 8: regions 0 (below the first magnitude's midpoint) and 8 (above the last midpoint)
   // share the line P = (zero + 1/2 + 512 y) kPosUnit, clamped to zero + max_k: 512 y < 1/2 in region 0, and
-  // 512 y > max_k in region 8. Lines 1 .. 7 are the decades', as in pos_scale.
+  // 512 y > max_k in region 8. Lines 1 .. 7 are the decades', as in pos_scale. The unsigned map's pair_below
+  // entries but the first carry + 8 (its r is 0 or 8 .. 16), which the 8-entry tables ignore: the int8 Adam encode
+  // looks both maps' clamps up in one 16-byte table by r (code_max16).
   alignas(16) uint8_t pair_below[16];
   alignas(32) float mid8[8];
   alignas(32) float pos_scale8[8];
   alignas(32) float pos_offset8[8];
   alignas(32) int32_t code_max8[8];
+  // code_max8 as bytes by r % 16, the same in both maps: the signed map's lines 0 .. 7, then the unsigned map's (the
+  // signed map's region 8 reads entry 8, line 0's of the unsigned map, the same 255; the unsigned map's r 16 entry 0)
+  alignas(16) uint8_t code_max16[16];
   int32_t zero;            // the code of 0 (127 signed, 0 unsigned)
   int32_t max_k;           // largest magnitude index (128 signed: 1.0; 255 unsigned)
   int32_t max_neg_k;       // largest magnitude index of a negative value (127: the map has no -1.0)

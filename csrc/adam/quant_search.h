@@ -35,15 +35,16 @@ static inline int quick_code(const QuantMap& q, float y, bool* deferred) {
   return c < q.region_code_max[r] ? c : q.region_code_max[r];
 }
 
-// The AVX2 kernel's arithmetic search (quant.h): the same as quick_code, with the 8-entry tables.
+// The AVX2 kernel's arithmetic search (quant.h): the same as quick_code, with the 8-entry tables (by r % 8) and the
+// clamp of its int8 Adam encode (code_max16, by r % 16).
 static inline int quick_code8(const QuantMap& q, float y, bool* deferred) {
   const uint32_t bits = scalar_ops::f32_bits(y), pair = bits >> 24;
   const int below = q.pair_below[pair > kPairBase ? pair - kPairBase : 0];
-  const int r = (below + (y > q.mid8[below])) & 7;
-  const int32_t u = static_cast<int32_t>(std::nearbyint(std::fma(y, q.pos_scale8[r], -q.pos_offset8[r])));
+  const int r = below + (y > q.mid8[below & 7]), line = r & 7;
+  const int32_t u = static_cast<int32_t>(std::nearbyint(std::fma(y, q.pos_scale8[line], -q.pos_offset8[line])));
   *deferred = (u & (kPosUnit - 1)) == 0;
-  const int c = u >> kPosBits;
-  return c < q.code_max8[r] ? c : q.code_max8[r];
+  const int c = u >> kPosBits, code_max = q.code_max16[r & 15];
+  return c < code_max ? c : code_max;
 }
 
 // The AVX2 kernel's decode of a code (before the block scale): rank * B + C in one rounding, B and C the 8-entry
