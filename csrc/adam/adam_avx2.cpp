@@ -385,6 +385,7 @@ struct V {
   // lowp_loops.h's kSticky: the running maxima as unsigned integers of the bits (NaN and inf stay in them)
   static constexpr bool kSticky = true;
   static constexpr int kAdamVectors = 2;  // lowp_loops.h: the int8 Adam loop's scalar overhead halved
+  static constexpr bool kEncodeApart = true;  // lowp_loops.h: 16 registers do not hold the three stages at once
   static SWAPIO_INLINE F smax(F acc, F x) {
     return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), _mm256_castps_si256(x)));
   }

@@ -47,6 +47,12 @@ struct adam_vectors : std::integral_constant<int, 1> {};
 template <class V>
 struct adam_vectors<V, std::enable_if_t<(V::kAdamVectors > 0)>> : std::integral_constant<int, V::kAdamVectors> {};
 
+// V::kEncodeApart (default false): blockwise() encodes a block in a loop of its own (below).
+template <class V, class = void>
+struct encode_apart : std::false_type {};
+template <class V>
+struct encode_apart<V, std::enable_if_t<V::kEncodeApart>> : std::true_type {};
+
 inline float bits_f32(uint32_t u) {
   float f;
   __builtin_memcpy(&f, &u, sizeof f);
@@ -190,8 +196,12 @@ struct Loops {
   // permutes, the divider, the code search), which the core then overlaps; run as one pass after another, each
   // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
   // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
+  // A V with kEncodeApart (AVX2) encodes a block in a loop of its own after the step and decode of the next: with
+  // 16 vector registers the three stages in one loop kept spilling, and the code search alone in a loop keeps its
+  // constants in registers (8 % faster on Zen 5, benchmarks/RESULTS.md); the step and decode still overlap.
   static constexpr int64_t kEnc = two ? W : 2 * W;  // elements per encode_vectors: Lion encodes two vectors at once
   static constexpr int64_t kStride = two ? adam_vectors<V>::value * W : 2 * W;  // elements per iteration
+  static constexpr bool kEncodeApart = encode_apart<V>::value;
 
   struct Slot {  // one block in flight
     alignas(64) float m[kQuantBlock];
@@ -223,12 +233,15 @@ struct Loops {
           prefetch(a, b_dec + kPrefetchBlocks * kQuantBlock + j, e);
           // the step first: its chain through the divider is the longest, the other two fill its wait
           step_vectors(a, b_stp, j, ss, mm, vm, bd);
-          encode_stride(a, b_enc, j, se);
+          if constexpr (!kEncodeApart) encode_stride(a, b_enc, j, se);
           decode_vectors(a, b_dec, j, sd);
         }
         mmax = mm;
         vmax = vm;
         bad = bd;
+        if constexpr (kEncodeApart) {
+          for (int64_t j = 0; j < kQuantBlock; j += kStride) encode_stride(a, b_enc, j, se);
+        }
       } else {
         if (dec) decode_block(a, b_dec, end_of(b_dec, e), sd);
         if (stp) {
