@@ -193,13 +193,14 @@ AdamConsts adam_consts(const AdamHyper& h) {
   return c;
 }
 
-void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx) {
+void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx, bool long_tiles) {
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (n < kMinParallel || threads <= 1) {
     fn(ctx, 0, n);
     return;
   }
-  parallel_for(n, kTile, threads, fn, ctx);
+  const int64_t tile = long_tiles ? std::clamp<int64_t>(n / (4 * threads) / kTile * kTile, kTile, 4 * kTile) : kTile;
+  parallel_for(n, tile, threads, fn, ctx);
 }
 
 void adam_step(float* param, const void* grad, DType grad_dtype, float* exp_avg, float* exp_avg_sq,

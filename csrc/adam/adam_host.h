@@ -32,8 +32,9 @@ void check_adam_hyper(const AdamHyper& h, const char* who);
 AdamConsts adam_consts(const AdamHyper& h);
 
 // Runs fn over [0, n) in tiles of a multiple of kQuantBlock elements on up to `threads` threads (the caller
-// is one; 0 = hardware concurrency); small steps run on the calling thread only.
-void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx);
+// is one; 0 = hardware concurrency); small steps run on the calling thread only. long_tiles: tiles up to 4x
+// longer while every thread still gets at least 4 (the int8 loops' pipeline fills and drains at each tile's ends).
+void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx, bool long_tiles = false);
 
 }  // namespace adam
 }  // namespace swapio

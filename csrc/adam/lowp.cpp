@@ -68,7 +68,7 @@ int64_t run(const LowpArgs& a, LowpKernel kernel, int64_t n, int threads) {
   Task t;
   t.kernel = kernel;
   t.args = &a;
-  run_tiled(n, threads, run_tile, &t);
+  run_tiled(n, threads, run_tile, &t, a.state == StateType::kInt8);
   return t.nonfinite.load();
 }
 
