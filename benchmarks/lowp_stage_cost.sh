@@ -23,7 +23,7 @@ build() {  # build NAME: the harness against $work/NAME/csrc
   wait
   g++ "$work/$1"/*.o -o "$work/$1/bench" -lpthread
 }
-variant() {  # variant NAME 'the line of lowp_loops.h's whole-block loop to take out'
+variant() {  # variant NAME 'the call of lowp_loops.h's whole-block loops to take out (every occurrence)'
   mkdir -p "$work/$1"
   cp -r csrc "$work/$1/csrc"
   if [[ -n "$2" ]]; then
@@ -32,14 +32,14 @@ variant() {  # variant NAME 'the line of lowp_loops.h's whole-block loop to take
 import sys
 path, line = sys.argv[1], sys.argv[2]
 text = open(path).read()
-open(path, "w").write(text.replace(line, "(void)0;", 1))
+open(path, "w").write(text.replace(line, "(void)0;"))
 PY
   fi
   build "$1"
 }
 variant whole ""
 variant no_encode "encode_stride(a, b_enc, j, se);"
-variant no_step "step_vectors(a, b_stp, j, ss, mmax, vmax, bad);"
+variant no_step "step_vectors(a, b_stp, j, ss, mm, vm, bd);"
 echo "ns per element, $n elements, 1 thread, thread CPU time, best of 25 ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))"
 printf '%-8s %-6s %10s %10s %10s\n' level algo whole no_encode no_step
 for lvl in "${levels[@]}"; do
