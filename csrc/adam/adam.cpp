@@ -199,7 +199,8 @@ void run_tiled(int64_t n, int threads, TileFn fn, const void* ctx, bool long_til
     fn(ctx, 0, n);
     return;
   }
-  const int64_t tile = long_tiles ? std::clamp<int64_t>(n / (4 * threads) / kTile * kTile, kTile, 4 * kTile) : kTile;
+  const int64_t per_thread = n / (4 * static_cast<int64_t>(threads));
+  const int64_t tile = long_tiles ? std::clamp<int64_t>(per_thread / kTile * kTile, kTile, 4 * kTile) : kTile;
   parallel_for(n, tile, threads, fn, ctx);
 }
 

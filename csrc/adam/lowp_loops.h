@@ -197,8 +197,8 @@ struct Loops {
   // was bound by its own unit while the others idled (and fused per vector, one long chain left too few vectors
   // in flight). Blocks at the ends of the range, and a partial last block, run their stages one after another.
   // A V with kEncodeApart (AVX2) encodes a block in a loop of its own after the step and decode of the next: with
-  // 16 vector registers the three stages in one loop kept spilling, and the code search alone in a loop keeps its
-  // constants in registers (8 % faster on Zen 5, benchmarks/RESULTS.md); the step and decode still overlap.
+  // 16 vector registers the three stages in one loop kept spilling; the step and decode together, and the encode
+  // alone, fit (8 % faster on Zen 5, benchmarks/RESULTS.md).
   static constexpr int64_t kEnc = two ? W : 2 * W;  // elements per encode_vectors: Lion encodes two vectors at once
   static constexpr int64_t kStride = two ? adam_vectors<V>::value * W : 2 * W;  // elements per iteration
   static constexpr bool kEncodeApart = encode_apart<V>::value;

@@ -194,9 +194,10 @@ Maps build_maps() {
     }
   }
   // the signed map's region 8 reads entry 8: both maps' line 0 must clamp alike; every clamp fits a byte
-  const bool fits = b.s.map.code_max8[0] == b.u.map.code_max8[0] &&
-                    std::all_of(b.s.map.code_max8, b.s.map.code_max8 + 8, [](int32_t c) { return c >= 0 && c < 256; }) &&
-                    std::all_of(b.u.map.code_max8, b.u.map.code_max8 + 8, [](int32_t c) { return c >= 0 && c < 256; });
+  auto bytes = [](const QuantMap& q) {
+    return std::all_of(q.code_max8, q.code_max8 + 8, [](int32_t c) { return c >= 0 && c < 256; });
+  };
+  const bool fits = b.s.map.code_max8[0] == b.u.map.code_max8[0] && bytes(b.s.map) && bytes(b.u.map);
   b.s.valid = b.s.valid && fits;
   b.u.valid = b.u.valid && fits;
   return b;
