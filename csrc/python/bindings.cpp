@@ -50,19 +50,33 @@ io::DirectMode parse_direct(py::object direct) {
 }
 
 // A page-locked block exposed through the buffer protocol, so torch.frombuffer can wrap it without a copy.
-// `on_free` (if set) runs just before the memory goes: the Python layer unregisters it from CUDA there.
+// `on_free` (if set) runs just before the memory goes: the Python layer unregisters it (from CUDA too) there.
 struct PinnedBuffer {
   mem::PinnedBlock block;
   py::object on_free = py::none();
   ~PinnedBuffer() {
-    if (!on_free.is_none()) {
+    if (!on_free.is_none()) release();
+    mem::pinned_free(block);
+  }
+  // A Ctrl-C that lands in the hook (Python, between its bytecodes) would leave the block registered after its
+  // memory went: the hook runs again, and the KeyboardInterrupt, which a destructor cannot raise, is delivered
+  // right after it (as a Ctrl-C that arrived then).
+  void release() {
+    bool interrupted = false;
+    for (int attempt = 0; attempt < 2; ++attempt) {
       try {
         on_free(reinterpret_cast<uintptr_t>(block.ptr));
+        break;
       } catch (py::error_already_set& e) {
+        if (attempt == 0 && e.matches(PyExc_KeyboardInterrupt)) {
+          interrupted = true;
+          continue;
+        }
         e.discard_as_unraisable("swapio pinned buffer release");
+        break;
       }
     }
-    mem::pinned_free(block);
+    if (interrupted) PyErr_SetInterrupt();
   }
 };
 

@@ -15,6 +15,10 @@ from ._cudart import clear_last_error
 from ._errors import check_int, warn_once
 
 _lock = threading.Lock()
+# The live blocks: start -> end, and their starts sorted for lookups. A Ctrl-C (KeyboardInterrupt, raised between
+# bytecodes) can stop a change half done, so the changes keep in order that every start in _starts is in _ends:
+# a block is added to _ends first, removed from _starts first. What an interrupted change can leave is an entry of
+# _ends alone, which no lookup sees and the next change at that address replaces.
 _starts: List[int] = []   # sorted start addresses of live pinned blocks
 _ends: Dict[int, int] = {}     # start -> end
 _cuda_registered: Set[int] = set()  # starts of blocks registered with CUDA
@@ -26,9 +30,12 @@ _at_cuda_init = [False]  # whether _register_live_blocks is queued to run when t
 
 def _register(start: int, end: int) -> None:
     with _lock:
-        bisect.insort(_starts, start)
+        old = _ends.get(start)  # a block that died unregistered: its address is only reused once it is unmapped
         _ends[start] = end
-        _live[0] += end - start
+        i = bisect.bisect_left(_starts, start)
+        if i == len(_starts) or _starts[i] != start:
+            _starts.insert(i, start)
+        _live[0] += end - start - (old - start if old is not None else 0)
         _live[1] = max(_live[1], _live[0])
 
 
@@ -37,7 +44,9 @@ def _unregister(start: int) -> bool:
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:
             del _starts[i]
-            _live[0] -= _ends.pop(start) - start
+        end = _ends.pop(start, None)
+        if end is not None:
+            _live[0] -= end - start
         registered = start in _cuda_registered
         _cuda_registered.discard(start)
     return registered
@@ -48,7 +57,8 @@ def pinned_bytes(reset_peak: bool = False) -> Tuple[int, int]:
     own accounting, which also counts blocks the kernel refused to lock (RLIMIT_MEMLOCK). reset_peak=True
     starts the peak afresh at the current figure, after returning it."""
     with _lock:
-        out = (_live[0], _live[1])
+        _live[0] = sum(end - start for start, end in _ends.items())  # exact again after an interrupted change
+        out = (_live[0], max(_live[1], _live[0]))
         if reset_peak:
             _live[1] = _live[0]
     return out
@@ -64,8 +74,9 @@ def _cuda_in_use() -> bool:
 def _block_of(ptr: int) -> Optional[Tuple[int, int]]:
     with _lock:
         i = bisect.bisect_right(_starts, ptr) - 1
-        if i >= 0 and ptr < _ends[_starts[i]]:
-            return _starts[i], _ends[_starts[i]]
+        end = _ends.get(_starts[i]) if i >= 0 else None
+        if end is not None and ptr < end:
+            return _starts[i], end
     return None
 
 

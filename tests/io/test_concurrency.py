@@ -262,7 +262,7 @@ def test_adjacent_unaligned_chunks_written_concurrently_to_one_file_all_land(tmp
 def test_pinned_buffers_freed_after_dropped_futures_settle(tmp_path):
     """A dropped future keeps its pinned source alive only until the I/O is done and accounted for."""
     h = swapio.AioHandle()
-    before = len(swapio.core.pinned._starts)
+    before = len(swapio.core.pinned._ends)
     for i in range(20):
         buf = swapio.empty_pinned((8192,), torch.uint8)
         buf.copy_(random_bytes(8192, seed=i))
@@ -271,6 +271,6 @@ def test_pinned_buffers_freed_after_dropped_futures_settle(tmp_path):
     wait_handle(h)
     close_handle(h)
     gc.collect()
-    assert len(swapio.core.pinned._starts) == before
+    assert len(swapio.core.pinned._ends) == before
     assert read_file(tmp_path / "p19.bin") == as_bytes(random_bytes(8192, seed=19))
     assert os.path.getsize(tmp_path / "p0.bin") == 8192

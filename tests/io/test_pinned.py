@@ -11,7 +11,7 @@ from conftest import TIMEOUT, random_bytes, read_file, as_bytes
 
 
 def live_blocks():
-    return len(swapio.core.pinned._starts)
+    return len(swapio.core.pinned._ends)
 
 
 @pytest.mark.parametrize("shape,dtype", [((1,), torch.uint8), ((4095,), torch.uint8), ((1000, 3), torch.float32),
@@ -137,3 +137,52 @@ def test_pinned_block_larger_than_memlock_limit_still_works():
     t.fill_(3)
     assert t.data_ptr() % 4096 == 0 and bool((t[-10:] == 3).all())
     assert swapio.is_pinned(t)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_in_a_blocks_release_is_delivered_after_it_and_leaves_the_registry_right(monkeypatch):
+    """A Ctrl-C that lands while a freed block's release hook runs: the hook finishes (the block leaves the registry
+    before its memory goes), the KeyboardInterrupt comes right after, and a new block at that address is found
+    and released right. (The interrupted hook's Ctrl-C was dropped, the block stayed registered, and the next block
+    mapped at its address made the registry raise KeyError on every lookup.)"""
+    pinned = swapio.core.pinned
+    real, calls = pinned._unregister, []
+
+    def ctrl_c_at_first(start):
+        calls.append(start)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(start)
+
+    monkeypatch.setattr(pinned, "_unregister", ctrl_c_at_first)
+    t = swapio.empty_pinned((1 << 20,), torch.uint8)
+    start = t.data_ptr()
+    with pytest.raises(KeyboardInterrupt):  # delivered within a few bytecodes, as a real Ctrl-C
+        del t
+        for _ in range(3):
+            pass
+    assert calls == [start, start]
+    assert start not in pinned._ends and start not in pinned._starts
+    monkeypatch.undo()
+    for _ in range(3):  # the same size again: mapped at that address as a rule
+        u = swapio.empty_pinned((1 << 20,), torch.uint8)
+        assert swapio.is_pinned(u[7:]) and pinned._block_of(u.data_ptr() + 7)[0] == u.data_ptr()
+        del u
+    assert not swapio.is_pinned(torch.empty(4)) and pinned._starts == sorted(pinned._ends)
+
+
+def test_a_block_that_died_registered_is_replaced_by_the_next_at_its_address():
+    """If a block's release never ran (its memory gone, its entry left), the next block mapped at that address takes
+    the entry over: one entry, found by lookups, gone when that block is freed."""
+    pinned = swapio.core.pinned
+    t = swapio.empty_pinned((1 << 20,), torch.uint8)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel()
+    del t
+    pinned._register(start, end)  # as if the release had never run
+    before = len(pinned._starts)
+    pinned._register(start, end)  # the next block at that address
+    assert len(pinned._starts) == before and pinned._starts.count(start) == 1
+    assert pinned._block_of(start + 1) == (start, end)
+    assert not pinned._unregister(start)
+    assert pinned._block_of(start + 1) is None and start not in pinned._starts and start not in pinned._ends
+    assert not swapio.is_pinned(torch.empty(4))
