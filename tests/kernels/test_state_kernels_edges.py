@@ -1,0 +1,71 @@
+"""int8 Adam's encode at its edges, every SIMD level against the scalar level's bits: first moments on every
+midpoint of the signed map (and one float either side), of both signs, beside +-0, subnormals, and blocks whose
+maximum is negative, tiny or huge. With beta1 = beta2 = 0 the step's new moments are exactly the gradient (and its
+square), so the gradient places each moment where the test wants it."""
+import pytest
+import torch
+
+ops = pytest.importorskip("swapio.ops", reason="swapio is not built (python setup.py build_ext --inplace)")
+from swapio import quant  # noqa: E402
+
+from test_adam_kernel import SIMD_LEVELS, assert_bitwise_equal  # noqa: E402
+from test_state_kernels import zero_state  # noqa: E402
+
+EDGE = dict(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+
+
+def signed_midpoints():
+    mags = quant.code_values(True)[127:]  # 0 .. 1.0, ascending
+    return (mags[:-1] + mags[1:]) / 2  # float32, as the maps are built
+
+
+def around(y):
+    """y, and the floats just below and above it."""
+    return torch.stack([torch.nextafter(y, torch.zeros_like(y)), y, torch.nextafter(y, torch.full_like(y, 2.0))], 1)
+
+
+def edge_gradients():
+    """Blocks of 256: element 0 the block's maximum in magnitude (+-A), the rest y * A for the y under test. A is a
+    power of two, so y = |g| / A is exact."""
+    ys = around(signed_midpoints()).flatten()
+    extra = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-39, 1.0, -1.0, 0.5, 1e-7, 1e-6])
+    ys = torch.cat([ys, -ys, extra])
+    blocks = []
+    for b, scale in enumerate([1.0, 2.0 ** -40, 2.0 ** 100, 2.0 ** -126]):
+        for start in range(0, len(ys), 255):
+            body = ys[start:start + 255] * scale
+            head = torch.tensor([scale if (b + start // 255) % 2 == 0 else -scale])
+            blocks.append(torch.cat([head, body, torch.zeros(255 - len(body))]))
+    blocks.append(torch.full((256,), 2.0 ** -127))  # a block below FLT_MIN: stored as zeros
+    return torch.cat(blocks + [torch.linspace(-1, 1, 37)])  # and a partial block
+
+
+def step_at(level, g):
+    n = g.numel()
+    p = torch.linspace(-1, 1, n)
+    st = zero_state(n, "int8")
+    for step in (1, 2):  # the second step decodes what the first encoded
+        ops.adam_step_(p, g, st["exp_avg"], st["exp_avg_sq"], step=step, capability=level,
+                       exp_avg_scale=st["exp_avg_scale"], exp_avg_sq_scale=st["exp_avg_sq_scale"], **EDGE)
+    return p, st
+
+
+def test_the_gradients_sit_on_the_midpoints():
+    """The inputs do what the level test needs: at every midpoint, the floats either side get different codes."""
+    g = edge_gradients()
+    _, st = step_at("scalar", g)
+    codes = st["exp_avg"][1:256].long()  # the first block (scale 1) after its maximum: 85 midpoints, 3 floats each
+    below, above = codes[0:255:3], codes[2:255:3]
+    assert torch.all(above == below + 1)
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS or [pytest.param("none", marks=pytest.mark.skip("no SIMD level"))])
+def test_simd_encode_edges_bit_identical_to_scalar(level):
+    g = edge_gradients()
+    p0, st0 = step_at("scalar", g)
+    p1, st1 = step_at(level, g)
+    for name in st0:
+        assert_bitwise_equal(st1[name], st0[name], f"{level} {name}")
+    assert_bitwise_equal(p1, p0, f"{level} param")
+    codes = st0["exp_avg"]
+    assert int(codes.min()) == 0 and int(codes.max()) == 255  # -A (the map's -max) and +A both occur
