@@ -486,16 +486,21 @@ def test_long_tensors_on_several_threads(level, algo, n):
 
 # ---- found by this file: a negative second-moment scale ---------------------------------------------------------
 
-@pytest.mark.parametrize("level", LEVELS)
-def test_negative_second_moment_scale_gives_the_scalar_bits(level):
-    """Fails on avx2 (not fixed here). State that no swapio code writes but a caller of swapio.ops can pass (or a
-    damaged state file hold): exp_avg_sq codes 255 under exp_avg_sq_scale -1.0, so v decodes to -1.0 and the step
-    (beta2 = 0.5, g = 0) makes v = -0.5. The scalar and AVX-512 levels store the block's scale 0 (their running
-    maximum of v starts at +0 and passes over negatives) and code 0. AVX2's maximum of the bits takes the negative
-    v for a non-finite one, refits with |v| and stores scale 0.5, then encodes y = v / 0.5 = -1 as 255 in the
-    blocks it encodes one by one (the last two) and as 0 in the pipelined loop (encode4a; 255 there too before
-    it). swapio.ops.adam_step_reference_ stores 255 under 0.5. Block 0 runs through the pipelined loop."""
+@pytest.mark.parametrize("name", ["exp_avg_scale", "exp_avg_sq_scale"])
+@pytest.mark.parametrize("bad", [-1.0, -0.0, -float("inf")], ids=str)
+def test_a_negative_scale_is_refused_before_the_kernel_runs(name, bad):
+    """A scale is a block's largest magnitude: no swapio code writes one below 0, but a caller of swapio.ops can pass
+    one (or a damaged state file hold it). On such state the levels disagreed (AVX2 refitted a negative v as if it
+    were not finite), so it is refused with a ValueError naming the tensor, and nothing is changed."""
     n = 3 * BLOCK
-    st0 = {"exp_avg": torch.full((n,), ZERO, dtype=torch.uint8), "exp_avg_scale": torch.zeros(3),
-           "exp_avg_sq": torch.full((n,), 255, dtype=torch.uint8), "exp_avg_sq_scale": torch.full((3,), -1.0)}
-    lockstep("adam", [("scalar", 1), (level, 1)], torch.zeros(n), st0, [(torch.zeros(n), ADAM_HALF)])
+    st = {"exp_avg": torch.full((n,), ZERO, dtype=torch.uint8), "exp_avg_scale": torch.zeros(3),
+          "exp_avg_sq": torch.full((n,), 255, dtype=torch.uint8), "exp_avg_sq_scale": torch.ones(3)}
+    st[name][1] = bad
+    before = {k: v.clone() for k, v in st.items()}
+    p = torch.zeros(n)
+    with pytest.raises(ValueError, match=name):
+        ops.adam_step_(p, torch.zeros(n), st["exp_avg"], st["exp_avg_sq"], step=1,
+                       exp_avg_scale=st["exp_avg_scale"], exp_avg_sq_scale=st["exp_avg_sq_scale"], **ADAM_HALF)
+    assert torch.equal(p, torch.zeros(n))
+    for k in st:
+        assert torch.equal(st[k], before[k]) and torch.equal(torch.signbit(st[k].float()), torch.signbit(before[k].float()))
