@@ -53,8 +53,12 @@ class CpuState:
                     st = state[w.p]
                     missing = [name for name in w.fields if name not in st]
                     if missing:
-                        raise RuntimeError(f"the state of a parameter has no {missing}: its group's options "
-                                           "(amsgrad) changed after its first step")
+                        # which fields a parameter keeps follows its group's options (Adam's amsgrad) and, for
+                        # Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors)
+                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} has no {missing}: "
+                                           "its group's options (amsgrad) or its number of dimensions (p.data "
+                                           "replaced, for OffloadAdafactor) changed after its first step; give "
+                                           "the optimizer a new parameter instead")
                     stored = {name: st[name] for name in w.fields}
                 fields = {name: t.view(-1) for name, t in stored.items()}
                 if w.new:

@@ -204,8 +204,10 @@ class NvmeState:
                     continue
                 if self.state.get(p):
                     raise RuntimeError(
-                        "a parameter changed dtype, device, contiguity or amsgrad after the optimizer placed its "
-                        f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {shard(p).device})")
+                        "a parameter changed dtype, device, contiguity, amsgrad or (OffloadAdafactor: a vector keeps "
+                        "variance, a matrix its factors) number of dimensions after the optimizer placed its "
+                        f"state (was {where[0]} on {'cuda' if where[1] else 'cpu'}, now {fields} on {shard(p).device} "
+                        f"with shape {tuple(shard(p).shape)}); give the optimizer a new parameter instead")
                 self.forget(p)
             new.append((p, fields, cuda))
         if not new:

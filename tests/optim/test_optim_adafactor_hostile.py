@@ -163,3 +163,26 @@ def test_transformers_adafactor_arguments_are_named_as_not_offered():
     p = torch.nn.Parameter(torch.randn(3, 3))
     with pytest.raises(TypeError, match=r"transformers.Adafactor's \['relative_step', 'scale_parameter'\]"):
         so.OffloadAdafactor([p], lr=None, relative_step=True, scale_parameter=True)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("old, new", [((24,), (4, 6)), ((4, 6), (24,))])
+def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(offload, old, new, tmp_path):
+    """p.data replaced by a tensor of another number of dimensions after the first step: a vector keeps `variance`,
+    a matrix its factors, so its state no longer fits (torch.optim.Adafactor fails too). Refused before anything
+    changes, by a message that names the dimensions, not only Adam's amsgrad."""
+    p = torch.nn.Parameter(torch.randn(old))
+    opt = so.OffloadAdafactor([p], offload=offload, swap_dir=tmp_path)
+    p.grad = torch.randn(old)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    p.data, p.grad = torch.randn(new), torch.randn(new)
+    value = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"number of dimensions.*give the optimizer a new parameter"):
+        opt.step()
+    assert torch.equal(p.detach(), value)
+    assert float(opt.state[p]["step"]) == 1.0
+    p.data = torch.randn(old)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    opt.close()
