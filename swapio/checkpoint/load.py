@@ -29,7 +29,7 @@ from ..safetensors.opened import open_checkpoint
 from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
 from .format import skeleton_of
-from .structure import flatten, tensor_nodes, unflatten
+from .structure import dense, flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # CPU tensors at least this big are read by their own request (see the module)
@@ -62,9 +62,12 @@ class _Target:
         self.stride = None
         if "stride" in node:
             stride = node["stride"]
+            # only what save writes, a dense order of the elements: other strides would make empty_strided
+            # allocate what the file names (terabytes), overflow, or alias elements to each other
             if not isinstance(stride, list) or len(stride) != len(self.shape) \
-                    or not all(type(s) is int and s >= 0 for s in stride):
-                raise ValueError(f"{where}: tensor {name!r} has malformed strides {node['stride']!r}")
+                    or not all(type(s) is int and s >= 0 for s in stride) or not dense(self.shape, stride):
+                raise ValueError(f"{where}: tensor {name!r} has malformed strides {str(node['stride'])[:200]} (save "
+                                 f"writes strides that hold its shape {list(self.shape)} densely)")
             self.stride = tuple(stride)
 
     def byte_view(self, t):

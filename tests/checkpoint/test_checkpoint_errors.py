@@ -106,6 +106,11 @@ _BAD_STRUCTURES = {
     "value-a-list": (_structure(step='{"V": [1, 2]}'), "structure.*malformed"),
     "stride-an-int": (_structure(a='{"T": "model.a", "stride": 5}'), r"'model\.a' has malformed strides"),
     "stride-null": (_structure(a='{"T": "model.a", "stride": null}'), r"'model\.a' has malformed strides"),
+    # strides save never writes (it writes a dense permutation only): taken before, even with out= given
+    "stride-gaps": (_structure(a='{"T": "model.a", "stride": [2]}'), r"'model\.a' has malformed strides"),
+    "stride-overlap": (_structure(a='{"T": "model.a", "stride": [0]}'), r"'model\.a' has malformed strides"),
+    "stride-huge": (_structure(a='{"T": "model.a", "stride": [4611686018427387904]}'),
+                    r"'model\.a' has malformed strides"),
 }
 
 
@@ -245,6 +250,37 @@ def test_a_nested_tensor_is_a_type_error_naming_its_key(tmp_path):
     with pytest.raises(TypeError, match=r"state\['m'\]\['n'\]: a nested tensor"):
         swapio.checkpoint.save({"m": {"n": nested}}, tmp_path / "c.safetensors")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("stride", [[1, 1], [0, 0], [2**40, 1], [2**62, 2**62], [3, 1]],
+                         ids=["overlapping", "zero", "huge", "overflowing", "gaps"])
+def test_tampered_strides_are_a_value_error_not_a_huge_allocation_or_overlapping_values(tmp_path, stride):
+    """A transposed tensor comes back with the strides the structure records; strides that do not cover its
+    shape densely (which save never writes) were handed to empty_strided: a terabyte allocation, torch's
+    overflow error, or (overlapping) a tensor whose elements alias each other, loaded without a word."""
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"a": torch.arange(6.).reshape(2, 3).t()}, path)
+    assert swapio.checkpoint.load(path)["a"].stride() == (1, 3)
+    _rewrite_header(path, lambda h: h["__metadata__"].update(
+        structure=json.dumps({"D": [["a", {"T": "a", "stride": stride}]]})))
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'a' has malformed strides"):
+        swapio.checkpoint.load(path)
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4"])
+def test_a_structure_naming_a_quantized_dtype_is_a_value_error_not_a_crash(tmp_path, dtype):
+    """Raw-stored tensors (complex128 here) record their dtype in the structure; a tampered one naming a quantized
+    dtype (which save refuses) made load build a quantized tensor and view its bytes: a segmentation fault."""
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"a": torch.zeros(6, dtype=torch.complex128)}, path)
+
+    def edit(h):
+        itemsize = getattr(torch, dtype).itemsize
+        h["a"]["shape"] = [96 // itemsize, itemsize]
+        h["__metadata__"]["structure"] = json.dumps({"D": [["a", {"T": "a", "dtype": dtype}]]})
+    _rewrite_header(path, edit)
+    with pytest.raises(ValueError, match=rf"c\.safetensors.*'a'.*{dtype}"):
+        swapio.checkpoint.load(path)
 
 
 def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path):
