@@ -53,12 +53,7 @@ class _Target:
             self.shape = tuple(loc.shape[:-1])
         else:
             self.dtype, self.shape = loc.dtype, tuple(loc.shape)
-        extent = self.dtype.itemsize
-        for n in self.shape:
-            extent *= max(n, 1)  # torch multiplies every dimension, a zero one included, and checks for overflow
-        if extent >= 1 << 63:
-            raise ValueError(f"{where}: tensor {name!r} has shape {list(self.shape)}, whose storage size overflows "
-                             "64 bits")
+        # (a shape whose storage size overflows was refused with the header: a raw one's is the same)
         self.stride = None
         if "stride" in node:
             stride = node["stride"]
