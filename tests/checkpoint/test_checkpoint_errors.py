@@ -312,3 +312,23 @@ def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call,
     with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
         getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("index, match", [
+    (b"[" * 100000 + b"]" * 100000, "nests deeper"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": 1.7, "save_id": "s"}', "not a swapio sharded"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": true, "save_id": "s"}', "not a swapio sharded"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "world_size": 2, "save_id": "s"}', "twice"),
+    (b"\xff\xfe{}", "not UTF-8"),
+], ids=["deeply-nested", "world-size-float", "world-size-bool", "duplicate-key", "utf16"])
+def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, match):
+    """The index of a save(distributed=True) comes from outside like its files: a deeply nested one raised
+    RecursionError from json, and a world size of 1.7 read as 1."""
+    from swapio.checkpoint import sharded
+    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata={sharded.META_SAVE_ID: "s"})
+    (tmp_path / sharded.INDEX).write_bytes(b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "save_id": "s"}')
+    assert torch.equal(swapio.checkpoint.load(tmp_path)["a"], torch.ones(3))  # a valid index loads
+    (tmp_path / sharded.INDEX).write_bytes(index)
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(tmp_path)
+    assert sharded.INDEX in str(info.value)
