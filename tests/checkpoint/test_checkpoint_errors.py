@@ -332,3 +332,24 @@ def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, m
     with pytest.raises(ValueError, match=match) as info:
         swapio.checkpoint.load(tmp_path)
     assert sharded.INDEX in str(info.value)
+
+
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_a_tensor_name_or_metadata_utf8_cannot_hold_is_a_value_error_before_any_file(tmp_path, call):
+    """A name with a lone surrogate (os.listdir gives them for file names that are not UTF-8) was written as a JSON
+    escape that the safetensors library refuses ("unexpected end of hex escape"): a file other readers cannot
+    open, though the format's promise is that they can. Other non-ASCII names are fine."""
+    st = pytest.importorskip("safetensors.torch")
+    save = getattr(swapio.checkpoint, call)
+    path = tmp_path / "c.safetensors"
+    done = save({"files": {"caf\u00e9-\U0001F600": torch.ones(2)}}, path)
+    if call == "async_save":
+        done.wait()
+    assert torch.equal(st.load_file(str(path))["files.caf\u00e9-\U0001F600"], torch.ones(2))
+    os.remove(path)
+    for state, metadata, match in [({"files": {"x\udcff": torch.ones(2)}}, None, r"tensor name 'files\.x\\udcff'"),
+                                   ({"a": torch.ones(2)}, {"k": "\ud800"}, r"metadata value '\\ud800'"),
+                                   ({"a": torch.ones(2)}, {"\ud800": "v"}, r"metadata key '\\ud800'")]:
+        with pytest.raises(ValueError, match=match + ".*not valid Unicode"):
+            save(state, path, metadata=metadata)
+        assert os.listdir(tmp_path) == []
