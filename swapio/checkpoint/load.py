@@ -253,5 +253,8 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
             raise error
     with torch.no_grad():
         for t, dest in after:
-            copyable(t).copy_(copyable(dest))
+            # an inference tensor (a model built under inference_mode) takes the copy as the direct reads above
+            # fill the contiguous ones: outside inference mode torch refuses it, after writing
+            with torch.inference_mode(t.is_inference()):
+                copyable(t).copy_(copyable(dest))
     return unflatten(skeleton, tensors)
