@@ -29,7 +29,7 @@ from ..safetensors.opened import open_checkpoint
 from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
 from .format import skeleton_of
-from .structure import flatten, tensor_nodes, unflatten
+from .structure import dense, flatten, tensor_nodes, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # CPU tensors at least this big are read by their own request (see the module)
@@ -53,18 +53,16 @@ class _Target:
             self.shape = tuple(loc.shape[:-1])
         else:
             self.dtype, self.shape = loc.dtype, tuple(loc.shape)
-        extent = self.dtype.itemsize
-        for n in self.shape:
-            extent *= max(n, 1)  # torch multiplies every dimension, a zero one included, and checks for overflow
-        if extent >= 1 << 63:
-            raise ValueError(f"{where}: tensor {name!r} has shape {list(self.shape)}, whose storage size overflows "
-                             "64 bits")
+        # (a shape whose storage size overflows was refused with the header: a raw one's is the same)
         self.stride = None
         if "stride" in node:
             stride = node["stride"]
+            # only what save writes, a dense order of the elements: other strides would make empty_strided
+            # allocate what the file names (terabytes), overflow, or alias elements to each other
             if not isinstance(stride, list) or len(stride) != len(self.shape) \
-                    or not all(type(s) is int and s >= 0 for s in stride):
-                raise ValueError(f"{where}: tensor {name!r} has malformed strides {node['stride']!r}")
+                    or not all(type(s) is int and s >= 0 for s in stride) or not dense(self.shape, stride):
+                raise ValueError(f"{where}: tensor {name!r} has malformed strides {str(node['stride'])[:200]} (save "
+                                 f"writes strides that hold its shape {list(self.shape)} densely)")
             self.stride = tuple(stride)
 
     def byte_view(self, t):
@@ -255,5 +253,8 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
             raise error
     with torch.no_grad():
         for t, dest in after:
-            copyable(t).copy_(copyable(dest))
+            # an inference tensor (a model built under inference_mode) takes the copy as the direct reads above
+            # fill the contiguous ones: outside inference mode torch refuses it, after writing
+            with torch.inference_mode(t.is_inference()):
+                copyable(t).copy_(copyable(dest))
     return unflatten(skeleton, tensors)

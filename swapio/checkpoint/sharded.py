@@ -12,6 +12,7 @@ import os
 import secrets
 
 from ..core import _durable
+from ..safetensors.header import MAX_HEADER, strict_json
 from ..safetensors.opened import open_checkpoint
 from .load import read_state
 from .save import save_file
@@ -70,11 +71,11 @@ def save(state, path, *, group=None, **kwargs):
 def load(path, *, group=None, **kwargs):
     """This rank's state from a sharded checkpoint saved by the same number of ranks (kwargs: read_state's)."""
     index_path = os.path.join(path, INDEX)
+    with open(index_path, "rb") as f:
+        index = strict_json(f.read(MAX_HEADER + 1), index_path)  # from outside: no RecursionError, no duplicates
     try:
-        with open(index_path) as f:
-            index = json.load(f)
-        world_saved, save_id = int(index["world_size"]), str(index["save_id"])
-        if index.get("format") != FORMAT:
+        world_saved, save_id = index["world_size"], str(index["save_id"])
+        if index.get("format") != FORMAT or type(world_saved) is not int:  # (not 1.7 read as 1, nor true)
             raise ValueError
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"{index_path}: not a swapio sharded checkpoint index") from None

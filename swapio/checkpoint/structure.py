@@ -33,18 +33,22 @@ def _identity(t):
     return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg()) if t.numel() else None
 
 
-def _dense_permuted(t):
-    """True when t covers its elements without gaps in another order than row-major (a transpose,
-    channels_last): load gives back those strides."""
-    if t.is_contiguous() or t.numel() <= 1:
-        return False
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+def dense(shape, stride):
+    """True when these strides place the shape's elements each at its own place, without gaps, in some order
+    (row-major, a transpose, channels_last): the memory holds exactly the elements."""
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
     expect = 1
     for s, n in dims:
         if s != expect:
             return False
         expect *= n
     return True
+
+
+def _dense_permuted(t):
+    """True when t covers its elements without gaps in another order than row-major (a transpose,
+    channels_last): load gives back those strides."""
+    return not t.is_contiguous() and t.numel() > 1 and dense(t.shape, t.stride())
 
 
 def flatten(state, placeholders=False):

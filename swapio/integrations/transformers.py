@@ -305,30 +305,30 @@ class OffloadedTrainerMixin:
 def _load_resident(model: Any, directory: str) -> None:
     """Copies the checkpoint's values into the model's resident tensors (kept_resident modules, buffers), one
     tensor at a time; offloaded weights (meta placeholders) are left to the optimizer's load, which rewrites them
-    from their fp32 master."""
-    import json
+    from their fp32 master. The checkpoint comes from outside: its headers and index are checked by
+    swapio.safetensors (shards inside the directory), and every tensor's shape and dtype before any is copied (a
+    copy_ would broadcast or cast a wrong one silently); a tensor missing from it is a ValueError, unless it is tied
+    to one found (save_checkpoint stores a tie once)."""
     from safetensors import safe_open
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
     import torch
-    index = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = json.load(f)["weight_map"]
-    elif os.path.isfile(os.path.join(directory, SAFE_WEIGHTS_NAME)):
-        files = None
-    else:
+    from ..safetensors import check_against, open_checkpoint
+    if not any(os.path.isfile(os.path.join(directory, n)) for n in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)):
         raise FileNotFoundError(f"{directory} holds no model weights ({SAFE_WEIGHTS_INDEX_NAME} or "
                                 f"{SAFE_WEIGHTS_NAME})")
+    checkpoint = open_checkpoint(directory)
     wanted = {name: t for name, t in model.state_dict(keep_vars=True).items()
               if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    found = {name: check_against(checkpoint, name, t.shape, t.dtype, directory)
+             for name, t in wanted.items() if name in checkpoint}
+    stored = {id(wanted[name]) for name in found}
+    for name, t in wanted.items():
+        if name not in found and id(t) not in stored:
+            check_against(checkpoint, name, t.shape, t.dtype, directory)  # the ValueError of a missing tensor
     with torch.no_grad():
-        for name, t in wanted.items():
-            file = SAFE_WEIGHTS_NAME if files is None else files.get(name)
-            if file is None:
-                continue  # a tie stored under another name: its twin is copied
-            with safe_open(os.path.join(directory, file), framework="pt") as f:
-                if name in f.keys():
-                    t.copy_(f.get_tensor(name))
+        for name, loc in found.items():
+            with safe_open(loc.path, framework="pt") as f:
+                wanted[name].copy_(f.get_tensor(name))
 
 
 def _swapio_trainer() -> Any:

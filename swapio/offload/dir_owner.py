@@ -11,12 +11,12 @@ index) is removed, and the space comes back, before anything is read or written.
 """
 import errno
 import gc
-import json
 import os
 import stat
 
 from ..core import _durable, _swapdir
 from ..core._errors import warn_once
+from ..safetensors.header import MAX_HEADER, strict_json
 
 INDEX = "swapio-weights.json"
 DATA_PREFIX, DATA_SUFFIX = "swapio-weights-", ".bin"
@@ -91,8 +91,8 @@ def committed_data(directory):
     if not os.path.lexists(path):
         return ""
     try:
-        with open(path) as f:
-            name = json.load(f).get("data")
+        with open(path, "rb") as f:
+            name = strict_json(f.read(MAX_HEADER + 1), path).get("data")  # (never a RecursionError)
     except (OSError, ValueError, AttributeError):
         return None
     plain = isinstance(name, str) and os.path.basename(name) == name and name.startswith(DATA_PREFIX) \

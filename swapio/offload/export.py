@@ -30,6 +30,7 @@ from ..safetensors import buffers, layout
 from ..safetensors.commit import PendingFile, commit_pending
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from ..safetensors.files import INDEX, SINGLE
+from ..safetensors.header import MAX_HEADER, strict_json
 from .export_tensors import Reader, items
 from .hf_model import is_transformers_model
 from .registry import offloaded
@@ -165,9 +166,10 @@ def _write(streamer, groups, files):
 
 def _named(directory):
     """The file names the index in directory names (none when it has no index, or one that cannot be read)."""
+    path = os.path.join(directory, INDEX)
     try:
-        with open(os.path.join(directory, INDEX), "rb") as f:
-            weight_map = json.loads(f.read()).get("weight_map")
+        with open(path, "rb") as f:
+            weight_map = strict_json(f.read(MAX_HEADER + 1), path).get("weight_map")  # (no RecursionError)
         return {v for v in weight_map.values() if isinstance(v, str)}
     except (OSError, ValueError, AttributeError):
         return set()

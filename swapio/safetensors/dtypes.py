@@ -34,6 +34,8 @@ def dtype_from_name(name, where):
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{where}: unknown dtype {name!r}")
+    if dtype in _QUANTIZED:  # never stored (stored_as refuses it); a tensor of it viewed as bytes crashes torch
+        raise ValueError(f"{where}: dtype {name!r} is quantized, which a checkpoint cannot hold")
     return dtype
 
 

@@ -121,6 +121,12 @@ def parse_header(path, raw, file_size):
         if data_start + end > file_size:
             raise ValueError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
                              f"{file_size} bytes (truncated)")
+        extent = dtype.itemsize
+        for n in shape:
+            extent *= max(n, 1)  # torch multiplies every dimension, a zero one included, and checks for overflow
+        if extent >= 1 << 63:
+            raise ValueError(f"{path}: tensor {name!r} has shape {list(shape)}, whose storage size overflows 64 "
+                             "bits")
         spans.append((begin, end, name))
         out[name] = Location(path, data_start + begin, nbytes, dtype, shape)
     _check_tiling(path, spans, file_size - data_start)

@@ -93,13 +93,26 @@ def plain(entries, metadata):
     return _pack(entries, order, metadata, 0)
 
 
+def _check_unicode(what, text):
+    """ValueError for a str UTF-8 cannot encode (a lone surrogate, as os.listdir makes of a file name that is not
+    UTF-8): json.dumps writes it as an escape that the safetensors library refuses to read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} {text!r} is not valid Unicode (it holds a lone surrogate): safetensors readers "
+                         "refuse it; rename it") from None
+
+
 def _pack(entries, order, metadata, residue):
     """The Plan of entries laid out back to back in `order`, the data starting at an offset congruent to
     `residue` modulo 4 KiB."""
+    for what, text in [("metadata key", k) for k in metadata] + [("metadata value", v) for v in metadata.values()]:
+        _check_unicode(what, text)
     relative, begin = [0] * len(entries), 0
     header = {}
     for i in order:
         e = entries[i]
+        _check_unicode("tensor name", e.name)
         relative[i] = begin
         header[e.name] = {"dtype": e.dtype_name,
                           "shape": stored_shape(e.tensor.shape, e.tensor.dtype, e.raw),

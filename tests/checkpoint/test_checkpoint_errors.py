@@ -106,6 +106,11 @@ _BAD_STRUCTURES = {
     "value-a-list": (_structure(step='{"V": [1, 2]}'), "structure.*malformed"),
     "stride-an-int": (_structure(a='{"T": "model.a", "stride": 5}'), r"'model\.a' has malformed strides"),
     "stride-null": (_structure(a='{"T": "model.a", "stride": null}'), r"'model\.a' has malformed strides"),
+    # strides save never writes (it writes a dense permutation only): taken before, even with out= given
+    "stride-gaps": (_structure(a='{"T": "model.a", "stride": [2]}'), r"'model\.a' has malformed strides"),
+    "stride-overlap": (_structure(a='{"T": "model.a", "stride": [0]}'), r"'model\.a' has malformed strides"),
+    "stride-huge": (_structure(a='{"T": "model.a", "stride": [4611686018427387904]}'),
+                    r"'model\.a' has malformed strides"),
 }
 
 
@@ -247,6 +252,37 @@ def test_a_nested_tensor_is_a_type_error_naming_its_key(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("stride", [[1, 1], [0, 0], [2**40, 1], [2**62, 2**62], [3, 1]],
+                         ids=["overlapping", "zero", "huge", "overflowing", "gaps"])
+def test_tampered_strides_are_a_value_error_not_a_huge_allocation_or_overlapping_values(tmp_path, stride):
+    """A transposed tensor comes back with the strides the structure records; strides that do not cover its
+    shape densely (which save never writes) were handed to empty_strided: a terabyte allocation, torch's
+    overflow error, or (overlapping) a tensor whose elements alias each other, loaded without a word."""
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"a": torch.arange(6.).reshape(2, 3).t()}, path)
+    assert swapio.checkpoint.load(path)["a"].stride() == (1, 3)
+    _rewrite_header(path, lambda h: h["__metadata__"].update(
+        structure=json.dumps({"D": [["a", {"T": "a", "stride": stride}]]})))
+    with pytest.raises(ValueError, match=r"c\.safetensors.*'a' has malformed strides"):
+        swapio.checkpoint.load(path)
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "quint2x4"])
+def test_a_structure_naming_a_quantized_dtype_is_a_value_error_not_a_crash(tmp_path, dtype):
+    """Raw-stored tensors (complex128 here) record their dtype in the structure; a tampered one naming a quantized
+    dtype (which save refuses) made load build a quantized tensor and view its bytes: a segmentation fault."""
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save({"a": torch.zeros(6, dtype=torch.complex128)}, path)
+
+    def edit(h):
+        itemsize = getattr(torch, dtype).itemsize
+        h["a"]["shape"] = [96 // itemsize, itemsize]
+        h["__metadata__"]["structure"] = json.dumps({"D": [["a", {"T": "a", "dtype": dtype}]]})
+    _rewrite_header(path, edit)
+    with pytest.raises(ValueError, match=rf"c\.safetensors.*'a'.*{dtype}"):
+        swapio.checkpoint.load(path)
+
+
 def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path):
     path = tmp_path / "c.safetensors"
     h = json.dumps({"a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}).encode()
@@ -276,3 +312,44 @@ def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call,
     with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
         getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("index, match", [
+    (b"[" * 100000 + b"]" * 100000, "nests deeper"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": 1.7, "save_id": "s"}', "not a swapio sharded"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": true, "save_id": "s"}', "not a swapio sharded"),
+    (b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "world_size": 2, "save_id": "s"}', "twice"),
+    (b"\xff\xfe{}", "not UTF-8"),
+], ids=["deeply-nested", "world-size-float", "world-size-bool", "duplicate-key", "utf16"])
+def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, match):
+    """The index of a save(distributed=True) comes from outside like its files: a deeply nested one raised
+    RecursionError from json, and a world size of 1.7 read as 1."""
+    from swapio.checkpoint import sharded
+    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata={sharded.META_SAVE_ID: "s"})
+    (tmp_path / sharded.INDEX).write_bytes(b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "save_id": "s"}')
+    assert torch.equal(swapio.checkpoint.load(tmp_path)["a"], torch.ones(3))  # a valid index loads
+    (tmp_path / sharded.INDEX).write_bytes(index)
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(tmp_path)
+    assert sharded.INDEX in str(info.value)
+
+
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_a_tensor_name_or_metadata_utf8_cannot_hold_is_a_value_error_before_any_file(tmp_path, call):
+    """A name with a lone surrogate (os.listdir gives them for file names that are not UTF-8) was written as a JSON
+    escape that the safetensors library refuses ("unexpected end of hex escape"): a file other readers cannot
+    open, though the format's promise is that they can. Other non-ASCII names are fine."""
+    st = pytest.importorskip("safetensors.torch")
+    save = getattr(swapio.checkpoint, call)
+    path = tmp_path / "c.safetensors"
+    done = save({"files": {"caf\u00e9-\U0001F600": torch.ones(2)}}, path)
+    if call == "async_save":
+        done.wait()
+    assert torch.equal(st.load_file(str(path))["files.caf\u00e9-\U0001F600"], torch.ones(2))
+    os.remove(path)
+    for state, metadata, match in [({"files": {"x\udcff": torch.ones(2)}}, None, r"tensor name 'files\.x\\udcff'"),
+                                   ({"a": torch.ones(2)}, {"k": "\ud800"}, r"metadata value '\\ud800'"),
+                                   ({"a": torch.ones(2)}, {"\ud800": "v"}, r"metadata key '\\ud800'")]:
+        with pytest.raises(ValueError, match=match + ".*not valid Unicode"):
+            save(state, path, metadata=metadata)
+        assert os.listdir(tmp_path) == []

@@ -202,6 +202,18 @@ def test_load_into_non_contiguous_out(tmp_path):
     assert back["w"] is dest and torch.equal(dest, w)
 
 
+def test_load_into_out_made_in_inference_mode_fills_every_layout_alike(tmp_path):
+    """A model built under torch.inference_mode() has inference tensors: load(out=) filled the contiguous ones,
+    then raised torch's RuntimeError ("Inplace update to inference tensor outside InferenceMode") at a
+    non-contiguous one, after writing it: a failed load that changed out=."""
+    w, b = torch.randn(5, 3), torch.randn(7)
+    swapio.checkpoint.save({"w": w, "b": b}, tmp_path / "w.safetensors")
+    with torch.inference_mode():
+        dest_w, dest_b = torch.zeros(3, 5).t(), torch.zeros(7)
+    back = swapio.checkpoint.load(tmp_path / "w.safetensors", out={"w": dest_w, "b": dest_b})
+    assert back["w"] is dest_w and torch.equal(dest_w, w) and torch.equal(dest_b, b)
+
+
 def test_out_that_does_not_match_is_refused_and_left_unchanged(tmp_path):
     swapio.checkpoint.save({"a": torch.ones(4), "b": torch.ones(2)}, tmp_path / "x.safetensors")
     a, b = torch.zeros(4), torch.zeros(3)

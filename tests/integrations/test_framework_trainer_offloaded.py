@@ -2,6 +2,7 @@
 OffloadAdamW, through swapio.integrations.transformers.SwapioTrainer: the losses and weights equal the same Trainer
 run on the resident model (clipping active, gradient accumulation), and a run resumed from a checkpoint (a fresh
 model on meta, offloaded again to the same offload_dir) ends with the weights of an uninterrupted one."""
+import json
 import os
 
 import pytest
@@ -127,3 +128,42 @@ def test_in_backward_with_clipping_or_accumulation_is_refused_before_any_weight_
     for n, v in _weights(model, opt).items():
         assert torch.equal(v, want[n].detach()), n
     opt.close()
+
+
+@pytest.mark.parametrize("case", ["index-outside", "index-absolute", "shape", "dtype", "missing"])
+def test_resume_reads_resident_tensors_checked_and_only_from_inside_the_checkpoint(tmp_path, case):
+    """resume_from_checkpoint of an offloaded model copies the checkpoint's resident tensors into the model: the
+    index's shard names were joined to the directory unchecked (a shard outside it was read), a tensor of another
+    shape was broadcast into the model's and one of another dtype cast, and a missing one skipped, silently. Now
+    each is a ValueError naming the file, before any tensor of the model changes."""
+    from safetensors.torch import save_file
+    from swapio.integrations.transformers import _load_resident
+    model = torch.nn.Linear(4, 4)  # resident: every tensor of it is read from the checkpoint
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    directory = tmp_path / "checkpoint-3"
+    directory.mkdir()
+    good = {"weight": torch.full((4, 4), 7.0), "bias": torch.full((4,), 7.0)}
+    save_file(good, str(directory / "model.safetensors"))
+    _load_resident(model, str(directory))
+    assert all(torch.equal(model.state_dict()[k], good[k]) for k in good)  # a valid checkpoint loads
+    model.load_state_dict(before)
+    tensors, match = dict(good), None
+    if case.startswith("index"):
+        save_file(good, str(tmp_path / "outside.safetensors"))
+        shard = "../outside.safetensors" if case == "index-outside" else str(tmp_path / "outside.safetensors")
+        os.remove(directory / "model.safetensors")
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"weight": shard, "bias": shard}}))
+        match = "outside the checkpoint directory"
+    elif case == "shape":
+        tensors["weight"], match = torch.full((1, 4), 7.0), r"'weight' has shape \[1, 4\]"
+    elif case == "dtype":
+        tensors["weight"], match = torch.full((4, 4), 7.0, dtype=torch.float64), "'weight' is torch.float64"
+    else:
+        del tensors["bias"]
+        match = "lacks tensor 'bias'"
+    if not case.startswith("index"):
+        save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        _load_resident(model, str(directory))
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # nothing copied

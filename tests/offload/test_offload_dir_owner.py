@@ -141,12 +141,15 @@ def test_leftovers_are_not_touched_while_a_live_model_uses_the_directory(tmp_pat
     remove_offload(model)
 
 
-def test_an_unreadable_index_keeps_every_data_file(tmp_path):
+@pytest.mark.parametrize("index, match", [("{not json", "not valid JSON"),
+                                          ("[" * 100000 + "]" * 100000, "nests deeper")],  # was a RecursionError
+                         ids=["not-json", "deeply-nested"])
+def test_an_unreadable_index_keeps_every_data_file(tmp_path, index, match):
     directory = tmp_path / "od"
     remove_offload(disk_offload(resident_model(), directory))
     committed = data_files(directory)
-    (directory / "swapio-weights.json").write_text("{not json")
-    with pytest.raises(ValueError, match="swapio-weights.json: not valid JSON"):
+    (directory / "swapio-weights.json").write_text(index)
+    with pytest.raises(ValueError, match=f"swapio-weights.json: (the JSON )?{match}"):
         disk_offload(meta_model(), directory)
     assert data_files(directory) == committed  # which data the index meant cannot be told: nothing removed
 

@@ -127,6 +127,22 @@ def test_an_existing_directory_gets_shards_and_stale_files_go(tmp_path):
     assert_is_the_model(load_file(directory / "model-00001-of-00001.safetensors"))
 
 
+@pytest.mark.parametrize("index", [b"[" * 100000 + b"]" * 100000, b'{"weight_map": 7}', b"\xff\xfe{"],
+                         ids=["deeply-nested", "weight-map-an-int", "not-utf8"])
+def test_an_export_over_a_directory_with_a_defective_index_replaces_it(tmp_path, index):
+    """The index already in the directory only tells which shards the new export must not replace before its own
+    index is committed; a deeply nested one made save_checkpoint raise RecursionError from json."""
+    (tmp_path / "model.safetensors.index.json").write_bytes(index)
+    model = torch.nn.Linear(4, 4)
+    save_checkpoint(model, tmp_path, max_shard_size="1KB")
+    back = {}
+    for name in shard_files(tmp_path):
+        back.update(load_file(tmp_path / name))
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].keys() == back.keys()
+
+
 class _Module(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+import swapio
 from swapio.offload import disk_offload, load_file, remove_offload
 from swapio.offload import api as offload_api
 from swapio.safetensors import reader as load_module
@@ -79,6 +80,17 @@ def test_overlapping_offsets_cannot_make_a_small_file_allocate_much(tmp_path):
     rejected_by_safetensors(path)
     with pytest.raises(ValueError, match="overlaps"):
         load_file(path)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**40, 2**40], [2**62, 2**62, 0]], ids=["strides", "storage"])
+def test_a_zero_size_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_tensor(tmp_path, shape):
+    """A zero-size tensor holds no bytes, but torch still computes its strides and storage size from every
+    dimension: load_file raised torch's RuntimeError ("Stride calculation overflowed") where swapio.checkpoint.load
+    gave a ValueError naming the file."""
+    path = raw_file(tmp_path / "zero.safetensors", {"a": entry(shape, 0, 0)})
+    for load in (load_file, swapio.checkpoint.load):
+        with pytest.raises(ValueError, match=r"zero\.safetensors: tensor 'a' has shape .* overflows 64 bits"):
+            load(path)
 
 
 def test_a_valid_file_still_agrees_with_safetensors(tmp_path):
