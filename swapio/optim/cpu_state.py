@@ -33,6 +33,16 @@ class CpuState:
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 
+    def state_misfit(self, p, t):
+        """What p's state tensors hold where they do not fit a parameter like t (None where they all do)."""
+        for name, x in self.state.get(p, {}).items():
+            if name == "step" or not torch.is_tensor(x):
+                continue
+            factor = self.format.is_factor(name)
+            if (factor and t.dim() < 2) or x.numel() != self.format.count(name, t.numel(), t.shape if factor else None):
+                return f"holds {name} of shape {tuple(x.shape)}"
+        return None
+
     def step(self, works, threads, ctrl_c, copies=None):
         """Steps each parameter in turn; ctrl_c.poll() between parameters, where each one is fully stepped or
         untouched. A first step's state tensors go to w.created, installed with the count (the optimizer's

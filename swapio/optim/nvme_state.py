@@ -263,6 +263,21 @@ class NvmeState:
             self.file_bytes = end
         self._grow_slots()
 
+    def state_misfit(self, p, t):
+        """What p's placed state was made for where it does not fit a parameter like t (None where it does): its
+        element count, and the size of its factored moments."""
+        where = self.placed.get(p)
+        if where is None:
+            return None
+        segs = where[2]
+        numel = segs[-1][1].b if segs else 0
+        if numel != t.numel():
+            return f"was made for {numel} elements"
+        for name, (_, count) in (segs[0][1].factors.items() if segs else ()):  # a whole parameter's factors
+            if t.dim() < 2 or count != self.format.count(name, numel, t.shape):
+                return f"holds {name} of {count} elements"
+        return None
+
     def forget(self, p):
         where = self.placed.pop(p, None)
         if where is not None:

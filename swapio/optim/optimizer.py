@@ -366,6 +366,12 @@ class OffloadOptimizer(Optimizer):
                                        f"parameter of shape {tuple(t.shape)} on {t.device}")
                 st = self.state.get(p)
                 new = not st
+                misfit = None if new else self._backend.state_misfit(p, t)
+                if misfit:  # p.data replaced by another size: stepping would read and write state it does not own
+                    raise ValueError(f"parameter {index} of this {type(self).__name__} (now of shape "
+                                     f"{tuple(t.shape)}) no longer fits its state, which {misfit}: its `.data` was "
+                                     "replaced by a tensor of another size after its first step; give the optimizer "
+                                     "a new parameter instead, or load a checkpoint made for this shape")
                 step = 1 if new else int(st["step"].item()) + 1
                 works.append(Work(p, g, step, rule.fields(p, group), rule.update, hyper, new,
                                   edited=not new and data is None and self._edited_outside(p), seed=index,

@@ -166,8 +166,11 @@ def test_transformers_adafactor_arguments_are_named_as_not_offered():
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
-@pytest.mark.parametrize("old, new", [((24,), (4, 6)), ((4, 6), (24,))])
-def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(offload, old, new, tmp_path):
+@pytest.mark.parametrize("old, new, error, message", [
+    ((24,), (4, 6), RuntimeError, r"number of dimensions.*give the optimizer a new parameter"),
+    ((4, 6), (24,), ValueError, r"no longer fits its state, which holds row_var.*give the optimizer a new parameter")])
+def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(offload, old, new, error, message,
+                                                                               tmp_path):
     """p.data replaced by a tensor of another number of dimensions after the first step: a vector keeps `variance`,
     a matrix its factors, so its state no longer fits (torch.optim.Adafactor fails too). Refused before anything
     changes, by a message that names the dimensions, not only Adam's amsgrad."""
@@ -178,7 +181,7 @@ def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(o
     before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     p.data, p.grad = torch.randn(new), torch.randn(new)
     value = p.detach().clone()
-    with pytest.raises(RuntimeError, match=r"number of dimensions.*give the optimizer a new parameter"):
+    with pytest.raises(error, match=message):
         opt.step()
     assert torch.equal(p.detach(), value)
     assert float(opt.state[p]["step"]) == 1.0
