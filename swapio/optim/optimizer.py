@@ -424,7 +424,14 @@ class OffloadOptimizer(Optimizer):
         return self._rule.fields(p, {**self.defaults, **group})
 
     def check_group(self, group):
-        """ValueError unless `group` (missing keys from the defaults) suits this optimizer and its state."""
+        """ValueError unless a loaded `group` suits this optimizer and its state: it holds every hyperparameter
+        (only flags that older torch versions lacked are filled in, as torch fills them; a group without its lr
+        is damaged, not old, and the constructor's value would replace it silently), and they pass the rule's
+        checks."""
+        missing = [k for k in self._group_keys if k not in group and k not in self._historical_defaults]
+        if missing:
+            raise ValueError(f"a loaded param group lacks {missing}, which every state dict of "
+                             f"{type(self).__name__} (or of its torch.optim counterpart) holds")
         self._rule.hyper({**self.defaults, **group})
 
     def exported_fields(self):

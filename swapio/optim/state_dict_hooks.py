@@ -48,6 +48,11 @@ def _take_state(opt, state_dict):
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state_dict["param_groups"])):
         raise ValueError("a state dict must be a dict with a dict 'state' and a list 'param_groups' of dicts, each "
                          "with a list 'params'")
+    for i, g in enumerate(state_dict["param_groups"]):  # as saved: torch fills missing keys as it installs them
+        try:
+            opt.check_group(g)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"param group {i}: {exc}") from None
     saved_params = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
     params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
     if len(saved_params) != len(params):

@@ -160,6 +160,17 @@ HYPER_DAMAGE = {
 }
 
 
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
+def test_a_group_that_lost_a_hyperparameter_is_refused_not_filled_from_the_constructor(key, tmp_path):
+    """A damaged key name ("lr" read as "lt") must not let the constructor's lr replace the saved one, silently."""
+    def edit(skeleton):
+        group = _node(skeleton, "param_groups")["L"][0]
+        next(item for item in group["D"] if item[0] == key)[0] = key[:-1] + "_"
+    opt, params, ckpt = _saved_and_edited(tmp_path, edit)
+    _refused_intact(opt, params, ckpt, tmp_path)
+    opt.close()
+
+
 @pytest.mark.parametrize("damage", sorted(HYPER_DAMAGE))
 def test_forged_hyperparameters_are_a_value_error_naming_the_file(damage, tmp_path):
     key, value = HYPER_DAMAGE[damage]

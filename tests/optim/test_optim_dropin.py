@@ -65,6 +65,27 @@ def test_old_state_dict_without_a_group_key_gets_torchs_historical_default(cls, 
         assert ours.param_groups[0][key] == theirs.param_groups[0][key], key
 
 
+@pytest.mark.parametrize("cls, key", [("OffloadAdamW", "lr"), ("OffloadAdamW", "betas"), ("OffloadAdam", "eps"),
+                                      ("OffloadAdam", "weight_decay"), ("OffloadLion", "lr"),
+                                      ("OffloadLion", "betas"), ("OffloadAdafactor", "lr"),
+                                      ("OffloadAdafactor", "beta2_decay"), ("OffloadAdafactor", "d")])
+def test_a_state_dict_group_without_a_hyperparameter_is_refused_not_filled_from_the_constructor(cls, key):
+    """torch fills only the flags older versions lacked; a group without its lr is damaged, and torch's own
+    optimizer fails at its next step. Ours refuses the load, the optimizer as it was."""
+    p = torch.randn(4, 6, requires_grad=True)
+    src = getattr(so, cls)([p], lr=1e-2)
+    p.grad = torch.ones(4, 6)
+    src.step()
+    sd = src.state_dict()
+    del sd["param_groups"][0][key]
+    ours = getattr(so, cls)([p], lr=5.0)
+    before = {k: v for k, v in ours.param_groups[0].items() if k != "params"}
+    with pytest.raises(ValueError, match=rf"param group 0: .*lacks \['{key}'\]"):
+        ours.load_state_dict(sd)
+    assert {k: v for k, v in ours.param_groups[0].items() if k != "params"} == before
+    assert ours.param_groups[0]["params"][0] is p and not ours.state
+
+
 def _edit_cases():
     yield "bf16", lambda: torch.randn(64, dtype=torch.bfloat16)
     yield "fp16", lambda: torch.randn(64, dtype=torch.float16)
