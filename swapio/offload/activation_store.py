@@ -360,7 +360,7 @@ class Session:
             self._finish_if_done()
 
     def _finish_if_done(self):
-        if self.open or self.live:
+        if self.live:
             return
         while self.pending:  # long finished by now, as a rule: the backward ran after them
             entry = self.pending[0]
@@ -374,6 +374,12 @@ class Session:
         for entry in self.entries:
             self._release_host(entry)
         self.res.file_hint = max(self.res.file_hint, round_up(self.file_end))
+        if self.open:
+            # a `with` around several steps (a training loop, each backward inside): nothing saved is left, so the
+            # next forward writes the file from its start again (its entries and file grew step after step)
+            self.entries.clear()
+            self.file_end = 0
+            return
         self._remove_file()
         self.res.sessions.discard(self)
 

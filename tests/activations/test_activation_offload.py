@@ -1,6 +1,7 @@
 """offload_activations: gradients bit-equal to the run without it, views and layouts restored exactly, what is
 offloaded and what never is, a second backward, checkpointing and autocast."""
 import gc
+import os
 
 import pytest
 import torch
@@ -188,6 +189,27 @@ def test_inline_use_removes_its_directory_once_the_graph_is_gone(tmp_path):
     del loss
     gc.collect()
     assert not (tmp_path / directory).exists()
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_with_around_several_steps_reuses_its_swap_file(tmp_path, staging_bytes):
+    """A training loop inside one `with` (each backward in it too): every step's gradients as without offload, and
+    the swap file and the session's bookkeeping hold one step's worth, not all of them (they grew step after step:
+    the disk filled up)."""
+    model, x = make_stack(), batch()
+    want = [grads_of(model, x * (step + 1)) for step in range(6)]
+    act = nvme(tmp_path, model=model, staging_bytes=staging_bytes)
+    sizes = []
+    with act:
+        for step in range(6):
+            assert_same_grads(grads_of(model, x * (step + 1)), want[step])  # (grads_of's `with` nests: none)
+            (swap,) = swap_files(act.directory)
+            sizes.append(os.stat(os.path.join(act.directory, swap)).st_size)
+            (session,) = act._res.sessions
+            assert session.live == 0 and len(session.entries) == 0
+    assert sizes[1:] == sizes[:1] * 5
+    assert act.stats()["tensors"] > 0 and swap_files(act.directory) == [] and act.stats()["live_sessions"] == 0
+    act.close()
 
 
 def test_close_discards_what_a_graph_still_holds(tmp_path):
