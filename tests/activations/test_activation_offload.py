@@ -1,7 +1,9 @@
 """offload_activations: gradients bit-equal to the run without it, views and layouts restored exactly, what is
 offloaded and what never is, a second backward, checkpointing and autocast."""
+import contextlib
 import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -209,6 +211,35 @@ def test_a_with_around_several_steps_reuses_its_swap_file(tmp_path, staging_byte
             assert session.live == 0 and len(session.entries) == 0
     assert sizes[1:] == sizes[:1] * 5
     assert act.stats()["tensors"] > 0 and swap_files(act.directory) == [] and act.stats()["live_sessions"] == 0
+    act.close()
+
+
+def drop_a_graph_without_backward(ctx):
+    """A forward whose exp saves its own (small) output, dropped without backward with the garbage collector off:
+    whether that output is gone at once, as without offload."""
+    a = torch.randn(512, 1024, requires_grad=True)
+    gc.disable()
+    try:
+        with ctx:
+            h = (a * 1).sin()  # saves a * 1 (2 MiB)
+            small = h.sum(1).exp()  # saves its output (2 KiB: left in place)
+            loss = small.sum()
+        out = weakref.ref(small)
+        del h, small, loss
+        return out() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+def test_a_graph_dropped_without_backward_frees_what_it_saved_at_once(tmp_path, to):
+    """A saved output left in place held its own node (tensor -> grad_fn -> saved -> tensor): a cycle that kept the
+    whole graph, and its swap file, until the garbage collector's next full pass."""
+    assert drop_a_graph_without_backward(contextlib.nullcontext())  # the reference: no cycle without offload
+    act = nvme(tmp_path, min_bytes=1 << 20) if to == "nvme" else offload_activations(to="cpu")
+    assert drop_a_graph_without_backward(act)
+    assert swap_files(act.directory) == [] and act.stats()["live_sessions"] == 0
+    assert to == "cpu" or act.stats()["tensors"] == 1
     act.close()
 
 
