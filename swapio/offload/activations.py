@@ -244,7 +244,7 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     if to == "nvme":
         if swap_dir is None:
             raise ValueError('to="nvme" needs swap_dir, a directory on the disk that takes the activations')
-        swap_dir = os.fspath(swap_dir)
+        swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
     elif swap_dir is not None:

@@ -273,6 +273,17 @@ def test_bad_arguments_name_the_problem(kwargs, error, match):
         offload_activations(**kwargs)
 
 
+def test_a_swap_dir_given_as_bytes_works_as_a_str_one(tmp_path):
+    """(bytes paths are paths too: they failed with "startswith first arg must be bytes".)"""
+    model, x = make_stack(), batch()
+    act = offload_activations(to="nvme", swap_dir=os.fsencode(tmp_path), min_bytes=0)
+    assert_same_grads(grads_of(model, x, act), grads_of(model, x))
+    directory = act.directory
+    assert act.stats()["tensors"] > 0 and directory.startswith(str(tmp_path))
+    act.close()
+    assert not os.path.exists(directory)
+
+
 def test_public_name():
     import swapio.offload
     assert "offload_activations" in swapio.offload.__all__
