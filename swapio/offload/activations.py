@@ -297,6 +297,8 @@ def enable_activation_offload(model, to="cpu", **kwargs):
 def disable_activation_offload(model):
     """Switches enable_activation_offload off: the model's forward as before, the ActivationOffload closed (so
     call it after the last backward)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     state = model.__dict__.pop(_ATTR, None)
     if state is None:
         return

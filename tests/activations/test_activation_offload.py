@@ -284,6 +284,14 @@ def test_a_swap_dir_given_as_bytes_works_as_a_str_one(tmp_path):
     assert not os.path.exists(directory)
 
 
+@pytest.mark.parametrize("switch", ["enable", "disable"])
+def test_the_model_switch_names_a_model_that_is_not_a_module(switch):
+    from swapio.offload import disable_activation_offload, enable_activation_offload
+    call = enable_activation_offload if switch == "enable" else disable_activation_offload
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        call("gpt2")
+
+
 def test_public_name():
     import swapio.offload
     assert "offload_activations" in swapio.offload.__all__
