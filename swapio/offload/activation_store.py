@@ -93,6 +93,7 @@ class Session:
         self.path = self.identity = None
         self.file_end = 0
         self.reserved = 0      # bytes of the file allocated ahead of the writes
+        self.nothing_below = 0  # entries below this index need no read-ahead (dead, or CPU tensors still in RAM)
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
@@ -239,6 +240,8 @@ class Session:
         """The entry's bytes are on disk: its host memory goes (unless a backward is using it right now)."""
         self.staged -= entry.staged
         entry.staged = 0
+        if entry.host is not None and not entry.pooled and entry.refs:
+            self.nothing_below = min(self.nothing_below, entry.index)  # to be read back now: read-ahead looks again
         self._release_host(entry)
 
     def _release_host(self, entry):
@@ -291,15 +294,19 @@ class Session:
     def _prefetch_below(self, index):
         """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count;
         CPU tensors still in memory need nothing brought back, and do not)."""
-        ahead, i = 0, index - 1
-        while ahead < self.res.prefetch and i >= 0:
+        ahead, i, lowest = 0, index - 1, index
+        while ahead < self.res.prefetch and i >= self.nothing_below:
             entry = self.entries[i]
             i -= 1
             if entry.refs == 0 or (entry.host is not None and not entry.pooled):
                 continue
-            ahead += 1
+            ahead, lowest = ahead + 1, entry.index
             if entry.loaded is None and (entry.restored is None or entry.restored() is None):
                 self._load(entry)
+        if ahead < self.res.prefetch:
+            # every entry below `lowest` needs nothing: the next unpacks stop there instead of walking down to the
+            # first entry each time (quadratic in a backward with thousands of entries kept in RAM)
+            self.nothing_below = lowest
 
     def _load(self, entry):
         """Starts bringing the entry's bytes back to its device: entry.loaded, a future of a uint8 tensor."""
@@ -360,7 +367,7 @@ class Session:
             self._finish_if_done()
 
     def _finish_if_done(self):
-        if self.open or self.live:
+        if self.live:
             return
         while self.pending:  # long finished by now, as a rule: the backward ran after them
             entry = self.pending[0]
@@ -374,6 +381,12 @@ class Session:
         for entry in self.entries:
             self._release_host(entry)
         self.res.file_hint = max(self.res.file_hint, round_up(self.file_end))
+        if self.open:
+            # a `with` around several steps (a training loop, each backward inside): nothing saved is left, so the
+            # next forward writes the file from its start again (its entries and file grew step after step)
+            self.entries.clear()
+            self.file_end = self.nothing_below = 0
+            return
         self._remove_file()
         self.res.sessions.discard(self)
 

@@ -23,11 +23,17 @@ from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
 from .activation_store import Session
+from .compiled import leave_out_of_graphs, methods_run_eagerly
 from .kept import Kept
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 _ATTR = "_swapio_activation_offload"
+# dynamo compiled the offload's bookkeeping when it ran inside a compiled region (a `with` in a compiled function,
+# the forward of enable_activation_offload, the hooks called from a graph break): the hooks stayed pushed after
+# the `with`, and every later saved tensor went to a finished forward's session
+_EAGER = ("swapio's activation offload enters, leaves and moves saved tensors in Python, outside compiled graphs; "
+          "compile without fullgraph=True (the graph breaks around the `with` block)")
 
 
 class _Resources:
@@ -111,6 +117,7 @@ def _close(owner, handle, pool, read_blocks):
             owner.remove_everything()
 
 
+@methods_run_eagerly("pack", "unpack", reason=_EAGER)
 class _Hooks:
     """One pushed pair of saved-tensor hooks: a session's pack and unpack."""
     __slots__ = ("session",)
@@ -139,6 +146,7 @@ class _Stack(threading.local):
         self.entered = []  # (hooks, session) of this thread's open `with`s, innermost last
 
 
+@methods_run_eagerly("__enter__", "__exit__", reason=_EAGER)
 class ActivationOffload:
     """Saved activations to pinned RAM (to="cpu") or a swap directory (to="nvme"); see offload_activations.
 
@@ -236,7 +244,7 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     if to == "nvme":
         if swap_dir is None:
             raise ValueError('to="nvme" needs swap_dir, a directory on the disk that takes the activations')
-        swap_dir = os.fspath(swap_dir)
+        swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
     elif swap_dir is not None:
@@ -248,9 +256,11 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     min_bytes = check_int("min_bytes", min_bytes, 0)
     prefetch = check_int("prefetch", prefetch, 0)
     staging_bytes = check_int("staging_bytes", staging_bytes, 0)
+    leave_out_of_graphs()
     return ActivationOffload(_Resources(to, swap_dir, model, min_bytes, prefetch, staging_bytes, io_kwargs))
 
 
+@methods_run_eagerly("__call__", reason=_EAGER, recursive=False)  # (the model's own forward compiles)
 class _OffloadingForward:
     """A model's forward run inside its ActivationOffload (enable_activation_offload)."""
 
@@ -287,6 +297,8 @@ def enable_activation_offload(model, to="cpu", **kwargs):
 def disable_activation_offload(model):
     """Switches enable_activation_offload off: the model's forward as before, the ActivationOffload closed (so
     call it after the last backward)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     state = model.__dict__.pop(_ATTR, None)
     if state is None:
         return

@@ -9,7 +9,8 @@ around each offloaded module, which runs as without compile (numbers equal eager
 (resident modules, activations, the loss) compiles. fullgraph=True cannot hold: dynamo then raises its error,
 with the reason below. The wrapping happens at the first offload, not at import, because
 torch.compiler.disable imports dynamo (about a second). The boundary classes name themselves (@runs_eagerly), so
-this module imports none of theirs.
+this module imports none of theirs. Activation offload's bookkeeping (its `with`, its saved-tensor hooks) runs
+eagerly the same way (@methods_run_eagerly).
 """
 import sys
 
@@ -17,25 +18,34 @@ import torch
 
 REASON = ("a module offloaded by swapio runs eagerly: its forward swaps the weights in and out, which a graph "
           "cannot hold; compile without fullgraph=True (the graph breaks around each offloaded module)")
-_boundaries = []  # the classes whose __call__ runs eagerly
+_boundaries = []  # (class, method name, recursive, reason) of the methods that run eagerly
 _done = False
 
 
 def runs_eagerly(cls):
     """Class decorator: cls.__call__ is one of swapio's boundaries (left out of compiled graphs from the first
     offload on)."""
-    _boundaries.append(cls)
-    if _done:  # a class defined after the first offload
-        _disable(cls)
-    return cls
+    return methods_run_eagerly("__call__", reason=REASON)(cls)
 
 
-def _disable(cls):
-    call = cls.__dict__["__call__"]
+def methods_run_eagerly(*names, reason, recursive=True):
+    """Class decorator: the methods `names` run eagerly from the first offload on; recursive=False compiles what
+    they call all the same (only their own frame is left out)."""
+    def mark(cls):
+        for name in names:
+            _boundaries.append((cls, name, recursive, reason))
+            if _done:  # a class defined after the first offload
+                _disable(cls, name, recursive, reason)
+        return cls
+    return mark
+
+
+def _disable(cls, name, recursive, reason):
+    method = cls.__dict__[name]
     try:
-        cls.__call__ = torch.compiler.disable(call, reason=REASON)
+        setattr(cls, name, torch.compiler.disable(method, recursive=recursive, reason=reason))
     except TypeError:  # torch < 2.7 takes no reason
-        cls.__call__ = torch.compiler.disable(call)
+        setattr(cls, name, torch.compiler.disable(method, recursive=recursive))
 
 
 def leave_out_of_graphs():
@@ -43,8 +53,8 @@ def leave_out_of_graphs():
     global _done
     if _done:
         return
-    for cls in _boundaries:
-        _disable(cls)
+    for boundary in _boundaries:
+        _disable(*boundary)
     _done = True
 
 

@@ -8,7 +8,9 @@ class Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor):
-        self.tensor, self.version = tensor, tensor._version
+        # detached (the same memory and version counter): a saved output is handed over with its grad_fn, the node
+        # that keeps this, and the cycle held the whole graph until the garbage collector's next full pass
+        self.tensor, self.version = tensor.detach(), tensor._version
 
     def unpack(self):
         tensor = self.tensor

@@ -137,7 +137,7 @@ class NvmeState:
     def __init__(self, fmt, state, swap_dir, budget, io_settings, whole=False):
         if swap_dir is None:
             raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
-        swap_dir = os.fspath(swap_dir)
+        swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
         try:

@@ -1,6 +1,9 @@
 """offload_activations: gradients bit-equal to the run without it, views and layouts restored exactly, what is
 offloaded and what never is, a second backward, checkpointing and autocast."""
+import contextlib
 import gc
+import os
+import weakref
 
 import pytest
 import torch
@@ -190,6 +193,56 @@ def test_inline_use_removes_its_directory_once_the_graph_is_gone(tmp_path):
     assert not (tmp_path / directory).exists()
 
 
+@pytest.mark.parametrize("staging_bytes", [0, 64 << 20], ids=["on-disk", "kept-in-ram"])
+def test_a_with_around_several_steps_reuses_its_swap_file(tmp_path, staging_bytes):
+    """A training loop inside one `with` (each backward in it too): every step's gradients as without offload, and
+    the swap file and the session's bookkeeping hold one step's worth, not all of them (they grew step after step:
+    the disk filled up)."""
+    model, x = make_stack(), batch()
+    want = [grads_of(model, x * (step + 1)) for step in range(6)]
+    act = nvme(tmp_path, model=model, staging_bytes=staging_bytes)
+    sizes = []
+    with act:
+        for step in range(6):
+            assert_same_grads(grads_of(model, x * (step + 1)), want[step])  # (grads_of's `with` nests: none)
+            (swap,) = swap_files(act.directory)
+            sizes.append(os.stat(os.path.join(act.directory, swap)).st_size)
+            (session,) = act._res.sessions
+            assert session.live == 0 and len(session.entries) == 0
+    assert sizes[1:] == sizes[:1] * 5
+    assert act.stats()["tensors"] > 0 and swap_files(act.directory) == [] and act.stats()["live_sessions"] == 0
+    act.close()
+
+
+def drop_a_graph_without_backward(ctx):
+    """A forward whose exp saves its own (small) output, dropped without backward with the garbage collector off:
+    whether that output is gone at once, as without offload."""
+    a = torch.randn(512, 1024, requires_grad=True)
+    gc.disable()
+    try:
+        with ctx:
+            h = (a * 1).sin()  # saves a * 1 (2 MiB)
+            small = h.sum(1).exp()  # saves its output (2 KiB: left in place)
+            loss = small.sum()
+        out = weakref.ref(small)
+        del h, small, loss
+        return out() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+def test_a_graph_dropped_without_backward_frees_what_it_saved_at_once(tmp_path, to):
+    """A saved output left in place held its own node (tensor -> grad_fn -> saved -> tensor): a cycle that kept the
+    whole graph, and its swap file, until the garbage collector's next full pass."""
+    assert drop_a_graph_without_backward(contextlib.nullcontext())  # the reference: no cycle without offload
+    act = nvme(tmp_path, min_bytes=1 << 20) if to == "nvme" else offload_activations(to="cpu")
+    assert drop_a_graph_without_backward(act)
+    assert swap_files(act.directory) == [] and act.stats()["live_sessions"] == 0
+    assert to == "cpu" or act.stats()["tensors"] == 1
+    act.close()
+
+
 def test_close_discards_what_a_graph_still_holds(tmp_path):
     model, x = make_stack(), batch()
     act = nvme(tmp_path, staging_bytes=0)
@@ -218,6 +271,25 @@ def test_close_discards_what_a_graph_still_holds(tmp_path):
 def test_bad_arguments_name_the_problem(kwargs, error, match):
     with pytest.raises(error, match=match):
         offload_activations(**kwargs)
+
+
+def test_a_swap_dir_given_as_bytes_works_as_a_str_one(tmp_path):
+    """(bytes paths are paths too: they failed with "startswith first arg must be bytes".)"""
+    model, x = make_stack(), batch()
+    act = offload_activations(to="nvme", swap_dir=os.fsencode(tmp_path), min_bytes=0)
+    assert_same_grads(grads_of(model, x, act), grads_of(model, x))
+    directory = act.directory
+    assert act.stats()["tensors"] > 0 and directory.startswith(str(tmp_path))
+    act.close()
+    assert not os.path.exists(directory)
+
+
+@pytest.mark.parametrize("switch", ["enable", "disable"])
+def test_the_model_switch_names_a_model_that_is_not_a_module(switch):
+    from swapio.offload import disable_activation_offload, enable_activation_offload
+    call = enable_activation_offload if switch == "enable" else disable_activation_offload
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        call("gpt2")
 
 
 def test_public_name():

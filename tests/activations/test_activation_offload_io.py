@@ -181,3 +181,35 @@ def test_a_tensor_changed_in_place_while_its_write_is_in_flight_fails_loudly(tmp
     del b, d
     act.close()
     assert swap_files(tmp_path) == []
+
+
+def test_read_ahead_past_tensors_kept_in_ram_does_not_walk_the_whole_forward(tmp_path, monkeypatch):
+    """Each unpack looked for the next tensors to read back by walking down past every one still in RAM: with all
+    of them in RAM, to the first one each time, quadratic in the number of saved tensors (seconds a step with
+    thousands). Counted here as the entries looked at, against the tensors a backward unpacks."""
+    from swapio.offload import activation_store
+    looked = []
+
+    class Counted(list):
+        def __getitem__(self, i):
+            looked.append(i)
+            return super().__getitem__(i)
+    real = activation_store.Session.__init__
+
+    def init(self, *args):
+        real(self, *args)
+        self.entries = Counted()
+    monkeypatch.setattr(activation_store.Session, "__init__", init)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(300)])
+    x = torch.randn(4, 16)
+    want = torch.autograd.grad(layers(x).sum(), list(layers.parameters()))
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=layers, min_bytes=0, staging_bytes=64 << 20)
+    with act:
+        loss = layers(x).sum()
+    got = torch.autograd.grad(loss, list(layers.parameters()))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    unpacks = 2 * len(layers)  # each layer's linear and tanh (one storage)
+    assert act.stats()["tensors"] == len(layers) + 1 and act.stats()["read_bytes"] == 0
+    assert len(looked) <= 2 * unpacks, f"{len(looked)} entries looked at for {unpacks} unpacks"
+    act.close()

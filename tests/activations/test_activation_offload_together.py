@@ -142,3 +142,58 @@ def test_a_compiled_model_offloads_what_its_graph_saves_and_computes_the_same(tm
     assert (act.stats()["tensors"] > 0) == (to == "nvme")  # (to="cpu" moves only CUDA tensors)
     act.close()
     assert swap_files(tmp_path) == []
+
+
+def compiled_reference_grads(model, x):
+    """The gradients of torch.compile(model) without offload (a compiled model of its own, so that the one under
+    test starts uncompiled)."""
+    model.zero_grad()
+    torch.compile(model, backend="aot_eager")(x).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def test_a_with_block_inside_a_compiled_function_takes_its_hooks_off(tmp_path):
+    """dynamo ran the offload's bookkeeping as compiled frames: the hooks stayed pushed after each `with` (every
+    later saved tensor of the program went to a finished forward's session). It runs eagerly now."""
+    model, x = make_stack(depth=1), batch()
+    model.eval()  # (no dropout: the reference draws no random numbers either)
+    want = compiled_reference_grads(model, x)
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
+
+    def forward(x):
+        with act:
+            return model(x)
+    step = torch.compile(forward, backend="aot_eager")
+    for _ in range(2):
+        model.zero_grad()
+        step(x).square().sum().backward()
+        assert not hooks_installed()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
+    assert act.stats()["tensors"] > 0 and act.stats()["live_sessions"] == 0
+    act.close()
+    assert swap_files(tmp_path) == []
+
+
+def test_compiling_a_model_with_the_switch_on_offloads_each_forward_and_switches_off(tmp_path):
+    """enable_activation_offload, then torch.compile(model) (Trainer's torch_compile=True): each forward in the
+    offload and out of it again; after disable_activation_offload nothing is offloaded any more."""
+    model, x = make_stack(depth=1), batch()
+    model.eval()
+    want = compiled_reference_grads(model, x)
+    act = enable_activation_offload(model, to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
+    from torch._dynamo.backends.debugging import aot_eager
+    graphs = []
+    compiled = torch.compile(model, backend=lambda gm, inputs: graphs.append(gm) or aot_eager(gm, inputs))
+    for _ in range(2):
+        model.zero_grad()
+        compiled(x).square().sum().backward()
+        assert not hooks_installed()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
+    offloaded = act.stats()["tensors"]
+    assert offloaded > 0 and len(graphs) == 1  # the model's forward compiled, the switch around it ran eagerly
+    disable_activation_offload(model)
+    model.zero_grad()
+    compiled(x).square().sum().backward()  # (the closed offload's hooks were still pushed: FileNotFoundError)
+    assert act.stats()["tensors"] == offloaded and not hooks_installed()

@@ -5,6 +5,7 @@ whatever happens to the record meanwhile (rewritten by a step, the model's offlo
 the bytes it was fetched with."""
 import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -160,3 +161,34 @@ def test_ctrl_c_around_hold_leaves_nothing_held(offloaded, monkeypatch, ctrl_c_r
     fetcher.drop_unused(keep=())
     assert fetcher.ring.in_use == 0
     assert torch.equal(torch.autograd.grad(forward(model, x), x)[0], want_grad(resident, x))
+
+
+class ExpLinear(torch.nn.Linear):
+    """Its exp saves its own output, inside the offloaded module (where swapio's hooks for the weights are on)."""
+
+    def forward(self, x):
+        return super().forward(x).exp()
+
+
+def output_freed_at_once(model):
+    """A forward dropped without backward, the garbage collector off: whether its output is gone at once."""
+    x = torch.randn(4, 8, requires_grad=True)
+    gc.disable()
+    try:
+        y = model(x)
+        out = weakref.ref(y)
+        del y
+        return out() is None
+    finally:
+        gc.enable()
+
+
+def test_a_saved_output_does_not_keep_its_graph_alive(tmp_path):
+    """A saved output the hooks left in place held its own node (output -> grad_fn -> saved -> output): the graph
+    stayed, past the garbage collector too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ExpLinear(8, 16), ExpLinear(16, 4))
+    assert output_freed_at_once(model)  # the reference: resident
+    disk_offload(model, tmp_path / "od")
+    assert output_freed_at_once(model)
+    remove_offload(model)

@@ -472,6 +472,18 @@ def test_a_swap_dir_that_does_not_exist_yet_is_made(tmp_path, cls):
         _opt(_params(), "nvme", tmp_path / "file", cls=cls)
 
 
+def test_a_swap_dir_given_as_bytes_works_as_a_str_one(tmp_path):
+    """(os.PathLike and bytes paths are paths too: bytes failed with "Can't mix bytes and non-bytes".)"""
+    params, ref = _params(), _params()
+    opt = _opt(params, "nvme", os.fsencode(tmp_path / "b"))
+    want = _opt(ref, "cpu", tmp_path)
+    for grads in _grads(2):
+        _apply(opt, params, grads)
+        _apply(want, ref, grads)
+    assert opt.swap_path.startswith(str(tmp_path / "b")) and all(torch.equal(a, b) for a, b in zip(params, ref))
+    opt.close()
+
+
 def test_io_config_file_and_kwargs_reach_the_handles(tmp_path):
     cfg = tmp_path / "tuned.json"
     cfg.write_text(json.dumps({"handle": {"block_size": 262144, "queue_depth": 8, "threads": 1,
