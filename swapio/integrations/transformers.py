@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core._errors import warn_once
 from ..optim import OffloadOptimizer
-from ..optim.optimizer import REFERENCE_KEY
+from ..optim import checkpoint as optim_checkpoint, reference
 
 SUBDIR = "swapio-optim"
 _PENDING = "_swapio_pending_reference"  # attribute of a patched optimizer: the reference its state_dict returns
@@ -47,15 +47,11 @@ def _offload_optimizer(optimizer: Any) -> Optional[OffloadOptimizer]:
     return inner if isinstance(inner, OffloadOptimizer) else None
 
 
-def reference(path: str) -> Dict[str, Any]:
-    """A state dict that points at the streaming checkpoint in `path` instead of holding the state. Its empty
-    param_groups make any other optimizer's load_state_dict refuse it rather than load nothing."""
-    return {"state": {}, "param_groups": [], REFERENCE_KEY: os.path.abspath(path)}
 
 
 def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = None) -> None:
     """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves).
-    load_reference(opt, path): how this instance's load_state_dict loads a reference (any torch optimizer, for
+    load_reference(opt, ref): how this instance's load_state_dict loads a reference (any torch optimizer, for
     SwapioCheckpointCallback); without it, OffloadOptimizer's class-level load_state_dict does (opt.load)."""
     if hasattr(opt, _PENDING):
         return
@@ -73,10 +69,10 @@ def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = No
         return
 
     def load_state_dict(state_dict: Dict[str, Any]) -> Any:
-        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
+        path = reference.target(state_dict)
         if path is None:
             return cls.load_state_dict(opt, state_dict)
-        return load_reference(opt, path)
+        return load_reference(opt, state_dict)
 
     setattr(opt, "load_state_dict", load_state_dict)
 
@@ -111,7 +107,7 @@ class StreamingCheckpointCallback(_SavesBeforeTrainer):
         _install(opt)  # here, not at on_init_end: an optimizer Trainer builds itself appears only in train()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", SUBDIR)
         opt.save(path)
-        getattr(opt, _PENDING)["ref"] = reference(path)
+        getattr(opt, _PENDING)["ref"] = reference.make(path, os.path.join(path, optim_checkpoint.FILE))
 
 
 
@@ -119,12 +115,10 @@ class StreamingCheckpointCallback(_SavesBeforeTrainer):
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-def _load_optimizer_file(opt: Any, path: str) -> None:
+def _load_optimizer_file(opt: Any, ref: Dict[str, Any]) -> None:
     from ..checkpoint import load
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the checkpoint "
-                                "moved? load it with opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/"
-                                f"{OPTIMIZER_FILE})))")
+    path = reference.target(ref)
+    reference.check(ref, path, f"opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/{OPTIMIZER_FILE}))")
     type(opt).load_state_dict(opt, load(path))
 
 
@@ -158,7 +152,7 @@ class SwapioCheckpointCallback(_SavesBeforeTrainer):
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, OPTIMIZER_FILE)
         save(type(opt).state_dict(opt), path)
-        getattr(opt, _PENDING)["ref"] = reference(path)
+        getattr(opt, _PENDING)["ref"] = reference.make(path, path)
 
 
 

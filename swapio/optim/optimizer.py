@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
-from . import checkpoint, state_dict_hooks, timing
+from . import checkpoint, reference, state_dict_hooks, timing
 from .cpu_state import CpuState
 from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
@@ -40,8 +40,7 @@ def _check_betas_kind(betas):
         raise ValueError("betas must be either both floats or both Tensors")
 
 
-# The key of a state dict that refers to a streaming checkpoint (opt.save's directory) instead of holding the state.
-REFERENCE_KEY = "swapio_checkpoint"
+from .reference import REFERENCE_KEY  # noqa: E402,F401  (where the Trainer integration and older code import it)
 
 
 class OffloadOptimizer(Optimizer):
@@ -484,11 +483,9 @@ class OffloadOptimizer(Optimizer):
         the state) loads that streaming checkpoint with load()."""
         self._check_open()
         self._settle()
-        path = state_dict.get(REFERENCE_KEY) if isinstance(state_dict, dict) else None
+        path = reference.target(state_dict)
         if path is not None:
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"the optimizer checkpoint names {path}, which does not exist (was the "
-                                        "checkpoint moved? load it with opt.load(<checkpoint>/swapio-optim))")
+            reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
         live_state, live_groups = dict(self.state), self.param_groups
         try:

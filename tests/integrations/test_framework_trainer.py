@@ -68,6 +68,8 @@ def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
     full, losses = _train(tmp_path / "full", _offload("nvme", swap_dir), callbacks=[StreamingCheckpointCallback()])
     checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_AT}"
     ref = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    identity = ref.pop("swapio_checkpoint_identity")  # of the file written: a rewritten one is refused on resume
+    assert identity[1] == os.stat(checkpoint / "swapio-optim" / "swapio-optim.safetensors").st_ino
     assert ref == {"state": {}, "param_groups": [], "swapio_checkpoint": str(checkpoint / "swapio-optim")}
     assert (checkpoint / "swapio-optim" / "swapio-optim.safetensors").is_file()
     with pytest.raises(ValueError):  # another optimizer refuses the reference instead of loading nothing
