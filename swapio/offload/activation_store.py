@@ -36,7 +36,8 @@ from .kept import Kept, modified_in_place
 
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight")
+                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
+                 "generation", "waiting", "held")
 
     def __init__(self, index, nbytes, device, storage, version):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -54,14 +55,22 @@ class Entry:
         self.watch = None     # the tensor's detached view, sharing its version counter: a CPU tensor's while host
         #                       holds it, a CUDA tensor's until its copy to the host is seen finished
         self.changed_in_flight = False  # changed in place before the transfer reading it was seen finished
+        # A storage saved by several nodes (a tanh's output that the next linear saves as its input) is read back
+        # once: from the read that brought it back (a new generation) it is held until every saved tensor using it
+        # then has been unpacked or dropped (`waiting` of them), where a weak reference let it go after the first
+        # node and the second read it again, a miss the backward waited for.
+        self.generation = 0
+        self.waiting = 0
+        self.held = None
 
 
 class Saved:
     """What autograd keeps for one saved tensor: the entry and the view to rebuild on its storage."""
-    __slots__ = ("session", "entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("session", "entry", "dtype", "size", "stride", "offset", "generation")
 
     def __init__(self, session, entry, tensor):
         self.session, self.entry = session, entry
+        self.generation = -1  # the entry's generation this saved tensor was last unpacked in
         self.dtype, self.size, self.stride = tensor.dtype, tuple(tensor.size()), tuple(tensor.stride())
         self.offset = tensor.storage_offset()
 
@@ -69,7 +78,7 @@ class Saved:
         session = self.session
         if session is not None:
             self.session = None
-            session.drop(self.entry)
+            session.drop(self.entry, self.generation)
 
 
 def byte_view(storage, device, nbytes):
@@ -264,7 +273,15 @@ class Session:
                 raise RuntimeError("these saved activations were discarded: the forward or backward that made "
                                    "them was interrupted, or the ActivationOffload was closed. Run the forward "
                                    "again.")
-            storage = self._restore(saved.entry)
+            entry = saved.entry
+            storage, fresh = self._restore(entry)
+            if fresh:
+                entry.generation += 1
+                entry.waiting = entry.refs
+            if saved.generation != entry.generation:
+                saved.generation = entry.generation
+                entry.waiting -= 1
+            entry.held = storage if entry.waiting > 0 else None
         if saved.entry.changed_in_flight:
             raise modified_in_place(saved.dtype, saved.size, "was changed in place while swapio was still copying "
                                     "it out of the forward, so what it saved may be half changed")
@@ -272,7 +289,8 @@ class Session:
         return out.set_(storage, saved.offset, saved.size, saved.stride)
 
     def _restore(self, entry):
-        """The entry's storage back on its device (the one already back, while something still uses it)."""
+        """(The entry's storage back on its device: the one already back while something still uses it, whether
+        it was brought back now)."""
         storage = entry.restored() if entry.restored is not None else None
         if storage is not None and entry.host is not None and not entry.pooled and self._changed(entry):
             storage = None  # the CPU tensor's own memory, changed in place since: back from the disk as saved
@@ -287,9 +305,9 @@ class Session:
             storage = loaded.wait().untyped_storage()
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
             entry.restored = weakref.ref(storage)
-        else:
-            self._prefetch_below(entry.index)
-        return storage
+            return storage, True
+        self._prefetch_below(entry.index)
+        return storage, False
 
     def _prefetch_below(self, index):
         """Keeps the `prefetch` live entries below `index` loaded or on their way (the ones already are count;
@@ -351,15 +369,19 @@ class Session:
         entry.loaded = DeviceCopyFuture(read, issue, target)
 
     # ---- end ----------------------------------------------------------------------------------------------------
-    def drop(self, entry):
-        """A saved tensor using `entry` was dropped by autograd."""
+    def drop(self, entry, generation):
+        """A saved tensor using `entry`, last unpacked in `generation`, was dropped by autograd."""
         res = self.res
         with res.lock:
             entry.refs -= 1
+            if generation != entry.generation and entry.waiting > 0:
+                entry.waiting -= 1  # never unpacked since the storage came back: nothing waits for it now
+                if entry.waiting == 0:
+                    entry.held = None
             if entry.refs > 0:
                 return
             self.live -= 1
-            entry.loaded = entry.restored = None
+            entry.loaded = entry.restored = entry.held = None
             if entry.d2h is None and entry.write is None:
                 self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
             if self.by_storage.get(entry.key) is entry:
@@ -407,7 +429,7 @@ class Session:
             self.pending.clear()
             self.resident.clear()
             for entry in self.entries:
-                entry.loaded = entry.restored = None
+                entry.loaded = entry.restored = entry.held = None
                 if entry.staged:
                     self.staged -= entry.staged
                     entry.staged = 0
