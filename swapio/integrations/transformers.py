@@ -49,7 +49,7 @@ def _offload_optimizer(optimizer: Any) -> Optional[OffloadOptimizer]:
 
 
 
-def _install(opt: Any, load_reference: Optional[Callable[[Any, str], None]] = None) -> None:
+def _install(opt: Any, load_reference: Optional[Callable[[Any, Dict[str, Any]], None]] = None) -> None:
     """Gives `opt` a state_dict that returns the pending reference once (set by the callback when it saves).
     load_reference(opt, ref): how this instance's load_state_dict loads a reference (any torch optimizer, for
     SwapioCheckpointCallback); without it, OffloadOptimizer's class-level load_state_dict does (opt.load)."""
