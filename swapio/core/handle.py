@@ -58,12 +58,20 @@ class AioHandle(Closeable):
     @classmethod
     def from_config(cls, config: Union[StrPath, Dict[str, Any]]) -> AioHandle:
         """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
+        source = "the config"
         if isinstance(config, dict):
-            doc = config
+            doc: Any = config
         else:
-            with open(check_path("config", config)) as f:
-                doc = json.load(f)
-        settings: Dict[str, Any] = doc.get("handle", doc)
+            source = check_path("config", config)
+            with open(source) as f:
+                try:
+                    doc = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
+        settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
+        if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
+            raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
+                             f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
         unknown = set(settings) - set(_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
