@@ -252,6 +252,7 @@ class SwapStore(Closeable):
         here only if nobody has seen it yet."""
         with self._lock:
             if self._tensors.get(swapped.name) is not swapped:
+                self._check_open()  # close() removed every tensor: say so, not that this one is a stranger
                 raise ValueError(f"{swapped!r} does not belong to this store")
             del self._tensors[swapped.name]
         seen = swapped._write is not None and swapped._write.observed

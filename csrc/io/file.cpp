@@ -28,6 +28,13 @@ void check_file_type(mode_t mode, const std::string& path) {
 
 }  // namespace
 
+uint64_t birth_ns(int fd) {
+  struct statx stx;
+  std::memset(&stx, 0, sizeof(stx));
+  if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_BTIME, &stx) != 0 || !(stx.stx_mask & STATX_BTIME)) return 0;
+  return static_cast<uint64_t>(stx.stx_btime.tv_sec) * 1000000000u + stx.stx_btime.tv_nsec;
+}
+
 Alignment query_alignment(int fd) {
   Alignment a;
   struct statx stx;
@@ -108,7 +115,8 @@ int OpenFile::open_fd(bool direct) {
     check_file_type(st.st_mode, path_);  // throws
   }
   if (expect_ && (static_cast<uint64_t>(st.st_dev) != expect_->dev ||
-                  static_cast<uint64_t>(st.st_ino) != expect_->ino)) {
+                  static_cast<uint64_t>(st.st_ino) != expect_->ino ||
+                  (expect_->birth_ns != 0 && birth_ns(fd) != expect_->birth_ns))) {
     ::close(fd);
     throw IoError(ESTALE, "another file replaced the file expected here", path_, 0);
   }

@@ -23,11 +23,16 @@ struct Alignment {
 };
 
 // A file's identity as fstat gives it: a file swapio wrote earlier must still be that file when it is read
-// back, and never a symlink planted at its name since.
+// back, and never a symlink planted at its name since. A file created after the old one was deleted often gets
+// its inode number back (ext4 does so at once), so the birth time tells the two apart.
 struct FileIdentity {
   uint64_t dev = 0;
   uint64_t ino = 0;
+  uint64_t birth_ns = 0;  // statx btime in ns since the epoch; 0: not known (not checked)
 };
+
+// The birth time of an open file (statx STATX_BTIME) in ns since the epoch, or 0 where the file system keeps none.
+uint64_t birth_ns(int fd);
 
 // Descriptors stay open until the last piece of the request that opened them is done.
 class OpenFile {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "python/bind_adam.h"
@@ -206,10 +207,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("direct"), py::arg("submit_batch") = 1)
       .def("submit", [](io::Handle& h, const std::string& op, uintptr_t buf, int64_t length,
                         const std::string& path, int64_t offset, bool record_latency,
-                        std::optional<std::pair<uint64_t, uint64_t>> expect, bool staged) {
+                        std::optional<std::tuple<uint64_t, uint64_t, uint64_t>> expect, bool staged) {
              io::Op o = parse_op(op);
              std::optional<io::FileIdentity> identity;
-             if (expect) identity = io::FileIdentity{expect->first, expect->second};
+             if (expect) identity = io::FileIdentity{std::get<0>(*expect), std::get<1>(*expect), std::get<2>(*expect)};
              py::gil_scoped_release nogil;
              return h.submit(o, buf, length, path, offset, record_latency, identity, staged);
            }, py::arg("op"), py::arg("buf"), py::arg("length"), py::arg("path"), py::arg("offset"),
@@ -251,6 +252,8 @@ PYBIND11_MODULE(_C, m) {
       }, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
       "Copies nbytes between two non-overlapping memory ranges with streaming stores, without the GIL (for big "
       "copies whose destination is not read again soon: the checkpoint capture). Pointers are not checked.");
+  m.def("file_birth_ns", [](int fd) { return io::birth_ns(fd); }, py::arg("fd"),
+        "The birth time (statx btime) of an open file in ns since the epoch, 0 where the file system keeps none.");
   m.def("writable", [](uintptr_t p, size_t n) {
         return mem::check_access(reinterpret_cast<const void*>(p), n, mem::Access::write) == 0;
       }, py::arg("ptr"), py::arg("nbytes"),

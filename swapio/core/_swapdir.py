@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 
+from .. import _C
 from . import _durable
 from ._errors import warn_once
 from ._owned_fd import OwnedFd
@@ -62,21 +63,26 @@ def _lock_file(path):
         owned.close()  # the previous owner removed it between our open and our lock: try again
 
 
+def identity_of(fd):
+    """(st_dev, st_ino, birth ns) of an open file: a file made at the same path after this one was deleted often
+    gets its inode number back, never its birth time (0 where the file system keeps none: not checked)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, _C.file_birth_ns(fd)
+
+
 def create_private_file(path):
     """Creates (or truncates) a 0600 regular file, refusing to follow a symlink planted at its name; returns its
-    identity (st_dev, st_ino), which the native core checks on every later open of it (pread/pwrite identity=)."""
+    identity_of(), which the native core checks on every later open of it (pread/pwrite identity=)."""
     with OwnedFd.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600) as owned:
         os.fchmod(owned.fileno(), 0o600)
-        st = os.fstat(owned.fileno())
-        return st.st_dev, st.st_ino
+        return identity_of(owned.fileno())
 
 
 def resize_private_file(path, identity, size):
     """Sets the size of the file create_private_file made, never through a symlink or on another file."""
     # NONBLOCK: a FIFO there
     with OwnedFd.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
-        st = os.fstat(owned.fileno())
-        if (st.st_dev, st.st_ino) != identity:
+        if identity_of(owned.fileno()) != identity:
             raise OSError(errno.ESTALE, "another file replaced the file expected here", path)
         os.ftruncate(owned.fileno(), size)
 

@@ -1,6 +1,7 @@
 """swapio.Future: one request, one future (concurrent.futures spelling: result(), done())."""
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Any, Callable, Optional, Tuple
 
@@ -71,6 +72,8 @@ class Future:
 
     def _settle(self, timeout: Optional[float] = None) -> _Outcome:
         if self._outcome is None:
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+                raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
             if timeout is not None and not timeout >= 0:
                 raise ValueError(f"timeout must be None or >= 0, got {timeout}")
             if not self._request.wait(timeout):

@@ -58,12 +58,20 @@ class AioHandle(Closeable):
     @classmethod
     def from_config(cls, config: Union[StrPath, Dict[str, Any]]) -> AioHandle:
         """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
+        source = "the config"
         if isinstance(config, dict):
-            doc = config
+            doc: Any = config
         else:
-            with open(check_path("config", config)) as f:
-                doc = json.load(f)
-        settings: Dict[str, Any] = doc.get("handle", doc)
+            source = check_path("config", config)
+            with open(source) as f:
+                try:
+                    doc = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
+        settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
+        if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
+            raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
+                             f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
         unknown = set(settings) - set(_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
@@ -80,15 +88,16 @@ class AioHandle(Closeable):
                 "engine": self.engine, "direct": self.direct, "submit_batch": self.submit_batch}
 
     def pwrite(self, tensor: torch.Tensor, path: StrPath, offset: int = 0, *,
-               identity: Optional[Tuple[int, int]] = None, staged: Union[bool, str] = False) -> Future:
+               identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:
         """Writes tensor's bytes to path at offset (creating the file); returns a Future of bytes written.
         identity, staged: as for pread."""
         return self._submit("write", tensor, path, offset, identity=identity, staged=staged)
 
     def pread(self, tensor: torch.Tensor, path: StrPath, offset: int = 0, *,
-              identity: Optional[Tuple[int, int]] = None, staged: Union[bool, str] = False) -> Future:
+              identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
-        identity=(st_dev, st_ino): the file must still be that one (say, one the caller created): it is opened
+        identity=(st_dev, st_ino[, birth_ns]): the file must still be that one (say, one the caller created; birth_ns,
+        its statx birth time, tells it from a file made later with its inode number): it is opened
         without following a symlink (nor created, for pwrite) and checked on each descriptor the I/O uses,
         else OSError here (ELOOP: a symlink, ESTALE: another file, ENOENT: none).
         staged=True: the O_DIRECT I/O goes through the workers' huge-page bounce buffers (copied on the workers,
@@ -100,15 +109,16 @@ class AioHandle(Closeable):
         return self._submit("read", tensor, path, offset, identity=identity, staged=staged)
 
     def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
-                identity: Optional[Tuple[int, int]] = None, staged: Union[bool, str] = False) -> Future:
+                identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:
         ptr, nbytes = cpu_memory(tensor)
         path = check_path("path", path)
         offset = check_int("offset", offset, 0)
         if identity is not None:
-            if not (isinstance(identity, tuple) and len(identity) == 2
+            if not (isinstance(identity, tuple) and len(identity) in (2, 3)
                     and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64 for x in identity)):
-                raise TypeError(f"identity must be a (st_dev, st_ino) tuple of two unsigned 64-bit ints, got "
+                raise TypeError(f"identity must be a (st_dev, st_ino[, birth_ns]) tuple of unsigned 64-bit ints, got "
                                 f"{identity!r}")
+            identity = identity + (0,) * (3 - len(identity))  # birth time 0: not checked
         if isinstance(staged, str):
             if staged != "auto":
                 raise ValueError(f"staged must be True, False or 'auto', got {staged!r}")

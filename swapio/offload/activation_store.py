@@ -175,8 +175,7 @@ class Session:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) == self.identity:
+                if _swapdir.identity_of(fd) == self.identity:
                     os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)

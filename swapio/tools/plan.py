@@ -3,9 +3,9 @@ RAM and disk, with the expected nvme-mode step time from the disk's measured ban
 config in the directory if there is one, else a short `swapio bench` run there."""
 import json
 import os
-import shutil
 
 from . import memplan
+from .testfile import free_bytes
 from .tune import CONFIG_NAME as TUNE_CONFIG
 
 MEASURE_SIZE = 256 << 20
@@ -52,7 +52,7 @@ def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_b
              largest_module=0, activations=None):
     disk_free = read = write = source = None
     if disk is not None:
-        disk_free = shutil.disk_usage(disk).free
+        disk_free = free_bytes(disk)  # None: no block count (ramfs)
         found = tune_config_bandwidth(disk) or measured_bandwidth(disk, log=log)
         read, write, source = found
     out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write,
@@ -121,8 +121,12 @@ def plan_text(p):
     for lay in p["layouts"]:
         short = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is False]
         unknown = [k.upper() if k != "disk" else k for k, ok in lay["fits"].items() if ok is None]
-        verdict = (f"no: {', '.join(short)} too small" if short else
-                   f"? ({', '.join(unknown)} not given)" if unknown else "yes")
+        # a --disk whose file system keeps no block count (ramfs) was given: its free space is what is unknown
+        no_count = "disk" in unknown and p.get("disk") is not None
+        unknown = [k for k in unknown if not (no_count and k == "disk")]
+        why = [f"{', '.join(unknown)} not given"] if unknown else []
+        why += ["disk free space unknown"] if no_count else []
+        verdict = (f"no: {', '.join(short)} too small" if short else f"? ({'; '.join(why)})" if why else "yes")
         lines.append(f"{lay['name']:40}{_gb(lay['gpu']) if lay['gpu'] else '-':>11}"
                      f"{_gb(lay['ram']) if lay['ram'] else '-':>11}{_gb(lay['disk']) if lay['disk'] else '-':>11}"
                      f"   {verdict}")

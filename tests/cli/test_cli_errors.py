@@ -1,5 +1,6 @@
 """Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, no file left behind."""
 import contextlib
+import json
 import os
 import resource
 import signal
@@ -92,14 +93,14 @@ def test_io_error_mid_run_cleans_up(capsys, tmp_path):
 
 
 @contextlib.contextmanager
-def _mount_tmpfs(path, options):
+def _mount_tmpfs(path, options, fstype="tmpfs"):
     path.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        proc = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, str(path)], capture_output=True)
     except OSError:
         proc = None
     if proc is None or proc.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+        pytest.skip(f"cannot mount a {fstype} here (needs root)")
     try:
         yield path
     finally:
@@ -112,6 +113,29 @@ def test_not_enough_space(capsys, tmp_path):
         assert_one_line_error(rc, err, "not enough free space")
         assert rc == 1  # the disk's failure, not the command line's
         assert leftovers(d) == []
+
+
+def test_bench_runs_on_ramfs_which_reports_no_free_space(capsys, tmp_path):
+    # ramfs keeps no block count (statvfs says 0 blocks, 0 free): that is no limit, not a full disk
+    with _mount_tmpfs(tmp_path / "ram", "mode=0755", fstype="ramfs") as d:
+        rc, out, err = run_cli(capsys, "bench", "-q", "--dir", str(d), "--size", "1M", "--bs", "256K", "--verify")
+        assert rc == 0, err
+        assert "verify: passed (1 MiB checked)" in out
+        assert leftovers(d) == []
+
+
+def test_plan_on_ramfs_says_its_free_space_is_unknown_not_too_small(capsys, tmp_path):
+    with _mount_tmpfs(tmp_path / "ram", "mode=0755", fstype="ramfs") as d:
+        assert os.statvfs(d).f_blocks == 0  # what ramfs reports: no block count
+        (d / "swapio-io.json").write_text(json.dumps(  # measured bandwidth, so plan runs no bench
+            {"handle": {}, "measured": {"directory": str(d), "both": {"read_gb_s": 2.0, "write_gb_s": 1.0}}}))
+        rc, out, err = run_cli(capsys, "plan", "--params", "1B", "--gpu-mem", "80G", "--ram", "1T", "--disk", str(d))
+        assert rc == 0, err
+        rows = [line for line in out.splitlines() if "(state on disk)" in line]
+        assert rows and all(line.endswith("(disk free space unknown)") for line in rows), out
+        assert "too small" not in out
+        rc, out, _ = run_cli(capsys, "plan", "--params", "1B", "--disk", str(d), "--json")
+        assert rc == 0 and json.loads(out)["capacity"]["disk_free"] is None
 
 
 def test_directory_not_writable(capsys, tmp_path):

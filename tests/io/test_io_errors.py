@@ -367,3 +367,35 @@ def test_failed_request_raises_the_same_error_on_every_wait(handle_factory, tmp_
     assert first.errno == second.errno == errno.ENODATA
     assert f.done()
     assert f.exception(timeout=TIMEOUT).errno == errno.ENODATA
+
+
+@pytest.mark.parametrize("timeout", ["1", b"1", [1]], ids=["str", "bytes", "list"])
+def test_non_number_wait_timeout_is_type_error_naming_timeout(handle_factory, tmp_path, timeout):
+    big, small, _ = queued_behind_big_read(handle_factory, tmp_path)
+    for wait in (small.wait, small.result, small.exception):
+        with pytest.raises(TypeError, match="timeout must be None or a number"):
+            wait(timeout=timeout)
+    assert small.wait(timeout=TIMEOUT) == 10
+    big.wait(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("doc", ["[1, 2]", "null", '"psync"', '{"handle": null}', '{"handle": [4096]}'],
+                         ids=["list", "null", "str", "handle-null", "handle-list"])
+def test_from_config_file_that_is_not_a_settings_object_is_value_error_naming_it(tmp_path, doc):
+    cfg = tmp_path / "swapio-io.json"
+    cfg.write_text(doc)
+    with pytest.raises(ValueError, match="swapio-io.json.*JSON object"):
+        swapio.AioHandle.from_config(cfg)
+
+
+@pytest.mark.parametrize("settings", [None, [4096], "psync"], ids=["None", "list", "str"])
+def test_from_config_dict_whose_handle_is_not_a_dict_is_value_error(settings):
+    with pytest.raises(ValueError, match="JSON object"):
+        swapio.AioHandle.from_config({"handle": settings})
+
+
+def test_from_config_file_that_is_not_json_is_value_error_naming_it(tmp_path):
+    cfg = tmp_path / "swapio-io.json"
+    cfg.write_text('{"handle": {"block_size": 4096,')  # cut short
+    with pytest.raises(ValueError, match=r"swapio-io.json is not valid JSON"):
+        swapio.AioHandle.from_config(cfg)

@@ -346,6 +346,15 @@ def test_closed_store_rejects_swap_out(tmp_path):
         store.swap_out(sample())
 
 
+def test_remove_after_close_says_the_store_is_closed(tmp_path):
+    store = swapio.SwapStore(tmp_path / "s")
+    s = store.swap_out(sample())
+    store.close()
+    assert not os.path.exists(s.path)
+    with pytest.raises(ValueError, match="SwapStore is closed"):
+        store.remove(s)
+
+
 def test_store_uses_given_handle(tmp_path):
     with swapio.AioHandle(engine="psync", block_size=4096) as h:
         with swapio.SwapStore(tmp_path / "s", handle=h) as store:

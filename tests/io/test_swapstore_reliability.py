@@ -124,8 +124,16 @@ def _move_a_copy_over(path, tmp_path):
     os.replace(other, path)
 
 
+def _recreate_at_the_same_name(path, tmp_path):
+    size = os.path.getsize(path)
+    os.unlink(path)
+    with open(path, "wb") as f:  # ext4 hands the freed inode number straight back to this file
+        f.write(b"\0" * size)
+
+
 @pytest.mark.parametrize("replace, err, message", [(_plant_symlink, errno.ELOOP, "symlink"),
-                                                   (_move_a_copy_over, errno.ESTALE, "another file")])
+                                                   (_move_a_copy_over, errno.ESTALE, "another file"),
+                                                   (_recreate_at_the_same_name, errno.ESTALE, "another file")])
 def test_swap_file_replaced_after_swap_out_is_refused(tmp_path, replace, err, message):
     store = swapio.SwapStore(tmp_path / "s")
     s = store.swap_out(sample()).wait(TIMEOUT)
@@ -350,3 +358,27 @@ def test_a_forked_child_closing_its_copies_leaves_the_parents_files(tmp_path):
     opt.close()
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_identity_tells_a_file_recreated_with_the_same_inode_number_apart(tmp_path):
+    path = str(tmp_path / "f.bin")
+    data = torch.arange(4096, dtype=torch.int32)
+    with swapio.AioHandle() as h:
+        identity = _swapdir.create_private_file(path)
+        h.pwrite(data, path, identity=identity).wait(TIMEOUT)
+        os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(bytes(data.numel() * 4))
+        out = torch.full_like(data, -1)
+        for op, tensor in (("pread", out), ("pwrite", data)):
+            with pytest.raises(OSError) as info:
+                getattr(h, op)(tensor, path, identity=identity)
+            assert info.value.errno == errno.ESTALE, op
+        with pytest.raises(OSError) as info:
+            _swapdir.resize_private_file(path, identity, 0)
+        assert info.value.errno == errno.ESTALE
+        assert torch.equal(out, torch.full_like(data, -1)) and open(path, "rb").read() == bytes(data.numel() * 4)
+        # the file itself still passes, by the same identity
+        identity = _swapdir.create_private_file(path)
+        h.pwrite(data, path, identity=identity).wait(TIMEOUT)
+        assert h.pread(out, path, identity=identity).wait(TIMEOUT) == data.numel() * 4 and torch.equal(out, data)
