@@ -98,8 +98,14 @@ class PreloadForward(OffloadedForward):
                     unit.lock.release()
             raise
         try:
+            changed = None
             for unit in reversed(entered):
-                output = streamer.leave(unit, output)
+                try:
+                    output = streamer.leave(unit, output, finished=True)
+                except RuntimeError as exc:  # a changed buffer, raised once that unit is left: leave the others
+                    changed = changed or exc
+            if changed is not None:
+                raise changed
         finally:
             for unit in reversed(taken):
                 unit.lock.release()

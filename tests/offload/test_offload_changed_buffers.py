@@ -73,3 +73,14 @@ def test_running_statistics_are_kept_where_the_buffer_stays_put(tmp_path, how, o
     remove_offload(model)
     for name, value in reference.bn.named_buffers():
         assert torch.equal(getattr(model.bn, name), value), name
+
+
+def test_a_changed_buffer_under_a_preload_module_is_refused_too(tmp_path):
+    torch.manual_seed(0)
+    reference, x = torch.nn.Sequential(Normed()), torch.randn(4, 8)
+    model = disk_offload(copy.deepcopy(reference), tmp_path / "od", offload_buffers=True,
+                         preload_module_classes=["Normed"])
+    with pytest.raises(RuntimeError, match=r"bn\.running_mean"):
+        model(x)
+    model.eval()  # every unit under the preload module was left: the model works
+    assert torch.equal(model(x), reference.eval()(x))
