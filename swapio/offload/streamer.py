@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, saved_tensors
+from . import compiled, conversions, loading, saved_tensors
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
@@ -111,6 +111,7 @@ class WeightStreamer:
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
+            loading.install(self)
             for dressing in self.dressings:
                 dressing.install(self.model)
             self.training.register(self.slots)
@@ -286,6 +287,7 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
+        loading.uninstall(self)
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:
