@@ -69,7 +69,11 @@ def _check_available(execution_device):
     if isinstance(execution_device, int) and not isinstance(execution_device, bool):
         device = torch.device("cuda", execution_device)
     elif isinstance(execution_device, (str, torch.device)):
-        device = torch.device(execution_device)
+        try:
+            device = torch.device(execution_device)
+        except RuntimeError as exc:  # torch's message lists every device type, without the argument's name
+            raise ValueError(f"execution_device={execution_device!r} is not a device: use 'cpu', 'cuda' or "
+                             "'cuda:<index>'") from exc
     else:
         return  # normalize_device reports the type
     if device.type not in ("cpu", "cuda"):
@@ -99,7 +103,11 @@ def _execution_device(model, execution_device):
 def _check_keep(keep_resident):
     if isinstance(keep_resident, str):
         return [keep_resident]
-    keep = list(keep_resident)
+    try:
+        keep = list(keep_resident)
+    except TypeError:
+        raise TypeError(f"keep_resident must be module names (a str or an iterable of them), got "
+                        f"{type(keep_resident).__name__}") from None
     for k in keep:
         if not isinstance(k, str):
             raise TypeError(f"keep_resident must hold module names (str), got {type(k).__name__}")
@@ -161,6 +169,14 @@ def _meta_hint(module, attr, kind):
                 "offloading")
     return ("build the model with its weights, or pass a checkpoint that holds this tensor, or keep it out of "
             "keep_resident")
+
+
+def _check_path(name, path):
+    """A path argument as str (a bytes path too, as open() takes it), or a TypeError naming the argument."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), got {type(path).__name__}") from None
 
 
 def _check_common(prefetch, offload_buffers):
@@ -277,6 +293,10 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                          "them from a safetensors checkpoint), or both (train weights read from a checkpoint: "
                          "offload_dir receives the trained ones)")
     _check_model(model)
+    offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
+    checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
     prefetch = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)

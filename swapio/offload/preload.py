@@ -17,7 +17,12 @@ def _class_names(preload_module_classes):
         return set()
     if isinstance(preload_module_classes, str):
         return {preload_module_classes}
+    if isinstance(preload_module_classes, type):  # one class, as one name is taken
+        return {preload_module_classes.__name__}
     names = set()
+    if not hasattr(preload_module_classes, "__iter__"):
+        raise TypeError(f"preload_module_classes must be class names (str) or classes, in a list, got "
+                        f"{type(preload_module_classes).__name__}")
     for c in preload_module_classes:
         if isinstance(c, str):
             names.add(c)
