@@ -142,8 +142,9 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
         if t.device.type == "meta":
             loc = find(locations, name) if locations is not None else None
             if loc is None:
-                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'no checkpoint'} "
-                                 f"does not hold its values: {_meta_hint(module, attr, kind)}")
+                where = f"{origin} does not hold its values" if origin else "no checkpoint holds its values"
+                raise ValueError(f"{name} stays resident but is on the meta device, and {where}: "
+                                 f"{_meta_hint(module, attr, kind)}")
             loc = check_against(locations, checkpoint_names([name]), t.shape, t.dtype, origin)
             value = _read_tensor(handle, loc, device)
             new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
@@ -197,8 +198,10 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     prefetch = _check_common(prefetch, offload_buffers)
     preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
-    if state_dict is not None:
+    if state_dict is not None:  # a model built on meta: what disk_offload(checkpoint=) supplies, from the dict
         assign_state_dict(model, state_dict)
+        retie(model, state_dict)
+        compute_buffers(model, state_dict)  # what it cannot compute stays on meta: _place_resident names it
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     current = _current(units)
     for slot in slots:
