@@ -69,7 +69,11 @@ def _check_available(execution_device):
     if isinstance(execution_device, int) and not isinstance(execution_device, bool):
         device = torch.device("cuda", execution_device)
     elif isinstance(execution_device, (str, torch.device)):
-        device = torch.device(execution_device)
+        try:
+            device = torch.device(execution_device)
+        except RuntimeError as exc:  # torch's message lists every device type, without the argument's name
+            raise ValueError(f"execution_device={execution_device!r} is not a device: use 'cpu', 'cuda' or "
+                             "'cuda:<index>'") from exc
     else:
         return  # normalize_device reports the type
     if device.type not in ("cpu", "cuda"):
@@ -99,7 +103,11 @@ def _execution_device(model, execution_device):
 def _check_keep(keep_resident):
     if isinstance(keep_resident, str):
         return [keep_resident]
-    keep = list(keep_resident)
+    try:
+        keep = list(keep_resident)
+    except TypeError:
+        raise TypeError(f"keep_resident must be module names (a str or an iterable of them), got "
+                        f"{type(keep_resident).__name__}") from None
     for k in keep:
         if not isinstance(k, str):
             raise TypeError(f"keep_resident must hold module names (str), got {type(k).__name__}")
@@ -134,8 +142,9 @@ def _place_resident(resident, device, locations=None, handle=None, origin=None):
         if t.device.type == "meta":
             loc = find(locations, name) if locations is not None else None
             if loc is None:
-                raise ValueError(f"{name} stays resident but is on the meta device, and {origin or 'no checkpoint'} "
-                                 f"does not hold its values: {_meta_hint(module, attr, kind)}")
+                where = f"{origin} does not hold its values" if origin else "no checkpoint holds its values"
+                raise ValueError(f"{name} stays resident but is on the meta device, and {where}: "
+                                 f"{_meta_hint(module, attr, kind)}")
             loc = check_against(locations, checkpoint_names([name]), t.shape, t.dtype, origin)
             value = _read_tensor(handle, loc, device)
             new = torch.nn.Parameter(value, requires_grad=t.requires_grad) if kind == "param" else value
@@ -163,6 +172,14 @@ def _meta_hint(module, attr, kind):
             "keep_resident")
 
 
+def _check_path(name, path):
+    """A path argument as str (a bytes path too, as open() takes it), or a TypeError naming the argument."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), got {type(path).__name__}") from None
+
+
 def _check_common(prefetch, offload_buffers):
     prefetch = check_int("prefetch", prefetch, 0)
     if not isinstance(offload_buffers, bool):
@@ -181,8 +198,10 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     prefetch = _check_common(prefetch, offload_buffers)
     preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
-    if state_dict is not None:
+    if state_dict is not None:  # a model built on meta: what disk_offload(checkpoint=) supplies, from the dict
         assign_state_dict(model, state_dict)
+        retie(model, state_dict)
+        compute_buffers(model, state_dict)  # what it cannot compute stays on meta: _place_resident names it
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
     current = _current(units)
     for slot in slots:
@@ -277,6 +296,10 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                          "them from a safetensors checkpoint), or both (train weights read from a checkpoint: "
                          "offload_dir receives the trained ones)")
     _check_model(model)
+    offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
+    checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
     prefetch = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)

@@ -142,13 +142,21 @@ def read_index(directory):
         raise ValueError(f"{path}: 'tensors' must be an object, got {type(tensors).__name__}")
     data_path = os.path.join(os.fspath(directory), data)
     size = os.path.getsize(data_path) if os.path.isfile(data_path) and not os.path.islink(data_path) else -1
-    out = {}
+    out, ranges = {}, []
     for name, e in tensors.items():
         loc = _entry(path, data_path, size, name, e)
         for alias in e["names"]:
             if alias in out:
                 raise ValueError(f"{path}: tensor name {alias!r} appears twice")
             out[alias] = loc
+        if loc.nbytes:
+            ranges.append((loc.offset, loc.offset + loc.nbytes, name))
+    # swapio stores every tensor once in its own bytes (a tie is one entry with several names): tensors sharing
+    # bytes would read each other's values, and a training step writing one would change the other
+    ranges.sort()
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise ValueError(f"{path}: tensors {first!r} and {second!r} overlap in {data_path}")
     return out
 
 

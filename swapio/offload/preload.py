@@ -17,7 +17,12 @@ def _class_names(preload_module_classes):
         return set()
     if isinstance(preload_module_classes, str):
         return {preload_module_classes}
+    if isinstance(preload_module_classes, type):  # one class, as one name is taken
+        return {preload_module_classes.__name__}
     names = set()
+    if not hasattr(preload_module_classes, "__iter__"):
+        raise TypeError(f"preload_module_classes must be class names (str) or classes, in a list, got "
+                        f"{type(preload_module_classes).__name__}")
     for c in preload_module_classes:
         if isinstance(c, str):
             names.add(c)
@@ -98,8 +103,14 @@ class PreloadForward(OffloadedForward):
                     unit.lock.release()
             raise
         try:
+            changed = None
             for unit in reversed(entered):
-                output = streamer.leave(unit, output)
+                try:
+                    output = streamer.leave(unit, output, finished=True)
+                except RuntimeError as exc:  # a changed buffer, raised once that unit is left: leave the others
+                    changed = changed or exc
+            if changed is not None:
+                raise changed
         finally:
             for unit in reversed(taken):
                 unit.lock.release()

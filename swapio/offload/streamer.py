@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, saved_tensors
+from . import compiled, conversions, loading, saved_tensors
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
@@ -70,7 +70,7 @@ class OffloadedForward:
             except BaseException:
                 streamer.leave(unit, None)
                 raise
-            return streamer.leave(unit, output)
+            return streamer.leave(unit, output, finished=True)
 
     def __reduce_ex__(self, protocol):
         refuse_copy()
@@ -111,6 +111,7 @@ class WeightStreamer:
                 self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
+            loading.install(self)
             for dressing in self.dressings:
                 dressing.install(self.model)
             self.training.register(self.slots)
@@ -139,6 +140,7 @@ class WeightStreamer:
             self._fetch_in(unit)
 
     def _fetch_in(self, unit):
+        unit.buffers_in.clear()  # what an interrupted leave() left
         self.schedule.observe(unit)
         fetcher = self.fetcher
         for record in unit.records:
@@ -167,6 +169,8 @@ class WeightStreamer:
                 t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
                 if slot.requires_grad and grad:
                     self.training.watch(slot, t)
+            else:
+                unit.buffers_in.append((attr, slot, t, self._snapshot(unit, fetch, t)))
             set_entry(unit.module, attr, kind, t)
         if grad:
             self.saved.enter(unit.hooks_entered)
@@ -198,12 +202,33 @@ class WeightStreamer:
             if sum(r.nbytes for r in other.records) >= SMALL:
                 counted += 1
 
-    def leave(self, unit, output):
+    def _snapshot(self, unit, fetch, t):
+        """The buffer's bytes before the forward, where a change in place would be lost: in memory reused after
+        the forward (the ring, a device copy). Taken in train mode (BatchNorm's running statistics), and always on
+        the CPU, where comparing costs no device synchronization."""
+        if not fetch.transient or not (unit.module.training or self.device.type == "cpu"):
+            return None
+        return t.detach().reshape(-1).view(torch.uint8).clone() if t.numel() else None
+
+    def _changed_buffer(self, unit):
+        """(name, how) of an offloaded buffer the module's forward changed, whose change the next fetch would not
+        see (it reads the stored bytes again), or None."""
+        module = unit.module
+        for attr, slot, t, before in unit.buffers_in:
+            if module._buffers.get(attr) is not t:
+                return slot.name, "assigned again"
+            if before is not None and not torch.equal(t.detach().reshape(-1).view(torch.uint8), before):
+                return slot.name, "changed in place"
+        return None
+
+    def leave(self, unit, output, finished=False):
         if unit.depth == 0:
             return output
         unit.depth -= 1
         if unit.depth > 0:
             return output
+        changed = self._changed_buffer(unit) if finished else None
+        unit.buffers_in.clear()
         while unit.hooks_entered:
             unit.hooks_entered[-1].exit()
             unit.hooks_entered.pop()
@@ -221,6 +246,13 @@ class WeightStreamer:
         while unit.fetches:  # one at a time: an interrupted leave() leaves the rest for the next call to release
             self.fetcher.release(unit.fetches.pop())
         self.fetcher.pump()
+        if changed is not None:  # accelerate drops such a change silently; a wrong model later is worse
+            name, how = changed
+            raise RuntimeError(
+                f"{name} is an offloaded buffer that {type(unit.module).__name__}'s forward {how} (BatchNorm's "
+                "running statistics in train mode, a cache): the change would be lost, since the next forward "
+                "fetches the stored buffer again. Offload with offload_buffers=False (buffers stay resident, the "
+                f"default), keep_resident=[{unit.name!r}], or run the module in eval mode")
         return output
 
     @staticmethod
@@ -255,6 +287,7 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
+        loading.uninstall(self)
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:

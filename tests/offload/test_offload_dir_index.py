@@ -40,6 +40,8 @@ DEFECTS = {
     "data-escapes": (set_field("data", value="../swapio-weights-x.bin", tensor=None), "'data' must name"),
     "data-missing": (set_field("data", value=KeyError, tensor=None), "'data' must name"),
     "version-string": (set_field("version", value="1", tensor=None), "version must be a positive int"),
+    # two tensors read from the same bytes (swapio never writes that: a tie is one entry with two names)
+    "offsets-overlap": (set_field("offset", value=4096), "overlap"),
 }
 
 

@@ -185,3 +185,27 @@ def test_a_conversion_to_the_same_dtype_and_execution_device_is_a_no_op(tmp_path
         assert_same_outputs(model)
     remove_offload(model)
     assert_same_outputs(model)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(offload_dir=123), TypeError, "offload_dir"),
+    (dict(checkpoint=123), TypeError, "checkpoint"),
+    (dict(keep_resident=5), TypeError, "keep_resident"),
+    (dict(preload_module_classes=5), TypeError, "preload_module_classes"),
+    (dict(progress="yes"), TypeError, "progress"),
+    (dict(execution_device="tpu"), ValueError, "execution_device"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_mistyped_argument_is_named(tmp_path, kwargs, error, name):
+    kwargs = {"offload_dir": tmp_path / "od", **kwargs} if "checkpoint" not in kwargs else kwargs
+    model = resident_model()
+    with pytest.raises(error, match=name):
+        disk_offload(model, **kwargs)
+    assert model not in _offloaded and not (tmp_path / "od").exists()
+
+
+def test_bytes_paths_work_as_str_paths(tmp_path):
+    model = disk_offload(resident_model(), os.fsencode(tmp_path / "od"))
+    assert_same_outputs(model)
+    remove_offload(model)
+    resident_model().save_pretrained(tmp_path / "ck")
+    assert_same_outputs(disk_offload(meta_model(), checkpoint=os.fsencode(tmp_path / "ck")))

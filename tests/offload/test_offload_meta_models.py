@@ -5,7 +5,7 @@ RoPE's non-persistent inv_freq (computed again) and a tie stored under one name 
 import pytest
 import torch
 
-from swapio.offload import disk_offload, remove_offload
+from swapio.offload import cpu_offload, disk_offload, remove_offload
 from helpers import hf_tiny
 
 
@@ -97,3 +97,15 @@ def test_meta_model_reusing_an_offload_dir_gets_its_buffers(saved, tmp_path):
     model = disk_offload(hf_tiny.build_empty("llama", "meta"), offload_dir=tmp_path / "od")
     got_logits, got_tokens = hf_tiny.run(model)
     assert torch.equal(got_logits, logits) and torch.equal(got_tokens, tokens)
+
+
+@pytest.mark.parametrize("how", ["meta", "accelerate"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_cpu_offload_state_dict_of_a_model_built_without_weights_equals_resident(tmp_path, name, how):
+    """cpu_offload(state_dict=) gets what disk_offload(checkpoint=) gets: computed rotary buffers, ties made again."""
+    from safetensors.torch import load_file
+    resident = hf_tiny.save(name, tmp_path)
+    want = hf_tiny.run(resident)
+    model = cpu_offload(hf_tiny.build_empty(name, how), state_dict=load_file(tmp_path / "model.safetensors"))
+    got = hf_tiny.run(model)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
