@@ -290,6 +290,7 @@ class OffloadOptimizer(Optimizer):
     def param_value(self, p):
         """p's current value: the parameter itself, or for an offloaded weight a copy read from its storage."""
         if p in self._offloaded.entries:
+            self._settle()  # in_backward: the value after the updates backward began, not whichever ran yet
             return self._offloaded.current(p)
         return shard(p).detach()
 

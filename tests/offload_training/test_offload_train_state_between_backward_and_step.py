@@ -122,3 +122,36 @@ def test_load_state_dict_between_backward_and_step_is_not_overwritten_by_that_ba
     ref_opt.close()
     remove_offload(model)
     assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
+def test_weights_read_between_backward_and_step_are_those_backward_updated(tmp_path, held, storage, off):
+    """opt.param_value(p) and save_checkpoint(model) read the weights after every update that backward began."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from swapio.offload import save_checkpoint
+    data = batches(MLP, 1)
+    ref = make_model()
+    ref_opt = build_opt("AdamW", ref.parameters(), tmp_path / "ref", offload=off)
+    train(ref, ref_opt, data)
+    want = weights(ref)
+    model = offload(make_model(), storage, tmp_path)
+    opt = build_opt("AdamW", model.parameters(), tmp_path / "swap", offload=off, in_backward=True)
+    named = dict(model.named_parameters())
+    for how in ("param_value", "save_checkpoint"):
+        held.hold()
+        with one_thread():
+            loss_of(model, data[0]).backward()
+        if how == "param_value":
+            got = held(lambda: {n: opt.param_value(p) for n, p in named.items()})
+        else:
+            path = tmp_path / "export.safetensors"
+            held(lambda: save_checkpoint(model, path))
+            got = safetensors_torch.load_file(str(path))
+        assert_same_weights(got, want)
+        opt.step()  # nothing left: backward updated every weight
+        opt.zero_grad()
+        train(ref, ref_opt, data)  # the next round's step
+        want = weights(ref)
+    opt.close()
+    ref_opt.close()
+    remove_offload(model)
