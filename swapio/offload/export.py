@@ -100,6 +100,8 @@ def save_checkpoint(model, path, max_shard_size=None):
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "
                          "file: pass a directory")
     streamer = _streamer_of(model)
+    if streamer is not None:
+        streamer.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
     stored = items(model, streamer)
     groups = [stored] if single else _shards(stored, limit or DEFAULT_SHARD)
     finals = [path] if single else [os.path.join(path, SHARD.format(i + 1, len(groups))) for i in range(len(groups))]

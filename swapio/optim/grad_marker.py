@@ -29,12 +29,23 @@ class GradMarker(torch.Tensor):
             weight = markers[0].weight_name if markers else "?"
             raise RuntimeError(
                 f"{name or func}() on p.grad of the offloaded weight {weight!r}: its gradient lives in the swapio "
-                "optimizer that trains it (p.grad only marks that there is one; it has no values). To clip, call "
-                "opt.clip_grad_norm_(max_norm) instead of torch.nn.utils.clip_grad_norm_ or "
-                "accelerator.clip_grad_norm_ (the same global norm, over every gradient the optimizer owns); "
-                "to drop or zero it, model.zero_grad() and p.grad.zero_() work")
+                "optimizer that trains it (p.grad only marks that there is one; it has no values). "
+                f"{_instead(name)}; to drop or zero it, model.zero_grad() and p.grad.zero_() work")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+def _instead(name):
+    """What to do instead of the habit that called `name` (advice for another clipping would mislead)."""
+    if "clamp" in name or name.startswith("clip"):  # torch.nn.utils.clip_grad_value_
+        return ("torch.nn.utils.clip_grad_value_ cannot clamp it: clamp each backward's gradient with a hook, "
+                "p.register_hook(lambda g: g.clamp(-v, v)), which with one backward per step is clip_grad_value_ "
+                "exactly, or clip by norm with opt.clip_grad_norm_(max_norm)")
+    if "unscale" in name:  # torch.amp.GradScaler's unscale_ (also called by scaler.step)
+        return ("torch.amp.GradScaler cannot unscale it: train with torch.autocast(dtype=torch.bfloat16), which "
+                "needs no loss scaling and no GradScaler")
+    return ("To clip, call opt.clip_grad_norm_(max_norm) instead of torch.nn.utils.clip_grad_norm_ or "
+            "accelerator.clip_grad_norm_ (the same global norm, over every gradient the optimizer owns)")
 
 
 def _flat(args, kwargs):

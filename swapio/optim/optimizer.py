@@ -192,10 +192,12 @@ class OffloadOptimizer(Optimizer):
             raise RuntimeError(f"this {type(self).__name__} is closed")
 
     def _settle(self):
-        """Waits for the updates the in_backward worker still runs (backward returns before the last ones end), so
-        that the state read or replaced is whole."""
+        """Waits for the updates the in_backward workers still run (backward returns before the last ones end), so
+        that the state read or replaced is whole: GPU parameters' and offloaded weights' (state_dict() missed
+        them, and load_state_dict()'s state was overwritten by them). Their errors stay for step()."""
         if self._gpu_in_backward is not None:
             self._gpu_in_backward.idle()
+        self._offloaded.worker.idle()
 
     def _check_whole(self):
         """RuntimeError while an error inside step() has left a parameter half-stepped (one spanning several nvme
@@ -288,6 +290,7 @@ class OffloadOptimizer(Optimizer):
     def param_value(self, p):
         """p's current value: the parameter itself, or for an offloaded weight a copy read from its storage."""
         if p in self._offloaded.entries:
+            self._settle()  # in_backward: the value after the updates backward began, not whichever ran yet
             return self._offloaded.current(p)
         return shard(p).detach()
 

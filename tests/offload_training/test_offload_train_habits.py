@@ -396,3 +396,45 @@ def test_gradient_hooks_of_a_cuda_model_may_keep_the_gradient(tmp_path):
     assert kept[0].keys() == kept[1].keys()
     for n in kept[0]:
         assert torch.allclose(kept[1][n], kept[0][n], rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_grad_value_is_refused_naming_a_hook_that_clamps_as_torch_does(tmp_path, dtype):
+    """torch.nn.utils.clip_grad_value_ cannot reach an offloaded weight's gradient: its RuntimeError used to say
+    "call opt.clip_grad_norm_", another clipping. It names the gradient hook that clamps each backward's gradient,
+    which with one backward per step trains exactly as clip_grad_value_ on the resident model."""
+    data = batches(MLP, 3)
+    pairs = both(tmp_path, "cpu", dtype=dtype)
+    (ref, ref_opt), (model, opt) = pairs
+    with one_thread():
+        loss_of(model, data[0]).backward()
+        with pytest.raises(RuntimeError, match=r"clip_grad_value_.*register_hook") as info:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        assert "offloaded weight" in str(info.value)
+        opt.zero_grad()
+        for p in model.parameters():
+            p.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        for b in data:
+            loss_of(ref, b).backward()
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss_of(model, b).backward()
+            opt.step()
+            opt.zero_grad()
+    finish(pairs)
+
+
+def test_grad_scaler_is_refused_naming_bf16_autocast(tmp_path):
+    """torch.amp.GradScaler unscales every p.grad in step(): on an offloaded weight it is refused, naming what works
+    (bf16 autocast, which needs no loss scaling), not opt.clip_grad_norm_."""
+    model = offload(make_model(), "cpu", tmp_path)
+    scaler = torch.amp.GradScaler("cpu")
+    with build_opt("AdamW", model.parameters(), tmp_path / "s") as opt, one_thread():
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, batches(MLP, 1)[0])
+        scaler.scale(loss).backward()
+        with pytest.raises(RuntimeError, match=r"GradScaler.*bfloat16") as info:
+            scaler.step(opt)
+        assert "offloaded weight" in str(info.value)
+    remove_offload(model)
