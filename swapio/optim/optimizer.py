@@ -144,6 +144,14 @@ class OffloadOptimizer(Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            # torch steps such a parameter once per listing (and warns that this will be an error); the backends
+            # keep one state per parameter, so stepping it twice would mix up its state with its neighbours'
+            self.param_groups.pop()
+            twice = sorted({i for i, p in enumerate(group["params"])
+                            if any(q is p for q in group["params"][:i])})
+            raise ValueError(f"a param group lists a parameter more than once (at positions {twice}); "
+                             f"{type(self).__name__} steps each parameter once: list each one once")
         for p in group["params"]:
             problem = None
             if p.device.type == "meta" and self._offloaded.adopt(p):

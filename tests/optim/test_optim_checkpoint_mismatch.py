@@ -133,18 +133,3 @@ def test_a_tensor_lr_round_trips_as_a_tensor(mode, tmp_path):
     assert_same({**snapshot(other, other_params), "groups": []}, {**snapshot(opt, params), "groups": []})
     opt.close()
     other.close()
-
-
-def test_a_duplicated_parameter_checkpoint_into_distinct_parameters_names_the_file(tmp_path):
-    import warnings
-    params = make_params()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dup = swapio.optim.OffloadAdamW([{"params": [params[0], params[1], params[0], *params[2:4]]}])
-    train(dup, params, 1, 1)
-    dup.save(tmp_path / "ckpt")
-    dup.close()
-    other = make_params()
-    opt = swapio.optim.OffloadAdamW([{"params": other}])  # as many parameters, all distinct
-    _refused(opt, other, tmp_path / "ckpt", "distinct")
-    opt.close()
