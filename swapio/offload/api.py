@@ -173,11 +173,13 @@ def _meta_hint(module, attr, kind):
 
 
 def _check_path(name, path):
-    """A path argument as str (a bytes path too, as open() takes it), or a TypeError naming the argument."""
+    """The path argument as given (an opened checkpoint is path-like and carries its parse), a bytes path as str
+    (open() takes both), or a TypeError naming the argument."""
     try:
-        return os.fsdecode(os.fspath(path))
+        fs = os.fspath(path)
     except TypeError:
         raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), got {type(path).__name__}") from None
+    return os.fsdecode(fs) if isinstance(fs, bytes) else path
 
 
 def _check_common(prefetch, offload_buffers):
