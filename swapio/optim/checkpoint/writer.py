@@ -5,6 +5,7 @@ stream chunk by chunk through the optimizer's pinned buffers (nvme mode) or stra
 mode) as positional O_DIRECT writes at their planned offsets (its `stream`), and the header, its checksums then
 known (fixed-width, so it keeps its size), goes last through a small staging window. The file is committed as
 every swapio checkpoint is (a locked temporary file, fsync, rename, directory fsync)."""
+import numbers
 import os
 
 import torch
@@ -23,10 +24,35 @@ _UNSET = "0" * 16  # a checksum's place in the header while the arrays stream: a
 STAGING = 4 << 20  # pinned staging for the header: the arrays stream through the optimizer's own buffers
 
 
+def _as_stepped(value):
+    """A hyperparameter as the step read it, in a type a checkpoint stores: a NumPy scalar (or another Real) as
+    the Python number it equals, a pair element by element; tensors and plain values as they are."""
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_as_stepped(v) for v in value)
+    if isinstance(value, (bool, torch.Tensor)) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _plain_groups(opt, groups):
+    """The packed groups with their values as the step used them: torch lets a group hold a NumPy lr or a flag
+    given as 1 (the step reads float(lr), bool(flag)), which the checkpoint's structure cannot store (TypeError)
+    or load() refuses (its flags must be bools), so save() would fail after training, or write a checkpoint
+    that does not load."""
+    flags = {k for k, v in type(opt)._historical_defaults.items() if isinstance(v, bool)}  # amsgrad, maximize...
+    return [{k: v if k == "params" else bool(v) if k in flags else _as_stepped(v) for k, v in g.items()}
+            for g in groups]
+
+
 def _structure(opt):
     """(the checkpoint's structure, its arrays' meta placeholders {(index, field): tensor}, [stateful params],
     {id(p): index}): every array as a meta tensor of its stored dtype and shape, the checksums unset."""
     groups, index = state_transfer.pack_groups(opt.param_groups)
+    groups = _plain_groups(opt, groups)
     fields_of, fmt = opt.exported_fields(), opt.state_format
     state, dtypes, sums, slots, stateful = {}, {}, {}, {}, []
     for group in opt.param_groups:

@@ -1,0 +1,62 @@
+"""save() of param groups holding values a torch user may give (a NumPy lr, a flag given as 1): the checkpoint
+stores what the step used, and load() resumes bit-identically to the uninterrupted run (the reference)."""
+import numpy as np
+import pytest
+import torch
+
+import swapio.optim as so
+from helpers.optim import one_thread  # noqa: F401
+
+MODES = ["cpu", "nvme"]
+CASES = {
+    "lr np.float64": {"lr": np.float64(1e-2)},
+    "lr np.float32": {"lr": np.float32(1e-2)},
+    "weight_decay np.float32": {"weight_decay": np.float32(0.1)},
+    "eps np.float64": {"eps": np.float64(1e-6)},
+    "betas np, edited mid-run": {"betas": (np.float32(0.8), np.float64(0.95))},
+    "maximize 1": {"maximize": 1},
+}
+AT_CONSTRUCTION = {"amsgrad np.bool_": {"amsgrad": np.bool_(True)}}  # amsgrad cannot change once state exists
+
+
+def _grads(step, n):
+    return torch.randn(n, generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(CASES) + list(AT_CONSTRUCTION))
+def test_a_group_edited_to_such_values_saves_and_resumes_bit_identically(case, mode, tmp_path):
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    p = torch.randn(300, requires_grad=True)
+    opt = so.OffloadAdamW([p], lr=1e-2, offload=mode, **AT_CONSTRUCTION.get(case, {}), **extra)
+    p.grad = _grads(0, 300)
+    opt.step()
+    opt.param_groups[0].update(CASES.get(case, {}))  # what a config, a NumPy schedule or a hand edit leaves there
+    p.grad = _grads(1, 300)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    q = p.detach().clone().requires_grad_(True)
+    resumed = so.OffloadAdamW([q], offload=mode, **extra)
+    resumed.load(tmp_path / "ckpt")
+    for step in (2, 3):
+        p.grad, q.grad = _grads(step, 300), _grads(step, 300)
+        opt.step()
+        resumed.step()
+    assert torch.equal(p, q)
+    opt.close()
+    resumed.close()
+
+
+@pytest.mark.parametrize("cls", ["OffloadAdam", "OffloadLion"])
+def test_the_family_saves_numpy_hyperparameters(cls, tmp_path):
+    p = torch.randn(50, requires_grad=True)
+    opt = getattr(so, cls)([p], lr=np.float64(1e-3), weight_decay=np.float32(0.1), maximize=np.bool_(False))
+    p.grad = _grads(0, 50)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    other = getattr(so, cls)([p.detach().clone().requires_grad_(True)], lr=5.0)
+    other.load(tmp_path / "ckpt")
+    group = other.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["maximize"]) == (float(np.float64(1e-3)),
+                                                                     float(np.float32(0.1)), False)
+    assert type(group["lr"]) is float and type(group["maximize"]) is bool
