@@ -33,6 +33,11 @@ class CpuState:
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 
+    def held_fields(self, p):
+        """The state fields p's tensors hold (None: no state yet)."""
+        st = self.state.get(p)
+        return tuple(name for name in st if name != "step") if st else None
+
     def state_misfit(self, p, t):
         """What p's state tensors hold where they do not fit a parameter like t (None where they all do)."""
         for name, x in self.state.get(p, {}).items():

@@ -263,6 +263,11 @@ class NvmeState:
             self.file_bytes = end
         self._grow_slots()
 
+    def held_fields(self, p):
+        """The state fields p's records hold (None: not placed yet)."""
+        where = self.placed.get(p)
+        return where[0] if where is not None else None
+
     def state_misfit(self, p, t):
         """What p's placed state was made for where it does not fit a parameter like t (None where it does): its
         element count, and the size of its factored moments."""

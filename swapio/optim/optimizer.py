@@ -219,6 +219,21 @@ class OffloadOptimizer(Optimizer):
                                "error inside step() (their state is neither the old nor the new one): load a "
                                "checkpoint with load() or load_state_dict() before stepping, exporting or saving")
 
+    def _check_fields(self):
+        """RuntimeError where a group now asks for state its parameters do not hold: amsgrad turned on after their
+        first step (torch's own step fails there with a KeyError, and its state has no running maximum to give).
+        Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export."""
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                held = self._backend.held_fields(p) if self.state.get(p) else None
+                missing = [] if held is None else [f for f in self._rule.fields(p, group) if f not in held]
+                if missing:
+                    raise RuntimeError(f"param group {i} asks for {missing}, which the state of its parameters, made "
+                                       "at their first step, does not hold: its amsgrad was turned on after that "
+                                       "(OffloadAdafactor: the parameter's number of dimensions changed). Set it "
+                                       "back to False to step, export or save; a run with amsgrad needs it from the "
+                                       "start")
+
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -484,6 +499,7 @@ class OffloadOptimizer(Optimizer):
         included); a post-hook of ours fills in the state from the backend first."""
         self._settle()
         self._check_whole()
+        self._check_fields()
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
@@ -520,6 +536,7 @@ class OffloadOptimizer(Optimizer):
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._settle()
         self._check_whole()
+        self._check_fields()
         self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
         checkpoint.save(self, path, progress)
 

@@ -1,0 +1,74 @@
+"""Edits of optimizer.param_groups between steps, as torch users make them (lr, betas, eps, weight_decay,
+maximize, a tensor lr), against torch.optim.AdamW fed the same gradients; amsgrad turned on mid-run, which
+torch cannot do either (its step raises KeyError), fails loudly everywhere, and turning it back off recovers."""
+import pytest
+import torch
+
+import swapio.optim as so
+from helpers.optim import masters, one_thread, rel_diff  # noqa: F401
+
+MODES = ["cpu", "nvme"]
+EDITS = [{}, {"lr": 3e-3}, {"betas": (0.5, 0.9)}, {"weight_decay": 0.3}, {"eps": 1e-3}, {"maximize": True},
+         {"maximize": False}, {"betas": (torch.tensor(0.7), torch.tensor(0.8))}, {"lr": torch.tensor(2e-3)}]
+
+
+def _pair(mode, tmp_path, **kw):
+    params = [torch.randn(300, requires_grad=True), torch.randn(20, 30).bfloat16().requires_grad_(True)]
+    ref = [p.detach().float().clone().requires_grad_(True) for p in params]
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    return params, ref, so.OffloadAdamW(params, lr=1e-2, offload=mode, **kw, **extra), \
+        torch.optim.AdamW(ref, lr=1e-2, foreach=False, **kw)
+
+
+def _feed(params, ref, gen):
+    for p, q in zip(params, ref):
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        q.grad = p.grad.float()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_group_edits_between_steps_step_as_torch(mode, tmp_path):
+    params, ref, ours, theirs = _pair(mode, tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    for edit in EDITS:
+        for opt in (ours, theirs):
+            opt.param_groups[0].update(edit)
+        _feed(params, ref, gen)
+        ours.step()
+        theirs.step()
+    for mine, q in zip(masters(ours, params), ref):
+        assert rel_diff(mine, q) <= 1e-6
+    ours.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_amsgrad_turned_on_mid_run_fails_loudly_and_turned_off_again_goes_on(mode, tmp_path):
+    params, ref, ours, theirs = _pair(mode, tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    _feed(params, ref, gen)
+    ours.step()
+    theirs.step()
+    for opt in (ours, theirs):
+        opt.param_groups[0]["amsgrad"] = True
+    _feed(params, ref, gen)
+    with pytest.raises(KeyError):
+        theirs.step()  # torch cannot either
+    with pytest.raises(RuntimeError, match="amsgrad"):
+        ours.step()
+    # exporting what was trained must not fail with a bare KeyError: it names the edit and the way back
+    with pytest.raises(RuntimeError, match="amsgrad"):
+        ours.state_dict()
+    with pytest.raises(RuntimeError, match="amsgrad"):
+        ours.save(tmp_path / "ckpt")
+    for opt in (ours, theirs):
+        opt.param_groups[0]["amsgrad"] = False
+    theirs_sd, ours_sd = theirs.state_dict(), ours.state_dict()  # nothing was stepped by the refused step
+    for i in theirs_sd["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert rel_diff(ours_sd["state"][i][key], theirs_sd["state"][i][key]) <= 1e-6, key
+    ours.step()
+    theirs.step()
+    for mine, q in zip(masters(ours, params), ref):
+        assert rel_diff(mine, q) <= 1e-6
+    ours.save(tmp_path / "ckpt")
+    ours.close()
