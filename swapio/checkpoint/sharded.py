@@ -40,7 +40,7 @@ def _group_info(group):
     return dist, dist.get_rank(group), dist.get_world_size(group)
 
 
-def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None):
+def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None):
     """Collective: every rank of `group` calls it with its own state. Two phases: every rank writes its temporary
     file, and only once all have does any rank rename its own over the previous one, so that one rank's error (or
     death) while writing leaves every rank's previous file, and the checkpoint, as they were."""
@@ -53,7 +53,7 @@ def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None)
     try:
         try:
             os.makedirs(path, exist_ok=True)
-            plan = plan_state(state, {META_RANK: str(rank), META_WORLD: str(world), META_SAVE_ID: token[0]})
+            plan = plan_state(state, _rank_metadata(metadata, rank, world, token[0]))
             writer = FileWriter(rank_file(path, rank), plan)
             writer.write(staging_bytes=staging_bytes, handle=handle)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree raises it)
@@ -80,6 +80,17 @@ def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None)
     _agree(dist, group, world, error, "failed to write the index", "the rank files are committed but the index is "
            "the previous save's: the directory does not load until the next complete save")
     return size
+
+
+def _rank_metadata(metadata, rank, world, save_id):
+    """The caller's metadata= and this module's keys, which the caller may not set (load trusts them)."""
+    metadata = dict(metadata or {})
+    own = {META_RANK: str(rank), META_WORLD: str(world), META_SAVE_ID: save_id}
+    reserved = sorted(set(metadata) & set(own))
+    if reserved:
+        raise ValueError(f"metadata key {reserved[0]!r} is reserved: a distributed save writes {sorted(own)} itself; "
+                         "use another key")
+    return {**metadata, **own}
 
 
 def _agree(dist, group, world, error, failed, consequence):

@@ -83,6 +83,17 @@ def _differing_keys(rank, root, seen):
     seen["differing"] = True
 
 
+def _metadata(rank, root, seen):
+    path = os.path.join(root, "metadata")
+    swapio.checkpoint.save(_state(rank, 1), path, distributed=True, metadata={"run": f"run of rank {rank}"})
+    try:  # a key the sharded save writes itself: refused on every rank before any file changed
+        swapio.checkpoint.save(_state(rank, 2), path, distributed=True, metadata={"swapio.save_id": "mine"})
+        seen["metadata_reserved"] = "returned"
+    except (ValueError, RuntimeError) as exc:
+        seen["metadata_reserved"] = _error(exc)
+    seen["metadata_intact"] = _intact(path, rank, 1)
+
+
 def _subset(rank, root, seen):
     group = dist.new_group([1])  # a group without global rank 0 (its rank 0 is global rank 1)
     if rank == 1:
@@ -111,7 +122,7 @@ def _failures_worker(rank, port, root):
     _init(rank, port)
     seen = {}
     try:
-        for scenario in (_raises, _differing_keys, _subset, _index_fails):  # (one left out of step: the last)
+        for scenario in (_raises, _differing_keys, _metadata, _subset, _index_fails):  # (one left out of step: the last)
             try:
                 scenario(rank, root, seen)
             except Exception as exc:  # noqa: BLE001 - reported to the test of that scenario
@@ -197,6 +208,16 @@ def test_ranks_save_different_keys_dtypes_and_shapes_under_the_same_names(failur
         for k in expected:
             assert flat[k].dtype == expected[k].dtype and flat[k].shape == expected[k].shape
             assert torch.equal(flat[k], expected[k])
+
+
+def test_metadata_reaches_every_rank_file_and_its_own_keys_are_refused(failures):
+    root, seen = failures
+    assert "_metadata" not in seen[0] and "_metadata" not in seen[1], seen
+    for r in range(WORLD):
+        with safetensors.safe_open(os.path.join(root, "metadata", f"rank-{r}.safetensors"), "pt") as f:
+            assert f.metadata()["run"] == f"run of rank {r}"
+        assert seen[r]["metadata_reserved"].startswith("ValueError: metadata key 'swapio.save_id' is reserved")
+        assert seen[r]["metadata_intact"] is True
 
 
 def test_a_group_without_global_rank_0_saves_and_loads(failures):
