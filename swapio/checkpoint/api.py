@@ -20,7 +20,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     check_staging_bytes(staging_bytes)
     background.wait_all()
     if distributed:
-        return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle)
+        return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle, metadata=metadata)
     return save_file(state, path, staging_bytes=staging_bytes, handle=handle, metadata=metadata)
 
 
