@@ -74,6 +74,25 @@ def _streamer_of(model):
     return owner
 
 
+def _refuse_own_source(streamer, path, single):
+    """ValueError when the export would replace or remove a file the model reads its weights from in place (a
+    checkpoint given to disk_offload or from_pretrained): the model would then read another export's bytes at its
+    old offsets, or fail on a removed shard."""
+    if streamer is None:
+        return
+    for source in {span[0] for record in streamer.records for span in record.spans}:
+        directory, name = os.path.split(os.path.realpath(source))
+        if single:
+            hit = os.path.exists(path) and os.path.samefile(path, source)
+        else:
+            hit = (name == SINGLE or _SHARD.fullmatch(name)) and os.path.isdir(path) and os.path.samefile(path,
+                                                                                                     directory)
+        if hit:
+            raise ValueError(f"cannot save the checkpoint to {path}: the model reads its weights in place from "
+                             f"{source}, which the save would replace. Save to another directory (then load from it), "
+                             "or remove_offload(model) first")
+
+
 def _shards(stored, limit):
     """The items cut into runs of at most `limit` bytes, in order (huggingface_hub's split)."""
     shards, size = [[]], 0
@@ -100,6 +119,7 @@ def save_checkpoint(model, path, max_shard_size=None):
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "
                          "file: pass a directory")
     streamer = _streamer_of(model)
+    _refuse_own_source(streamer, path, single)
     if streamer is not None:
         streamer.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
     stored = items(model, streamer)

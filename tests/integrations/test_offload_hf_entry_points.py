@@ -72,3 +72,28 @@ def test_accelerator_prepare_of_an_offloaded_model_and_its_optimizer(tmp_path, k
     for (name, got), expected in zip(model.named_parameters(), resident.parameters()):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=name)
     opt.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["model.safetensors", "sharded"])
+def test_saving_over_the_checkpoint_the_model_reads_in_place_is_refused(tmp_path, sharded):
+    """from_pretrained reads the weights in place: a save into that directory replaced or removed those files, and
+    the model then computed with another export's bytes at the old offsets (or failed to open a removed shard)."""
+    from helpers import hf_tiny
+    from swapio.offload import from_pretrained
+    reference = hf_tiny.save("llama", tmp_path, sharded=sharded)
+    model = from_pretrained(hf_tiny.arch("llama")[1], tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    source = sorted(n for n in before if n.endswith(".safetensors"))[0]
+    for save in (lambda: model.save_pretrained(tmp_path), lambda: model.save_pretrained(tmp_path, max_shard_size="9KB"),
+                 lambda: save_checkpoint(model, tmp_path / source)):
+        with pytest.raises(ValueError, match="reads its weights in place"):
+            save()
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before  # nothing touched
+    want = hf_tiny.run(reference)
+    got = hf_tiny.run(model)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    model.save_pretrained(tmp_path / "elsewhere", max_shard_size="9KB")  # another directory is fine
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "elsewhere")
+    for k, v in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    remove_offload(model)
