@@ -5,7 +5,6 @@ different saves are refused."""
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import safetensors.torch as st
@@ -15,16 +14,11 @@ import torch.multiprocessing as mp
 
 import swapio
 from helpers.checkpoint import assert_same
+from helpers.distributed import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank, k):
@@ -50,7 +44,7 @@ def _worker(rank, port, path):
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dist") / "ckpt")
-    mp.start_processes(_worker, args=(_free_port(), path), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), path), nprocs=WORLD, join=True, start_method="spawn")
     return path
 
 

@@ -8,7 +8,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 
 import pytest
 import safetensors
@@ -19,17 +18,12 @@ import torch.multiprocessing as mp
 
 import swapio
 from helpers.checkpoint import assert_same
+from helpers.distributed import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 JOIN_TIMEOUT = 60
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank, k):
@@ -153,7 +147,7 @@ def _killed_worker(rank, port, path):
 
 def _run(worker, arg):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(rank, port, arg)) for rank in range(WORLD)]
     for p in procs:
         p.start()

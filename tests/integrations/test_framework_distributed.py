@@ -6,7 +6,6 @@ the DTensor parameters, against a single-process run and torch's AdamW over FSDP
 spawned once for the module; each test checks what they wrote."""
 import faulthandler
 import os
-import socket
 import warnings
 
 import pytest
@@ -16,18 +15,13 @@ import torch.multiprocessing as mp
 
 import swapio.optim as so
 from helpers.frameworks import assert_params_equal, mlp, mlp_batches, params_of
+from helpers.distributed import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORLD, STEPS = 2, 4
 LR, WD = 1e-2, 0.1
 NVME = {"buffer_bytes": 3 << 16, "buffer_count": 3}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local_steps(model, opt, rank):
@@ -93,7 +87,7 @@ def runs(tmp_path_factory):
     for attempt in (1, 2):
         out_dir = tmp_path_factory.mktemp("distributed")
         try:
-            mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
             break
         except mp.ProcessExitedException as exc:
             # Seen once in ~60 CI-like runs: a rank killed by SIGABRT ("terminate called without an active
