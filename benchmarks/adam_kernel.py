@@ -23,6 +23,9 @@ smaller state (fp32 grads; each against the same triad bound divided by its own 
   lion-int8     Lion, int8 block-wise moment         14.03 B: p r+w, g, m 1+1, scale
   int8 / fp32   the time of an int8-state step over that of the fp32-state step of the same optimizer (swapio's fp32
                 Adam, timed again in these rounds; lion-fp32), same level: below 1, int8 state is the faster
+  These steps take one of four gradients in turn, as training brings a new one each step: with one fixed gradient
+  the int8 moments settle where their codes repeat, and the encoder's rare exact path (csrc/adam/quant.h) hardly
+  ever runs.
 
 Usage: python benchmarks/adam_kernel.py [--sizes 32M,128M] [--threads 1,2] [--repeats 5]
 """
@@ -96,14 +99,19 @@ def run_bench(n, threads, repeats, with_deepspeed):
     t32 = timeit(fp32)
     tmx = timeit(mixed)
     del fused, loop
-    tst = timeit(state_steps(p, g, n, threads, triad, swapio_fp32))
+    tst = timeit(state_steps(p, g, n, threads, triad))
     return t32, tmx, tst
 
 
-def state_steps(p, g, n, threads, triad, adam_fp32):
-    """The smaller-state kernels over the same p and g, plus the triad and swapio's fp32 Adam (timed again,
-    interleaved with them)."""
+GRADIENTS = 4  # the smaller-state steps' gradients, taken in turn
+
+
+def state_steps(p, g, n, threads, triad):
+    """The smaller-state kernels over the same p, with g and GRADIENTS - 1 more gradients taken in turn, plus the
+    triad and swapio's fp32 Adam (timed again, interleaved with them, on the same gradients)."""
     from swapio import quant
+    gen = torch.Generator().manual_seed(1)
+    grads = [g] + [torch.randn(n, generator=gen).mul_(1e-2) for _ in range(GRADIENTS - 1)]
     bf = {k: torch.zeros(n, dtype=torch.bfloat16) for k in ("m", "v")}
     i8 = {}
     for name, signed in (("m", True), ("v", False)):
@@ -112,19 +120,27 @@ def state_steps(p, g, n, threads, triad, adam_fp32):
     lq, lq_scale = quant.quantize(torch.zeros(n), True)
     step = [0]
 
+    m32, v32 = torch.zeros(n), torch.zeros(n)
+    calls = {}
+
+    def grad(kind):  # each kernel's next gradient
+        calls[kind] = calls.get(kind, 0) + 1
+        return grads[calls[kind] % GRADIENTS]
+
     def tick():
         step[0] += 1
         return step[0]
 
     return {
-        "adam-bf16": lambda: sops.adam_step_(p, g, bf["m"], bf["v"], step=tick(), threads=threads, **HYPER),
-        "adam-int8": lambda: sops.adam_step_(p, g, i8["m"], i8["v"], step=tick(), threads=threads,
+        "adam-bf16": lambda: sops.adam_step_(p, grad("adam-bf16"), bf["m"], bf["v"], step=tick(), threads=threads,
+                                             **HYPER),
+        "adam-int8": lambda: sops.adam_step_(p, grad("adam-int8"), i8["m"], i8["v"], step=tick(), threads=threads,
                                              exp_avg_scale=i8["m_scale"], exp_avg_sq_scale=i8["v_scale"], **HYPER),
-        "lion-fp32": lambda: sops.lion_step_(p, g, lm, lr=1e-4, weight_decay=0.1, threads=threads),
-        "lion-int8": lambda: sops.lion_step_(p, g, lq, exp_avg_scale=lq_scale, lr=1e-4, weight_decay=0.1,
-                                             threads=threads),
+        "lion-fp32": lambda: sops.lion_step_(p, grad("lion-fp32"), lm, lr=1e-4, weight_decay=0.1, threads=threads),
+        "lion-int8": lambda: sops.lion_step_(p, grad("lion-int8"), lq, exp_avg_scale=lq_scale, lr=1e-4,
+                                             weight_decay=0.1, threads=threads),
         "triad": triad,
-        "adam-fp32": adam_fp32,
+        "adam-fp32": lambda: sops.adam_step_(p, grad("adam-fp32"), m32, v32, step=tick(), threads=threads, **HYPER),
     }
 
 

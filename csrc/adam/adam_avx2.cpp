@@ -296,6 +296,12 @@ struct V {
     for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
   }
+  // Whether any lane of u defers (rint(P) a multiple of kPosUnit): for the cold paths, which take the bucket lookup
+  // only for the vectors that need it.
+  static SWAPIO_INLINE bool defers(__m256i u) {
+    const __m256i low = _mm256_and_si256(u, _mm256_set1_epi32(kPosUnit - 1));
+    return !_mm256_testz_si256(_mm256_cmpeq_epi32(low, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+  }
   // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = max(2 zero - c, 0), the max by
   // the packs' unsigned saturation (c <= zero + max_neg_k + 1). zero + sign(x) (c - zero), by vpsignd on x's bits
   // as an integer: negative where x's sign bit is set, so also for -0, whose k = 0 (as for +0, where vpsignd gives
@@ -325,8 +331,8 @@ struct V {
     const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
     const __m256i least = _mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low));
     if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
-      c0 = exact_codes(y0, q0);
-      c1 = exact_codes(y1, q1);
+      if (defers(u0)) c0 = exact_codes(y0, q0);
+      if (defers(u1)) c1 = exact_codes(y1, q1);
     }
     c0 = signed_codes<kSigned0>(x0, c0);
     c1 = signed_codes<kSigned1>(x1, c1);
@@ -357,10 +363,11 @@ struct V {
     __m256i c0 = _mm256_srli_epi32(u0, kPosBits), c1 = _mm256_srli_epi32(u1, kPosBits);
     __m256i c2 = _mm256_srli_epi32(u2, kPosBits), c3 = _mm256_srli_epi32(u3, kPosBits);
     if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
-      c0 = exact_codes(y0, qm);  // within their region's clamp: the clamp below keeps them
-      c1 = exact_codes(y1, qm);
-      c2 = exact_codes(y2, qv);
-      c3 = exact_codes(y3, qv);
+      // within their region's clamp: the clamp below keeps them
+      if (defers(u0)) c0 = exact_codes(y0, qm);
+      if (defers(u1)) c1 = exact_codes(y1, qm);
+      if (defers(u2)) c2 = exact_codes(y2, qv);
+      if (defers(u3)) c3 = exact_codes(y3, qv);
     }
     // per 128-bit lane: bytes of c0's 4, c1's 4 (m), c2's 4, c3's 4 (v); dwords 0 4 1 5 (m), 2 6 3 7 (v)
     const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
