@@ -39,9 +39,9 @@ constexpr int kBuckets = static_cast<int>(kBucketKeyMax - kBucketKeyMin + 1);
 constexpr int kRegionBinades = 32;
 constexpr uint32_t kRegionExpBase = 127u - 31u;
 constexpr int kRegions = 16;
-// P counts 2^-15 code steps (P < 2^23 in the decades): a lane defers where rint(P) is a multiple of kPosUnit, about
-// one in 2^15 of them; with 2^-12 steps, where the moments change from step to step, every fortieth encode of 32
-// lanes took the scalar lookup (benchmarks/RESULTS.md).
+// P counts 2^-15 code steps (P < 2^23 in the decades): a lane defers where rint(P) is a multiple of kPosUnit. With
+// 2^-12 steps, where the moments change from step to step, one AVX2 encode of 32 lanes in 200 took the scalar
+// lookup; now one in 1200 (benchmarks/RESULTS.md).
 constexpr int kPosBits = 15;
 constexpr int32_t kPosUnit = 1 << kPosBits;
 // The signed map's code of 0 and largest negative magnitude index (the AVX2 kernel's constants; checked at build)
