@@ -4,7 +4,7 @@ On a shared machine the wall clock of adam_kernel.py also counts the time other 
 process CPU time of a single-threaded step counts (mostly) this kernel's own cycles. At a cache-resident size
 (the default, 64K elements: p, g and the codes fit L2) this is the kernel's compute speed, the ceiling that
 adam_kernel.py's memory-bound figures can reach on one core. Best of --repeats, each as many steps as take
-about 2e8 elements.
+about 2e8 elements. The steps take one of four gradients in turn (adam_kernel.py says why).
 
 Usage: python benchmarks/lowp_kernel_cpu.py [--levels scalar,avx2,avx512] [--size 65536] [--repeats 7]
 """
@@ -35,7 +35,8 @@ def main():
     args = ap.parse_args()
     n = args.size
     gen = torch.Generator().manual_seed(0)
-    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).mul_(1e-2)
+    p = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen).mul_(1e-2) for _ in range(4)]
     m32, v32 = torch.zeros(n), torch.zeros(n)
     a8, l8 = int8_state(n, 2), int8_state(n, 1)
     inner = max(1, int(2e8 // n))
@@ -43,12 +44,13 @@ def main():
     print(f"{'level':8s} {'adam-fp32':>10s} {'adam-int8':>10s} {'lion-int8':>10s}")
     for lvl in args.levels.split(","):
         steps = {
-            "adam-fp32": lambda s: ops.adam_step_(p, g, m32, v32, step=s, threads=1, capability=lvl, **ADAM),
-            "adam-int8": lambda s: ops.adam_step_(p, g, a8["exp_avg"], a8["exp_avg_sq"], step=s, threads=1,
-                                                  exp_avg_scale=a8["exp_avg_scale"],
+            "adam-fp32": lambda s: ops.adam_step_(p, grads[s % 4], m32, v32, step=s, threads=1, capability=lvl,
+                                                  **ADAM),
+            "adam-int8": lambda s: ops.adam_step_(p, grads[s % 4], a8["exp_avg"], a8["exp_avg_sq"], step=s,
+                                                  threads=1, exp_avg_scale=a8["exp_avg_scale"],
                                                   exp_avg_sq_scale=a8["exp_avg_sq_scale"], capability=lvl, **ADAM),
-            "lion-int8": lambda s: ops.lion_step_(p, g, l8["exp_avg"], exp_avg_scale=l8["exp_avg_scale"], lr=1e-4,
-                                                  threads=1, capability=lvl),
+            "lion-int8": lambda s: ops.lion_step_(p, grads[s % 4], l8["exp_avg"], exp_avg_scale=l8["exp_avg_scale"],
+                                                  lr=1e-4, threads=1, capability=lvl),
         }
         row = []
         for step in steps.values():
