@@ -9,10 +9,12 @@ than its own size). Every defect is a ValueError naming the file, and the tensor
 """
 import json
 import math
+import re
 
 from .dtypes import DTYPES
 
 MAX_HEADER = 100 << 20
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 MAX_DEPTH = 8  # a valid header nests three deep (header, entry, shape); deeper is refused before parsing
 INT64_MAX = 2**63 - 1
 
@@ -76,11 +78,35 @@ def strict_json(raw, what):
     def no_constant(name):
         raise ValueError(f"{what}: the JSON holds {name}, which is not valid JSON")
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+        parsed = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what}: not valid JSON ({exc})") from None
     except RecursionError:
         raise ValueError(f"{what}: the JSON nests too deep") from None
+    if _SURROGATE_ESCAPE.search(text):  # rare: walk the strings only then
+        _no_lone_surrogates(parsed, what)
+    return parsed
+
+
+def _no_lone_surrogates(value, what):
+    """ValueError where a string escapes half a surrogate pair (\\ud800 alone): Python's json accepts it, and the
+    safetensors library (Rust's serde_json) refuses the file; such a name could not be written back either."""
+    strings = []
+    if isinstance(value, str):
+        strings.append(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            strings.append(key)
+            _no_lone_surrogates(item, what)  # (depth checked above: no RecursionError)
+    elif isinstance(value, list):
+        for item in value:
+            _no_lone_surrogates(item, what)
+    for text in strings:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what}: the JSON string {_short(text)} holds a lone surrogate escape, which is not "
+                             "valid Unicode") from None
 
 
 def _ints(value):

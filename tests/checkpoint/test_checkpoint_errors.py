@@ -353,3 +353,21 @@ def test_a_tensor_name_or_metadata_utf8_cannot_hold_is_a_value_error_before_any_
         with pytest.raises(ValueError, match=match + ".*not valid Unicode"):
             save(state, path, metadata=metadata)
         assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["metadata-value", "metadata-key"])
+def test_a_lone_surrogate_escape_in_the_header_is_a_value_error_as_in_safetensors(tmp_path, where):
+    """json.dumps escapes a lone surrogate as \\ud800; Python's json reads it back, the safetensors library refuses."""
+    path = _saved(tmp_path)
+    if where == "metadata-value":
+        _rewrite_header(path, lambda h: h["__metadata__"].update(note="x\ud800"))
+    else:
+        _rewrite_header(path, lambda h: h["__metadata__"].update({"\udc00": "x"}))
+    assert b"\\ud" in path.read_bytes()[:4096]
+    safetensors = pytest.importorskip("safetensors")
+    with pytest.raises(Exception):  # the reference: its Rust parser refuses the header
+        safetensors.safe_open(str(path), "pt")
+    a, b = torch.zeros(3000), torch.zeros(500, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"c\.safetensors.*lone surrogate"):
+        swapio.checkpoint.load(path, out={"model": {"a": a, "b": b}})
+    assert not a.any() and not b.any()
