@@ -47,7 +47,8 @@ def sharded_dir(tmp_path_factory):
 
 
 def test_each_rank_writes_its_own_safetensors_file_and_an_index(sharded_dir):
-    index = json.loads(open(os.path.join(sharded_dir, "swapio-checkpoint.json")).read())
+    with open(os.path.join(sharded_dir, "swapio-checkpoint.json")) as f:
+        index = json.load(f)
     assert index["world_size"] == WORLD and index["format_version"] == 2
     # each save's files under names of its own (its save id): the first save's were removed once the second committed
     assert index["files"] == [f"rank-{r}-{index['save_id']}.safetensors" for r in range(WORLD)]
