@@ -24,7 +24,7 @@ INDEX = "swapio-checkpoint.json"
 FORMAT = "swapio.checkpoint.sharded"
 VERSION = 2
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
-_RANK_FILE = re.compile(r"rank-(\d+)(-[0-9a-f]{16})?\.safetensors")
+_RANK_FILE = re.compile(r"rank-([0-9]+)(-[0-9a-f]{16})?\.safetensors")
 _INDEX_TMP = re.compile(re.escape(f".{INDEX}.") + r"[0-9a-f]{16}\.tmp")
 
 
