@@ -8,7 +8,7 @@
 See docs/checkpoint.md. It sits on swapio.safetensors (the format: header, reader, layout, the streaming writer,
 commit). Modules: structure (nesting <-> named tensors), format (the structure in the header, the plan of a
 state's file), save (one file), capture and background (async_save), load (one file back), sharded
-(torch.distributed), api (save and load as called: the distributed dispatch).
+(torch.distributed) and sharded_index (its index), api (save and load as called: the distributed dispatch).
 """
 from ..safetensors.buffers import release_buffers
 from ..safetensors.file_writer import DEFAULT_STAGING

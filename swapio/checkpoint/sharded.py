@@ -1,35 +1,35 @@
-"""torch.distributed: each rank saves its own state to path/rank-{r}.safetensors, then rank 0 writes
-path/swapio-checkpoint.json (format, world size, a save id, the rank files). Loading needs the same world size:
-resharding is out of scope, and another world size is a ValueError saying so.
+"""torch.distributed: each rank saves its own state to a file of its own in the directory path, and rank 0 the
+index path/swapio-checkpoint.json naming them (sharded_index.py). Loading needs the same world size: resharding is
+out of scope, and another world size is a ValueError saying so.
 
-Every rank writes its temporary file, and renames it over the previous one (atomically) only once every rank has
-written its own, so one rank's error or death while writing leaves the previous checkpoint whole; the index is
-written last, after every rank reported its commit, and also atomically. Each rank file carries the save id in its
-__metadata__, so a set of files from two different saves (a job killed while the ranks were renaming, before the
-index was written) is refused at load with a ValueError instead of being loaded as a mix.
+A save commits once, for all ranks, so that a kill at any point (SIGKILL, OOM, a node lost) leaves the previous
+checkpoint or the new one, whole, never a mix and never an unloadable directory:
+1. every rank writes its file under a name of this save's own (its save id, which rank 0 draws), published
+   atomically; the committed checkpoint's files are not touched;
+2. the ranks agree that every one wrote its file;
+3. rank 0 renames the new index over the old one (fsynced, the directory fsynced): the commit point;
+4. the ranks agree that it did, then each removes the files of its rank the new index does not name (earlier and
+   interrupted saves'), rank 0 those of ranks beyond the world size and the index's temporary files.
+Loading follows the committed index only. Each rank file also carries the save id in its __metadata__, so a file
+copied in from another save under a valid name is refused instead of loaded as a mix.
+
+An agreement carries each rank's failure: a rank that fails, or is interrupted (Ctrl-C), before it sends its part
+tells the others, which raise a RuntimeError naming it at once instead of waiting out the group's timeout; then
+every rank removes its file of this save (unless rank 0 committed the index naming it). An interruption that lands
+inside a collective itself leaves the others waiting (torch.distributed cannot take back half a collective).
 """
-import json
 import os
-import secrets
 
 from ..core import _durable
-from ..safetensors.header import MAX_HEADER, strict_json
-from ..safetensors.opened import open_checkpoint
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
+from ..safetensors.opened import open_checkpoint
+from . import sharded_index
 from .format import plan_state
 from .load import read_state
+from .sharded_index import INDEX
 
-INDEX = "swapio-checkpoint.json"
-FORMAT = "swapio.checkpoint.sharded"
 META_RANK, META_WORLD, META_SAVE_ID = "swapio.rank", "swapio.world_size", "swapio.save_id"
-
-
-def rank_file(path, rank):
-    return os.path.join(path, f"rank-{rank}.safetensors")
-
-
-def is_sharded(path):
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
+is_sharded = sharded_index.exists
 
 
 def _group_info(group):
@@ -41,45 +41,59 @@ def _group_info(group):
 
 
 def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None):
-    """Collective: every rank of `group` calls it with its own state. Two phases: every rank writes its temporary
-    file, and only once all have does any rank rename its own over the previous one, so that one rank's error (or
-    death) while writing leaves every rank's previous file, and the checkpoint, as they were."""
+    """Collective: every rank of `group` calls it with its own state; returns the size of this rank's file. The
+    commit protocol is the module's."""
     dist, rank, world = _group_info(group)
     path = os.path.abspath(os.fspath(path))
-    token = [secrets.token_hex(8) if rank == 0 else None]
+    token = [sharded_index.new_save_id() if rank == 0 else None]
     # src is a global rank: the group's rank 0 (a group need not hold global rank 0)
     dist.broadcast_object_list(token, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    writer, error = None, None
+    save_id = token[0]
+    name = sharded_index.rank_file_name(rank, save_id)
+    own, size, error = os.path.join(path, name), None, None
     try:
-        try:
-            os.makedirs(path, exist_ok=True)
-            plan = plan_state(state, _rank_metadata(metadata, rank, world, token[0]))
-            writer = FileWriter(rank_file(path, rank), plan)
+        os.makedirs(path, exist_ok=True)
+        plan = plan_state(state, _rank_metadata(metadata, rank, world, save_id))
+        with FileWriter(own, plan) as writer:  # (leaving it uncommitted removes its temporary file)
             writer.write(staging_bytes=staging_bytes, handle=handle)
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it (_agree raises it)
-            error = exc
-        _agree(dist, group, world, error, "failed to save its shard", "no rank file was replaced")
-        try:
             size = writer.commit()
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        _agree(dist, group, world, error, "failed to commit its shard", f"the index {os.path.join(path, INDEX)} "
-               "was not updated")
-    finally:
-        if writer is not None:
-            writer.abort()  # (a no-op once committed)
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it, Ctrl-C included (_agree raises it)
+        error = exc
+    try:
+        _agree(dist, group, world, error, "failed to save its shard", lambda: "the checkpoint is the previous save's")
+    except BaseException:
+        _durable.discard(own)  # no index names it
+        raise
     if rank == 0:
-        index = {"format": FORMAT, "world_size": world, "save_id": token[0],
-                 "files": [os.path.basename(rank_file(path, r)) for r in range(world)]}
         try:
-            _durable.write_and_replace(os.path.join(path, f".{INDEX}.{token[0]}.tmp"), os.path.join(path, INDEX),
-                                       lambda f: json.dump(index, f), mode="w")
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait for the index: tell them, then raise it
+            sharded_index.commit(path, world, save_id)
+        except BaseException as exc:  # noqa: BLE001 - the other ranks wait for the index: tell them, then raise it
             error = exc
     # (not a barrier: a rank 0 that failed here would leave the others waiting, or returning as if saved)
-    _agree(dist, group, world, error, "failed to write the index", "the rank files are committed but the index is "
-           "the previous save's: the directory does not load until the next complete save")
+    try:
+        _agree(dist, group, world, error, "failed to write the index",
+               lambda: _outcome(path, save_id, os.path.join(path, INDEX)))
+    except BaseException:
+        # the index may be this save's all the same (rank 0 interrupted after its rename): ask the file system
+        if sharded_index.committed_save_id(path) == save_id:
+            _remove_stale(path, name, rank, world)
+        else:
+            _durable.discard(own)
+        raise
+    _remove_stale(path, name, rank, world)
     return size
+
+
+def _remove_stale(path, name, rank, world):
+    """Once this save is committed: the files of this rank but its own (name), and rank 0's share of the rest."""
+    sharded_index.remove_stale(path, {name}, lambda r: r == rank or (rank == 0 and r >= world),
+                               index_temps=rank == 0)
+
+
+def _outcome(path, save_id, index_path):
+    if sharded_index.committed_save_id(path) == save_id:
+        return f"{index_path} names this save all the same: the new checkpoint is committed"
+    return f"{index_path} is the previous save's: the checkpoint is the previous save's"
 
 
 def _rank_metadata(metadata, rank, world, save_id):
@@ -93,45 +107,40 @@ def _rank_metadata(metadata, rank, world, save_id):
     return {**metadata, **own}
 
 
+def _describe(error):
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def _agree(dist, group, world, error, failed, consequence):
     """Every rank learns whether any failed: raises this rank's own error, else a RuntimeError naming the first
-    rank that failed (all_gather_object: each rank's error as text, None for success)."""
+    rank that failed and consequence() (all_gather_object: each rank's error as text, None for success)."""
     outcomes = [None] * world
-    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    dist.all_gather_object(outcomes, None if error is None else _describe(error), group=group)
     if error is not None:
         raise error
     for r, e in enumerate(outcomes):
         if e is not None:
-            raise RuntimeError(f"swapio.checkpoint: rank {r} {failed} ({e}); {consequence}")
+            raise RuntimeError(f"swapio.checkpoint: rank {r} {failed} ({e}); {consequence()}")
 
 
 def load(path, *, group=None, **kwargs):
     """This rank's state from a sharded checkpoint saved by the same number of ranks (kwargs: read_state's)."""
-    index_path = os.path.join(path, INDEX)
-    with open(index_path, "rb") as f:
-        index = strict_json(f.read(MAX_HEADER + 1), index_path)  # from outside: no RecursionError, no duplicates
-    try:
-        world_saved, save_id = index["world_size"], str(index["save_id"])
-        if index.get("format") != FORMAT or type(world_saved) is not int:  # (not 1.7 read as 1, nor true)
-            raise ValueError
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{index_path}: not a swapio sharded checkpoint index") from None
+    index = sharded_index.Index(path)
     try:
         import torch.distributed as dist
         distributed = dist.is_available() and dist.is_initialized()
     except ImportError:
         distributed = False
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    if world != world_saved:
-        raise ValueError(f"{path} was saved by {world_saved} ranks and this job has {world}: loading it on another "
-                         "world size (resharding) is out of scope for swapio.checkpoint; load it with the same "
-                         "number of ranks")
-    file = rank_file(path, rank)
-    if not os.path.isfile(file):
-        raise ValueError(f"{index_path} names {file}, which does not exist")
+    if world != index.world_size:
+        raise ValueError(f"{path} was saved by {index.world_size} ranks and this job has {world}: loading it on "
+                         "another world size (resharding) is out of scope for swapio.checkpoint; load it with the "
+                         "same number of ranks")
+    file = index.file_of(rank)
     opened = open_checkpoint(file)
     got = opened.metadata.get(META_SAVE_ID)
-    if got != save_id:
-        raise ValueError(f"{file} belongs to another save ({got}) than the index {index_path} ({save_id}): a sharded "
-                         "save was interrupted after some ranks replaced their files; this checkpoint is a mix")
+    if got != index.save_id:
+        raise ValueError(f"{file} belongs to another save ({got}) than the index {index.path} ({index.save_id}): "
+                         "a file copied in from another save, or a version-1 checkpoint whose save was interrupted "
+                         "after some ranks replaced their files; this checkpoint is a mix")
     return read_state(opened, **kwargs)

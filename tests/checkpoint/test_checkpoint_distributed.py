@@ -1,7 +1,7 @@
 """torch.distributed (gloo, 2 processes on the loopback): save(..., distributed=True) writes one file per rank
 and an index; each rank loads its own state back (also in place); the files are plain safetensors; loading on
-another world size (here: this single process) is a ValueError saying resharding is out of scope; files of two
-different saves are refused."""
+another world size (here: this single process) is a ValueError saying resharding is out of scope; a rank file of
+another save is refused."""
 import json
 import os
 import shutil
@@ -10,11 +10,10 @@ import pytest
 import safetensors.torch as st
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import swapio
 from helpers.checkpoint import assert_same
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import init_group, run_group
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +26,7 @@ def _state(rank, k):
 
 
 def _worker(rank, port, path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    init_group(rank, port, WORLD)
     try:
         swapio.checkpoint.save(_state(rank, 1), path, distributed=True)
         assert_same(swapio.checkpoint.load(path), _state(rank, 1))
@@ -44,17 +42,19 @@ def _worker(rank, port, path):
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dist") / "ckpt")
-    mp.start_processes(_worker, args=(free_port(), path), nprocs=WORLD, join=True, start_method="spawn")
+    assert run_group(_worker, path, WORLD) == [0, 0]
     return path
 
 
 def test_each_rank_writes_its_own_safetensors_file_and_an_index(sharded_dir):
-    names = sorted(n for n in os.listdir(sharded_dir) if not n.startswith("."))
-    assert names == ["rank-0.safetensors", "rank-1.safetensors", "swapio-checkpoint.json"]
-    index = json.loads(open(os.path.join(sharded_dir, "swapio-checkpoint.json")).read())
-    assert index["world_size"] == WORLD
+    with open(os.path.join(sharded_dir, "swapio-checkpoint.json")) as f:
+        index = json.load(f)
+    assert index["world_size"] == WORLD and index["format_version"] == 2
+    # each save's files under names of its own (its save id): the first save's were removed once the second committed
+    assert index["files"] == [f"rank-{r}-{index['save_id']}.safetensors" for r in range(WORLD)]
+    assert sorted(os.listdir(sharded_dir)) == sorted(["swapio-checkpoint.json", *index["files"]])
     for r in range(WORLD):
-        flat = st.load_file(os.path.join(sharded_dir, f"rank-{r}.safetensors"))
+        flat = st.load_file(os.path.join(sharded_dir, index["files"][r]))
         assert torch.equal(flat["model.w"], torch.full((1000, 3), float(20 + r)))
 
 
@@ -64,14 +64,18 @@ def test_another_world_size_is_a_clear_error(sharded_dir):
 
 
 def test_rank_files_of_two_different_saves_are_refused(sharded_dir, tmp_path):
+    """A rank file copied in from another save under the name the index gives is refused, not loaded as a mix."""
     mixed = tmp_path / "mixed"
     shutil.copytree(sharded_dir, mixed)
     index = json.loads((mixed / "swapio-checkpoint.json").read_text())
-    index["world_size"] = 1
+    rank_1 = mixed / index["files"][1]
+    index["world_size"], index["files"] = 1, index["files"][:1]
     (mixed / "swapio-checkpoint.json").write_text(json.dumps(index))
-    shutil.copy(mixed / "rank-1.safetensors", mixed / "rank-0.safetensors")  # same save: still loads
+    shutil.copy(rank_1, mixed / index["files"][0])  # same save: still loads
     assert swapio.checkpoint.load(mixed)["rank"] == 1
-    index["save_id"] = "another-save"
+    other = "0123456789abcdef"
+    index["save_id"], index["files"] = other, [f"rank-0-{other}.safetensors"]
     (mixed / "swapio-checkpoint.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="another save.*interrupted"):
+    shutil.copy(rank_1, mixed / index["files"][0])
+    with pytest.raises(ValueError, match="another save.*a mix"):
         swapio.checkpoint.load(mixed)

@@ -1,13 +1,13 @@
 """save(..., distributed=True) when something goes wrong (gloo, 2 processes on the loopback): one rank raising
-mid-save, a rank killed (SIGKILL) mid-save, rank 0 failing to write the index, a process group that is a subset
-of the world, and ranks saving different keys, dtypes and shapes under the same names. The reference is what each
+mid-save, one interrupted (KeyboardInterrupt) mid-save, rank 0 failing to write the index, a process group that is
+a subset of the world, ranks saving different keys, dtypes and shapes under the same names, and a checkpoint of
+format version 1 (earlier swapio) loaded and saved over. (A rank killed at each point of the save:
+test_checkpoint_distributed_kill.py.) The reference is what each
 rank saved, read back byte for byte by swapio and by safetensors' own loader per rank file. Each rank writes what
 it saw to a JSON file; the processes are joined with a timeout and a collective times out in 10 s, so a rank left
 waiting fails the test instead of hanging it."""
-import datetime
 import json
 import os
-import signal
 
 import pytest
 import safetensors
@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 
 import swapio
 from helpers.checkpoint import assert_same
-from helpers.distributed import free_port  # noqa: E402
+from helpers.distributed import init_group, run_group
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-JOIN_TIMEOUT = 60
+INDEX = "swapio-checkpoint.json"
 
 
 def _state(rank, k):
@@ -48,12 +48,6 @@ def _intact(path, rank, k):
         return True
     except (AssertionError, ValueError) as exc:
         return _error(exc)
-
-
-def _init(rank, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=10))
 
 
 def _raises(rank, root, seen):
@@ -112,11 +106,80 @@ def _index_fails(rank, root, seen):
     seen["after_index"] = True
 
 
+def _listing(path):
+    """(the directory's names, the index and the files it names): equal when nothing else is left there."""
+    with open(os.path.join(path, INDEX)) as f:
+        return sorted(os.listdir(path)), sorted([INDEX, *json.load(f)["files"]])
+
+
+def _version_1(rank, root, seen):
+    """A directory as an earlier swapio saved it (format version 1: rank-{r}.safetensors replaced in place, an index
+    without format_version) loads, and a save over it leaves only its own files."""
+    path = os.path.join(root, "version-1")
+    os.makedirs(path, exist_ok=True)
+    swapio.checkpoint.save(_state(rank, 1), os.path.join(path, f"rank-{rank}.safetensors"), metadata={
+        "swapio.rank": str(rank), "swapio.world_size": str(WORLD), "swapio.save_id": "an-earlier-save"})
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump({"format": "swapio.checkpoint.sharded", "world_size": WORLD, "save_id": "an-earlier-save",
+                       "files": [f"rank-{r}.safetensors" for r in range(WORLD)]}, f)
+    dist.barrier()
+    seen["version_1_loads"] = _intact(path, rank, 1)
+    swapio.checkpoint.save(_state(rank, 2), path, distributed=True)
+    seen["version_1_saved_over"] = _intact(path, rank, 2)
+    dist.barrier()
+    seen["version_1_listing"] = _listing(path)
+
+
+def _interrupt(where):
+    """(object, attribute, replacement) that makes the save raise KeyboardInterrupt at `where`, as Ctrl-C would."""
+    from swapio.core import _durable
+    from swapio.safetensors.file_writer import FileWriter
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def after_the_rename(*args, **kwargs):
+        write_and_replace(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    write_and_replace = _durable.write_and_replace
+    return {"writing": (FileWriter, "write", interrupt),
+            "index": (_durable, "write_and_replace", interrupt),
+            "index_renamed": (_durable, "write_and_replace", after_the_rename)}[where]
+
+
+INTERRUPTIONS = [("writing", 1, 1), ("index", 0, 1), ("index_renamed", 0, 2)]  # (where, the rank, what loads after)
+
+
+def _interrupted(rank, root, seen):
+    """One rank interrupted at each point in turn: it raises KeyboardInterrupt, the other a RuntimeError naming it
+    (not gloo's timeout); the directory holds the previous checkpoint or the new one and nothing else."""
+    for where, victim, loads in INTERRUPTIONS:
+        path = os.path.join(root, f"interrupted-{where}")
+        swapio.checkpoint.save(_state(rank, 1), path, distributed=True)
+        obj, attr, replacement = _interrupt(where)
+        real = getattr(obj, attr)
+        if rank == victim:
+            setattr(obj, attr, replacement)
+        try:
+            swapio.checkpoint.save(_state(rank, 2), path, distributed=True)
+            seen[f"interrupted_{where}"] = "returned"
+        except (KeyboardInterrupt, RuntimeError) as exc:
+            seen[f"interrupted_{where}"] = _error(exc)
+        finally:
+            setattr(obj, attr, real)
+        seen[f"interrupted_{where}_loads"] = _intact(path, rank, loads)
+        dist.barrier()
+        seen[f"interrupted_{where}_listing"] = _listing(path)
+
+
 def _failures_worker(rank, port, root):
-    _init(rank, port)
+    init_group(rank, port, WORLD)
     seen = {}
     try:
-        for scenario in (_raises, _differing_keys, _metadata, _subset, _index_fails):  # (one left out of step: the last)
+        for scenario in (_raises, _differing_keys, _metadata, _subset, _index_fails, _version_1, _interrupted):
             try:
                 scenario(rank, root, seen)
             except Exception as exc:  # noqa: BLE001 - reported to the test of that scenario
@@ -127,50 +190,22 @@ def _failures_worker(rank, port, root):
         dist.destroy_process_group()
 
 
-def _killed_worker(rank, port, path):
-    _init(rank, port)
-    seen = {}
-    try:
-        swapio.checkpoint.save(_state(rank, 1), path, distributed=True)
-        if rank == 1:  # dies while writing its file of the second save, when rank 0 may have written its own
-            import swapio.safetensors.file_writer as file_writer
-            file_writer.FileWriter.write = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            swapio.checkpoint.save(_state(rank, 2), path, distributed=True)
-            seen["save"] = "returned"
-        except RuntimeError as exc:
-            seen["save"] = _error(exc)
-    finally:
-        with open(f"{path}-seen-{rank}.json", "w") as f:
-            json.dump(seen, f)
-
-
-def _run(worker, arg):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, arg)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-        p.join(5)
-    assert not alive, "a rank hung"
-    return [p.exitcode for p in procs]
-
-
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dist-failures"))
-    _run(_failures_worker, root)
+    assert run_group(_failures_worker, root, WORLD) == [0, 0]
     return root, [json.load(open(os.path.join(root, f"seen-{r}.json"))) for r in range(WORLD)]
 
 
+def _rank_file(path, rank):
+    """The path of rank's file, as the index names it."""
+    with open(os.path.join(path, INDEX)) as f:
+        return os.path.join(path, json.load(f)["files"][rank])
+
+
 def _rank_file_values(path, rank):
-    """rank-{rank}.safetensors read by safetensors' own loader, and its save id."""
-    file = os.path.join(path, f"rank-{rank}.safetensors")
+    """rank's file read by safetensors' own loader, and its save id."""
+    file = _rank_file(path, rank)
     with safetensors.safe_open(file, "pt") as f:
         save_id = f.metadata()["swapio.save_id"]
     return st.load_file(file), save_id
@@ -189,7 +224,7 @@ def test_one_rank_raising_leaves_the_previous_checkpoint_intact_on_every_rank(fa
         flat, save_id = _rank_file_values(path, r)
         assert save_id == index["save_id"]
         assert torch.equal(flat["w"], _state(r, 1)["w"]) and torch.equal(flat["b"], _state(r, 1)["b"])
-    assert sorted(os.listdir(path)) == ["rank-0.safetensors", "rank-1.safetensors", "swapio-checkpoint.json"]
+    assert sorted(os.listdir(path)) == sorted([INDEX, *index["files"]])  # rank 0 removed its file of the failed save
 
 
 def test_ranks_save_different_keys_dtypes_and_shapes_under_the_same_names(failures):
@@ -208,7 +243,7 @@ def test_metadata_reaches_every_rank_file_and_its_own_keys_are_refused(failures)
     root, seen = failures
     assert "_metadata" not in seen[0] and "_metadata" not in seen[1], seen
     for r in range(WORLD):
-        with safetensors.safe_open(os.path.join(root, "metadata", f"rank-{r}.safetensors"), "pt") as f:
+        with safetensors.safe_open(_rank_file(os.path.join(root, "metadata"), r), "pt") as f:
             assert f.metadata()["run"] == f"run of rank {r}"
         assert seen[r]["metadata_reserved"].startswith("ValueError: metadata key 'swapio.save_id' is reserved")
         assert seen[r]["metadata_intact"] is True
@@ -231,15 +266,26 @@ def test_rank_0_failing_to_write_the_index_fails_every_rank(failures):
     assert seen[0]["after_index"] is True and seen[1]["after_index"] is True
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
-    path = str(tmp_path / "ckpt")
-    assert _run(_killed_worker, path) == [0, -signal.SIGKILL]
-    seen = json.load(open(f"{path}-seen-0.json"))
-    assert seen["save"].startswith("RuntimeError")  # gloo's: the peer closed the connection
-    index = json.load(open(os.path.join(path, "swapio-checkpoint.json")))
+def test_a_checkpoint_of_format_version_1_loads_and_a_save_over_it_leaves_only_its_own_files(failures):
+    _, seen = failures
+    assert "_version_1" not in seen[0] and "_version_1" not in seen[1], seen
     for r in range(WORLD):
-        flat, save_id = _rank_file_values(path, r)
-        assert save_id == index["save_id"]
-        assert torch.equal(flat["w"], _state(r, 1)["w"])
-    # rank 0 removed its temporary file; rank 1's (killed) is reclaimed by the next save into the directory
-    assert not [n for n in os.listdir(path) if n.startswith(".rank-0")]
+        assert seen[r]["version_1_loads"] is True and seen[r]["version_1_saved_over"] is True
+    listed, named = seen[0]["version_1_listing"]
+    assert listed == named and "rank-0.safetensors" not in listed
+
+
+@pytest.mark.parametrize("where, victim, loads", INTERRUPTIONS, ids=[w for w, _, _ in INTERRUPTIONS])
+def test_a_rank_interrupted_mid_save_tells_the_others_which_raise_naming_it(failures, where, victim, loads):
+    """Ctrl-C on one rank: it raises KeyboardInterrupt; the others learn it in the save's next agreement and raise
+    a RuntimeError naming that rank, instead of waiting out the process group's timeout (gloo's error then)."""
+    _, seen = failures
+    assert "_interrupted" not in seen[0] and "_interrupted" not in seen[1], seen
+    assert seen[victim][f"interrupted_{where}"].startswith("KeyboardInterrupt")
+    failed = "failed to save its shard" if where == "writing" else "failed to write the index"
+    assert seen[1 - victim][f"interrupted_{where}"].startswith(
+        f"RuntimeError: swapio.checkpoint: rank {victim} {failed} (KeyboardInterrupt)")
+    for r in range(WORLD):
+        assert seen[r][f"interrupted_{where}_loads"] is True, seen[r]
+    listed, named = seen[0][f"interrupted_{where}_listing"]
+    assert listed == named  # the files of the interrupted save were removed, or (committed) the previous ones

@@ -334,6 +334,57 @@ def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, m
     assert sharded.INDEX in str(info.value)
 
 
+_SAVE_ID = "0123456789abcdef"
+_V2 = {"format": "swapio.checkpoint.sharded", "format_version": 2, "world_size": 1, "save_id": _SAVE_ID,
+       "files": [f"rank-0-{_SAVE_ID}.safetensors"]}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"files": ["../outside.safetensors"]}, "names the files.*refused"),
+    ({"files": ["/tmp/outside.safetensors"]}, "names the files.*refused"),
+    ({"files": ["rank-0.safetensors"]}, "names the files.*refused"),  # version 1's name in a version 2 index
+    ({"files": [f"rank-1-{_SAVE_ID}.safetensors"]}, "names the files.*refused"),  # another rank's
+    ({"files": f"rank-0-{_SAVE_ID}.safetensors"}, "names the files.*refused"),
+    ({"files": None}, "names the files.*refused"),
+    ({"files": [f"rank-0-{_SAVE_ID}.safetensors"] * 2}, "names the files.*refused"),
+    ({"save_id": "../../x"}, "malformed save_id"),
+    ({"save_id": 7}, "malformed save_id"),
+    ({"format_version": 3}, "format version 3; this swapio reads versions 1 to 2"),
+    ({"format_version": "2"}, "not a swapio sharded"),
+    ({"world_size": 0}, "not a swapio sharded"),
+    ({"format_version": None, "save_id": "s", "files": ["../outside.safetensors"]}, "names the files.*refused"),
+], ids=["parent", "absolute", "version-1-name", "other-rank", "not-a-list", "missing", "too-many", "save-id-path",
+        "save-id-int", "newer-version", "version-str", "world-0", "version-1-parent"])
+def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_path, change, match):
+    """The index comes from outside: a name it gives must be exactly the one a save writes for that rank (in the
+    directory), whatever else the directory or its parent holds."""
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for file, save_id in ((directory / _V2["files"][0], _SAVE_ID), (tmp_path / "outside.safetensors", "s"),
+                          (directory / "rank-0.safetensors", _SAVE_ID)):
+        swapio.checkpoint.save({"a": torch.ones(3)}, file, metadata={sharded.META_SAVE_ID: save_id})
+    (directory / sharded.INDEX).write_text(json.dumps(_V2))
+    assert torch.equal(swapio.checkpoint.load(directory)["a"], torch.ones(3))  # the valid index loads
+    index = {k: v for k, v in {**_V2, **change}.items() if v is not None}
+    (directory / sharded.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=match) as info:
+        swapio.checkpoint.load(directory)
+    assert sharded.INDEX in str(info.value)
+
+
+def test_a_sharded_rank_file_linking_outside_its_directory_is_refused(tmp_path):
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "outside.safetensors",
+                           metadata={sharded.META_SAVE_ID: _SAVE_ID})
+    os.symlink(tmp_path / "outside.safetensors", directory / _V2["files"][0])
+    (directory / sharded.INDEX).write_text(json.dumps(_V2))
+    with pytest.raises(ValueError, match="is a link to .*outside the checkpoint directory"):
+        swapio.checkpoint.load(directory)
+
+
 @pytest.mark.parametrize("call", ["save", "async_save"])
 def test_a_tensor_name_or_metadata_utf8_cannot_hold_is_a_value_error_before_any_file(tmp_path, call):
     """A name with a lone surrogate (os.listdir gives them for file names that are not UTF-8) was written as a JSON
