@@ -264,8 +264,8 @@ struct V {
   }
   static SWAPIO_INLINE F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   // quant.h's arithmetic search of the code of +y, y in [0, 2), with the 8-entry tables (quant_search.h's
-  // quick_code8, lane by lane), before the clamp: returns rint(P), whose lanes on a multiple of kPosUnit defer to the
-  // bucket lookup, and the region r in `r` (dwords 0 .. 16: the unsigned map's pair_below carries + 8, quant.h).
+  // quick_code8, lane by lane), before the clamp: returns rint(P8) (in kPos8Unit steps), whose lanes within kPos8Window
+  // above a multiple of kPos8Unit defer to the bucket lookup (lower16()), and the region r in `r` (dwords 0 .. 16: the unsigned map's pair_below carries + 8, quant.h).
   static SWAPIO_INLINE __m256i unclamped_code(F y, const QuantMap& q, __m256i& r) {
     const __m256i bits = _mm256_castps_si256(y);
     // the pair of binades, 0 below the table: y >= 0, so exponent / 2 fits the low 16 bits of each lane and an
@@ -284,10 +284,10 @@ struct V {
     __m256i r;
     const __m256i u = unclamped_code(y, q, r);
     const __m256i code_max = _mm256_load_si256(reinterpret_cast<const __m256i*>(q.code_max8));
-    c = _mm256_min_epi32(_mm256_srli_epi32(u, kPosBits), _mm256_permutevar8x32_epi32(code_max, r));
+    c = _mm256_min_epi32(_mm256_srli_epi32(u, kPos8Bits), _mm256_permutevar8x32_epi32(code_max, r));
     return u;
   }
-  // All lanes from the bucket lookup (rare: one rounded P in kPosUnit; out of line). Where quick_code does not
+  // All lanes from the bucket lookup (rare: kPos8Window + 1 rounded P8 in kPos8Unit; out of line). Where quick_code does not
   // defer it gives the same code (state_levels.cpp checks it), so the lanes need no mask.
   static __attribute__((noinline, cold)) __m256i exact_codes(F y, const QuantMap& q) {
     alignas(32) float ys[8];
@@ -296,12 +296,16 @@ struct V {
     for (int i = 0; i < 8; ++i) cs[i] = q.zero + exact_k(q, ys[i] < 1.0f ? ys[i] : 1.0f);
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
   }
-  // Whether any lane of u defers (rint(P) a multiple of kPosUnit): for the cold paths, which take the bucket lookup
-  // only for the vectors that need it.
-  static SWAPIO_INLINE bool defers(__m256i u) {
-    const __m256i low = _mm256_and_si256(u, _mm256_set1_epi32(kPosUnit - 1));
-    return !_mm256_testz_si256(_mm256_cmpeq_epi32(low, _mm256_setzero_si256()), _mm256_set1_epi32(-1));
+  // Whether any lane of rint(P8) vectors defers (its low 16 bits at most kPos8Window): least is their unsigned 16-bit
+  // minimum (vpminuw; one operation per vector, where masking the low bits of each took two), whose high halves
+  // the mask drops.
+  static SWAPIO_INLINE bool lower16(__m256i least) {
+    const __m256i in_window = _mm256_cmpeq_epi16(_mm256_subs_epu16(least, _mm256_set1_epi16(kPos8Window)),
+                                                 _mm256_setzero_si256());
+    return (_mm256_movemask_epi8(in_window) & 0x33333333) != 0;
   }
+  // lower16 of one vector: for the cold paths, which take the bucket lookup only for the vectors that need it
+  static SWAPIO_INLINE bool defers(__m256i u) { return lower16(u); }
   // c: the code of +|x| (zero + k); a negative x takes zero - min(k, max_neg_k) = max(2 zero - c, 0), the max by
   // the packs' unsigned saturation (c <= zero + max_neg_k + 1). zero + sign(x) (c - zero), by vpsignd on x's bits
   // as an integer: negative where x's sign bit is set, so also for -0, whose k = 0 (as for +0, where vpsignd gives
@@ -327,10 +331,7 @@ struct V {
     const F y0 = unit<kSigned0, kHaveAbs>(ax0, inv0), y1 = unit<kSigned1, kHaveAbs>(ax1, inv1);
     __m256i c0, c1;
     const __m256i u0 = quick_code(y0, q0, c0), u1 = quick_code(y1, q1, c1);
-    // a lane defers where rint(P) is a multiple of kPosUnit: the low bits' minimum over both vectors, less 1, < 0
-    const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
-    const __m256i least = _mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low));
-    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
+    if (__builtin_expect(lower16(_mm256_min_epu16(u0, u1)), 0)) {
       if (defers(u0)) c0 = exact_codes(y0, q0);
       if (defers(u1)) c1 = exact_codes(y1, q1);
     }
@@ -357,12 +358,9 @@ struct V {
     __m256i r0, r1, r2, r3;
     const __m256i u0 = unclamped_code(y0, qm, r0), u1 = unclamped_code(y1, qm, r1);
     const __m256i u2 = unclamped_code(y2, qv, r2), u3 = unclamped_code(y3, qv, r3);
-    const __m256i low = _mm256_set1_epi32(kPosUnit - 1);
-    const __m256i least = _mm256_min_epu32(_mm256_min_epu32(_mm256_and_si256(u0, low), _mm256_and_si256(u1, low)),
-                                           _mm256_min_epu32(_mm256_and_si256(u2, low), _mm256_and_si256(u3, low)));
-    __m256i c0 = _mm256_srli_epi32(u0, kPosBits), c1 = _mm256_srli_epi32(u1, kPosBits);
-    __m256i c2 = _mm256_srli_epi32(u2, kPosBits), c3 = _mm256_srli_epi32(u3, kPosBits);
-    if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sub_epi32(least, _mm256_set1_epi32(1)))), 0)) {
+    __m256i c0 = _mm256_srli_epi32(u0, kPos8Bits), c1 = _mm256_srli_epi32(u1, kPos8Bits);
+    __m256i c2 = _mm256_srli_epi32(u2, kPos8Bits), c3 = _mm256_srli_epi32(u3, kPos8Bits);
+    if (__builtin_expect(lower16(_mm256_min_epu16(_mm256_min_epu16(u0, u1), _mm256_min_epu16(u2, u3))), 0)) {
       // within their region's clamp: the clamp below keeps them
       if (defers(u0)) c0 = exact_codes(y0, qm);
       if (defers(u1)) c1 = exact_codes(y1, qm);

@@ -71,12 +71,22 @@ std::vector<float> magnitudes(const QuantMap& q) {
 
 // The AVX2 kernel's 8-entry tables of the code search (quant.h), from the region midpoints and the lines of
 // build_regions.
-void build_regions8(QuantMap& q, const float (&region)[8], bool& valid) {
+void build_regions8(QuantMap& q, const float (&region)[8], const int (&first)[8], bool& valid) {
+  const float to8 = static_cast<float>(kPos8Unit / kPosUnit);  // a power of two: the lines scaled exactly
   for (int r = 0; r < 8; ++r) {  // line 0: regions 0 and 8
     q.mid8[r] = region[r];
-    q.pos_scale8[r] = r == 0 ? 512.0f * kPosUnit : q.pos_scale[r];
-    q.pos_offset8[r] = r == 0 ? -(q.zero + 0.5f) * kPosUnit : q.pos_offset[r];
+    q.pos_scale8[r] = r == 0 ? 512.0f * kPos8Unit : q.pos_scale[r] * to8;
+    q.pos_offset8[r] = r == 0 ? -(q.zero + 0.5f) * kPos8Unit : q.pos_offset[r] * to8;
     q.code_max8[r] = r == 0 ? q.zero + q.max_k : q.region_code_max[r];
+  }
+  for (int d = 0; d < 7; ++d) {  // quant.h's kPos8Window
+    const int code0 = q.zero + first[d];
+    auto p8 = [&](float y) { return std::nearbyint(std::fma(y, q.pos_scale8[d + 1], -q.pos_offset8[d + 1])); };
+    if (p8(region[d]) < static_cast<float>(code0) * kPos8Unit) valid = false;
+    for (int t = 1; t < first[d + 1] - first[d]; ++t) {
+      const double above = p8(q.mid[first[d] + t - 1]) - static_cast<double>(code0 + t) * kPos8Unit;
+      if (above < 0 || above > kPos8Window) valid = false;
+    }
   }
   // region 0 (y <= region[0]) must stay below zero + 1, region 8 (y > region[7]) reach zero + max_k
   if (512.0 * region[0] >= 0.5 || 512.0 * region[7] + 0.5 < q.max_k) valid = false;
@@ -132,7 +142,7 @@ void build_regions(QuantMap& q, bool& valid) {
     q.region_below[b] = below;
     if (inside > 1) valid = false;  // one comparison must settle every y of the binade
   }
-  build_regions8(q, region, valid);
+  build_regions8(q, region, first, valid);
 }
 
 struct Built {

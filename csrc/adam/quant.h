@@ -44,6 +44,13 @@ constexpr int kRegions = 16;
 // lookup; now one in 1200 (benchmarks/RESULTS.md).
 constexpr int kPosBits = 15;
 constexpr int32_t kPosUnit = 1 << kPosBits;
+// The AVX2 kernel's lines (pos_scale8, pos_offset8) count 2^-16 code steps: the code is rint(P8)'s high 16 bits, and
+// its low 16 bits, which one vpminuw takes over two vectors, the fraction. At a midpoint rint(P8) lies up to
+// kPos8Window above its multiple of 2^16 (checked when the maps are built), so a lane defers where the low 16 bits
+// are at most kPos8Window (above the midpoint P8 >= the multiple, below it P8 <= the multiple + kPos8Window).
+constexpr int kPos8Bits = 16;
+constexpr int32_t kPos8Unit = 1 << kPos8Bits;
+constexpr int32_t kPos8Window = 1;
 // The signed map's code of 0 and largest negative magnitude index (the AVX2 kernel's constants; checked at build)
 constexpr int32_t kSignedZero = 127;
 constexpr int32_t kSignedMaxNegK = 127;
@@ -72,8 +79,8 @@ struct QuantMap {
   // encode: y's pair of binades (exponent field / 2 - kPairBase, 0 below) gives the region midpoints below it
   // (a pair, 4x, holds at most one; they are ~10x apart); one comparison with the next one, mid8, gives the region
   // r in 0 .. 8, and line r % 8: regions 0 (below the first magnitude's midpoint) and 8 (above the last midpoint)
-  // share the line P = (zero + 1/2 + 512 y) kPosUnit, clamped to zero + max_k: 512 y < 1/2 in region 0, and
-  // 512 y > max_k in region 8. Lines 1 .. 7 are the decades', as in pos_scale. The unsigned map's pair_below
+  // share the line P8 = (zero + 1/2 + 512 y) kPos8Unit, clamped to zero + max_k: 512 y < 1/2 in region 0, and
+  // 512 y > max_k in region 8. Lines 1 .. 7 are the decades', as in pos_scale (in kPos8Unit steps). The unsigned map's pair_below
   // entries but the first carry + 8 (its r is 0 or 8 .. 16), which the 8-entry tables ignore: the int8 Adam encode
   // looks both maps' clamps up in one 16-byte table by r (code_max16).
   alignas(16) uint8_t pair_below[16];
@@ -96,8 +103,8 @@ const QuantMap& signed_map();
 const QuantMap& unsigned_map();
 
 // True when every bucket holds at most one midpoint, every binade at most one region midpoint, every inner
-// midpoint's P rounds to its multiple of kPosUnit and no P in a decade lies below its first code's (checked when
-// the maps are built; tests assert it).
+// midpoint's P rounds to its multiple of kPosUnit (P8: within kPos8Window above its multiple of kPos8Unit) and no
+// P or P8 in a decade lies below its first code's (checked when the maps are built; tests assert it).
 bool quant_maps_valid();
 
 }  // namespace adam

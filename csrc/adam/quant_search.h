@@ -42,8 +42,8 @@ static inline int quick_code8(const QuantMap& q, float y, bool* deferred) {
   const int below = q.pair_below[pair > kPairBase ? pair - kPairBase : 0];
   const int r = below + (y > q.mid8[below & 7]), line = r & 7;
   const int32_t u = static_cast<int32_t>(std::nearbyint(std::fma(y, q.pos_scale8[line], -q.pos_offset8[line])));
-  *deferred = (u & (kPosUnit - 1)) == 0;
-  const int c = u >> kPosBits, code_max = q.code_max16[r & 15];
+  *deferred = (u & (kPos8Unit - 1)) <= kPos8Window;
+  const int c = u >> kPos8Bits, code_max = q.code_max16[r & 15];
   return c < code_max ? c : code_max;
 }
 
