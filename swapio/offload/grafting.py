@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from . import onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
@@ -51,6 +52,8 @@ def _on_register(parent, name, child):
                     slot.stand_in = _stand_in(slot, streamer.device)
                 set_entry(unit.module, attr, kind, slot.stand_in)
                 _with_stand_ins.add(streamer)
+    if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol
+        onload.attach(streamer, child, restore)
     return None
 
 
@@ -80,6 +83,7 @@ def watch(streamer):
     global _hook
     if _hook is None:
         _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    onload.attach_base_layers(streamer, restore)
     streamer.handles.append(streamer.model.register_forward_pre_hook(_Restore(streamer), prepend=True))
 
 
