@@ -1,0 +1,82 @@
+"""A change in place to an offloaded weight between forwards (torch.nn.init, copy_, add_ under no_grad, or through
+`.data`) lands on swapio's meta placeholder, a no-op that used to go unnoticed: the model went on computing with
+the old weight. The next forward (or remove_offload) now raises a RuntimeError naming the weight, once; the
+weight is as it was (outputs equal the resident model's). Assigning `.data` a tensor with values is refused at
+once, before anything changed."""
+import copy
+
+import pytest
+import torch
+
+from swapio.offload import cpu_offload, disk_offload, remove_offload
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)).eval()
+
+
+def offload(how, model, tmp_path, **kwargs):
+    if how == "disk":
+        return disk_offload(model, tmp_path / "od", buffer_bytes=16 << 10, **kwargs)
+    return cpu_offload(model, **kwargs)
+
+
+WRITES = {
+    "init.normal_": lambda w: torch.nn.init.normal_(w),
+    "copy_": lambda w: w.copy_(torch.ones(w.shape)),
+    "add_": lambda w: w.add_(1.0),
+    "zero_": lambda w: w.zero_(),
+    "data.add_": lambda w: w.data.add_(1.0),
+    "data +=": lambda w: setattr(w, "data", w.data.__iadd__(torch.ones(w.shape))),  # `w.data += x`, spelled out
+    "data.copy_": lambda w: w.data.copy_(torch.ones(w.shape)),
+}
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_to_a_placeholder_raises_at_the_next_forward(tmp_path, how, write):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    assert torch.equal(model(x), reference(x))
+    with torch.no_grad():
+        WRITES[write](model[2].weight)
+    with pytest.raises(RuntimeError, match=r"(?s)^2\.weight is offloaded by swapio and was changed in place.*lost"):
+        model(x)
+    assert torch.equal(model(x), reference(x))  # said once; the weight is as it was
+    remove_offload(model)
+    assert torch.equal(model[2].weight, reference[2].weight)
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_before_remove_offload_raises_there(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio"):
+        remove_offload(model)
+    remove_offload(model)  # still offloaded after the error; now it goes
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_offloaded_buffer_written_in_place_raises(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path, offload_buffers=True)
+    model[1].running_mean.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"1\.running_mean is offloaded by swapio"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_assigning_data_with_values_is_refused_at_once(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with pytest.raises(RuntimeError, match=r"offloaded by swapio.*\(3, 8\) torch\.float32 on cpu"):
+        model[2].weight.data = torch.zeros(3, 8)
+    assert model[2].weight.device.type == "meta"
+    assert torch.equal(model(x), reference(x))
+    model.float()  # torch's _apply assigns each placeholder's .data to itself: allowed
+    assert torch.equal(model(x), reference(x))
