@@ -10,6 +10,9 @@ NaN for floating types, so code that computes with them gives NaN rather than pl
 placeholders themselves. The model's next forward puts the placeholders back, first carrying over any
 `requires_grad` change made to a stand-in (peft freezes every base weight). A torch global module registration
 hook does the watching; it only looks the registered module up in swapio's registry of offloaded modules.
+ModuleList and ModuleDict parents are left out: they only hold modules, often for a moment (transformers slices
+its layers, `self.layers[:n]`, in every forward). A module registered as `base_layer` (peft's tuner layers) also
+gets onload.py's hook, through which peft's merges write the stored weights.
 """
 import weakref
 
@@ -42,6 +45,8 @@ def _on_register(parent, name, child):
     streamer = offloaded.get(child)
     if not isinstance(streamer, WeightStreamer) or offloaded.get(parent) is streamer or is_compile_wrapper(parent):
         return None
+    if type(parent) in (torch.nn.ModuleList, torch.nn.ModuleDict):  # they only hold modules, often for a moment
+        return None  # (transformers' `self.layers[:n]` in forward): nothing to create, no stand-ins
     inside = {id(m) for m in child.modules()}
     for unit in streamer.units:
         if id(unit.module) not in inside or unit.depth:

@@ -33,8 +33,10 @@ class Placeholder(torch.nn.Parameter):
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
 
 
-CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again "
-                  "(peft's merges bring an offloaded base layer's weights in and write them back)")
+CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again. "
+                  "peft's merge_adapter, unmerge_adapter and merge_and_unload bring an offloaded base layer's "
+                  "weights in and write them back; a merged peft model run with its adapters disabled unmerges "
+                  "inside its forward, which they cannot: call unmerge_adapter() first")
 
 
 def _describe(value):

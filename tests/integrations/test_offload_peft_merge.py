@@ -85,6 +85,7 @@ def test_merge_and_unload_like_resident(saved, tmp_path, name, how):
         for k, v in written.items():
             assert torch.equal(v, expected[k]), k
     remove_offload(model.base_model.model if how != "offload-peft-model" else model)
+    assert not any("_hf_hook" in m.__dict__ for m in model.modules())  # swapio's hooks went with the offload
     got = weights(merged)
     assert sorted(got) == sorted(expected)
     for k, v in expected.items():
@@ -164,3 +165,32 @@ def test_weight_trained_by_a_swapio_optimizer_refuses_merging(tmp_path):
         model.merge_and_unload()
     assert torch.equal(logits(model), logits(ref))
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_like_resident_in_bf16_and_with_safe_merge(tmp_path, dtype, safe_merge):
+    """safe_merge assigns base_layer.weight.data a new tensor instead of adding in place; bf16 weights take an
+    fp32 delta (peft's arithmetic, the same on both sides)."""
+    ref = add_lora(hf_tiny.resident("llama").to(dtype), "llama")
+    model = add_lora(disk_offload(hf_tiny.resident("llama").to(dtype), offload_dir=tmp_path / "od",
+                                  buffer_bytes=16 << 10), "llama")
+    want = ref.merge_and_unload(safe_merge=safe_merge)
+    merged = model.merge_and_unload(safe_merge=safe_merge)
+    assert torch.equal(logits(merged), logits(want))
+    remove_offload(merged)
+    expected = weights(want)
+    for k, v in weights(merged).items():
+        assert v.dtype == dtype and torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_merged_model_run_with_adapters_disabled_says_to_unmerge_first(tmp_path, name):
+    """peft unmerges a merged layer inside its forward when adapters are disabled, outside onload_layer: the
+    subtraction lands on the placeholder, and the base layer's forward right after says so (it used to compute
+    silently with the merged weight)."""
+    model = offloaded(name, "cpu", None, tmp_path)
+    model.merge_adapter()
+    logits(model)
+    with model.disable_adapter(), pytest.raises(RuntimeError, match=r"(?s)changed in place.*unmerge_adapter\(\)"):
+        logits(model)

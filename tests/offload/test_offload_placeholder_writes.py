@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from swapio.offload import cpu_offload, disk_offload, remove_offload
+from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint
 
 
 def net():
@@ -80,3 +80,19 @@ def test_assigning_data_with_values_is_refused_at_once(tmp_path, how):
     assert torch.equal(model(x), reference(x))
     model.float()  # torch's _apply assigns each placeholder's .data to itself: allowed
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_before_save_checkpoint_raises_there(tmp_path, how):
+    """save_checkpoint writes the stored weights: a change that was lost is said, not saved as if made."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with torch.no_grad():
+        torch.nn.init.zeros_(model[0].weight)
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio"):
+        save_checkpoint(model, tmp_path / "a.safetensors")
+    assert not (tmp_path / "a.safetensors").exists()
+    save_checkpoint(model, tmp_path / "a.safetensors")
+    saved = safetensors_torch.load_file(str(tmp_path / "a.safetensors"))
+    assert torch.equal(saved["0.weight"], reference[0].weight.detach())
