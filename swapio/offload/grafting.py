@@ -23,7 +23,7 @@ from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
 from .registry import offloaded
-from .units import set_entry
+from .units import Placeholder, lost_change, set_entry
 
 _hook = None
 _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: restore() skips the others at once
@@ -32,7 +32,7 @@ _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: 
 def _stand_in(slot, device):
     fill = float("nan") if slot.dtype.is_floating_point or slot.dtype.is_complex else 0
     t = torch.full((), fill, dtype=slot.dtype, device=device).expand(slot.shape)
-    return torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
+    return Placeholder(t, requires_grad=slot.requires_grad) if slot.is_param else t
 
 
 def _table(module, kind):
@@ -63,7 +63,8 @@ def _on_register(parent, name, child):
 
 
 def restore(streamer):
-    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad."""
+    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a
+    stand-in changed in place meanwhile (fill_, zero_: what its one expanded element lets through), if any."""
     if streamer not in _with_stand_ins:
         return
     _with_stand_ins.discard(streamer)
@@ -76,11 +77,16 @@ def restore(streamer):
                 continue
             if _table(unit.module, kind).get(attr) is stand_in:
                 set_entry(unit.module, attr, kind, slot.placeholder)
+    changed = None
     for slot in streamer.slots:
         if slot.stand_in is not None:
             if slot.is_param:
                 slot.placeholder.requires_grad_(slot.stand_in.requires_grad)
+            if slot.stand_in._version and changed is None:
+                changed = slot
             slot.stand_in = None
+    if changed is not None:
+        raise lost_change(changed)
 
 
 def watch(streamer):

@@ -14,10 +14,10 @@ import torch
 
 
 class Placeholder(torch.nn.Parameter):
-    """An offloaded parameter's stand-in between forwards: a meta Parameter whose `.data` shares its version
-    counter (torch's `.data` gets a fresh one), so that a change in place through it (peft's
-    `weight.data -= delta`) counts in `_version` like one on the parameter itself: check_placeholders() then says
-    the change was lost. Assigning it a tensor with values is refused at once."""
+    """What an offloaded parameter is between forwards (the meta placeholder, or grafting.py's stand-in): a
+    Parameter whose `.data` shares its version counter (torch's `.data` gets a fresh one), so that a change in
+    place through it (peft's `weight.data -= delta`) counts in `_version` like one on the parameter itself:
+    check_placeholders() then says the change was lost. Assigning it other values is refused at once."""
 
     @property  # type: ignore[override]
     def data(self):
@@ -25,10 +25,10 @@ class Placeholder(torch.nn.Parameter):
 
     @data.setter
     def data(self, value):
-        if not (isinstance(value, torch.Tensor) and value.device.type == "meta" and value.shape == self.shape
-                and value.dtype == self.dtype):  # torch's _apply assigns the placeholder itself: a no-op
-            raise RuntimeError(
-                "this parameter is offloaded by swapio: between forwards it is a meta placeholder, and assigning "
+        if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
+                and value.dtype == self.dtype and value.data_ptr() == self.data_ptr()):
+            raise RuntimeError(  # (torch's _apply assigns the placeholder itself: a no-op, allowed)
+                "this parameter is offloaded by swapio: between forwards it holds no values, and assigning "
                 f"its .data a tensor ({_describe(value)}) would not change the weight. " + CHANGE_WEIGHTS)
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
 
@@ -171,10 +171,15 @@ def check_placeholders(slots):
     for slot in slots:
         if slot.placeholder._version != slot.version:
             slot.version = slot.placeholder._version
-            raise RuntimeError(
-                f"{slot.name} is offloaded by swapio and was changed in place between forwards (torch.nn.init, copy_, "
-                "add_ or .data on the tensor model.parameters() yields): that tensor is a meta placeholder, so the "
-                "change was lost and the weight is as it was. " + CHANGE_WEIGHTS)
+            raise lost_change(slot)
+
+
+def lost_change(slot):
+    """The RuntimeError of a change in place made to what stands for an offloaded weight between forwards."""
+    return RuntimeError(
+        f"{slot.name} is offloaded by swapio and was changed in place between forwards (torch.nn.init, copy_, add_, "
+        "fill_ or .data on the tensor model.parameters() yields): that tensor holds no values (a meta placeholder), "
+        "so the change was lost and the weight is as it was. " + CHANGE_WEIGHTS)
 
 
 def install_placeholders(units):

@@ -194,3 +194,24 @@ def test_merged_model_run_with_adapters_disabled_says_to_unmerge_first(tmp_path,
     logits(model)
     with model.disable_adapter(), pytest.raises(RuntimeError, match=r"(?s)changed in place.*unmerge_adapter\(\)"):
         logits(model)
+
+
+@pytest.mark.parametrize("how", ["cpu", "disk-dir"])
+def test_accelerate_align_module_device_on_a_base_layer(tmp_path, how):
+    """The hook speaks accelerate's protocol: align_module_device brings the weights in, a change made there is
+    written back, as on a resident model changed in place."""
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    def q_proj(model):
+        return model.base_model.model.model.layers[1].self_attn.q_proj.base_layer
+
+    ref = add_lora(hf_tiny.resident("llama"), "llama")
+    model = offloaded("llama", how, None, tmp_path)
+    assert has_offloaded_params(q_proj(model))
+    with torch.no_grad():
+        q_proj(ref).weight.mul_(0.5)
+        with align_module_device(q_proj(model)):
+            assert q_proj(model).weight.device.type == "cpu"
+            q_proj(model).weight.mul_(0.5)
+    assert q_proj(model).weight.device.type == "meta"  # the placeholder back
+    assert torch.equal(logits(model), logits(ref))

@@ -96,3 +96,39 @@ def test_write_before_save_checkpoint_raises_there(tmp_path, how):
     save_checkpoint(model, tmp_path / "a.safetensors")
     saved = safetensors_torch.load_file(str(tmp_path / "a.safetensors"))
     assert torch.equal(saved["0.weight"], reference[0].weight.detach())
+
+
+def wrapped(model):
+    """The offloaded model put under a module outside it (as peft's wrappers do): until its next forward, its
+    weights show stand-ins (one expanded NaN element on the execution device) instead of the placeholders."""
+    outer = torch.nn.Module()
+    outer.inner = model
+    return outer
+
+
+@pytest.mark.parametrize("write", ["fill_", "zero_", "ones_"])
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_to_a_stand_in_raises_at_the_next_forward(tmp_path, how, write):
+    """The writes a stand-in's single element lets through (the others raise torch's own error at once)."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    wrapped(model)
+    assert model[2].weight.device.type == "cpu" and model[2].weight.stride() == (0, 0)  # a stand-in
+    with torch.no_grad():
+        {"fill_": lambda w: w.fill_(2.0), "zero_": lambda w: w.zero_(),
+         "ones_": lambda w: torch.nn.init.ones_(w)}[write](model[2].weight)
+    with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was changed in place"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_assigning_a_stand_in_data_is_refused_at_once(tmp_path, how):
+    """(peft's PiSSA/OLoRA initializations assign the base weight's .data: refused, not lost.)"""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    wrapped(model)
+    with pytest.raises(RuntimeError, match=r"offloaded by swapio.*would not change the weight"):
+        model[2].weight.data = torch.zeros(3, 8)
+    model.float()  # _apply assigns each stand-in's .data to itself: allowed
+    assert torch.equal(model(x), reference(x))
