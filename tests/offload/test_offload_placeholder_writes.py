@@ -124,7 +124,6 @@ def test_write_to_a_stand_in_raises_at_the_next_forward(tmp_path, how, write):
 
 @pytest.mark.parametrize("how", ["disk", "cpu"])
 def test_assigning_a_stand_in_data_is_refused_at_once(tmp_path, how):
-    """(peft's PiSSA/OLoRA initializations assign the base weight's .data: refused, not lost.)"""
     reference, x = net(), torch.randn(2, 4)
     model = offload(how, copy.deepcopy(reference), tmp_path)
     wrapped(model)
