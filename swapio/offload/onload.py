@@ -160,20 +160,25 @@ def _changed(own, entries):
 
 
 def _write(streamer, changed):
-    """Writes the changed weights where the streamer reads them, a record at a time, and waits for the writes."""
+    """Writes the changed weights where the streamer reads them, a record at a time, and waits for the writes.
+    No module runs meanwhile (idle): the records are written from the streamer's unused pinned memory."""
     training = streamer.training
     records = training.in_order({slot.record for slot in changed})
     training.prepare(records, 0)
-    for record in records:
-        buf = training.begin(record, need_current=True)
-        try:
-            for slot in record.slots:
-                if slot in changed:
-                    training.view(buf, slot).copy_(changed[slot])
-        except BaseException:
-            training.abort(record)
-            raise
-        training.end(record, buf)
+    try:
+        for record in records:
+            buf = training.begin(record, need_current=True, idle=True)
+            try:
+                for slot in record.slots:
+                    if slot in changed:
+                        training.view(buf, slot).copy_(changed[slot])
+            except BaseException:
+                training.abort(record)
+                raise
+            training.end(record, buf)
+    except BaseException:
+        training.return_loans()  # the streamer's memory back before it runs again
+        raise
     training.flush()
 
 
