@@ -215,3 +215,19 @@ def test_accelerate_align_module_device_on_a_base_layer(tmp_path, how):
             q_proj(model).weight.mul_(0.5)
     assert q_proj(model).weight.device.type == "meta"  # the placeholder back
     assert torch.equal(logits(model), logits(ref))
+
+
+def test_merge_whose_write_fails_raises_and_is_never_served_half_done(tmp_path, monkeypatch):
+    """The disk refuses the merged weights: merge_adapter raises the OSError, and the model does not silently
+    compute with weights whose stored bytes are unknown (its next forward raises too)."""
+    import errno
+    from helpers.offload_training import fail_nth_write
+    model = offloaded("llama", "disk-dir", None, tmp_path)
+    logits(model)
+    restore = fail_nth_write(monkeypatch, str(tmp_path / "od"), 1, "future", None)
+    with pytest.raises(OSError) as info:
+        model.merge_adapter()
+    restore()
+    assert info.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        logits(model)
