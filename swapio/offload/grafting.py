@@ -10,16 +10,20 @@ NaN for floating types, so code that computes with them gives NaN rather than pl
 placeholders themselves. The model's next forward puts the placeholders back, first carrying over any
 `requires_grad` change made to a stand-in (peft freezes every base weight). A torch global module registration
 hook does the watching; it only looks the registered module up in swapio's registry of offloaded modules.
+ModuleList and ModuleDict parents are left out: they only hold modules, often for a moment (transformers slices
+its layers, `self.layers[:n]`, in every forward). A module registered as `base_layer` (peft's tuner layers) also
+gets onload.py's hook, through which peft's merges write the stored weights.
 """
 import weakref
 
 import torch
 
+from . import onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
 from .registry import offloaded
-from .units import set_entry
+from .units import Placeholder, lost_change, set_entry
 
 _hook = None
 _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: restore() skips the others at once
@@ -28,7 +32,7 @@ _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: 
 def _stand_in(slot, device):
     fill = float("nan") if slot.dtype.is_floating_point or slot.dtype.is_complex else 0
     t = torch.full((), fill, dtype=slot.dtype, device=device).expand(slot.shape)
-    return torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
+    return Placeholder(t, requires_grad=slot.requires_grad) if slot.is_param else t
 
 
 def _table(module, kind):
@@ -41,6 +45,8 @@ def _on_register(parent, name, child):
     streamer = offloaded.get(child)
     if not isinstance(streamer, WeightStreamer) or offloaded.get(parent) is streamer or is_compile_wrapper(parent):
         return None
+    if type(parent) in (torch.nn.ModuleList, torch.nn.ModuleDict):  # they only hold modules, often for a moment
+        return None  # (transformers' `self.layers[:n]` in forward): nothing to create, no stand-ins
     inside = {id(m) for m in child.modules()}
     for unit in streamer.units:
         if id(unit.module) not in inside or unit.depth:
@@ -51,11 +57,14 @@ def _on_register(parent, name, child):
                     slot.stand_in = _stand_in(slot, streamer.device)
                 set_entry(unit.module, attr, kind, slot.stand_in)
                 _with_stand_ins.add(streamer)
+    if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol
+        onload.attach(streamer, child, restore)
     return None
 
 
 def restore(streamer):
-    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad."""
+    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a
+    stand-in changed in place meanwhile (fill_, zero_: what its one expanded element lets through), if any."""
     if streamer not in _with_stand_ins:
         return
     _with_stand_ins.discard(streamer)
@@ -68,11 +77,16 @@ def restore(streamer):
                 continue
             if _table(unit.module, kind).get(attr) is stand_in:
                 set_entry(unit.module, attr, kind, slot.placeholder)
+    changed = None
     for slot in streamer.slots:
         if slot.stand_in is not None:
             if slot.is_param:
                 slot.placeholder.requires_grad_(slot.stand_in.requires_grad)
+            if slot.stand_in._version and changed is None:
+                changed = slot
             slot.stand_in = None
+    if changed is not None:
+        raise lost_change(changed)
 
 
 def watch(streamer):
@@ -80,6 +94,7 @@ def watch(streamer):
     global _hook
     if _hook is None:
         _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    onload.attach_base_layers(streamer, restore)
     streamer.handles.append(streamer.model.register_forward_pre_hook(_Restore(streamer), prepend=True))
 
 

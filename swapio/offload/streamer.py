@@ -14,12 +14,12 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, loading, saved_tensors
+from . import compiled, conversions, loading, onload, saved_tensors
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import install_placeholders, move_to, set_entry
+from .units import check_placeholders, install_placeholders, move_to, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -141,6 +141,7 @@ class WeightStreamer:
 
     def _fetch_in(self, unit):
         unit.buffers_in.clear()  # what an interrupted leave() left
+        check_placeholders(slot for _, _, slot in unit.entries)
         self.schedule.observe(unit)
         fetcher = self.fetcher
         for record in unit.records:
@@ -288,6 +289,7 @@ class WeightStreamer:
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
         loading.uninstall(self)
+        onload.remove(self.units)
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:

@@ -97,6 +97,15 @@ class Training:
             for slot in [s for s, o in self.owners.items() if o() is owner or o() is None]:
                 del self.owners[slot]
 
+    def owned(self, slot):
+        """An owner (a swapio optimizer) trains the slot's weight now."""
+        with self.lock:
+            return self._owner_of(slot) is not None
+
+    def can_rewrite(self, records):
+        """The records' bytes may be rewritten (not read in place from a checkpoint with no offload_dir)."""
+        return self._store.can_rewrite(records)
+
     @property
     def attached(self):
         """The model is still offloaded (not remove_offload()ed or dropped): its slots' weights are the owner's."""

@@ -13,10 +13,43 @@ import weakref
 import torch
 
 
+class Placeholder(torch.nn.Parameter):
+    """What an offloaded parameter is between forwards (the meta placeholder, or grafting.py's stand-in): a
+    Parameter whose `.data` shares its version counter (torch's `.data` gets a fresh one), so that a change in
+    place through it (peft's `weight.data -= delta`) counts in `_version` like one on the parameter itself:
+    check_placeholders() then says the change was lost. Assigning it other values is refused at once."""
+
+    @property  # type: ignore[override]
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, value):
+        if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
+                and value.dtype == self.dtype and value.data_ptr() == self.data_ptr()):
+            raise RuntimeError(  # (torch's _apply assigns the placeholder itself: a no-op, allowed)
+                "this parameter is offloaded by swapio: between forwards it holds no values, and assigning "
+                f"its .data a tensor ({_describe(value)}) would not change the weight. " + CHANGE_WEIGHTS)
+        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+
+
+CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again. "
+                  "peft's merge_adapter, unmerge_adapter and merge_and_unload bring an offloaded base layer's "
+                  "weights in and write them back; a merged peft model run with its adapters disabled unmerges "
+                  "inside its forward, which they cannot: call unmerge_adapter() first")
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__
+
+
 class Slot:
     """One offloaded tensor: its names in the model, metadata, and the meta placeholder standing in for it."""
 
-    __slots__ = ("names", "shape", "dtype", "is_param", "placeholder", "record", "index", "nbytes", "stand_in")
+    __slots__ = ("names", "shape", "dtype", "is_param", "placeholder", "record", "index", "nbytes", "stand_in",
+                 "version")
 
     def __init__(self, index, name, tensor, is_param):
         self.index, self.names = index, [name]
@@ -24,9 +57,10 @@ class Slot:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.is_param = is_param
         meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        self.placeholder = torch.nn.Parameter(meta, requires_grad=bool(tensor.requires_grad)) if is_param else meta
+        self.placeholder = Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param else meta
         self.record = None
         self.stand_in = None  # shown instead of the placeholder while a wrapper is added (grafting.py)
+        self.version = self.placeholder._version  # changes in place since are lost: check_placeholders() says so
 
     @property
     def requires_grad(self):
@@ -128,6 +162,24 @@ def trainable_modules(model):
         return []
     return [name for name, module in model.named_modules()
             if any(p is not None and p.requires_grad for p in module._parameters.values())]
+
+
+def check_placeholders(slots):
+    """RuntimeError naming the first slot whose meta placeholder was changed in place since the last check
+    (torch.nn.init.normal_(weight), weight.copy_(x), weight.add_(x) under no_grad): a no-op on a meta tensor
+    that would otherwise go unnoticed. Raised once: the weight is as it was, and computing goes on with it."""
+    for slot in slots:
+        if slot.placeholder._version != slot.version:
+            slot.version = slot.placeholder._version
+            raise lost_change(slot)
+
+
+def lost_change(slot):
+    """The RuntimeError of a change in place made to what stands for an offloaded weight between forwards."""
+    return RuntimeError(
+        f"{slot.name} is offloaded by swapio and was changed in place between forwards (torch.nn.init, copy_, add_, "
+        "fill_ or .data on the tensor model.parameters() yields): that tensor holds no values (a meta placeholder), "
+        "so the change was lost and the weight is as it was. " + CHANGE_WEIGHTS)
 
 
 def install_placeholders(units):

@@ -61,6 +61,9 @@ class HostStore(RecordTurns):
         super().__init__()
         self.fetcher = fetcher
 
+    def can_rewrite(self, records):
+        return True
+
     def ensure_owned(self, records):
         pass
 
@@ -122,6 +125,10 @@ class DiskStore(RecordTurns):
         spans = record.spans
         return (len(spans) == 1 and spans[0][0] == self.writable and spans[0][3] == 0
                 and spans[0][2] == record.nbytes)
+
+    def can_rewrite(self, records):
+        """ensure_owned() can make the records writable: they are in swapio's data file, or may move there."""
+        return self.offload_dir is not None or all(self.owned(r) for r in records)
 
     def ensure_owned(self, records):
         """Moves the records not yet in swapio's own data file there (with every record already in it)."""

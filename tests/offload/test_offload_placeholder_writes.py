@@ -1,0 +1,133 @@
+"""A change in place to an offloaded weight between forwards (torch.nn.init, copy_, add_ under no_grad, or through
+`.data`) lands on swapio's meta placeholder, a no-op that used to go unnoticed: the model went on computing with
+the old weight. The next forward (or remove_offload) now raises a RuntimeError naming the weight, once; the
+weight is as it was (outputs equal the resident model's). Assigning `.data` a tensor with values is refused at
+once, before anything changed."""
+import copy
+
+import pytest
+import torch
+
+from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint
+
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)).eval()
+
+
+def offload(how, model, tmp_path, **kwargs):
+    if how == "disk":
+        return disk_offload(model, tmp_path / "od", buffer_bytes=16 << 10, **kwargs)
+    return cpu_offload(model, **kwargs)
+
+
+WRITES = {
+    "init.normal_": lambda w: torch.nn.init.normal_(w),
+    "copy_": lambda w: w.copy_(torch.ones(w.shape)),
+    "add_": lambda w: w.add_(1.0),
+    "zero_": lambda w: w.zero_(),
+    "data.add_": lambda w: w.data.add_(1.0),
+    "data +=": lambda w: setattr(w, "data", w.data.__iadd__(torch.ones(w.shape))),  # `w.data += x`, spelled out
+    "data.copy_": lambda w: w.data.copy_(torch.ones(w.shape)),
+}
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_to_a_placeholder_raises_at_the_next_forward(tmp_path, how, write):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    assert torch.equal(model(x), reference(x))
+    with torch.no_grad():
+        WRITES[write](model[2].weight)
+    with pytest.raises(RuntimeError, match=r"(?s)^2\.weight is offloaded by swapio and was changed in place.*lost"):
+        model(x)
+    assert torch.equal(model(x), reference(x))  # said once; the weight is as it was
+    remove_offload(model)
+    assert torch.equal(model[2].weight, reference[2].weight)
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_before_remove_offload_raises_there(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio"):
+        remove_offload(model)
+    remove_offload(model)  # still offloaded after the error; now it goes
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_offloaded_buffer_written_in_place_raises(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path, offload_buffers=True)
+    model[1].running_mean.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"1\.running_mean is offloaded by swapio"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_assigning_data_with_values_is_refused_at_once(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with pytest.raises(RuntimeError, match=r"offloaded by swapio.*\(3, 8\) torch\.float32 on cpu"):
+        model[2].weight.data = torch.zeros(3, 8)
+    assert model[2].weight.device.type == "meta"
+    assert torch.equal(model(x), reference(x))
+    model.float()  # torch's _apply assigns each placeholder's .data to itself: allowed
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_before_save_checkpoint_raises_there(tmp_path, how):
+    """save_checkpoint writes the stored weights: a change that was lost is said, not saved as if made."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    with torch.no_grad():
+        torch.nn.init.zeros_(model[0].weight)
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio"):
+        save_checkpoint(model, tmp_path / "a.safetensors")
+    assert not (tmp_path / "a.safetensors").exists()
+    save_checkpoint(model, tmp_path / "a.safetensors")
+    saved = safetensors_torch.load_file(str(tmp_path / "a.safetensors"))
+    assert torch.equal(saved["0.weight"], reference[0].weight.detach())
+
+
+def wrapped(model):
+    """The offloaded model put under a module outside it (as peft's wrappers do): until its next forward, its
+    weights show stand-ins (one expanded NaN element on the execution device) instead of the placeholders."""
+    outer = torch.nn.Module()
+    outer.inner = model
+    return outer
+
+
+@pytest.mark.parametrize("write", ["fill_", "zero_", "ones_"])
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_write_to_a_stand_in_raises_at_the_next_forward(tmp_path, how, write):
+    """The writes a stand-in's single element lets through (the others raise torch's own error at once)."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    wrapped(model)
+    assert model[2].weight.device.type == "cpu" and model[2].weight.stride() == (0, 0)  # a stand-in
+    with torch.no_grad():
+        {"fill_": lambda w: w.fill_(2.0), "zero_": lambda w: w.zero_(),
+         "ones_": lambda w: torch.nn.init.ones_(w)}[write](model[2].weight)
+    with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was changed in place"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_assigning_a_stand_in_data_is_refused_at_once(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    wrapped(model)
+    with pytest.raises(RuntimeError, match=r"offloaded by swapio.*would not change the weight"):
+        model[2].weight.data = torch.zeros(3, 8)
+    model.float()  # _apply assigns each stand-in's .data to itself: allowed
+    assert torch.equal(model(x), reference(x))
