@@ -44,8 +44,8 @@ def _model_class(transformers, model_class_or_config, directory):
                     f"AutoModelForCausalLM) or a transformers config, got {model_class_or_config!r}")
 
 
-DISK_OFFLOAD_ARGUMENTS = ("execution_device", "offload_buffers", "preload_module_classes", "prefetch", "buffer_bytes",
-                          "keep_resident", "handle", "progress")
+DISK_OFFLOAD_ARGUMENTS = ("offload_dir", "execution_device", "offload_buffers", "preload_module_classes", "prefetch",
+                          "buffer_bytes", "keep_resident", "handle", "progress")
 
 
 def _device_of(device_map):
@@ -74,8 +74,10 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
     "auto" (the default), the checkpoint's; another dtype is a ValueError, since the weights are read in place, not
     converted. `device_map`: transformers' argument, for one execution device ("auto": the GPU when there is one,
     "cpu", "cuda:1", {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other
-    keyword arguments go to disk_offload (prefetch, buffer_bytes, execution_device, keep_resident, handle,
-    offload_buffers, preload_module_classes, progress)."""
+    keyword arguments go to disk_offload (offload_dir, prefetch, buffer_bytes, execution_device, keep_resident,
+    handle, offload_buffers, preload_module_classes, progress). The checkpoint is never written: with `offload_dir`,
+    the weights an optimizer trains or peft merges are written there (disk_offload(checkpoint=..., offload_dir=...));
+    without it, both are refused."""
     try:
         import transformers
     except ImportError:
@@ -83,9 +85,8 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
                           "for other models build them on meta and call disk_offload(model, checkpoint=...)") \
             from None
     from .api import disk_offload
-    for name in ("checkpoint", "offload_dir"):
-        if name in disk_offload_kwargs:
-            raise TypeError(f"from_pretrained reads the weights from checkpoint_dir; {name}= is not an argument")
+    if "checkpoint" in disk_offload_kwargs:
+        raise TypeError("from_pretrained reads the weights from checkpoint_dir; checkpoint= is not an argument")
     for name in disk_offload_kwargs:
         if name not in DISK_OFFLOAD_ARGUMENTS:
             raise TypeError(f"swapio.offload.from_pretrained() got an unexpected keyword argument {name!r} (it takes "

@@ -12,7 +12,7 @@ from helpers import hf_tiny
 peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-HOWS = ["cpu", "disk-dir", "checkpoint+dir", "offload-peft-model"]
+HOWS = ["cpu", "disk-dir", "checkpoint+dir", "from_pretrained+dir", "offload-peft-model"]
 
 
 def targets(name):
@@ -40,6 +40,9 @@ def offloaded(name, how, directory, tmp_path):
         return add_lora(cpu_offload(hf_tiny.resident(name)), name)
     if how == "disk-dir":
         return add_lora(disk_offload(hf_tiny.resident(name), offload_dir=tmp_path / "od", buffer_bytes=16 << 10), name)
+    if how == "from_pretrained+dir":  # the transformers entry point, merged weights written to offload_dir
+        return add_lora(from_pretrained(hf_tiny.arch(name)[1], directory, offload_dir=tmp_path / "od",
+                                        buffer_bytes=16 << 10), name)
     if how == "checkpoint+dir":
         model = disk_offload(hf_tiny.build_empty(name, "meta"), checkpoint=directory, offload_dir=tmp_path / "od",
                              buffer_bytes=16 << 10)  # read from the checkpoint, written (merged) to offload_dir

@@ -116,3 +116,32 @@ def test_transformers_from_pretrained_arguments(saved):
     with pytest.raises(TypeError, match=r"swapio.offload.from_pretrained\(\) got an unexpected keyword argument "
                                         r"'trust_remote_code'"):
         from_pretrained(cls, directory, trust_remote_code=True)
+
+
+def test_offload_dir_trains_like_resident_and_never_writes_the_checkpoint(saved, tmp_path):
+    """from_pretrained(..., offload_dir=...): the weights an optimizer trains are written there (without it,
+    building the optimizer is a ValueError); losses and weights as the resident model trained the same way."""
+    import hashlib
+    from swapio.optim import OffloadAdamW
+    directory, _ = saved("llama")
+    files = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+    ids = hf_tiny.inputs()
+
+    def train(model):
+        losses = []
+        with OffloadAdamW(model.parameters(), lr=1e-2) as opt, hf_tiny.one_thread():
+            model.train()
+            for _ in range(3):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    want = train(transformers.LlamaForCausalLM.from_pretrained(directory))
+    with pytest.raises(ValueError, match="offload_dir"):
+        OffloadAdamW(from_pretrained(transformers.LlamaForCausalLM, directory).parameters(), lr=1e-2)
+    model = from_pretrained(transformers.LlamaForCausalLM, directory, offload_dir=tmp_path / "od")
+    assert train(model) == want
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()} == files
