@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, loading, saved_tensors
+from . import compiled, conversions, loading, saved_tensors, saving
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
@@ -112,6 +112,7 @@ class WeightStreamer:
             install_placeholders(self.units)
             conversions.install(self)
             loading.install(self)
+            saving.install(self)
             for dressing in self.dressings:
                 dressing.install(self.model)
             self.training.register(self.slots)
@@ -288,6 +289,7 @@ class WeightStreamer:
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
         loading.uninstall(self)
+        saving.uninstall(self)
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:
