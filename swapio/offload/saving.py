@@ -29,8 +29,9 @@ def _message(name):
             "safetensors' save_file and accelerate's Accelerator.save_state() cannot save the model. Save its "
             "weights with swapio.offload.save_checkpoint(model, path) (model.save_pretrained(dir) for a "
             "transformers model), and a swapio optimizer's state with opt.save(dir) (opt.optimizer.save(dir) "
-            "after accelerate's prepare), which load() restores, offloaded weights included; or "
-            "remove_offload(model) first")
+            "after accelerate's prepare), which load() restores, offloaded weights included. With accelerate, "
+            "prepare the optimizer, scheduler and dataloaders but not the offloaded model: save_state() and "
+            "load_state() then resume it through the optimizer. Or remove_offload(model) first")
 
 
 class OffloadedValue(torch.Tensor):

@@ -53,3 +53,38 @@ def test_save_state_of_an_offloaded_model_names_what_saves_it(kind, safe, tmp_pa
         torch.testing.assert_close(again(x), out, rtol=0, atol=0)
     opt.close()
     remove_offload(again)
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_save_state_with_the_offloaded_model_left_out_of_prepare_resumes_exactly(kind, tmp_path):
+    """The other way the message names: prepare the optimizer and scheduler (not the offloaded model), and
+    save_state / load_state resume bit-identically, since the optimizer's load_state_dict rewrites the offloaded
+    weights from its fp32 masters (a new model with other initial weights ends where the first run ends)."""
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def run(seed, directory, load=None, save=None):
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(seed)
+        net = OFFLOADS[kind](torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)),
+                             directory)
+        opt = so.OffloadAdamW(net.parameters(), lr=1e-2, offload="cpu")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        opt, sched = accelerator.prepare(opt, sched)
+        if load:
+            accelerator.load_state(load)
+        for i, x in enumerate(batches[3:] if load else batches):
+            if save and i == 3:
+                accelerator.save_state(save)
+            accelerator.backward(net(x).square().mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out = net(torch.ones(2, 8))
+        opt.optimizer.close()
+        remove_offload(net)
+        return out
+
+    state = str(tmp_path / "state")
+    full = run(0, tmp_path / "a", save=state)
+    torch.testing.assert_close(run(1, tmp_path / "b", load=state), full, rtol=0, atol=0)
