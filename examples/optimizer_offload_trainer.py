@@ -9,6 +9,7 @@ resumes from that checkpoint; its final weights equal the first run's bit for bi
 Prints the losses and "ok"; a mismatch raises.
 """
 import argparse
+import os
 import tempfile
 
 import torch
@@ -55,6 +56,8 @@ def main():
     p.add_argument("--dir", help="directory for the runs and the swap files (default: a temporary directory)")
     args = p.parse_args()
     transformers.logging.set_verbosity_error()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)  # a new directory is made, as swapio's swap_dir is
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         full, losses = train(f"{tmp}/full", tmp)
         print("losses:", " ".join(f"{x:.4f}" for x in losses))

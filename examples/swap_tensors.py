@@ -49,6 +49,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", help="directory for the swap files (default: a temporary directory)")
     args = p.parse_args()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)  # a new directory is made, as swapio's swap_dir is
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         swap_store(directory)
         aio_handle(directory)

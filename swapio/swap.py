@@ -14,7 +14,7 @@ from .core._closeable import Closeable
 from .core._errors import StrPath, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
-from .core.cuda_copy import normalize_device
+from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
 from .core.tensors import check_dense, spans_whole_storage
 
@@ -67,7 +67,7 @@ class SwappedTensor:
         """
         self.store._check_open()
         self.wait()
-        dev: torch.device = normalize_device(device) if device is not None else self.device
+        dev: torch.device = usable_device(device, "swap_in") if device is not None else self.device
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")

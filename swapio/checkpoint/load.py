@@ -175,14 +175,7 @@ def _direct(loc, t):
 
 def device_of(device):
     """load's device as a torch.device; a RuntimeError saying so when it is CUDA and this torch has none."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        cuda = True  # an int means a CUDA device
-    else:
-        cuda = isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise RuntimeError(f"swapio.checkpoint.load: device={device!r} but CUDA is not available (this torch "
-                           "has no CUDA, or no GPU is visible); load onto the CPU (device='cpu')")
-    return cuda_copy.normalize_device(device)
+    return cuda_copy.usable_device(device, "swapio.checkpoint.load")
 
 
 def _open(opened):

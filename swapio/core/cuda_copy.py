@@ -34,6 +34,20 @@ def normalize_device(device):
     return device
 
 
+def usable_device(device, call):
+    """normalize_device(device) for `call` (named in the message, e.g. "swap_in"); a RuntimeError saying what to
+    do when it names CUDA and this torch cannot use it (torch's own would be an AssertionError, "Torch not
+    compiled with CUDA enabled", or a failing stream, naming neither the call nor the argument)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        cuda = True  # an int means a CUDA device
+    else:
+        cuda = isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeError(f"{call}(device={device!r}) needs CUDA, but {why}; use device='cpu'")
+    return normalize_device(device)
+
+
 def copy_stream(device, direction="to_device"):
     """The side stream swapio copies on for a CUDA device (created once per device and direction): host-to-device
     copies on one, device-to-host ("to_host") on another, so that the two directions of PCIe run at once and a

@@ -1,7 +1,7 @@
 """swapio.offload: run models whose weights do not fit, streaming them from pinned RAM or NVMe with prefetch.
 
-accelerate's names and arguments (cpu_offload, cpu_offload_with_hook, disk_offload, remove_offload), so that
-switching is one import; save_checkpoint writes an offloaded model's current weights as safetensors. See
+accelerate's names and arguments (cpu_offload, cpu_offload_with_hook, disk_offload), so that switching is one
+import; remove_offload undoes them; save_checkpoint writes an offloaded model's current weights as safetensors. See
 docs/offload.md. offload_activations moves the tensors autograd saves for backward to pinned RAM or NVMe (see
 docs/activations.md).
 """

@@ -40,19 +40,29 @@ class GuardedLoad:
 
 
 def install(streamer):
-    for unit in streamer.units:
-        module = unit.module
-        mine = module.__dict__.get("_load_from_state_dict", _NONE)
-        module._load_from_state_dict = GuardedLoad(unit.entries, module._load_from_state_dict, mine)
+    wrap_units(streamer, "_load_from_state_dict", lambda unit, inner, own: GuardedLoad(unit.entries, inner, own))
 
 
 def uninstall(streamer):
-    """Puts each unit's own _load_from_state_dict back (idempotent)."""
+    unwrap_units(streamer, "_load_from_state_dict", GuardedLoad)
+
+
+def wrap_units(streamer, method, make_guard):
+    """Gives each unit module an instance attribute `method` = make_guard(unit, the bound method, the module's own
+    instance attribute or _NONE), which unwrap_units puts back."""
     for unit in streamer.units:
         module = unit.module
-        guard = module.__dict__.get("_load_from_state_dict") if module is not None else None
-        if isinstance(guard, GuardedLoad):
+        own = module.__dict__.get(method, _NONE)
+        setattr(module, method, make_guard(unit, getattr(module, method), own))
+
+
+def unwrap_units(streamer, method, guard_type):
+    """Puts each unit's own `method` back (idempotent)."""
+    for unit in streamer.units:
+        module = unit.module
+        guard = module.__dict__.get(method) if module is not None else None
+        if isinstance(guard, guard_type):
             if guard.own is _NONE:
-                del module.__dict__["_load_from_state_dict"]
+                del module.__dict__[method]
             else:
-                module.__dict__["_load_from_state_dict"] = guard.own
+                module.__dict__[method] = guard.own

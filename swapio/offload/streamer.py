@@ -14,12 +14,12 @@ import weakref
 import torch
 
 from ..core._ranges import section
-from . import compiled, conversions, loading, onload, saved_tensors
+from . import compiled, conversions, loading, onload, saved_tensors, saving
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import check_placeholders, install_placeholders, move_to, set_entry
+from .units import check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -45,6 +45,7 @@ class OffloadedForward:
 
     def __call__(self, *args, **kwargs):
         unit, streamer = self.unit, self.streamer
+        refuse_meta_inputs(args, kwargs, streamer.device)
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
         outer, start = streamer.outer, None
         try:
@@ -107,11 +108,12 @@ class WeightStreamer:
             for unit in self.units:
                 unit.own_forward = unit.module.__dict__.get("forward", NO_OWN_FORWARD)
                 unit.module.forward = OffloadedForward(self, unit, unit.module.forward)
-            if self.device.type != "cpu":
-                self.handles.append(self.model.register_forward_pre_hook(self._move_inputs, with_kwargs=True))
+            inputs = self._move_inputs if self.device.type != "cpu" else self._check_inputs
+            self.handles.append(self.model.register_forward_pre_hook(inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
             loading.install(self)
+            saving.install(self)
             for dressing in self.dressings:
                 dressing.install(self.model)
             self.training.register(self.slots)
@@ -119,7 +121,11 @@ class WeightStreamer:
             self.detach()
             raise
 
+    def _check_inputs(self, module, args, kwargs):
+        refuse_meta_inputs(args, kwargs, self.device)  # (each offloaded module checks its own inputs too)
+
     def _move_inputs(self, module, args, kwargs):
+        refuse_meta_inputs(args, kwargs, self.device)
         move = move_to(self.device)
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
@@ -290,6 +296,7 @@ class WeightStreamer:
         conversions.uninstall(self.model)
         loading.uninstall(self)
         onload.remove(self.units)
+        saving.uninstall(self)
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:

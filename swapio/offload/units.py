@@ -202,6 +202,22 @@ def set_entry(module, attr, kind, value):
     table_of(module, kind)[attr] = value
 
 
+def refuse_meta_inputs(args, kwargs, device):
+    """A RuntimeError for a meta tensor among a forward's inputs. transformers' habit `inputs.to(model.device)`
+    makes them: model.device is the first parameter's device, which for an offloaded model is its meta
+    placeholder's. On the CPU an embedding of meta indices reads uninitialised memory (silently wrong logits); on
+    a GPU moving them fails with "Cannot copy out of meta tensor", which names neither cause."""
+    named = (*((f"argument {i}", a) for i, a in enumerate(args)), *kwargs.items())
+    meta = [name for name, x in named if isinstance(x, torch.Tensor) and x.is_meta]
+    if meta:
+        raise RuntimeError(f"{meta[0]} is on the meta device, which holds no values. A model offloaded by swapio "
+                           "keeps meta placeholders as its parameters between forwards, so model.device "
+                           "(transformers) and next(model.parameters()).device say 'meta': put inputs on the "
+                           f"execution device ({device}) instead, e.g. inputs.to({str(device)!r}). (A weight of "
+                           "another offloaded module, passed as an input, is such a placeholder too: keep that "
+                           "module resident with keep_resident=[...])")
+
+
 def move_to(device):
     """The function that moves a forward's tensor inputs to `device` (asynchronously) and passes anything else."""
     return lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x

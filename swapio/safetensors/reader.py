@@ -35,7 +35,7 @@ def _pieces(items, start, end):
 
 def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20):
     """{name: tensor} of a safetensors file, a save_pretrained directory or a sharded index."""
-    device = cuda_copy.normalize_device(device)
+    device = cuda_copy.usable_device(device, "load_file")
     locations = open_checkpoint(checkpoint)
     names = list(locations)
     out = []

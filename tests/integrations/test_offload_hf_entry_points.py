@@ -97,3 +97,31 @@ def test_saving_over_the_checkpoint_the_model_reads_in_place_is_refused(tmp_path
     for k, v in reference.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     remove_offload(model)
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_inputs_moved_to_model_device_are_refused_not_computed(tmp_path, kind):
+    """transformers' habit `inputs.to(model.device)`: model.device is the first parameter's device, which for an
+    offloaded model is its meta placeholder's. Such inputs gave silently wrong logits on the CPU (an embedding of
+    meta indices reads uninitialised memory) and a meta-tensor copy error on a GPU. They are a RuntimeError
+    naming the input and the execution device (generate fails on them before any forward); the model goes on
+    working."""
+    model = OFFLOADS[kind](tmp_path)
+    ids = reference()[0]
+    assert model.device.type == "meta"
+    with pytest.raises(RuntimeError, match=r"input_ids is on the meta device(.|\n)*execution device \(cpu\)"):
+        model(input_ids=ids.to(model.device))
+    with pytest.raises(RuntimeError, match=r"on the meta device(.|\n)*execution device"):
+        model(ids.to(model.device))
+    with pytest.raises(RuntimeError, match="meta"):  # generate reads the ids itself first: torch's error, loud
+        model.generate(ids.to(model.device), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert_same_outputs(model)
+    remove_offload(model)
+
+
+def test_a_meta_input_to_an_offloaded_submodule_is_refused(tmp_path):
+    net = disk_offload(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), tmp_path / "od")
+    with pytest.raises(RuntimeError, match=r"argument 0 is on the meta device(.|\n)*execution device \(cpu\)"):
+        net[1](torch.randn(3, 4, device="meta"))
+    assert net(torch.ones(1, 4)).shape == (1, 2)
+    remove_offload(net)

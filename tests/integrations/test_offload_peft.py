@@ -120,3 +120,25 @@ def test_modules_to_save_after_offloading(checkpoints, tmp_path):
                          keep_resident=["lm_head"])
     torch.manual_seed(3)
     assert_same(train_step(peft.get_peft_model(model, config())), want)
+
+
+@pytest.mark.parametrize("how", ["disk-dir", "cpu"])
+def test_adapter_save_pretrained_on_an_offloaded_base(checkpoints, tmp_path, how):
+    """What docs/offload.md says to do instead of merging: peft's save_pretrained of the adapter alone, read
+    from the model's state_dict() while the base weights are offloaded placeholders, writes the resident
+    peft model's adapter exactly."""
+    resident = add_lora(hf_tiny.resident("llama"), "llama")
+    train_step(resident)
+    resident.save_pretrained(tmp_path / "want")
+    model = hf_tiny.resident("llama")
+    if how == "disk-dir":
+        disk_offload(model, offload_dir=tmp_path / "od", buffer_bytes=16 << 10)
+    else:
+        cpu_offload(model)
+    model = add_lora(model, "llama")
+    train_step(model)  # a forward: the base weights are placeholders again when the adapter is saved
+    model.save_pretrained(tmp_path / "got")
+    from safetensors.torch import load_file
+    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("got", "want"))
+    assert sorted(got) == sorted(want) and want
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -417,3 +417,19 @@ def test_cuda_tensor_swaps_out_and_back_to_cuda(store):
     assert read_file(s.path) == as_bytes(expected)
     back = s.swap_in().wait(timeout=TIMEOUT)
     assert back.device.type == "cuda" and torch.equal(back.cpu(), expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda", 1)])
+def test_swap_in_to_cuda_without_cuda_is_a_runtime_error_saying_so(store, device):
+    """docs/io.md's swap_in(device="cuda") on a machine without CUDA: a RuntimeError naming the device and the
+    CPU instead (torch's AssertionError "Torch not compiled with CUDA enabled" before); the tensor stays swapped
+    out and swaps in to the CPU."""
+    t = sample(seed=11)
+    expected = t.clone()
+    s = store.swap_out(t)
+    s.wait(timeout=TIMEOUT)
+    with pytest.raises(RuntimeError, match=r"swap_in\(device=.*\) needs CUDA, but .*device='cpu'"):
+        s.swap_in(device=device)
+    assert not s.is_resident
+    assert torch.equal(s.swap_in().wait(timeout=TIMEOUT), expected)

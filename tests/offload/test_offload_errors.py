@@ -209,3 +209,15 @@ def test_bytes_paths_work_as_str_paths(tmp_path):
     remove_offload(model)
     resident_model().save_pretrained(tmp_path / "ck")
     assert_same_outputs(disk_offload(meta_model(), checkpoint=os.fsencode(tmp_path / "ck")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
+def test_load_file_to_cuda_without_cuda_is_a_runtime_error_saying_so(tmp_path, device):
+    """load_file(checkpoint, device="cuda") (docs/offload.md's API table) on a machine without CUDA: a
+    RuntimeError naming the device and the CPU instead, not torch's AssertionError or stream error."""
+    from swapio.offload import load_file
+    path = checkpoint(tmp_path)
+    with pytest.raises(RuntimeError, match=r"load_file\(device=.*\) needs CUDA, but .*device='cpu'"):
+        load_file(path, device=device)
+    assert torch.equal(load_file(path)["transformer.wte.weight"], resident_model().state_dict()["transformer.wte.weight"])

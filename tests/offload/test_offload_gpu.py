@@ -169,3 +169,19 @@ def test_a_forward_after_an_interrupted_hook_offload_works_and_keeps_device_chan
     model[0].weight.data = host  # what offload() had done for this tensor when Ctrl-C arrived
     torch.testing.assert_close(model(x).cpu(), want)
     hook.remove()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_inputs_on_meta_are_refused_before_the_move_to_cuda(tmp_path, kind):
+    """`inputs.to(model.device)` (meta for an offloaded model): swapio's pre-hook names the input and the
+    execution device instead of torch's "Cannot copy out of meta tensor" from the move to CUDA."""
+    model = resident_model()
+    if kind == "cpu":
+        cpu_offload(model, execution_device="cuda")
+    else:
+        disk_offload(model, tmp_path / "od", execution_device="cuda")
+    ids = reference()[0]
+    with pytest.raises(RuntimeError, match=r"input_ids is on the meta device(.|\n)*execution device \(cuda:0\)"):
+        model(input_ids=ids.to(model.device))
+    check(model)
+    remove_offload(model)

@@ -1,0 +1,63 @@
+"""state_dict() of an offloaded model: names, shapes and dtypes as the resident model's; the offloaded weights'
+values refused with a RuntimeError naming the weight and what saves an offloaded model (save_checkpoint,
+opt.save), by torch.save (which wrote meta tensors without a word), safetensors and every copy (torch's
+"Cannot copy out of meta tensor" before). keep_vars=True, the swapio export that reads it, and resident tensors
+are unchanged."""
+import pytest
+import torch
+
+from swapio.offload import cpu_offload, disk_offload, remove_offload, save_checkpoint
+
+SAVES = "save_checkpoint(.|\n)*opt.save"
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+OFFLOADS = {"disk": lambda net, tmp: disk_offload(net, offload_dir=tmp / "od"), "cpu": lambda net, tmp: cpu_offload(net)}
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_state_dict_keeps_metadata_and_refuses_values(kind, tmp_path):
+    resident = _net().state_dict()
+    net = OFFLOADS[kind](_net(), tmp_path)
+    net(torch.randn(2, 8))  # after a forward too
+    sd = net.state_dict()
+    assert list(sd) == list(resident)
+    assert [(v.shape, v.dtype, v.numel()) for v in sd.values()] == [
+        (v.shape, v.dtype, v.numel()) for v in resident.values()]
+    assert "meta" in repr(sd["0.weight"])
+    for use in (lambda t: t.to("cpu"), lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.tolist(),
+                lambda t: torch.empty(t.shape).copy_(t), lambda t: t + 1, lambda t: t.clone(),
+                lambda t: torch.save(t, str(tmp_path / "t.pt")), lambda t: torch.save({"w": t}, str(tmp_path / "d.pt"))):
+        with pytest.raises(RuntimeError, match="0.weight is offloaded by swapio(.|\n)*" + SAVES):
+            use(sd["0.weight"])
+    with pytest.raises(RuntimeError, match="2.bias is offloaded by swapio"):
+        net[2].state_dict()["bias"].cpu()  # a submodule's state_dict, named by the model's name for it
+    assert all(type(v) is torch.nn.Parameter and v.is_meta for v in net.state_dict(keep_vars=True).values())
+    save_checkpoint(net, str(tmp_path / "w.safetensors"))  # swapio's export, which reads keep_vars=True
+    from safetensors.torch import load_file
+    assert all(torch.equal(load_file(tmp_path / "w.safetensors")[k], v) for k, v in resident.items())
+    remove_offload(net)
+    for k, v in net.state_dict().items():
+        assert type(v) is torch.Tensor and torch.equal(v, resident[k])
+
+
+def test_resident_tensors_of_an_offloaded_model_keep_their_values(tmp_path):
+    resident = _net().state_dict()
+    net = disk_offload(_net(), offload_dir=tmp_path / "od", keep_resident=["2"])
+    sd = net.state_dict()
+    assert type(sd["2.weight"]) is torch.Tensor and torch.equal(sd["2.weight"], resident["2.weight"])
+    with pytest.raises(RuntimeError, match="0.weight is offloaded by swapio"):
+        torch.save(sd, str(tmp_path / "all.pt"))
+
+
+def test_safetensors_save_file_of_a_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    disk_offload(gpt, offload_dir=tmp_path / "od")
+    with pytest.raises(RuntimeError, match="is offloaded by swapio(.|\n)*" + SAVES):
+        safetensors_torch.save_file(gpt.state_dict(), str(tmp_path / "model.safetensors"))
