@@ -36,7 +36,7 @@ def test_state_dict_keeps_metadata_and_refuses_values(kind, tmp_path):
             use(sd["0.weight"])
     with pytest.raises(RuntimeError, match="2.bias is offloaded by swapio"):
         net[2].state_dict()["bias"].cpu()  # a submodule's state_dict, named by the model's name for it
-    assert all(type(v) is torch.nn.Parameter and v.is_meta for v in net.state_dict(keep_vars=True).values())
+    assert all(isinstance(v, torch.nn.Parameter) and v.is_meta for v in net.state_dict(keep_vars=True).values())
     save_checkpoint(net, str(tmp_path / "w.safetensors"))  # swapio's export, which reads keep_vars=True
     from safetensors.torch import load_file
     assert all(torch.equal(load_file(tmp_path / "w.safetensors")[k], v) for k, v in resident.items())
