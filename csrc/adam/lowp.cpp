@@ -33,6 +33,20 @@ void run_tile(const void* ctx, int64_t begin, int64_t end) {
   if (k) t->nonfinite.fetch_add(k, std::memory_order_relaxed);
 }
 
+// A block's scale is its largest magnitude: one with its sign bit set (a damaged state) is refused before anything
+// changes, since the SIMD levels agree with the scalar one only on valid state. Checked here, on the calling
+// thread: the same test as a torch reduction in Python ran on torch's OpenMP threads, which then spin-wait
+// (GOMP_SPINCOUNT) through the kernel and took a core from it (benchmarks/RESULTS.md).
+void check_scales(const char* who, const char* name, const float* scale, int64_t n) {
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  uint32_t signs = 0;
+  for (int64_t b = 0; b < blocks; ++b) signs |= scalar_ops::f32_bits(scale[b]);  // (vectorised by the compiler)
+  if (signs & 0x80000000u) {
+    bad_argument(who, std::string(name) + " holds a negative value: a block's scale is its largest magnitude, never "
+                                           "below 0 (a damaged state?)");
+  }
+}
+
 // The checks and fields common to Adam and Lion; returns the args with everything but the constants set.
 LowpArgs common(const char* who, float* param, const void* grad, DType gdt, MomentBuf m, MomentBuf v, bool two,
                 int64_t n, void* param_out, DType odt, const StateOptions& o, int64_t step, int threads) {
@@ -46,7 +60,11 @@ LowpArgs common(const char* who, float* param, const void* grad, DType gdt, Mome
   if (threads < 0) bad_argument(who, "threads must be >= 0");
   if (n > 0) {
     if (!param || !grad || !m.data || (two && !v.data)) bad_argument(who, "null buffer");
-    if (o.state == StateType::kInt8 && (!m.scale || (two && !v.scale))) bad_argument(who, "int8 state needs scales");
+    if (o.state == StateType::kInt8) {
+      if (!m.scale || (two && !v.scale)) bad_argument(who, "int8 state needs scales");
+      check_scales(who, "exp_avg_scale", m.scale, n);
+      if (two) check_scales(who, "exp_avg_sq_scale", v.scale, n);
+    }
     if (odt != DType::kNone && !param_out) bad_argument(who, "null param_out");
   }
   LowpArgs a{};

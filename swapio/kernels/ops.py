@@ -90,9 +90,7 @@ def _check_buffers(param, grad, moments, param_out):
             if scale is None:
                 raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
             _check_flat(f"{name}_scale", _check_tensor(f"{name}_scale", scale), quant.num_blocks(n), torch.float32)
-            if bool(torch.signbit(scale).any()):  # the SIMD levels are bit-identical to scalar only on valid state
-                raise ValueError(f"{name}_scale holds a negative value: a block's scale is its largest magnitude, "
-                                 "never below 0 (a damaged state?)")
+            # (a negative scale: ValueError from the native step, which checks on this thread, not torch's)
     if param_out is not None:
         _check_flat("param_out", _check_tensor("param_out", param_out), n)
         if param_out.dtype not in _OUT_DTYPES:
