@@ -23,14 +23,21 @@ def kernel_banner(repeats):
           f"{sops.cpu_capability()}; medians of {repeats} interleaved rounds; Gp/s = 1e9 params/s")
 
 
+# After a parallel torch operator, torch's OpenMP threads spin-wait for more work for about 10 ms (GOMP_SPINCOUNT),
+# taking cores from whatever runs next: each timed call starts after this pause, so that no method pays for the
+# one before it.
+SETTLE_S = 0.03
+
+
 def interleaved_medians(fns, repeats):
     """{name: median seconds of fn()} over `repeats` rounds that run every fn in turn (drift hits all alike),
-    after one warm-up call each (page faults, thread pools, lazy state)."""
+    after one warm-up call each (page faults, thread pools, lazy state); SETTLE_S before each call."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
