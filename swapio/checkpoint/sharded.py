@@ -133,8 +133,8 @@ def load(path, *, group=None, **kwargs):
         distributed = False
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
     if world != index.world_size:
-        raise ValueError(f"{path} was saved by {index.world_size} ranks and this job has {world}: loading it on "
-                         "another world size (resharding) is out of scope for swapio.checkpoint; load it with the "
+        raise ValueError(f"{index.path}: saved by {index.world_size} ranks and this job has {world}: loading it "
+                         "on another world size (resharding) is out of scope for swapio.checkpoint; load it with the "
                          "same number of ranks")
     file = index.file_of(rank)
     opened = open_checkpoint(file)

@@ -353,8 +353,15 @@ _V2 = {"format": "swapio.checkpoint.sharded", "format_version": 2, "world_size":
     ({"format_version": "2"}, "not a swapio sharded"),
     ({"world_size": 0}, "not a swapio sharded"),
     ({"format_version": None, "save_id": "s", "files": ["../outside.safetensors"]}, "names the files.*refused"),
+    # a world size the index claims was turned into a list of that many names first (10**9: MemoryError, or swap)
+    ({"world_size": 10 ** 9}, "names the files.*refused"),
+    ({"format_version": None, "save_id": "s", "files": None, "world_size": 10 ** 9},
+     "saved by 1000000000 ranks and this job has 1"),
+    ({"world_size": 10 ** 4000}, r"a world size of 10{29} ranks: not a swapio sharded"),
+    ({"pad": "x" * (17 << 20)}, "larger than 16 MiB: not a swapio sharded checkpoint index"),
 ], ids=["parent", "absolute", "version-1-name", "other-rank", "not-a-list", "missing", "too-many", "save-id-path",
-        "save-id-int", "newer-version", "version-str", "world-0", "version-1-parent"])
+        "save-id-int", "newer-version", "version-str", "world-0", "version-1-parent", "world-1e9",
+        "version-1-world-1e9", "world-huge-int", "index-over-16-MiB"])
 def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_path, change, match):
     """The index comes from outside: a name it gives must be exactly the one a save writes for that rank (in the
     directory), whatever else the directory or its parent holds."""
