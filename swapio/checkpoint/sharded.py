@@ -4,6 +4,10 @@ out of scope, and another world size is a ValueError saying so.
 
 A save commits once, for all ranks, so that a kill at any point (SIGKILL, OOM, a node lost) leaves the previous
 checkpoint or the new one, whole, never a mix and never an unloadable directory:
+0. rank 0 takes the directory's flock (core/_dir_lock.py) and holds it to the end, after every rank's step 4:
+   another job saving into the directory meanwhile is refused (EBUSY) before any of its ranks writes, instead
+   of each job removing the other's files as stale (where the file system has no flock, one job at a time is
+   the caller's to ensure);
 1. every rank writes its file under a name of this save's own (its save id, which rank 0 draws), published
    atomically; the committed checkpoint's files are not touched;
 2. the ranks agree that every one wrote its file;
@@ -18,9 +22,10 @@ tells the others, which raise a RuntimeError naming it at once instead of waitin
 every rank removes its file of this save (unless rank 0 committed the index naming it). An interruption that lands
 inside a collective itself leaves the others waiting (torch.distributed cannot take back half a collective).
 """
+import contextlib
 import os
 
-from ..core import _durable
+from ..core import _dir_lock, _durable
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from ..safetensors.opened import open_checkpoint
 from . import sharded_index
@@ -42,13 +47,31 @@ def _group_info(group):
 
 def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None):
     """Collective: every rank of `group` calls it with its own state; returns the size of this rank's file. The
-    commit protocol is the module's."""
+    commit protocol is the module's; rank 0 holds the directory's lock from before any rank writes until every
+    rank has removed its stale files, so that another job saving there meanwhile is refused (EBUSY) instead of
+    each removing the other's files."""
     dist, rank, world = _group_info(group)
     path = os.path.abspath(os.fspath(path))
-    token = [sharded_index.new_save_id() if rank == 0 else None]
-    # src is a global rank: the group's rank 0 (a group need not hold global rank 0)
-    dist.broadcast_object_list(token, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-    save_id = token[0]
+    with contextlib.ExitStack() as held:
+        token, error = [None, None], None
+        if rank == 0:
+            try:
+                os.makedirs(path, exist_ok=True)
+                held.enter_context(_dir_lock.locked(path, exclusive=True, what="distributed checkpoint directory"))
+                token[0] = sharded_index.new_save_id()
+            except BaseException as exc:  # noqa: BLE001 - the other ranks must not start: tell them, then raise it
+                token[1], error = _describe(exc), exc
+        # src is a global rank: the group's rank 0 (a group need not hold global rank 0)
+        dist.broadcast_object_list(token, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        if error is not None:
+            raise error
+        if token[1] is not None:
+            raise RuntimeError(f"swapio.checkpoint: rank 0 failed to start the save ({token[1]}); the checkpoint "
+                               "is the previous save's")
+        return _save(dist, group, rank, world, token[0], state, path, staging_bytes, handle, metadata)
+
+
+def _save(dist, group, rank, world, save_id, state, path, staging_bytes, handle, metadata):
     name = sharded_index.rank_file_name(rank, save_id)
     own, size, error = os.path.join(path, name), None, None
     try:
@@ -80,7 +103,14 @@ def save(state, path, *, group=None, staging_bytes=DEFAULT_STAGING, handle=None,
         else:
             _durable.discard(own)
         raise
-    _remove_stale(path, name, rank, world)
+    try:
+        _remove_stale(path, name, rank, world)
+    except BaseException as exc:  # noqa: BLE001 - (Ctrl-C) the others must not wait for this rank: tell them
+        error = exc
+    # every rank done removing before rank 0 lets go of the lock; the save is committed: each raises only its own
+    dist.all_gather_object([None] * world, None, group=group)
+    if error is not None:
+        raise error
     return size
 
 
