@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import swapio
 from helpers.checkpoint import assert_same
+from helpers.distributed import group_of_one
 
 INDEX = "swapio-checkpoint.json"
 
@@ -22,12 +22,9 @@ def _state(k):
 
 
 @pytest.fixture
-def group_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+def one_rank(tmp_path):
+    with group_of_one(tmp_path / "store"):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _while_saving(monkeypatch, obj, attr, other):
@@ -51,7 +48,7 @@ def _points():
 
 @pytest.mark.parametrize("point", ["rank_file_published", "index_committed", "cleaning"])
 def test_a_second_job_saving_into_the_directory_meanwhile_is_refused_and_removes_nothing(
-        tmp_path, group_of_one, monkeypatch, point):
+        tmp_path, one_rank, monkeypatch, point):
     path = tmp_path / "ckpt"
     swapio.checkpoint.save(_state(1), path, distributed=True)
     seen = {}
@@ -72,7 +69,7 @@ def test_a_second_job_saving_into_the_directory_meanwhile_is_refused_and_removes
         assert sorted(os.listdir(path)) == sorted([INDEX, *json.load(f)["files"]])
 
 
-def test_saves_one_after_the_other_take_the_lock_in_turn(tmp_path, group_of_one):
+def test_saves_one_after_the_other_take_the_lock_in_turn(tmp_path, one_rank):
     """The lock is released when a save returns, and when it fails."""
     path = tmp_path / "ckpt"
     swapio.checkpoint.save(_state(1), path, distributed=True)
