@@ -15,8 +15,10 @@ import json
 import os
 import re
 import secrets
+import stat
 
 from ..core import _durable
+from ..core._owned_fd import OwnedFd
 from ..safetensors.files import _confined
 from ..safetensors.header import strict_json
 
@@ -40,7 +42,25 @@ def rank_file_name(rank, save_id=None):
 
 
 def exists(path):
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
+    """Whether path is a directory with an index: anything under the index's name (a FIFO, a directory, a
+    dangling link) is then Index's to refuse, naming it, rather than read as another kind of checkpoint."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX))
+
+
+def _read_regular(path, limit):
+    """Up to limit bytes of the regular file at path; ValueError for anything else (a FIFO opened without blocking,
+    a directory, a device)."""
+    with OwnedFd.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
+        if not stat.S_ISREG(os.fstat(owned.fileno()).st_mode):
+            raise ValueError(f"{path}: not a regular file, so not a swapio sharded checkpoint index")
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(owned.fileno(), left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
 
 
 class Index:
@@ -48,8 +68,7 @@ class Index:
 
     def __init__(self, path):
         self.path = os.path.join(path, INDEX)
-        with open(self.path, "rb") as f:
-            data = f.read(MAX_INDEX + 1)
+        data = _read_regular(self.path, MAX_INDEX + 1)
         if len(data) > MAX_INDEX:  # (what a save writes is ~50 bytes a rank: not one swapio wrote)
             raise ValueError(f"{self.path}: larger than {MAX_INDEX >> 20} MiB: not a swapio sharded checkpoint index")
         raw = strict_json(data, self.path)  # no RecursionError, no duplicate keys

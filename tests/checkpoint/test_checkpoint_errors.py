@@ -380,6 +380,24 @@ def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_pa
     assert sharded.INDEX in str(info.value)
 
 
+@pytest.mark.parametrize("make, error, match", [
+    (os.mkfifo, ValueError, "not a regular file"),  # opened without blocking: a FIFO waits for a writer
+    (os.mkdir, ValueError, "not a regular file"),
+    (lambda p: os.symlink(str(p) + ".gone", p), FileNotFoundError, "No such file"),
+], ids=["fifo", "directory", "dangling-link"])
+def test_a_sharded_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, make, error, match):
+    """Before: the directory was taken for a save_pretrained one ("has neither model.safetensors nor ...")."""
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    swapio.checkpoint.save({"a": torch.ones(3)}, directory / _V2["files"][0],
+                           metadata={sharded.META_SAVE_ID: _SAVE_ID})
+    make(directory / sharded.INDEX)
+    with pytest.raises(error, match=match) as info:
+        swapio.checkpoint.load(directory)
+    assert sharded.INDEX in str(info.value)
+
+
 def test_a_sharded_rank_file_linking_outside_its_directory_is_refused(tmp_path):
     from swapio.checkpoint import sharded
     directory = tmp_path / "ckpt"
