@@ -173,4 +173,9 @@ def load(path, *, group=None, **kwargs):
         raise ValueError(f"{file} belongs to another save ({got}) than the index {index.path} ({index.save_id}): "
                          "a file copied in from another save, or a version-1 checkpoint whose save was interrupted "
                          "after some ranks replaced their files; this checkpoint is a mix")
+    saved = (opened.metadata.get(META_RANK), opened.metadata.get(META_WORLD))
+    if saved != (str(rank), str(world)):
+        raise ValueError(f"{file} holds rank {str(saved[0])[:20]}'s state of a save by {str(saved[1])[:20]} ranks, "
+                         f"where the index {index.path} names it for rank {rank} of {world}: a file copied in "
+                         "under another rank's name, or an index edited; refused")
     return read_state(opened, **kwargs)

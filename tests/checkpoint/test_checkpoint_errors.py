@@ -314,6 +314,12 @@ def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call,
     assert os.listdir(tmp_path) == []
 
 
+def _rank_0_of_1(save_id):
+    """The __metadata__ a distributed save of one rank writes into its file."""
+    from swapio.checkpoint import sharded
+    return {sharded.META_SAVE_ID: save_id, sharded.META_RANK: "0", sharded.META_WORLD: "1"}
+
+
 @pytest.mark.parametrize("index, match", [
     (b"[" * 100000 + b"]" * 100000, "nests deeper"),
     (b'{"format": "swapio.checkpoint.sharded", "world_size": 1.7, "save_id": "s"}', "not a swapio sharded"),
@@ -325,7 +331,7 @@ def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, m
     """The index of a save(distributed=True) comes from outside like its files: a deeply nested one raised
     RecursionError from json, and a world size of 1.7 read as 1."""
     from swapio.checkpoint import sharded
-    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata={sharded.META_SAVE_ID: "s"})
+    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata=_rank_0_of_1("s"))
     (tmp_path / sharded.INDEX).write_bytes(b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "save_id": "s"}')
     assert torch.equal(swapio.checkpoint.load(tmp_path)["a"], torch.ones(3))  # a valid index loads
     (tmp_path / sharded.INDEX).write_bytes(index)
@@ -370,7 +376,7 @@ def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_pa
     directory.mkdir()
     for file, save_id in ((directory / _V2["files"][0], _SAVE_ID), (tmp_path / "outside.safetensors", "s"),
                           (directory / "rank-0.safetensors", _SAVE_ID)):
-        swapio.checkpoint.save({"a": torch.ones(3)}, file, metadata={sharded.META_SAVE_ID: save_id})
+        swapio.checkpoint.save({"a": torch.ones(3)}, file, metadata=_rank_0_of_1(save_id))
     (directory / sharded.INDEX).write_text(json.dumps(_V2))
     assert torch.equal(swapio.checkpoint.load(directory)["a"], torch.ones(3))  # the valid index loads
     index = {k: v for k, v in {**_V2, **change}.items() if v is not None}
@@ -391,7 +397,7 @@ def test_a_sharded_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_pat
     directory = tmp_path / "ckpt"
     directory.mkdir()
     swapio.checkpoint.save({"a": torch.ones(3)}, directory / _V2["files"][0],
-                           metadata={sharded.META_SAVE_ID: _SAVE_ID})
+                           metadata=_rank_0_of_1(_SAVE_ID))
     make(directory / sharded.INDEX)
     with pytest.raises(error, match=match) as info:
         swapio.checkpoint.load(directory)
@@ -403,7 +409,7 @@ def test_a_sharded_rank_file_linking_outside_its_directory_is_refused(tmp_path):
     directory = tmp_path / "ckpt"
     directory.mkdir()
     swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "outside.safetensors",
-                           metadata={sharded.META_SAVE_ID: _SAVE_ID})
+                           metadata=_rank_0_of_1(_SAVE_ID))
     os.symlink(tmp_path / "outside.safetensors", directory / _V2["files"][0])
     (directory / sharded.INDEX).write_text(json.dumps(_V2))
     with pytest.raises(ValueError, match="is a link to .*outside the checkpoint directory"):
