@@ -14,8 +14,9 @@ checkpoint or the new one, whole, never a mix and never an unloadable directory:
 3. rank 0 renames the new index over the old one (fsynced, the directory fsynced): the commit point;
 4. the ranks agree that it did, then each removes the files of its rank the new index does not name (earlier and
    interrupted saves'), rank 0 those of ranks beyond the world size and the index's temporary files.
-Loading follows the committed index only. Each rank file also carries the save id in its __metadata__, so a file
-copied in from another save under a valid name is refused instead of loaded as a mix.
+Loading follows the committed index only. Each rank file also carries the save id, its rank and the world size in
+its __metadata__, so a file copied in from another save or another rank under a valid name, or an index edited to
+another world size, is refused instead of loaded as a mix.
 
 An agreement carries each rank's failure: a rank that fails, or is interrupted (Ctrl-C), before it sends its part
 tells the others, which raise a RuntimeError naming it at once instead of waiting out the group's timeout; then

@@ -108,3 +108,15 @@ def test_a_read_only_directory_is_an_os_error_and_the_checkpoint_stays(readonly_
         swapio.checkpoint.save(_state(2), path, distributed=True)
     assert info.value.errno in (errno.EROFS, errno.EACCES)
     assert_same(swapio.checkpoint.load(path), _state(1))
+
+
+def test_without_a_process_group_a_save_is_refused_and_a_one_rank_checkpoint_loads(tmp_path):
+    """Single-process use: save(distributed=True) needs a group (RuntimeError, nothing written); load of a
+    directory one rank saved needs none (the world of a process without a group is 1)."""
+    path = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        swapio.checkpoint.save(_state(1), path, distributed=True)
+    assert not path.exists()
+    with group_of_one(tmp_path / "store"):
+        swapio.checkpoint.save(_state(1), path, distributed=True)
+    assert_same(swapio.checkpoint.load(path), _state(1))
