@@ -41,7 +41,8 @@ def test_a_save_removes_only_the_stale_files_a_save_writes(tmp_path, one_rank):
     user = tmp_path / "user.txt"
     user.write_text("the user's")
     mine = {"notes.txt": b"mine", "rank-0.safetensors.bak": b"mine", "rank-x-0.safetensors": b"mine",
-            f"rank-0-{STALE_ID}.safetensors.orig": b"mine", f".rank-0-{STALE_ID}.safetensors.keep": b"mine"}
+            f"rank-0-{STALE_ID}.safetensors.orig": b"mine", f".rank-0-{STALE_ID}.safetensors.keep": b"mine",
+            "rank-00.safetensors": b"mine", f"rank-0-{STALE_ID.upper()}.safetensors": b"mine"}
     for name, data in mine.items():
         (path / name).write_bytes(data)
     stale = [f"rank-0-{STALE_ID}.safetensors", f"rank-0-{STALE_ID[::-1]}.safetensors", "rank-0.safetensors",
