@@ -104,8 +104,9 @@ class Index:
     def file_of(self, rank):
         """The path of rank's file: inside the directory (ValueError otherwise, or when it is missing)."""
         file = _confined(self.directory, rank_file_name(rank, self._file_id), self.path)
-        if not os.path.isfile(file):
-            raise ValueError(f"{self.path} names {file}, which does not exist")
+        if not os.path.isfile(file):  # (a FIFO never opened: it would wait for a writer)
+            what = "is not a regular file" if os.path.exists(file) else "does not exist"
+            raise ValueError(f"{self.path} names {file}, which {what}")
         return file
 
 

@@ -404,6 +404,21 @@ def test_a_sharded_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_pat
     assert sharded.INDEX in str(info.value)
 
 
+@pytest.mark.parametrize("make, match", [
+    (os.mkfifo, "which is not a regular file"),
+    (os.mkdir, "which is not a regular file"),
+    (lambda p: None, "which does not exist"),
+], ids=["fifo", "directory", "missing"])
+def test_a_sharded_rank_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, make, match):
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / sharded.INDEX).write_text(json.dumps(_V2))
+    make(directory / _V2["files"][0])
+    with pytest.raises(ValueError, match=f"{sharded.INDEX} names .*{_V2['files'][0]}, {match}"):
+        swapio.checkpoint.load(directory)
+
+
 def test_a_sharded_rank_file_linking_outside_its_directory_is_refused(tmp_path):
     from swapio.checkpoint import sharded
     directory = tmp_path / "ckpt"
