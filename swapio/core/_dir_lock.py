@@ -1,8 +1,8 @@
 """Who is using a checkpoint directory: an flock on the directory itself (no lock file to leave behind), shared
-by load() and exclusive for save() (the optimizers' checkpoints; rank 0 of a distributed checkpoint save). The kernel drops it when its holder dies, however it dies, so a save that
-holds it knows every temporary file in the directory was left by a save that is over (killed, or failed), and
-removes them; while another live process saves or loads there, a save refuses (EBUSY) rather than touch its
-files."""
+by load() and exclusive for save() (the optimizers' checkpoints; rank 0 of a distributed checkpoint save). The
+kernel drops it when its holder dies, however it dies, so a save that holds it knows every temporary file in the
+directory was left by a save that is over (killed, or failed), and removes them; while another live process saves
+or loads there, a save refuses (EBUSY) rather than touch its files."""
 import contextlib
 import errno
 import fcntl
@@ -10,7 +10,8 @@ import os
 
 from ._owned_fd import OwnedFd
 
-_UNSUPPORTED = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)  # e.g. some network file systems
+# some network file systems; Lustre mounted with noflock (ENOSYS)
+_UNSUPPORTED = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 
 
 @contextlib.contextmanager

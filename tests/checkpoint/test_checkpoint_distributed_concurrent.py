@@ -6,6 +6,7 @@ store), the second run inside the first at each point of its save, so the interl
 import errno
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -76,4 +77,24 @@ def test_saves_one_after_the_other_take_the_lock_in_turn(tmp_path, one_rank):
     with pytest.raises(TypeError):
         swapio.checkpoint.save({"bad": {1, 2}}, path, distributed=True)
     swapio.checkpoint.save(_state(2), path, distributed=True)
+    assert_same(swapio.checkpoint.load(path), _state(2))
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK", "EOPNOTSUPP"])
+def test_a_file_system_without_flock_saves_unlocked(tmp_path, one_rank, monkeypatch, code):
+    """Lustre mounted with noflock answers flock with ENOSYS, some NFS setups with ENOLCK: the save runs unlocked
+    (one job per directory is then the caller's), rather than every distributed save failing there."""
+    import fcntl
+    path = tmp_path / "ckpt"
+    swapio.checkpoint.save(_state(1), path, distributed=True)
+
+    real = fcntl.flock
+
+    def no_flock(fd, operation):  # on directories (the temporary files' locks are another matter)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd, operation)
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    swapio.checkpoint.save(_state(2), path, distributed=True)
+    monkeypatch.undo()
     assert_same(swapio.checkpoint.load(path), _state(2))
