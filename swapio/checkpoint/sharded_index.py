@@ -15,16 +15,20 @@ import json
 import os
 import re
 import secrets
+import stat
 
 from ..core import _durable
+from ..core._owned_fd import OwnedFd
 from ..safetensors.files import _confined
-from ..safetensors.header import MAX_HEADER, strict_json
+from ..safetensors.header import strict_json
 
 INDEX = "swapio-checkpoint.json"
 FORMAT = "swapio.checkpoint.sharded"
 VERSION = 2
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
-_RANK_FILE = re.compile(r"rank-([0-9]+)(-[0-9a-f]{16})?\.safetensors")
+_RANK_FILE = re.compile(r"rank-(0|[1-9][0-9]*)(-[0-9a-f]{16})?\.safetensors")  # only names a save writes
+MAX_INDEX = 16 << 20  # bytes: an index of some 300,000 ranks
+MAX_WORLD = 2 ** 31 - 1
 _INDEX_TMP = re.compile(re.escape(f".{INDEX}.") + r"[0-9a-f]{16}\.tmp")
 
 
@@ -38,16 +42,36 @@ def rank_file_name(rank, save_id=None):
 
 
 def exists(path):
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
+    """Whether path is a directory with an index: anything under the index's name (a FIFO, a directory, a
+    dangling link) is then Index's to refuse, naming it, rather than read as another kind of checkpoint."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX))
+
+
+def _read_regular(path, limit):
+    """Up to limit bytes of the regular file at path; ValueError for anything else (a FIFO opened without blocking,
+    a directory, a device)."""
+    with OwnedFd.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
+        if not stat.S_ISREG(os.fstat(owned.fileno()).st_mode):
+            raise ValueError(f"{path}: not a regular file, so not a swapio sharded checkpoint index")
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(owned.fileno(), left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
 
 
 class Index:
-    """A committed index, checked: world_size, save_id (a str), files (one name per rank)."""
+    """A committed index, checked: world_size, save_id (a str); file_of(rank) the path of rank's file."""
 
     def __init__(self, path):
         self.path = os.path.join(path, INDEX)
-        with open(self.path, "rb") as f:
-            raw = strict_json(f.read(MAX_HEADER + 1), self.path)  # no RecursionError, no duplicate keys
+        data = _read_regular(self.path, MAX_INDEX + 1)
+        if len(data) > MAX_INDEX:  # (what a save writes is ~50 bytes a rank: not one swapio wrote)
+            raise ValueError(f"{self.path}: larger than {MAX_INDEX >> 20} MiB: not a swapio sharded checkpoint index")
+        raw = strict_json(data, self.path)  # no RecursionError, no duplicate keys
         try:
             version = raw.get("format_version", 1)
             world, save_id = raw["world_size"], raw["save_id"]
@@ -55,27 +79,34 @@ class Index:
                 raise ValueError  # (not 1.7 read as 1, nor true)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{self.path}: not a swapio sharded checkpoint index") from None
+        if world > MAX_WORLD:
+            raise ValueError(f"{self.path}: a world size of {str(world)[:30]} ranks: not a swapio sharded checkpoint "
+                             f"index (torch.distributed counts ranks in 32 bits)")
         if not 1 <= version <= VERSION:
             raise ValueError(f"{self.path}: sharded checkpoint format version {version}; this swapio reads versions "
                              f"1 to {VERSION}")
         if version == 1:
-            self.save_id, expected = str(save_id), [rank_file_name(r) for r in range(world)]
-            files = raw.get("files", expected)
+            self.save_id, file_id = str(save_id), None
+            files = raw.get("files")  # (optional in version 1: then the names a save writes)
         else:
             if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
                 raise ValueError(f"{self.path}: malformed save_id {str(save_id)[:100]!r} (16 hex digits expected)")
-            self.save_id, expected = save_id, [rank_file_name(r, save_id) for r in range(world)]
+            self.save_id, file_id = save_id, save_id
             files = raw.get("files")
-        if files != expected:
+        # compared name by name, never built for world_size ranks (the index may claim 10**9 of them)
+        if not ((version == 1 and files is None) or (type(files) is list and len(files) == world and all(
+                name == rank_file_name(r, file_id) for r, name in enumerate(files)))):
             raise ValueError(f"{self.path}: the index names the files {str(files)[:200]}, where a save with "
-                             f"{world} ranks and save id {self.save_id!r} writes {expected[:3]}...: refused")
-        self.world_size, self.files, self.directory = world, files, path
+                             f"{world} ranks and save id {self.save_id[:100]!r} writes "
+                             f"{[rank_file_name(r, file_id) for r in range(min(world, 3))]}...: refused")
+        self.world_size, self.directory, self._file_id = world, path, file_id
 
     def file_of(self, rank):
         """The path of rank's file: inside the directory (ValueError otherwise, or when it is missing)."""
-        file = _confined(self.directory, self.files[rank], self.path)
-        if not os.path.isfile(file):
-            raise ValueError(f"{self.path} names {file}, which does not exist")
+        file = _confined(self.directory, rank_file_name(rank, self._file_id), self.path)
+        if not os.path.isfile(file):  # (a FIFO never opened: it would wait for a writer)
+            what = "is not a regular file" if os.path.exists(file) else "does not exist"
+            raise ValueError(f"{self.path} names {file}, which {what}")
         return file
 
 

@@ -64,15 +64,20 @@ def test_another_world_size_is_a_clear_error(sharded_dir):
 
 
 def test_rank_files_of_two_different_saves_are_refused(sharded_dir, tmp_path):
-    """A rank file copied in from another save under the name the index gives is refused, not loaded as a mix."""
+    """A rank file copied in from another save, or from another rank, under the name the index gives is refused,
+    not loaded as a mix; so is an index edited to another world size (its rank files say theirs)."""
     mixed = tmp_path / "mixed"
     shutil.copytree(sharded_dir, mixed)
     index = json.loads((mixed / "swapio-checkpoint.json").read_text())
     rank_1 = mixed / index["files"][1]
     index["world_size"], index["files"] = 1, index["files"][:1]
     (mixed / "swapio-checkpoint.json").write_text(json.dumps(index))
-    shutil.copy(rank_1, mixed / index["files"][0])  # same save: still loads
-    assert swapio.checkpoint.load(mixed)["rank"] == 1
+    # the index cut to one rank: rank 0's own file, of a save by 2 ranks, would load as the whole checkpoint
+    with pytest.raises(ValueError, match="holds rank 0's state of a save by 2 ranks.*rank 0 of 1.*refused"):
+        swapio.checkpoint.load(mixed)
+    shutil.copy(rank_1, mixed / index["files"][0])  # the same save, another rank's state under rank 0's name
+    with pytest.raises(ValueError, match="holds rank 1's state of a save by 2 ranks.*rank 0 of 1.*refused"):
+        swapio.checkpoint.load(mixed)
     other = "0123456789abcdef"
     index["save_id"], index["files"] = other, [f"rank-0-{other}.safetensors"]
     (mixed / "swapio-checkpoint.json").write_text(json.dumps(index))

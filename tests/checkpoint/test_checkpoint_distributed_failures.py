@@ -1,5 +1,6 @@
 """save(..., distributed=True) when something goes wrong (gloo, 2 processes on the loopback): one rank raising
-mid-save, one interrupted (KeyboardInterrupt) mid-save, rank 0 failing to write the index, a process group that is
+mid-save, one interrupted (KeyboardInterrupt) mid-save, one out of space (ENOSPC), rank 0 failing to write the index
+or refused the directory another job is saving into (its lock held), a process group that is
 a subset of the world, ranks saving different keys, dtypes and shapes under the same names, and a checkpoint of
 format version 1 (earlier swapio) loaded and saved over. (A rank killed at each point of the save:
 test_checkpoint_distributed_kill.py.) The reference is what each
@@ -132,6 +133,53 @@ def _version_1(rank, root, seen):
     seen["version_1_listing"] = _listing(path)
 
 
+def _busy(rank, root, seen):
+    """Another job's rank 0 holds the directory's lock (mid-save): this job's rank 0 is refused (EBUSY) before any
+    rank writes, and rank 1 learns it from the broadcast of the save id at once."""
+    import fcntl
+    path = os.path.join(root, "busy")
+    swapio.checkpoint.save(_state(rank, 1), path, distributed=True)
+    holder = None
+    if rank == 0:
+        holder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        swapio.checkpoint.save(_state(rank, 2), path, distributed=True)
+        seen["busy"] = "returned"
+    except (OSError, RuntimeError) as exc:
+        seen["busy"] = _error(exc)
+    finally:
+        if holder is not None:
+            os.close(holder)
+    seen["busy_intact"] = _intact(path, rank, 1)
+    dist.barrier()
+    seen["busy_listing"] = _listing(path)
+
+
+def _enospc(rank, root, seen):
+    """Rank 1's file system full while it writes (OSError ENOSPC from the writer)."""
+    import errno
+    from swapio.safetensors.file_writer import FileWriter
+    path = os.path.join(root, "enospc")
+    swapio.checkpoint.save(_state(rank, 1), path, distributed=True)
+    real = FileWriter.write
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if rank == 1:
+        FileWriter.write = full
+    try:
+        swapio.checkpoint.save(_state(rank, 2), path, distributed=True)
+        seen["enospc"] = "returned"
+    except (OSError, RuntimeError) as exc:
+        seen["enospc"] = _error(exc)
+    finally:
+        FileWriter.write = real
+    seen["enospc_intact"] = _intact(path, rank, 1)
+    dist.barrier()
+    seen["enospc_listing"] = _listing(path)
+
+
 def _interrupt(where):
     """(object, attribute, replacement) that makes the save raise KeyboardInterrupt at `where`, as Ctrl-C would."""
     from swapio.core import _durable
@@ -179,7 +227,8 @@ def _failures_worker(rank, port, root):
     init_group(rank, port, WORLD)
     seen = {}
     try:
-        for scenario in (_raises, _differing_keys, _metadata, _subset, _index_fails, _version_1, _interrupted):
+        for scenario in (_raises, _differing_keys, _metadata, _subset, _index_fails, _version_1, _busy, _enospc,
+                         _interrupted):
             try:
                 scenario(rank, root, seen)
             except Exception as exc:  # noqa: BLE001 - reported to the test of that scenario
@@ -289,3 +338,27 @@ def test_a_rank_interrupted_mid_save_tells_the_others_which_raise_naming_it(fail
         assert seen[r][f"interrupted_{where}_loads"] is True, seen[r]
     listed, named = seen[0][f"interrupted_{where}_listing"]
     assert listed == named  # the files of the interrupted save were removed, or (committed) the previous ones
+
+
+def test_a_directory_another_job_is_saving_into_is_refused_on_every_rank_before_any_write(failures):
+    _, seen = failures
+    assert "_busy" not in seen[0] and "_busy" not in seen[1], seen
+    assert seen[0]["busy"].startswith("OSError: [Errno 16] another live process is using this distributed checkpoint")
+    assert seen[1]["busy"].startswith("RuntimeError: swapio.checkpoint: rank 0 failed to start the save (OSError: "
+                                      "[Errno 16]")
+    for r in range(WORLD):
+        assert seen[r]["busy_intact"] is True
+    listed, named = seen[0]["busy_listing"]
+    assert listed == named
+
+
+def test_enospc_on_one_rank_fails_every_rank_naming_it_and_keeps_the_previous_checkpoint(failures):
+    _, seen = failures
+    assert "_enospc" not in seen[0] and "_enospc" not in seen[1], seen
+    assert seen[1]["enospc"].startswith("OSError: [Errno 28]")
+    assert seen[0]["enospc"].startswith("RuntimeError: swapio.checkpoint: rank 1 failed to save its shard (OSError: "
+                                        "[Errno 28] No space left on device)")
+    for r in range(WORLD):
+        assert seen[r]["enospc_intact"] is True
+    listed, named = seen[0]["enospc_listing"]
+    assert listed == named

@@ -314,6 +314,12 @@ def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call,
     assert os.listdir(tmp_path) == []
 
 
+def _rank_0_of_1(save_id):
+    """The __metadata__ a distributed save of one rank writes into its file."""
+    from swapio.checkpoint import sharded
+    return {sharded.META_SAVE_ID: save_id, sharded.META_RANK: "0", sharded.META_WORLD: "1"}
+
+
 @pytest.mark.parametrize("index, match", [
     (b"[" * 100000 + b"]" * 100000, "nests deeper"),
     (b'{"format": "swapio.checkpoint.sharded", "world_size": 1.7, "save_id": "s"}', "not a swapio sharded"),
@@ -325,7 +331,7 @@ def test_a_defective_sharded_index_is_a_value_error_naming_it(tmp_path, index, m
     """The index of a save(distributed=True) comes from outside like its files: a deeply nested one raised
     RecursionError from json, and a world size of 1.7 read as 1."""
     from swapio.checkpoint import sharded
-    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata={sharded.META_SAVE_ID: "s"})
+    swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "rank-0.safetensors", metadata=_rank_0_of_1("s"))
     (tmp_path / sharded.INDEX).write_bytes(b'{"format": "swapio.checkpoint.sharded", "world_size": 1, "save_id": "s"}')
     assert torch.equal(swapio.checkpoint.load(tmp_path)["a"], torch.ones(3))  # a valid index loads
     (tmp_path / sharded.INDEX).write_bytes(index)
@@ -353,8 +359,15 @@ _V2 = {"format": "swapio.checkpoint.sharded", "format_version": 2, "world_size":
     ({"format_version": "2"}, "not a swapio sharded"),
     ({"world_size": 0}, "not a swapio sharded"),
     ({"format_version": None, "save_id": "s", "files": ["../outside.safetensors"]}, "names the files.*refused"),
+    # a world size the index claims was turned into a list of that many names first (10**9: MemoryError, or swap)
+    ({"world_size": 10 ** 9}, "names the files.*refused"),
+    ({"format_version": None, "save_id": "s", "files": None, "world_size": 10 ** 9},
+     "saved by 1000000000 ranks and this job has 1"),
+    ({"world_size": 10 ** 4000}, r"a world size of 10{29} ranks: not a swapio sharded"),
+    ({"pad": "x" * (17 << 20)}, "larger than 16 MiB: not a swapio sharded checkpoint index"),
 ], ids=["parent", "absolute", "version-1-name", "other-rank", "not-a-list", "missing", "too-many", "save-id-path",
-        "save-id-int", "newer-version", "version-str", "world-0", "version-1-parent"])
+        "save-id-int", "newer-version", "version-str", "world-0", "version-1-parent", "world-1e9",
+        "version-1-world-1e9", "world-huge-int", "index-over-16-MiB"])
 def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_path, change, match):
     """The index comes from outside: a name it gives must be exactly the one a save writes for that rank (in the
     directory), whatever else the directory or its parent holds."""
@@ -363,7 +376,7 @@ def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_pa
     directory.mkdir()
     for file, save_id in ((directory / _V2["files"][0], _SAVE_ID), (tmp_path / "outside.safetensors", "s"),
                           (directory / "rank-0.safetensors", _SAVE_ID)):
-        swapio.checkpoint.save({"a": torch.ones(3)}, file, metadata={sharded.META_SAVE_ID: save_id})
+        swapio.checkpoint.save({"a": torch.ones(3)}, file, metadata=_rank_0_of_1(save_id))
     (directory / sharded.INDEX).write_text(json.dumps(_V2))
     assert torch.equal(swapio.checkpoint.load(directory)["a"], torch.ones(3))  # the valid index loads
     index = {k: v for k, v in {**_V2, **change}.items() if v is not None}
@@ -373,12 +386,45 @@ def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_pa
     assert sharded.INDEX in str(info.value)
 
 
+@pytest.mark.parametrize("make, error, match", [
+    (os.mkfifo, ValueError, "not a regular file"),  # opened without blocking: a FIFO waits for a writer
+    (os.mkdir, ValueError, "not a regular file"),
+    (lambda p: os.symlink(str(p) + ".gone", p), FileNotFoundError, "No such file"),
+], ids=["fifo", "directory", "dangling-link"])
+def test_a_sharded_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, make, error, match):
+    """Before: the directory was taken for a save_pretrained one ("has neither model.safetensors nor ...")."""
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    swapio.checkpoint.save({"a": torch.ones(3)}, directory / _V2["files"][0],
+                           metadata=_rank_0_of_1(_SAVE_ID))
+    make(directory / sharded.INDEX)
+    with pytest.raises(error, match=match) as info:
+        swapio.checkpoint.load(directory)
+    assert sharded.INDEX in str(info.value)
+
+
+@pytest.mark.parametrize("make, match", [
+    (os.mkfifo, "which is not a regular file"),
+    (os.mkdir, "which is not a regular file"),
+    (lambda p: None, "which does not exist"),
+], ids=["fifo", "directory", "missing"])
+def test_a_sharded_rank_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, make, match):
+    from swapio.checkpoint import sharded
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / sharded.INDEX).write_text(json.dumps(_V2))
+    make(directory / _V2["files"][0])
+    with pytest.raises(ValueError, match=f"{sharded.INDEX} names .*{_V2['files'][0]}, {match}"):
+        swapio.checkpoint.load(directory)
+
+
 def test_a_sharded_rank_file_linking_outside_its_directory_is_refused(tmp_path):
     from swapio.checkpoint import sharded
     directory = tmp_path / "ckpt"
     directory.mkdir()
     swapio.checkpoint.save({"a": torch.ones(3)}, tmp_path / "outside.safetensors",
-                           metadata={sharded.META_SAVE_ID: _SAVE_ID})
+                           metadata=_rank_0_of_1(_SAVE_ID))
     os.symlink(tmp_path / "outside.safetensors", directory / _V2["files"][0])
     (directory / sharded.INDEX).write_text(json.dumps(_V2))
     with pytest.raises(ValueError, match="is a link to .*outside the checkpoint directory"):

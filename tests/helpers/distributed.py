@@ -1,4 +1,5 @@
 """Shared pieces of the tests that spawn a gloo process group on the CPU."""
+import contextlib
 import datetime
 import socket
 
@@ -41,3 +42,13 @@ def run_group(worker, arg, world):
         p.join(5)
     assert not alive, "a rank hung"
     return [p.exitcode for p in procs]
+
+
+@contextlib.contextmanager
+def group_of_one(store):
+    """In this process: a gloo group of one rank (a file store at `store`), destroyed after the block."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -21,7 +21,7 @@ V3_SHAPES = [(300,), (17, 33), (513,)]
 
 
 def _fd_code(*more):
-    modules = [importlib.import_module(m) for m in ("swapio.optim.dir_lock", "swapio.optim.checkpoint",
+    modules = [importlib.import_module(m) for m in ("swapio.core._dir_lock", "swapio.optim.checkpoint",
                                                     "swapio.optim.checkpoint.legacy", "swapio.safetensors.commit",
                                                     "swapio.core._durable", "swapio.core._owned_fd")]
     return code_objects(*modules, threading.Thread.start, exclude=("OwnedFd.__del__",))

@@ -11,7 +11,7 @@ whose tensors are the arrays as the optimizer stores them (swapio.optim.state_fo
 moments shaped like the parameter, fp32 masters (bf16/fp16 parameters only), flat fp32 int8 block scales.
 
 Saving streams the arrays and never holds a second copy of the state (writer.py). A save holds the directory's
-flock (swapio.optim.dir_lock) exclusively, a load shared: a save while another live process saves or loads there
+flock (swapio.core._dir_lock) exclusively, a load shared: a save while another live process saves or loads there
 raises OSError(EBUSY); a save removes what killed saves left (their temporary files) and, after its commit, the
 files of a version <= 3 checkpoint.
 
@@ -25,9 +25,9 @@ swapio-optim-<hex>.bin) still load (legacy.py): only where the offsets and check
 import errno
 import os
 
-from ...core import _checksum, _durable
+from ...core import _checksum, _dir_lock as dir_lock, _durable
 from ...safetensors import commit
-from .. import dir_lock, validate
+from .. import validate
 from .files import FILE, FORMAT, LEGACY, LEGACY_META, VERSION, regular
 from .legacy import read_legacy_meta
 from .reader import read_meta_v4
