@@ -19,7 +19,7 @@ from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
+from .units import check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -147,6 +147,7 @@ class WeightStreamer:
 
     def _fetch_in(self, unit):
         unit.buffers_in.clear()  # what an interrupted leave() left
+        check_entries((unit,))
         check_placeholders(slot for _, _, slot in unit.entries)
         self.schedule.observe(unit)
         fetcher = self.fetcher

@@ -174,6 +174,24 @@ def check_placeholders(slots):
             raise lost_change(slot)
 
 
+def check_entries(units):
+    """RuntimeError naming the first offloaded attribute assigned another tensor since the last check (accelerate's
+    set_module_tensor_to_device, `module.weight = nn.Parameter(x)`): a forward would put fetched weights, then the
+    placeholder, in its place, dropping it without a word. Raised once: the placeholder goes back, the weight is as
+    it was. Stand-ins (grafting.py) are swapio's own."""
+    for unit in units:
+        module = unit.module
+        for attr, kind, slot in unit.entries:
+            now = table_of(module, kind).get(attr)
+            if now is not slot.placeholder and (now is not slot.stand_in or now is None):
+                set_entry(module, attr, kind, slot.placeholder)
+                raise RuntimeError(
+                    f"{slot.name} is offloaded by swapio and was replaced between forwards (assigned "
+                    f"{_describe(now)}: `module.{attr} = ...`, accelerate's set_module_tensor_to_device): swapio "
+                    "streams its stored weight into that attribute, so the new tensor was dropped and the weight is "
+                    "as it was. " + CHANGE_WEIGHTS)
+
+
 def lost_change(slot):
     """The RuntimeError of a change in place made to what stands for an offloaded weight between forwards."""
     return RuntimeError(

@@ -131,3 +131,39 @@ def test_assigning_a_stand_in_data_is_refused_at_once(tmp_path, how):
         model[2].weight.data = torch.zeros(3, 8)
     model.float()  # _apply assigns each stand-in's .data to itself: allowed
     assert torch.equal(model(x), reference(x))
+
+
+REPLACEMENTS = {
+    "setattr Parameter": lambda m: setattr(m[2], "weight", torch.nn.Parameter(torch.zeros(3, 8))),
+    "_parameters item": lambda m: m[2]._parameters.__setitem__("weight", torch.nn.Parameter(torch.zeros(3, 8))),
+    "set_module_tensor_to_device": lambda m: pytest.importorskip("accelerate.utils").set_module_tensor_to_device(
+        m, "2.weight", "cpu", value=torch.zeros(3, 8)),
+}
+
+
+@pytest.mark.parametrize("replace", sorted(REPLACEMENTS))
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_weight_replaced_between_forwards_raises_at_the_next_forward(tmp_path, how, replace):
+    """A new tensor assigned to an offloaded attribute was dropped by the next forward (which puts fetched weights,
+    then the placeholder, in the attribute): the model computed with the old weight, without a word."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    REPLACEMENTS[replace](model)
+    with pytest.raises(RuntimeError, match=r"(?s)^2\.weight is offloaded by swapio and was replaced between forwards"):
+        model(x)
+    assert model[2].weight.device.type == "meta"  # said once; the weight is as it was
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_weight_replaced_before_remove_offload_or_save_checkpoint_raises_there(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    model[0].weight = torch.nn.Parameter(torch.zeros(8, 4))
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio and was replaced"):
+        save_checkpoint(model, tmp_path / "a.safetensors")
+    model[0].bias = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(RuntimeError, match=r"0\.bias is offloaded by swapio and was replaced"):
+        remove_offload(model)
+    remove_offload(model)
+    assert torch.equal(model(x), reference(x))
