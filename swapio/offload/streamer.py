@@ -65,6 +65,8 @@ class OffloadedForward:
                 # behind: nobody runs the module now, so it is stale
                 unit.depth = 1
                 streamer.leave(unit, None)
+            if not unit.depth:  # before enter(): leave() would put back a weight taken out of the module
+                check_entries((unit,), forward=True)
             try:
                 streamer.enter(unit)
                 output = self.inner(*args, **kwargs)
@@ -147,7 +149,6 @@ class WeightStreamer:
 
     def _fetch_in(self, unit):
         unit.buffers_in.clear()  # what an interrupted leave() left
-        check_entries((unit,))
         check_placeholders(slot for _, _, slot in unit.entries)
         self.schedule.observe(unit)
         fetcher = self.fetcher

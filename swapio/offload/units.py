@@ -21,7 +21,12 @@ class Placeholder(torch.nn.Parameter):
 
     @property  # type: ignore[override]
     def data(self):
-        return self.detach()
+        return torch.Tensor.detach(self)  # a plain tensor (as torch's), sharing the version counter (unlike torch's)
+
+    def detach(self):
+        """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
+        parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""
+        return torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
 
     @data.setter
     def data(self, value):
@@ -174,22 +179,27 @@ def check_placeholders(slots):
             raise lost_change(slot)
 
 
-def check_entries(units):
+def check_entries(units, forward=False):
     """RuntimeError naming the first offloaded attribute assigned another tensor since the last check (accelerate's
-    set_module_tensor_to_device, `module.weight = nn.Parameter(x)`): a forward would put fetched weights, then the
-    placeholder, in its place, dropping it without a word. Raised once: the placeholder goes back, the weight is as
-    it was. Stand-ins (grafting.py) are swapio's own."""
+    set_module_tensor_to_device, `module.weight = nn.Parameter(x)`) or taken out of its module (weight_norm and
+    parametrize move it into a parametrization): a forward would put fetched weights, then the placeholder, in its
+    place, dropping the change without a word. Raised once: the placeholder goes back, the weight is as it was;
+    except, at a `forward`, for one taken out, whose module no longer reads that attribute: raised at each forward
+    (remove_offload puts it back). Stand-ins (grafting.py) are swapio's own."""
     for unit in units:
         module = unit.module
         for attr, kind, slot in unit.entries:
             now = table_of(module, kind).get(attr)
-            if now is not slot.placeholder and (now is not slot.stand_in or now is None):
+            if now is slot.placeholder or (now is slot.stand_in and now is not None):
+                continue
+            if now is not None or not forward:
                 set_entry(module, attr, kind, slot.placeholder)
-                raise RuntimeError(
-                    f"{slot.name} is offloaded by swapio and was replaced between forwards (assigned "
-                    f"{_describe(now)}: `module.{attr} = ...`, accelerate's set_module_tensor_to_device): swapio "
-                    "streams its stored weight into that attribute, so the new tensor was dropped and the weight is "
-                    "as it was. " + CHANGE_WEIGHTS)
+            how = (f"taken out of its module (`del module.{attr}`, torch's weight_norm or parametrize)" if now is None
+                   else f"replaced between forwards (assigned {_describe(now)}: `module.{attr} = ...`, accelerate's "
+                   "set_module_tensor_to_device)")
+            raise RuntimeError(f"{slot.name} is offloaded by swapio and was {how}: swapio streams its stored weight "
+                               "into that attribute, so the change is lost and the weight is as it was. "
+                               + CHANGE_WEIGHTS)
 
 
 def lost_change(slot):

@@ -167,3 +167,37 @@ def test_weight_replaced_before_remove_offload_or_save_checkpoint_raises_there(t
         remove_offload(model)
     remove_offload(model)
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_parameter_made_of_a_placeholder_shares_its_version(tmp_path, how):
+    """torch.nn.Parameter(weight) (what weight_norm, parametrize and libraries that rewrap a weight call) needs a
+    Parameter subclass's detach() to keep its type: it raised torch's "requires that detach() returns an instance
+    of the same type". Like a resident weight's, the new Parameter shares the weight: a change through it is said."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    p = torch.nn.Parameter(model[2].weight, requires_grad=False)
+    resident = torch.nn.Parameter(reference[2].weight, requires_grad=False)
+    assert isinstance(p, torch.nn.Parameter) and p.shape == resident.shape and not p.requires_grad
+    assert torch.equal(model(x), reference(x))  # made, not changed: no error
+    with torch.no_grad():
+        p.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was changed in place"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_weight_norm_on_an_offloaded_module_raises_at_each_forward(tmp_path, how):
+    """weight_norm moves the weight out of the module's _parameters (into a parametrization computed from the meta
+    placeholder): each forward says so, rather than computing with meta values after the first error."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    torch.nn.utils.parametrizations.weight_norm(model[2])
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was taken out of its module"):
+            model(x)
+    torch.nn.utils.parametrize.remove_parametrizations(model[2], "weight")  # puts a (meta) Parameter back
+    with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was replaced"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
