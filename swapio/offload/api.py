@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, grafting, hf_save, preload, source
+from . import dir_owner, dora, grafting, hf_save, preload, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -205,6 +205,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         retie(model, state_dict)
         compute_buffers(model, state_dict)  # what it cannot compute stays on meta: _place_resident names it
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
+    dora.check_offloaded(model, units, preload_names)
     current = _current(units)
     for slot in slots:
         if current[slot].device.type == "meta":
@@ -319,6 +320,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     else:  # a model on meta reusing an offload_dir has its computed buffers on meta too
         compute_buffers(model, {})
     units, slots, resident = collect(model, offload_buffers, keep)
+    dora.check_offloaded(model, units, preload_names)
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from . import onload
+from . import dora, onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
@@ -27,6 +27,7 @@ from .units import Placeholder, lost_change, set_entry
 
 _hook = None
 _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: restore() skips the others at once
+_wrappers = weakref.WeakKeyDictionary()  # streamer -> the peft tuner layers that wrapped its modules since restore()
 
 
 def _stand_in(slot, device):
@@ -59,6 +60,7 @@ def _on_register(parent, name, child):
                 _with_stand_ins.add(streamer)
     if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol
         onload.attach(streamer, child, restore)
+        _wrappers.setdefault(streamer, weakref.WeakSet()).add(parent)  # (DoRA, created on the stand-ins: restore)
     return None
 
 
@@ -68,6 +70,7 @@ def restore(streamer):
     if streamer not in _with_stand_ins:
         return
     _with_stand_ins.discard(streamer)
+    wrappers = list(_wrappers.pop(streamer, ()))
     for unit in streamer.units:
         if unit.depth:
             continue
@@ -87,6 +90,9 @@ def restore(streamer):
             slot.stand_in = None
     if changed is not None:
         raise lost_change(changed)
+    with_dora = next((w for w in wrappers if dora.uses_dora(w)), None)
+    if with_dora is not None:
+        raise dora.created_on_stand_ins(with_dora)
 
 
 def watch(streamer):
