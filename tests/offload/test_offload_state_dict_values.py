@@ -61,3 +61,22 @@ def test_safetensors_save_file_of_a_transformers_model(tmp_path):
     disk_offload(gpt, offload_dir=tmp_path / "od")
     with pytest.raises(RuntimeError, match="is offloaded by swapio(.|\n)*" + SAVES):
         safetensors_torch.save_file(gpt.state_dict(), str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_state_dict_of_a_model_just_wrapped_refuses_the_stand_ins(kind, tmp_path):
+    """A model put under a module outside it (peft's get_peft_model) shows stand-ins until its next forward (one
+    expanded NaN element, not on meta): state_dict() gave them as values, and torch.save wrote NaN weights."""
+    resident = _net().state_dict()
+    net = OFFLOADS[kind](_net(), tmp_path)
+    outer = torch.nn.Module()
+    outer.inner = net
+    assert net[0].weight.device.type == "cpu"  # a stand-in
+    sd = outer.state_dict()
+    assert [(k, v.shape, v.dtype) for k, v in sd.items()] == [
+        ("inner." + k, v.shape, v.dtype) for k, v in resident.items()]
+    with pytest.raises(RuntimeError, match="0.weight is offloaded by swapio(.|\n)*" + SAVES):
+        torch.save(sd, str(tmp_path / "all.pt"))
+    with pytest.raises(RuntimeError, match="2.bias is offloaded by swapio"):
+        sd["inner.2.bias"].clone()
+    assert all(isinstance(v, torch.nn.Parameter) for v in outer.state_dict(keep_vars=True).values())
