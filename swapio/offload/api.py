@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, dora, grafting, hf_save, preload, source
+from . import dir_owner, dora, grafting, hf_resize, hf_save, preload, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -251,7 +251,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         _place_resident(resident, device)
         fetcher = Fetcher(records, device, hosts=hosts)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, HostStore(fetcher),
-                                  dressings=(hf_save,))
+                                  dressings=(hf_save, hf_resize))
     except BaseException:
         _put_back(units, original)
         raise
@@ -360,7 +360,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         _place_resident(resident, device, by_name, handle, origin)
         fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
-        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store, dressings=(hf_save,))
+        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,
+                                  dressings=(hf_save, hf_resize))
         if own:
             streamer.extra_close.append(handle.close)
         if dir_claim is not None:  # given up by remove_offload, or when the model is collected
