@@ -23,11 +23,6 @@ class Placeholder(torch.nn.Parameter):
     def data(self):
         return torch.Tensor.detach(self)  # a plain tensor (as torch's), sharing the version counter (unlike torch's)
 
-    def detach(self):
-        """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
-        parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""
-        return torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
-
     @data.setter
     def data(self, value):
         if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
@@ -36,6 +31,11 @@ class Placeholder(torch.nn.Parameter):
                 "this parameter is offloaded by swapio: between forwards it holds no values, and assigning "
                 f"its .data a tensor ({_describe(value)}) would not change the weight. " + CHANGE_WEIGHTS)
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+
+    def detach(self):
+        """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
+        parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""
+        return torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
 
 
 CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again. "
