@@ -65,8 +65,6 @@ class OffloadedForward:
                 # behind: nobody runs the module now, so it is stale
                 unit.depth = 1
                 streamer.leave(unit, None)
-            if not unit.depth:  # before enter(): leave() would put back a weight taken out of the module
-                check_entries((unit,), forward=True)
             try:
                 streamer.enter(unit)
                 output = self.inner(*args, **kwargs)
@@ -140,6 +138,8 @@ class WeightStreamer:
 
     def enter(self, unit):
         """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
+        if not unit.depth:  # before depth counts it: leave() then puts nothing back (a weight taken out stays out)
+            check_entries((unit,), forward=True)
         unit.depth += 1
         if unit.depth > 1:
             return

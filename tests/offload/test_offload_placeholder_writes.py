@@ -201,3 +201,14 @@ def test_weight_norm_on_an_offloaded_module_raises_at_each_forward(tmp_path, how
     with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was replaced"):
         model(x)
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_weight_replaced_under_a_preloaded_module_raises(tmp_path, how):
+    """A preload module (preload_module_classes) brings its submodules' weights in itself: the same check."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path, preload_module_classes=["Sequential"])
+    model[2].weight = torch.nn.Parameter(torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was replaced"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
