@@ -212,3 +212,17 @@ def test_weight_replaced_under_a_preloaded_module_raises(tmp_path, how):
     with pytest.raises(RuntimeError, match=r"2\.weight is offloaded by swapio and was replaced"):
         model(x)
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_functional_call_with_an_offloaded_weight_raises(tmp_path, how):
+    """torch.func.functional_call puts the given tensors in the modules' attributes for the call: for an offloaded
+    weight the forward streamed the stored one instead (silently the wrong result). Resident ones work as usual."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path, keep_resident=["2"])
+    given = {"2.weight": torch.zeros(3, 8)}
+    assert torch.equal(torch.func.functional_call(model, given, (x,)),
+                       torch.func.functional_call(reference, given, (x,)))
+    with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio and was replaced"):
+        torch.func.functional_call(model, {"0.weight": torch.zeros(8, 4)}, (x,))
+    assert torch.equal(model(x), reference(x))
