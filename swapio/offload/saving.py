@@ -32,7 +32,9 @@ def _message(name):
             "transformers model), and a swapio optimizer's state with opt.save(dir) (opt.optimizer.save(dir) "
             "after accelerate's prepare), which load() restores, offloaded weights included. With accelerate, "
             "prepare the optimizer, scheduler and dataloaders but not the offloaded model: save_state() and "
-            "load_state() then resume it through the optimizer. Or remove_offload(model) first")
+            "load_state() then resume it through the optimizer. Or remove_offload(model) first. (accelerate's "
+            "cpu_offload, disk_offload and dispatch_model read these values too: the model is offloaded already, "
+            "by swapio)")
 
 
 class OffloadedValue(torch.Tensor):

@@ -80,3 +80,21 @@ def test_state_dict_of_a_model_just_wrapped_refuses_the_stand_ins(kind, tmp_path
     with pytest.raises(RuntimeError, match="2.bias is offloaded by swapio"):
         sd["inner.2.bias"].clone()
     assert all(isinstance(v, torch.nn.Parameter) for v in outer.state_dict(keep_vars=True).values())
+
+
+@pytest.mark.parametrize("call", ["cpu_offload", "dispatch_model"])
+def test_accelerate_offloading_an_offloaded_model_says_it_is_offloaded(tmp_path, call):
+    """accelerate's cpu_offload and dispatch_model (with disk entries) read state_dict() values first: the error
+    said only what saves a model; it now says the model is offloaded already. The model is left working."""
+    accelerate = pytest.importorskip("accelerate")
+    x = torch.randn(2, 8)
+    want = _net()(x)
+    net = cpu_offload(_net())
+    with pytest.raises(RuntimeError, match=r"0.weight is offloaded by swapio(.|\n)*dispatch_model read these values "
+                                           r"too: the model is offloaded already"):
+        if call == "cpu_offload":
+            accelerate.cpu_offload(net, execution_device="cpu")
+        else:
+            accelerate.dispatch_model(net, device_map={"0": "disk", "1": "cpu", "2": "cpu"}, offload_dir=tmp_path)
+    assert not any(hasattr(m, "_hf_hook") for m in net.modules())
+    assert torch.equal(net(x), want)
