@@ -25,6 +25,8 @@ class Placeholder(torch.nn.Parameter):
 
     @data.setter
     def data(self, value):
+        if not self.is_meta and _holds_only_stand_in_values(self, value):
+            return  # a stand-in given its own values again (transformers' tie_weights pads a bias by nothing)
         if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
                 and value.dtype == self.dtype and value.data_ptr() == self.data_ptr()):
             raise RuntimeError(  # (torch's _apply assigns the placeholder itself: a no-op, allowed)
@@ -42,6 +44,16 @@ CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model
                   "peft's merge_adapter, unmerge_adapter and merge_and_unload bring an offloaded base layer's "
                   "weights in and write them back; a merged peft model run with its adapters disabled unmerges "
                   "inside its forward, which they cannot: call unmerge_adapter() first")
+
+
+def _holds_only_stand_in_values(stand_in, value):
+    """Whether `value` is like the stand-in and holds only what it holds (grafting.py: NaN, or 0 for integers)."""
+    if not (isinstance(value, torch.Tensor) and value.device == stand_in.device and value.shape == stand_in.shape
+            and value.dtype == stand_in.dtype):
+        return False
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return bool(value.isnan().all())
+    return not bool(value.any())
 
 
 def _describe(value):

@@ -226,3 +226,22 @@ def test_functional_call_with_an_offloaded_weight_raises(tmp_path, how):
     with pytest.raises(RuntimeError, match=r"0\.weight is offloaded by swapio and was replaced"):
         torch.func.functional_call(model, {"0.weight": torch.zeros(8, 4)}, (x,))
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_tie_weights_of_a_wrapped_model_with_an_output_bias(tmp_path, how):
+    """transformers' tie_weights pads the output embedding's bias by nothing (`bias.data = pad(bias.data, (0, 0))`):
+    on a stand-in (a model just wrapped, as by peft) that assignment of its own NaN values was refused."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    torch.manual_seed(0)
+    reference = transformers.BertForMaskedLM(config).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    model = offload(how, copy.deepcopy(reference), tmp_path)
+    wrapped(model)
+    assert model.cls.predictions.decoder.bias.device.type == "cpu"  # a stand-in
+    model.tie_weights()
+    reference.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
