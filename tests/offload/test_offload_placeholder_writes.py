@@ -245,3 +245,13 @@ def test_tie_weights_of_a_wrapped_model_with_an_output_bias(tmp_path, how):
     reference.tie_weights()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_offloaded_buffer_replaced_between_forwards_raises(tmp_path, how):
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference), tmp_path, offload_buffers=True)
+    model[1].running_mean = torch.ones(8)
+    with pytest.raises(RuntimeError, match=r"1\.running_mean is offloaded by swapio and was replaced"):
+        model(x)
+    assert torch.equal(model(x), reference(x))
