@@ -65,8 +65,9 @@ def _on_register(parent, name, child):
 
 
 def restore(streamer):
-    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a
-    stand-in changed in place meanwhile (fill_, zero_: what its one expanded element lets through), if any."""
+    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a peft
+    DoRA adapter created on the stand-ins (dora.py), or of a stand-in changed in place meanwhile (fill_, zero_:
+    what its one expanded element lets through), if any."""
     if streamer not in _with_stand_ins:
         return
     _with_stand_ins.discard(streamer)
@@ -88,11 +89,11 @@ def restore(streamer):
             if slot.stand_in._version and changed is None:
                 changed = slot
             slot.stand_in = None
+    with_dora = next((w for w in wrappers if dora.uses_dora(w)), None)
+    if with_dora is not None:  # (first: the adapter itself is unusable)
+        raise dora.created_on_stand_ins(with_dora)
     if changed is not None:
         raise lost_change(changed)
-    with_dora = next((w for w in wrappers if dora.uses_dora(w)), None)
-    if with_dora is not None:
-        raise dora.created_on_stand_ins(with_dora)
 
 
 def watch(streamer):
