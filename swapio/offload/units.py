@@ -29,9 +29,13 @@ class Placeholder(torch.nn.Parameter):
             return  # a stand-in given its own values again (transformers' tie_weights pads a bias by nothing)
         if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
                 and value.dtype == self.dtype and value.data_ptr() == self.data_ptr()):
+            converted = isinstance(value, torch.Tensor) and value.dtype != self.dtype
             raise RuntimeError(  # (torch's _apply assigns the placeholder itself: a no-op, allowed)
                 "this parameter is offloaded by swapio: between forwards it holds no values, and assigning "
-                f"its .data a tensor ({_describe(value)}) would not change the weight. " + CHANGE_WEIGHTS)
+                f"its .data a tensor ({_describe(value)}) would not change the weight. "
+                + (f"Its weights stay {self.dtype} in swapio's storage: offload the model in the dtype wanted "
+                   "(peft's prepare_model_for_kbit_training casts fp16/bf16 weights to float32 so: offload a float32 "
+                   "model, or freeze the weights yourself instead). " if converted else "") + CHANGE_WEIGHTS)
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
 
     def detach(self):

@@ -255,3 +255,16 @@ def test_offloaded_buffer_replaced_between_forwards_raises(tmp_path, how):
     with pytest.raises(RuntimeError, match=r"1\.running_mean is offloaded by swapio and was replaced"):
         model(x)
     assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_assigning_data_of_another_dtype_says_to_offload_in_that_dtype(tmp_path, how):
+    """peft's prepare_model_for_kbit_training runs `param.data = param.data.to(torch.float32)` on fp16/bf16 weights:
+    refused (the stored weights keep their dtype), saying so rather than only that the change would be lost."""
+    reference, x = net(), torch.randn(2, 4)
+    model = offload(how, copy.deepcopy(reference).to(torch.bfloat16), tmp_path)
+    with pytest.raises(RuntimeError, match=r"stay torch\.bfloat16 in swapio's storage: offload the model in the "
+                                           r"dtype wanted.*prepare_model_for_kbit_training"):
+        model[2].weight.data = model[2].weight.data.to(torch.float32)
+    assert model[2].weight.dtype == torch.bfloat16
+    assert torch.equal(model(x.bfloat16()), reference.to(torch.bfloat16)(x.bfloat16()))
