@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, grafting, hf_save, preload, source
+from . import dir_owner, dora, grafting, hf_resize, hf_save, preload, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -20,7 +20,7 @@ from .prepare import buffer_owners_outside, compute_buffers, retie
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
-from .units import check_placeholders, collect, get_entry, set_entry, table_of, trainable_modules
+from .units import check_entries, check_placeholders, collect, get_entry, set_entry, table_of, trainable_modules
 
 
 
@@ -205,6 +205,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         retie(model, state_dict)
         compute_buffers(model, state_dict)  # what it cannot compute stays on meta: _place_resident names it
     units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
+    dora.check_offloaded(model, units, preload_names)
     current = _current(units)
     for slot in slots:
         if current[slot].device.type == "meta":
@@ -250,7 +251,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         _place_resident(resident, device)
         fetcher = Fetcher(records, device, hosts=hosts)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, HostStore(fetcher),
-                                  dressings=(hf_save,))
+                                  dressings=(hf_save, hf_resize))
     except BaseException:
         _put_back(units, original)
         raise
@@ -319,6 +320,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     else:  # a model on meta reusing an offload_dir has its computed buffers on meta too
         compute_buffers(model, {})
     units, slots, resident = collect(model, offload_buffers, keep)
+    dora.check_offloaded(model, units, preload_names)
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle
@@ -358,7 +360,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         _place_resident(resident, device, by_name, handle, origin)
         fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
-        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store, dressings=(hf_save,))
+        streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,
+                                  dressings=(hf_save, hf_resize))
         if own:
             streamer.extra_close.append(handle.close)
         if dir_claim is not None:  # given up by remove_offload, or when the model is collected
@@ -396,6 +399,7 @@ def remove_offload(model):
         owner.remove()
         return model
     owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
+    check_entries(owner.units)  # so is a weight replaced
     check_placeholders(owner.slots)  # a change in place lost between forwards is said before the model goes resident
     resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:

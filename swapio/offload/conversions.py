@@ -12,20 +12,22 @@ each offloaded dtype on the execution device, the outermost call for the whole s
 """
 import torch
 
+from .units import table_of
+
 _NONE = object()
 
 
 class GuardedApply:
     """A module's _apply while its subtree holds offloaded tensors (see the module)."""
 
-    __slots__ = ("streamer", "slots", "inner", "own")
+    __slots__ = ("streamer", "slots", "unit", "inner", "own")
 
-    def __init__(self, streamer, slots, inner, own):
-        self.streamer, self.slots, self.inner, self.own = streamer, slots, inner, own
+    def __init__(self, streamer, slots, unit, inner, own):
+        self.streamer, self.slots, self.unit, self.inner, self.own = streamer, slots, unit, inner, own
 
     def __call__(self, fn, *args, **kwargs):
         if getattr(fn, "swapio_checked", False):  # an outer module checked it for this subtree already
-            return self.inner(fn, *args, **kwargs)
+            return _hiding_offloaded(self.unit, lambda: self.inner(fn, *args, **kwargs))
         device = self.streamer.device
         for dtype in {s.dtype for s in self.slots}:
             probe = torch.empty(0, dtype=dtype, device=device)
@@ -40,7 +42,39 @@ class GuardedApply:
         def keep_offloaded(t):
             return t if id(t) in kept else fn(t)
         keep_offloaded.swapio_checked = True
-        return self.inner(keep_offloaded, *args, **kwargs)
+        return _hiding_offloaded(self.unit, lambda: self.inner(keep_offloaded, *args, **kwargs))
+
+
+def _hiding_offloaded(unit, call):
+    """call() with the unit's placeholders (and stand-ins) out of its module's tables, put back in their place in
+    the tables' order after: torch's _apply then leaves them alone. With
+    torch.__future__.set_swap_module_params_on_conversion(True) it swapped each parameter with what fn gave, the
+    placeholder itself here, and failed ("Couldn't swap": swapio holds weak references to placeholders)."""
+    module = unit.module if unit is not None else None
+    hidden = {}
+    if module is not None:
+        for attr, kind, slot in unit.entries:
+            now = table_of(module, kind).get(attr)
+            if now is not None and (now is slot.placeholder or now is slot.stand_in):
+                hidden[kind, attr] = now
+    if not hidden:
+        return call()
+    orders = {kind: list(table_of(module, kind)) for kind, _ in hidden}
+    for kind, attr in hidden:
+        del table_of(module, kind)[attr]
+    try:
+        return call()
+    finally:
+        for kind, order in orders.items():
+            table = table_of(module, kind)
+            now = dict(table)
+            table.clear()
+            for attr in order:
+                if (kind, attr) in hidden:
+                    table[attr] = hidden[kind, attr]
+                elif attr in now:
+                    table[attr] = now.pop(attr)
+            table.update(now)  # anything added meanwhile
 
 
 def _refusal(slots, dtype, device):
@@ -55,9 +89,10 @@ def _refusal(slots, dtype, device):
 
 def install(streamer):
     """Guards the _apply of every module whose subtree holds the streamer's offloaded tensors."""
-    own = {}
+    own, unit_of = {}, {}
     for unit in streamer.units:
         own.setdefault(id(unit.module), []).extend(slot for _, _, slot in unit.entries)
+        unit_of[id(unit.module)] = unit
     below = {}
 
     def slots_under(module):
@@ -72,7 +107,7 @@ def install(streamer):
         slots = slots_under(module)
         if slots:
             mine = module.__dict__.get("_apply", _NONE)
-            module._apply = GuardedApply(streamer, slots, module._apply, mine)
+            module._apply = GuardedApply(streamer, slots, unit_of.get(id(module)), module._apply, mine)
 
 
 def uninstall(model):

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from . import onload
+from . import dora, onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
@@ -27,6 +27,7 @@ from .units import Placeholder, lost_change, set_entry
 
 _hook = None
 _with_stand_ins = weakref.WeakSet()  # streamers that have stand-ins installed: restore() skips the others at once
+_wrappers = weakref.WeakKeyDictionary()  # streamer -> the peft tuner layers that wrapped its modules since restore()
 
 
 def _stand_in(slot, device):
@@ -59,15 +60,18 @@ def _on_register(parent, name, child):
                 _with_stand_ins.add(streamer)
     if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol
         onload.attach(streamer, child, restore)
+        _wrappers.setdefault(streamer, weakref.WeakSet()).add(parent)  # (DoRA, created on the stand-ins: restore)
     return None
 
 
 def restore(streamer):
-    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a
-    stand-in changed in place meanwhile (fill_, zero_: what its one expanded element lets through), if any."""
+    """Placeholders back in place of stand-ins, with the stand-ins' requires_grad; then the RuntimeError of a peft
+    DoRA adapter created on the stand-ins (dora.py), or of a stand-in changed in place meanwhile (fill_, zero_:
+    what its one expanded element lets through), if any."""
     if streamer not in _with_stand_ins:
         return
     _with_stand_ins.discard(streamer)
+    wrappers = list(_wrappers.pop(streamer, ()))
     for unit in streamer.units:
         if unit.depth:
             continue
@@ -85,6 +89,9 @@ def restore(streamer):
             if slot.stand_in._version and changed is None:
                 changed = slot
             slot.stand_in = None
+    with_dora = next((w for w in wrappers if dora.uses_dora(w)), None)
+    if with_dora is not None:  # (first: the adapter itself is unusable)
+        raise dora.created_on_stand_ins(with_dora)
     if changed is not None:
         raise lost_change(changed)
 

@@ -12,6 +12,7 @@ import torch
 
 from .loading import unwrap_units, wrap_units
 from .no_copy import refuse_copy
+from .units import table_of
 
 # What a placeholder answers: its metadata, never values.
 _METADATA = {getattr(torch.Tensor, n).__get__ for n in ("shape", "dtype", "device", "is_meta", "ndim", "layout",
@@ -31,7 +32,9 @@ def _message(name):
             "transformers model), and a swapio optimizer's state with opt.save(dir) (opt.optimizer.save(dir) "
             "after accelerate's prepare), which load() restores, offloaded weights included. With accelerate, "
             "prepare the optimizer, scheduler and dataloaders but not the offloaded model: save_state() and "
-            "load_state() then resume it through the optimizer. Or remove_offload(model) first")
+            "load_state() then resume it through the optimizer. Or remove_offload(model) first. (accelerate's "
+            "cpu_offload, disk_offload and dispatch_model read these values too: the model is offloaded already, "
+            "by swapio)")
 
 
 class OffloadedValue(torch.Tensor):
@@ -41,7 +44,7 @@ class OffloadedValue(torch.Tensor):
 
     @staticmethod
     def of(meta, name):
-        value = torch.Tensor._make_subclass(OffloadedValue, meta.detach(), False)
+        value = torch.Tensor._make_subclass(OffloadedValue, torch.Tensor.detach(meta), False)
         value._swapio_name = name
         return value
 
@@ -60,29 +63,30 @@ class OffloadedValue(torch.Tensor):
 class GuardedSave:
     """A unit module's _save_to_state_dict while it is offloaded (see the module)."""
 
-    __slots__ = ("names", "inner", "own")
+    __slots__ = ("unit", "inner", "own")
 
-    def __init__(self, names, inner, own):
-        self.names, self.inner, self.own = names, inner, own  # names: {attribute: its name in the offloaded model}
+    def __init__(self, unit, inner, own):
+        self.unit, self.inner, self.own = unit, inner, own
 
     def __call__(self, destination, prefix, keep_vars):
         self.inner(destination, prefix, keep_vars)
         if keep_vars:
             return
-        for attr, name in self.names.items():
-            value = destination.get(prefix + attr)
-            if isinstance(value, torch.Tensor) and value.is_meta and not isinstance(value, OffloadedValue):
-                destination[prefix + attr] = OffloadedValue.of(value, name)
+        unit = self.unit
+        for attr, kind, slot in unit.entries:
+            # what stands for the weight, not its value: the placeholder, or a stand-in (NaN, on the execution
+            # device) of a module just wrapped (grafting.py); a weight fetched inside a forward keeps its value
+            now = table_of(unit.module, kind).get(attr)
+            if prefix + attr in destination and now is not None and (now is slot.placeholder or now is slot.stand_in):
+                name = f"{unit.name}.{attr}" if unit.name else attr
+                destination[prefix + attr] = OffloadedValue.of(slot.placeholder, name)
 
     def __reduce_ex__(self, protocol):
         refuse_copy()
 
 
 def install(streamer):
-    def guard(unit, inner, own):
-        return GuardedSave({attr: f"{unit.name}.{attr}" if unit.name else attr for attr, _, _ in unit.entries},
-                           inner, own)
-    wrap_units(streamer, "_save_to_state_dict", guard)
+    wrap_units(streamer, "_save_to_state_dict", GuardedSave)
 
 
 def uninstall(streamer):

@@ -19,7 +19,7 @@ from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
+from .units import check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -138,6 +138,8 @@ class WeightStreamer:
 
     def enter(self, unit):
         """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
+        if not unit.depth:  # before depth counts it: leave() then puts nothing back (a weight taken out stays out)
+            check_entries((unit,), forward=True)
         unit.depth += 1
         if unit.depth > 1:
             return

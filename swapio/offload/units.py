@@ -21,22 +21,43 @@ class Placeholder(torch.nn.Parameter):
 
     @property  # type: ignore[override]
     def data(self):
-        return self.detach()
+        return torch.Tensor.detach(self)  # a plain tensor (as torch's), sharing the version counter (unlike torch's)
 
     @data.setter
     def data(self, value):
+        if not self.is_meta and _holds_only_stand_in_values(self, value):
+            return  # a stand-in given its own values again (transformers' tie_weights pads a bias by nothing)
         if not (isinstance(value, torch.Tensor) and value.device == self.device and value.shape == self.shape
                 and value.dtype == self.dtype and value.data_ptr() == self.data_ptr()):
+            converted = isinstance(value, torch.Tensor) and value.dtype != self.dtype
             raise RuntimeError(  # (torch's _apply assigns the placeholder itself: a no-op, allowed)
                 "this parameter is offloaded by swapio: between forwards it holds no values, and assigning "
-                f"its .data a tensor ({_describe(value)}) would not change the weight. " + CHANGE_WEIGHTS)
+                f"its .data a tensor ({_describe(value)}) would not change the weight. "
+                + (f"Its weights stay {self.dtype} in swapio's storage: offload the model in the dtype wanted "
+                   "(peft's prepare_model_for_kbit_training casts fp16/bf16 weights to float32 so: offload a float32 "
+                   "model, or freeze the weights yourself instead). " if converted else "") + CHANGE_WEIGHTS)
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+
+    def detach(self):
+        """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
+        parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""
+        return torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
 
 
 CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again. "
                   "peft's merge_adapter, unmerge_adapter and merge_and_unload bring an offloaded base layer's "
                   "weights in and write them back; a merged peft model run with its adapters disabled unmerges "
                   "inside its forward, which they cannot: call unmerge_adapter() first")
+
+
+def _holds_only_stand_in_values(stand_in, value):
+    """Whether `value` is like the stand-in and holds only what it holds (grafting.py: NaN, or 0 for integers)."""
+    if not (isinstance(value, torch.Tensor) and value.device == stand_in.device and value.shape == stand_in.shape
+            and value.dtype == stand_in.dtype):
+        return False
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return bool(value.isnan().all())
+    return not bool(value.any())
 
 
 def _describe(value):
@@ -172,6 +193,29 @@ def check_placeholders(slots):
         if slot.placeholder._version != slot.version:
             slot.version = slot.placeholder._version
             raise lost_change(slot)
+
+
+def check_entries(units, forward=False):
+    """RuntimeError naming the first offloaded attribute assigned another tensor since the last check (accelerate's
+    set_module_tensor_to_device, `module.weight = nn.Parameter(x)`) or taken out of its module (weight_norm and
+    parametrize move it into a parametrization): a forward would put fetched weights, then the placeholder, in its
+    place, dropping the change without a word. Raised once: the placeholder goes back, the weight is as it was;
+    except, at a `forward`, for one taken out, whose module no longer reads that attribute: raised at each forward
+    (remove_offload puts it back). Stand-ins (grafting.py) are swapio's own."""
+    for unit in units:
+        module = unit.module
+        for attr, kind, slot in unit.entries:
+            now = table_of(module, kind).get(attr)
+            if now is slot.placeholder or (now is slot.stand_in and now is not None):
+                continue
+            if now is not None or not forward:
+                set_entry(module, attr, kind, slot.placeholder)
+            how = (f"taken out of its module (`del module.{attr}`, torch's weight_norm or parametrize)" if now is None
+                   else f"replaced between forwards (assigned {_describe(now)}: `module.{attr} = ...`, accelerate's "
+                   "set_module_tensor_to_device)")
+            raise RuntimeError(f"{slot.name} is offloaded by swapio and was {how}: swapio streams its stored weight "
+                               "into that attribute, so the change is lost and the weight is as it was. "
+                               + CHANGE_WEIGHTS)
 
 
 def lost_change(slot):

@@ -125,3 +125,27 @@ def test_a_meta_input_to_an_offloaded_submodule_is_refused(tmp_path):
         net[1](torch.randn(3, 4, device="meta"))
     assert net(torch.ones(1, 4)).shape == (1, 2)
     remove_offload(net)
+
+
+@pytest.mark.parametrize("kind", ["disk", "cpu"])
+def test_resize_token_embeddings_of_offloaded_embeddings_says_what_to_do(tmp_path, kind):
+    """transformers builds the new embedding from the old one's values, a meta placeholder between forwards: it
+    failed with torch's "Tensor.item() cannot be called on meta tensors". Refused before anything changed; with
+    both embeddings resident (keep_resident) it resizes as the resident model does."""
+    from helpers import hf_tiny
+    ref = hf_tiny.resident("llama")
+    offload = (lambda m, **kw: disk_offload(m, tmp_path / "od", **kw)) if kind == "disk" else cpu_offload
+    model = offload(hf_tiny.resident("llama"))
+    with pytest.raises(RuntimeError, match=r"resize_token_embeddings of a model offloaded by swapio: its input "
+                                           r"embedding's weight is offloaded.*keep_resident"):
+        model.resize_token_embeddings(hf_tiny.VOCAB + 8)
+    assert torch.equal(hf_tiny.run(model)[0], hf_tiny.run(ref)[0])
+    remove_offload(model)
+    kept = offload(hf_tiny.resident("llama"), keep_resident=["model.embed_tokens", "lm_head"])
+    ref.resize_token_embeddings(hf_tiny.VOCAB + 8, mean_resizing=False)
+    kept.resize_token_embeddings(hf_tiny.VOCAB + 8, mean_resizing=False)
+    ids = hf_tiny.inputs()
+    with torch.no_grad():
+        got, want = kept(ids).logits, ref(ids).logits
+    assert got.shape == want.shape == (*ids.shape, hf_tiny.VOCAB + 8)
+    assert torch.equal(got[..., :hf_tiny.VOCAB], want[..., :hf_tiny.VOCAB])  # the new rows are drawn at random

@@ -142,3 +142,24 @@ def test_adapter_save_pretrained_on_an_offloaded_base(checkpoints, tmp_path, how
     got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("got", "want"))
     assert sorted(got) == sorted(want) and want
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_adapter_save_with_embedding_layers_refuses_the_base_embeddings(tmp_path, forward_first):
+    """LoRA on the embeddings: peft's save_pretrained saves the base embedding weights too (save_embedding_layers
+    "auto"), read from state_dict(). Right after get_peft_model they were the stand-ins, written as NaN without a
+    word; now a RuntimeError naming the weight, as after a forward. save_embedding_layers=False saves the adapter."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    config = dict(r=4, target_modules=["q_proj", "embed_tokens"], init_lora_weights="gaussian")
+    torch.manual_seed(3)
+    want = peft.get_peft_model(hf_tiny.resident("llama"), peft.LoraConfig(**config))
+    torch.manual_seed(3)
+    model = peft.get_peft_model(cpu_offload(hf_tiny.resident("llama")), peft.LoraConfig(**config))
+    if forward_first:
+        hf_tiny.run(model)
+    with pytest.raises(RuntimeError, match=r"embed_tokens\.weight is offloaded by swapio"):
+        model.save_pretrained(tmp_path / "a")
+    model.save_pretrained(tmp_path / "b", save_embedding_layers=False)
+    saved = safetensors_torch.load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    expected = peft.get_peft_model_state_dict(want, save_embedding_layers=False)
+    assert sorted(saved) == sorted(expected) and all(torch.equal(saved[k], v) for k, v in expected.items())

@@ -61,3 +61,40 @@ def test_safetensors_save_file_of_a_transformers_model(tmp_path):
     disk_offload(gpt, offload_dir=tmp_path / "od")
     with pytest.raises(RuntimeError, match="is offloaded by swapio(.|\n)*" + SAVES):
         safetensors_torch.save_file(gpt.state_dict(), str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", list(OFFLOADS))
+def test_state_dict_of_a_model_just_wrapped_refuses_the_stand_ins(kind, tmp_path):
+    """A model put under a module outside it (peft's get_peft_model) shows stand-ins until its next forward (one
+    expanded NaN element, not on meta): state_dict() gave them as values, and torch.save wrote NaN weights."""
+    resident = _net().state_dict()
+    net = OFFLOADS[kind](_net(), tmp_path)
+    outer = torch.nn.Module()
+    outer.inner = net
+    assert net[0].weight.device.type == "cpu"  # a stand-in
+    sd = outer.state_dict()
+    assert [(k, v.shape, v.dtype) for k, v in sd.items()] == [
+        ("inner." + k, v.shape, v.dtype) for k, v in resident.items()]
+    with pytest.raises(RuntimeError, match="0.weight is offloaded by swapio(.|\n)*" + SAVES):
+        torch.save(sd, str(tmp_path / "all.pt"))
+    with pytest.raises(RuntimeError, match="2.bias is offloaded by swapio"):
+        sd["inner.2.bias"].clone()
+    assert all(isinstance(v, torch.nn.Parameter) for v in outer.state_dict(keep_vars=True).values())
+
+
+@pytest.mark.parametrize("call", ["cpu_offload", "dispatch_model"])
+def test_accelerate_offloading_an_offloaded_model_says_it_is_offloaded(tmp_path, call):
+    """accelerate's cpu_offload and dispatch_model (with disk entries) read state_dict() values first: the error
+    said only what saves a model; it now says the model is offloaded already. The model is left working."""
+    accelerate = pytest.importorskip("accelerate")
+    x = torch.randn(2, 8)
+    want = _net()(x)
+    net = cpu_offload(_net())
+    with pytest.raises(RuntimeError, match=r"0.weight is offloaded by swapio(.|\n)*dispatch_model read these values "
+                                           r"too: the model is offloaded already"):
+        if call == "cpu_offload":
+            accelerate.cpu_offload(net, execution_device="cpu")
+        else:
+            accelerate.dispatch_model(net, device_map={"0": "disk", "1": "cpu", "2": "cpu"}, offload_dir=tmp_path)
+    assert not any(hasattr(m, "_hf_hook") for m in net.modules())
+    assert torch.equal(net(x), want)
