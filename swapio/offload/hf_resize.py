@@ -8,7 +8,7 @@ embedding it resizes is offloaded; transformers' own where both are resident (ke
 """
 import weakref
 
-from .hf_model import is_transformers_model
+from .hf_model import install_method, uninstall_method
 from .no_copy import refuse_copy
 from .units import Placeholder
 
@@ -38,10 +38,8 @@ class ResizeTokenEmbeddings:
 
 
 def install(model):
-    if is_transformers_model(model) and "resize_token_embeddings" not in model.__dict__:
-        model.resize_token_embeddings = ResizeTokenEmbeddings(model)
+    install_method(model, "resize_token_embeddings", ResizeTokenEmbeddings)
 
 
 def uninstall(model):
-    if isinstance(model.__dict__.get("resize_token_embeddings"), ResizeTokenEmbeddings):
-        del model.__dict__["resize_token_embeddings"]
+    uninstall_method(model, "resize_token_embeddings", ResizeTokenEmbeddings)

@@ -9,7 +9,7 @@ cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refu
 import weakref
 
 from .export import save_checkpoint
-from .hf_model import is_transformers_model
+from .hf_model import install_method, uninstall_method
 from .no_copy import refuse_copy
 
 _ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
@@ -47,10 +47,8 @@ class SavePretrained:
 
 
 def install(model):
-    if is_transformers_model(model) and "save_pretrained" not in model.__dict__:
-        model.save_pretrained = SavePretrained(model)
+    install_method(model, "save_pretrained", SavePretrained)
 
 
 def uninstall(model):
-    if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
-        del model.__dict__["save_pretrained"]
+    uninstall_method(model, "save_pretrained", SavePretrained)

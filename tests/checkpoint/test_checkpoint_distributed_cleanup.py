@@ -12,20 +12,12 @@ import torch
 
 import swapio
 from helpers.checkpoint import assert_same
-from helpers.distributed import group_of_one
+from helpers.distributed import INDEX, group_of_one, numbered_state as _state, one_rank  # noqa: F401 (a fixture)
 
-INDEX = "swapio-checkpoint.json"
+
 STALE_ID = "00000000000000aa"
 
 
-def _state(k):
-    return {"w": torch.full((50, 3), float(k)), "k": k}
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    with group_of_one(tmp_path / "store"):
-        yield
 
 
 def _committed(path):

@@ -9,23 +9,10 @@ import os
 import stat
 
 import pytest
-import torch
 
 import swapio
 from helpers.checkpoint import assert_same
-from helpers.distributed import group_of_one
-
-INDEX = "swapio-checkpoint.json"
-
-
-def _state(k):
-    return {"w": torch.full((50, 3), float(k)), "k": k}
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    with group_of_one(tmp_path / "store"):
-        yield
+from helpers.distributed import INDEX, numbered_state as _state, one_rank  # noqa: F401 (a fixture)
 
 
 def _while_saving(monkeypatch, obj, attr, other):

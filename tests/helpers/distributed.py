@@ -3,6 +3,7 @@ import contextlib
 import datetime
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,3 +53,18 @@ def group_of_one(store):
         yield
     finally:
         dist.destroy_process_group()
+
+
+INDEX = "swapio-checkpoint.json"  # a sharded checkpoint's index
+
+
+def numbered_state(k):
+    """A small state whose values say which save wrote it."""
+    return {"w": torch.full((50, 3), float(k)), "k": k}
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A test inside a gloo group of one rank (import it into the test module to use it)."""
+    with group_of_one(tmp_path / "store"):
+        yield
