@@ -1,5 +1,8 @@
-"""Whether a model is a transformers PreTrainedModel, without importing transformers; and the per-model method
-overrides (hf_save.py, hf_resize.py) set in its instance __dict__ while it is offloaded."""
+"""Whether a model is a transformers PreTrainedModel, without importing transformers; and ModelMethod, the base of
+the per-model method overrides (hf_save.py, hf_resize.py) set in its instance __dict__ while it is offloaded."""
+import weakref
+
+from .no_copy import refuse_copy
 
 
 def is_transformers_model(model):
@@ -7,13 +10,26 @@ def is_transformers_model(model):
                for c in type(model).__mro__)
 
 
-def install_method(model, name, cls):
-    """model.<name> = cls(model) on a transformers model, unless its instance already has its own."""
-    if is_transformers_model(model) and name not in model.__dict__:
-        setattr(model, name, cls(model))
+class ModelMethod:
+    """model.<NAME> while the model is offloaded: a subclass defines NAME and __call__ (self.model() is the model,
+    held weakly). install() sets it on a transformers model unless its instance has its own; uninstall() takes
+    back only what install() set."""
 
+    __slots__ = ("model",)
+    NAME = ""
 
-def uninstall_method(model, name, cls):
-    """Takes back what install_method set (an instance of cls), nothing else."""
-    if isinstance(model.__dict__.get(name), cls):
-        del model.__dict__[name]
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy()
+
+    @classmethod
+    def install(cls, model):
+        if is_transformers_model(model) and cls.NAME not in model.__dict__:
+            setattr(model, cls.NAME, cls(model))
+
+    @classmethod
+    def uninstall(cls, model):
+        if isinstance(model.__dict__.get(cls.NAME), cls):
+            del model.__dict__[cls.NAME]

@@ -6,20 +6,15 @@ cannot be called on meta tensors", which names neither cause nor cure. While a m
 resize_token_embeddings is this one: a RuntimeError saying what to do, before anything changed, where an
 embedding it resizes is offloaded; transformers' own where both are resident (keep_resident).
 """
-import weakref
-
-from .hf_model import install_method, uninstall_method
-from .no_copy import refuse_copy
+from .hf_model import ModelMethod
 from .units import Placeholder
 
 
-class ResizeTokenEmbeddings:
+class ResizeTokenEmbeddings(ModelMethod):
     """The offloaded model's resize_token_embeddings (see the module)."""
 
-    __slots__ = ("model",)
-
-    def __init__(self, model):
-        self.model = weakref.ref(model)
+    __slots__ = ()
+    NAME = "resize_token_embeddings"
 
     def __call__(self, *args, **kwargs):
         model = self.model()
@@ -33,13 +28,5 @@ class ResizeTokenEmbeddings:
                     "(keep_resident=[...] their module names)")
         return type(model).resize_token_embeddings(model, *args, **kwargs)
 
-    def __reduce_ex__(self, protocol):
-        refuse_copy()
 
-
-def install(model):
-    install_method(model, "resize_token_embeddings", ResizeTokenEmbeddings)
-
-
-def uninstall(model):
-    uninstall_method(model, "resize_token_embeddings", ResizeTokenEmbeddings)
+install, uninstall = ResizeTokenEmbeddings.install, ResizeTokenEmbeddings.uninstall

@@ -6,22 +6,17 @@ offloaded, its save_pretrained is this one: save_checkpoint (shards and index, s
 also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back. What it
 cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
 """
-import weakref
-
 from .export import save_checkpoint
-from .hf_model import install_method, uninstall_method
-from .no_copy import refuse_copy
+from .hf_model import ModelMethod
 
 _ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
 
 
-class SavePretrained:
+class SavePretrained(ModelMethod):
     """The offloaded model's save_pretrained (see the module)."""
 
-    __slots__ = ("model",)
-
-    def __init__(self, model):
-        self.model = weakref.ref(model)
+    __slots__ = ()
+    NAME = "save_pretrained"
 
     def __call__(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False,
                  max_shard_size="50GB", variant=None, **kwargs):
@@ -42,13 +37,5 @@ class SavePretrained:
         if is_main_process:
             save_checkpoint(self.model(), save_directory, max_shard_size=max_shard_size)
 
-    def __reduce_ex__(self, protocol):
-        refuse_copy()
 
-
-def install(model):
-    install_method(model, "save_pretrained", SavePretrained)
-
-
-def uninstall(model):
-    uninstall_method(model, "save_pretrained", SavePretrained)
+install, uninstall = SavePretrained.install, SavePretrained.uninstall
