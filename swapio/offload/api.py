@@ -20,7 +20,7 @@ from .prepare import buffer_owners_outside, compute_buffers, retie
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
-from .units import check_entries, check_placeholders, collect, get_entry, set_entry, table_of, trainable_modules
+from .units import check_unchanged, collect, get_entry, set_entry, table_of, trainable_modules
 
 
 
@@ -399,8 +399,7 @@ def remove_offload(model):
         owner.remove()
         return model
     owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
-    check_entries(owner.units)  # so is a weight replaced
-    check_placeholders(owner.slots)  # a change in place lost between forwards is said before the model goes resident
+    check_unchanged(owner.units)  # a weight replaced, or changed in place and lost, is said before it goes resident
     resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
     try:
         owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back

@@ -35,7 +35,7 @@ from .export_tensors import Reader, items
 from .hf_model import is_transformers_model
 from .registry import offloaded
 from .streamer import WeightStreamer
-from .units import check_entries, check_placeholders
+from .units import check_unchanged
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}(?:\.swapio-[0-9a-f]{8})?\.safetensors")  # with the tag of _publish
@@ -123,8 +123,7 @@ def save_checkpoint(model, path, max_shard_size=None):
     _refuse_own_source(streamer, path, single)
     if streamer is not None:
         streamer.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
-        check_entries(streamer.units)  # so is a weight replaced
-        check_placeholders(streamer.slots)  # a change in place that was lost is said, not saved as if made
+        check_unchanged(streamer.units)  # a weight replaced, or changed in place and lost, is said, not saved
     stored = items(model, streamer)
     groups = [stored] if single else _shards(stored, limit or DEFAULT_SHARD)
     finals = [path] if single else [os.path.join(path, SHARD.format(i + 1, len(groups))) for i in range(len(groups))]

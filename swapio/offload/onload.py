@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from .no_copy import refuse_copy
-from .units import check_entries, check_placeholders, get_entry, set_entry
+from .units import check_unchanged, get_entry, set_entry
 from .weight_store import current_value
 
 ACTIONS = ("peft's merge_and_unload, merge_adapter, unmerge_adapter and unload (and accelerate's "
@@ -62,8 +62,7 @@ class _Onload:
             _check_writable(streamer, slots)
             self._before(streamer)  # stand-ins (grafting.py) give way to the placeholders first
             streamer.training.settle()
-            check_entries((unit,))
-            check_placeholders(slots)
+            check_unchanged((unit,))
             device = torch.device(self.execution_device) if self.execution_device is not None else streamer.device
             values = {}
             for slot in slots:

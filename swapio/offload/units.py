@@ -218,6 +218,14 @@ def check_entries(units, forward=False):
                                + CHANGE_WEIGHTS)
 
 
+def check_unchanged(units):
+    """check_entries, then check_placeholders, over these units' weights: before what the model holds is read
+    (save_checkpoint, remove_offload) or brought in to be changed (peft's merges)."""
+    units = tuple(units)
+    check_entries(units)
+    check_placeholders(slot for unit in units for _, _, slot in unit.entries)
+
+
 def lost_change(slot):
     """The RuntimeError of a change in place made to what stands for an offloaded weight between forwards."""
     return RuntimeError(
