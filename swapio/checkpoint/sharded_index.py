@@ -15,7 +15,6 @@ import json
 import os
 import re
 import secrets
-import stat
 
 from ..core import _durable
 from ..core._owned_fd import OwnedFd
@@ -50,9 +49,7 @@ def exists(path):
 def _read_regular(path, limit):
     """Up to limit bytes of the regular file at path; ValueError for anything else (a FIFO opened without blocking,
     a directory, a device)."""
-    with OwnedFd.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
-        if not stat.S_ISREG(os.fstat(owned.fileno()).st_mode):
-            raise ValueError(f"{path}: not a regular file, so not a swapio sharded checkpoint index")
+    with OwnedFd.open_regular(path, "a swapio sharded checkpoint index") as owned:
         chunks, left = [], limit
         while left > 0:
             chunk = os.read(owned.fileno(), left)

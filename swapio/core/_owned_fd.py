@@ -19,6 +19,7 @@ Nothing else closes the number: a caller that needs it borrows it with fileno() 
 import collections
 import functools
 import os
+import stat
 
 _KEY = ("fd",)
 
@@ -37,6 +38,22 @@ class OwnedFd:
         """os.open(path, flags, mode), owned from the moment it returns; its OSError as it is."""
         owned = cls()
         owned._held.update(zip(_KEY, map(os.open, (path,), (flags,), (mode,))))
+        return owned
+
+    @classmethod
+    def open_regular(cls, path, what, nofollow=False):
+        """The regular file at path, read-only, opened without blocking (a FIFO in its place would block the open
+        or the reads); ValueError naming what is there instead ("<path> is a FIFO, not <what>"), OSError of the
+        open (with nofollow, ELOOP for a symlink)."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
+        owned = cls.open(path, flags)
+        try:
+            mode = os.fstat(owned.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{path} is {file_kind(mode)}, not {what}")
+        except BaseException:
+            owned.close()
+            raise
         return owned
 
     def fileno(self):
@@ -69,3 +86,10 @@ class OwnedFd:
 
     def __repr__(self):
         return f"OwnedFd({self._held.get('fd', 'closed')})"
+
+
+def file_kind(mode):
+    """What a file of this st_mode is, in words, for an error."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")

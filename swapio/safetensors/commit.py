@@ -18,7 +18,6 @@ import errno
 import fcntl
 import os
 import secrets
-import stat
 import threading
 
 from ..core import _durable
@@ -82,13 +81,9 @@ def reclaim(directory):
 def _open_quietly(path):
     """A read-only OwnedFd of the regular file at path, or None (none there, a symlink, unreadable)."""
     try:
-        owned = OwnedFd.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        return OwnedFd.open_regular(path, "a checkpoint file", nofollow=True)
+    except (OSError, ValueError):
         return None
-    if not stat.S_ISREG(os.fstat(owned.fileno()).st_mode):
-        owned.close()
-        return None
-    return owned
 
 
 def _close_on_helper(replaced):

@@ -387,8 +387,9 @@ def test_a_sharded_index_naming_other_files_than_a_save_writes_is_refused(tmp_pa
 
 
 @pytest.mark.parametrize("make, error, match", [
-    (os.mkfifo, ValueError, "not a regular file"),  # opened without blocking: a FIFO waits for a writer
-    (os.mkdir, ValueError, "not a regular file"),
+    # opened without blocking: a FIFO waits for a writer
+    (os.mkfifo, ValueError, "is a FIFO, not a swapio sharded checkpoint index"),
+    (os.mkdir, ValueError, "is a directory, not a swapio sharded checkpoint index"),
     (lambda p: os.symlink(str(p) + ".gone", p), FileNotFoundError, "No such file"),
 ], ids=["fifo", "directory", "dangling-link"])
 def test_a_sharded_index_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, make, error, match):

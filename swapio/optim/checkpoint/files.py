@@ -4,18 +4,13 @@ import errno
 import os
 import stat
 
+from ...core._owned_fd import file_kind
+
 FILE = "swapio-optim.safetensors"
 FORMAT = "swapio.optim.checkpoint"
 VERSION = 4  # 2: checksums; 3: state_dtype (bf16/int8 arrays); 4: one safetensors file
 LEGACY_META = "swapio-optim.pt"  # versions <= 3: this metadata and a swapio-optim-<hex>.bin, read only
 LEGACY = (("swapio-optim-", (".bin", ".bin.tmp")), (f".{LEGACY_META}.", (".tmp",)))  # (prefix, suffixes)
-
-
-def kind(mode):
-    """What a file of this st_mode is, in words, for an error."""
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
-            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
-            "not a regular file")
 
 
 def regular(where):
@@ -29,5 +24,5 @@ def regular(where):
                 from None
         return False
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{where} is {kind(mode)}, not a checkpoint file")
+        raise ValueError(f"{where} is {file_kind(mode)}, not a checkpoint file")
     return True
