@@ -1,0 +1,120 @@
+"""A Ctrl-C (or SystemExit) that lands while a future settles is the caller's, never the operation's outcome: it
+propagates from wait()/result()/exception() at once, and the future is left so that the next call tells the truth.
+The signal is simulated where it lands: a native result() that raises it (a signal right after the native call
+returned, before its value was kept), or a `then` step that raises it or raises SIGINT itself."""
+import signal
+
+import pytest
+import torch
+
+from swapio.core.futures import Future
+
+INTERRUPTS = [KeyboardInterrupt, SystemExit]
+
+
+class Finished:
+    """A native request that has finished with `value`; its result() raises `interrupt` the first time (the
+    signal landing just as the native call returned). Its result can be taken again, as a native one's."""
+
+    def __init__(self, value=8, interrupt=None):
+        self.value, self.interrupt, self.results = value, interrupt, 0
+
+    def wait(self, timeout=None):
+        return True
+
+    def done(self):
+        return True
+
+    def result(self):
+        self.results += 1
+        if self.interrupt is not None:
+            interrupt, self.interrupt = self.interrupt, None
+            raise interrupt()
+        return self.value
+
+
+class Steps:
+    """A `then` (value -> value + 1) whose first call raises `interrupt` halfway, and an `undo` that records."""
+
+    def __init__(self, interrupt=None):
+        self.interrupt, self.thens, self.undone = interrupt, 0, []
+
+    def then(self, value):
+        self.thens += 1
+        if self.interrupt is not None:
+            interrupt, self.interrupt = self.interrupt, None
+            raise interrupt()
+        return value + 1
+
+    def undo(self, exc):
+        self.undone.append(exc)
+
+
+@pytest.mark.parametrize("interrupt", INTERRUPTS)
+@pytest.mark.parametrize("ask", ["exception", "wait"])
+def test_interrupt_inside_then_propagates_and_the_future_fails_saying_so(interrupt, ask):
+    steps = Steps(interrupt)
+    f = Future(Finished(), then=steps.then, undo=steps.undo)
+    with pytest.raises(interrupt):
+        getattr(f, ask)()  # the user's Ctrl-C reaches them, not stored as the operation's outcome
+    # `then` may have done half its work: the future has failed, undo ran once, and every later call says why
+    assert f.done() and steps.thens == 1 and len(steps.undone) == 1
+    with pytest.raises(RuntimeError, match="interrupted") as info:
+        f.wait()
+    assert isinstance(info.value.__cause__, interrupt)
+    assert f.exception() is info.value and steps.undone == [info.value]
+    assert steps.thens == 1  # never run again on a half-finished step
+
+
+@pytest.mark.parametrize("interrupt", INTERRUPTS)
+@pytest.mark.parametrize("ask", ["exception", "wait"])
+def test_interrupt_before_the_result_is_kept_propagates_and_the_next_wait_settles(interrupt, ask):
+    steps = Steps()
+    request = Finished(value=8, interrupt=interrupt)
+    f = Future(request, then=steps.then, undo=steps.undo)
+    with pytest.raises(interrupt):
+        getattr(f, ask)()
+    assert steps.thens == 0 and steps.undone == []  # nothing was done with the result yet
+    assert f.wait() == 9  # settled from the request again: the operation itself succeeded
+    assert f.exception() is None and steps.thens == 1 and request.results == 2
+
+
+def test_interrupt_of_a_plain_future_leaves_it_to_settle_normally():
+    request = Finished(value=5, interrupt=KeyboardInterrupt)
+    f = Future(request)
+    with pytest.raises(KeyboardInterrupt):
+        f.exception()
+    assert f.exception() is None and f.wait() == 5
+
+
+def test_errors_stay_the_operations_outcome():
+    def broken(value):
+        raise ValueError("bad bytes")
+
+    undone = []
+    f = Future(Finished(), then=broken, undo=undone.append)
+    assert isinstance(f.exception(), ValueError)
+    with pytest.raises(ValueError, match="bad bytes"):
+        f.wait()
+    assert len(undone) == 1
+
+
+@pytest.mark.parametrize("ask", ["exception", "wait"])
+def test_a_real_sigint_inside_then_of_a_real_read_reaches_the_caller(handle_factory, tmp_path, ask):
+    h = handle_factory()
+    data = torch.arange(4096, dtype=torch.uint8)
+    h.pwrite(data, tmp_path / "f.bin").wait()
+    out = torch.empty_like(data)
+    undone = []
+
+    def then(n):
+        signal.raise_signal(signal.SIGINT)  # Python runs the handler (KeyboardInterrupt) right here
+        return n
+
+    f = h.pread(out, tmp_path / "f.bin")._chain(then, undone.append)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(f, ask)()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        f.wait()
+    assert len(undone) == 1
+    assert torch.equal(out, data)  # the read itself finished; only its follow-up step was cut
