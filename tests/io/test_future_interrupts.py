@@ -118,3 +118,49 @@ def test_a_real_sigint_inside_then_of_a_real_read_reaches_the_caller(handle_fact
         f.wait()
     assert len(undone) == 1
     assert torch.equal(out, data)  # the read itself finished; only its follow-up step was cut
+
+
+def test_ctrl_c_while_a_handle_collects_finished_requests_reaches_the_caller(handle_factory, tmp_path):
+    """pwrite collects the finished futures it tracks (once enough are pending): a Ctrl-C landing there used to be
+    kept as that write's failure, and pwrite returned as if nothing had happened."""
+    h = handle_factory()
+    data = torch.arange(4096, dtype=torch.uint8)
+    first = h.pwrite(data, tmp_path / "a.bin")
+    assert first._request.wait(None)  # finished, not yet collected
+    first._request = Finished(value=first._request.result(), interrupt=KeyboardInterrupt)
+    h._prune_at = len(h._pending) + 1  # the next pwrite collects the finished ones
+    with pytest.raises(KeyboardInterrupt):
+        h.pwrite(data, tmp_path / "b.bin")
+    assert h.wait() == 2 * data.numel()  # both writes counted (the second was submitted before the Ctrl-C)
+    assert first.wait() == data.numel()
+    assert (tmp_path / "b.bin").read_bytes() == bytes(data.tolist())
+
+
+def test_ctrl_c_in_a_verified_swap_in_reaches_the_caller_and_swap_in_can_be_called_again(tmp_path, monkeypatch):
+    """The checksum check of a verified swap_in runs as the read's `then`: interrupted there, the swap_in fails
+    saying so (the source stays released, as after a failed read) and a second swap_in brings the bytes back."""
+    import swapio
+    from swapio.core import _checksum
+
+    store = swapio.SwapStore(tmp_path / "swap", verify=True)
+    t = torch.randn(1000)
+    want = t.clone()
+    swapped = store.swap_out(t).wait()
+    assert not swapped.is_resident
+    real, calls = _checksum.digest, []
+
+    def digest(tensor):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(tensor)
+
+    monkeypatch.setattr(_checksum, "digest", digest)
+    f = swapped.swap_in()
+    with pytest.raises(KeyboardInterrupt):
+        f.exception()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        f.wait()
+    assert not swapped.is_resident
+    assert torch.equal(swapped.swap_in().wait(), want) and swapped.is_resident
+    store.close()
