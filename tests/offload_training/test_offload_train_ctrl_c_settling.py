@@ -74,3 +74,37 @@ def test_ctrl_c_collecting_a_weight_write_reaches_the_user_and_training_goes_on(
         assert opt.param_value(p).equal(want[1][name]), name
     opt.close()
     remove_offload(model)
+
+
+def test_ctrl_c_while_close_waits_for_the_in_backward_worker_is_raised_after_the_cleanup(tmp_path, monkeypatch):
+    """close() waits for the in_backward worker's updates: a Ctrl-C during that wait was swallowed (close went on
+    and returned as if nothing had happened). It reaches the user once the optimizer is closed: the worker's
+    thread ended, the swap directory gone, the weights free for another optimizer."""
+    from swapio.optim.worker import UpdateWorker
+
+    data = batches(MLP, 2)
+    model = offload(make_model(), "disk", str(tmp_path / "run"))
+    opt = build_opt("AdamW", model.parameters(), str(tmp_path / "s"), offload="nvme", in_backward=True)
+    train(model, opt, data[:1])
+    swap, worker = opt.swap_path, opt._offloaded.worker
+    assert os.path.isdir(swap) and worker.executor is not None
+    real, calls = UpdateWorker.idle, []
+
+    def idle(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(UpdateWorker, "idle", idle)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        opt.close()
+    # (checked while the exception, and so close()'s frame, lives: its clean-up is done, not left to a finalizer)
+    assert worker.executor is None and not os.path.exists(swap)
+    del interrupted
+    again = build_opt("AdamW", model.parameters(), str(tmp_path / "s2"), offload="nvme", in_backward=True)
+    train(model, again, data[1:])  # the closed optimizer let go of the model's weights
+    again.close()
+    opt.close()  # idempotent
+    remove_offload(model)
+    assert model(data[0][0]).shape == data[0][1].shape
