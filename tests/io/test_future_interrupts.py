@@ -164,3 +164,22 @@ def test_ctrl_c_in_a_verified_swap_in_reaches_the_caller_and_swap_in_can_be_call
     assert not swapped.is_resident
     assert torch.equal(swapped.swap_in().wait(), want) and swapped.is_resident
     store.close()
+
+
+def test_ctrl_c_in_swapstore_remove_reaches_the_caller_after_the_file_is_removed(tmp_path, monkeypatch):
+    """remove() ignores the error of a write whose caller has already seen it; a Ctrl-C landing in remove()'s wait
+    for that write was ignored with it."""
+    import swapio
+
+    store = swapio.SwapStore(tmp_path / "swap")
+    swapped = store.swap_out(torch.randn(100)).wait()  # its outcome seen
+    path = swapped.path
+
+    def wait(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swapio.SwappedTensor, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        store.remove(swapped)
+    assert swapped.name not in store and not (tmp_path / "swap" / path).exists()
+    store.close()
