@@ -191,9 +191,15 @@ class AioHandle(Closeable):
         native = getattr(self, "_native", None)
         if native is not None and not native.closed:
             native.close()
+            interrupted: Optional[BaseException] = None
             with self._lock:
                 for f in self._pending:
-                    f._settle()  # every request is finished now: drop the memory they hold
+                    try:
+                        f._settle()  # every request is finished now: drop the memory they hold
+                    except BaseException as exc:  # noqa: BLE001 - Ctrl-C: raised once the others let go too
+                        interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
 
     @property
     def closed(self) -> bool:

@@ -183,3 +183,18 @@ def test_ctrl_c_in_swapstore_remove_reaches_the_caller_after_the_file_is_removed
         store.remove(swapped)
     assert swapped.name not in store and not (tmp_path / "swap" / path).exists()
     store.close()
+
+
+def test_ctrl_c_while_a_handle_closes_is_raised_once_every_request_let_go_of_its_memory(handle_factory, tmp_path):
+    """close() settles every finished request so that none keeps the caller's memory: a Ctrl-C landing there is
+    raised after all of them did (it used to be kept as one write's failure, and close() returned)."""
+    h = handle_factory()
+    data = [torch.full((4096,), i, dtype=torch.uint8) for i in range(3)]
+    futures = [h.pwrite(d, tmp_path / f"{i}.bin") for i, d in enumerate(data)]
+    assert futures[0]._request.wait(None)
+    futures[0]._request = Finished(value=futures[0]._request.result(), interrupt=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        h.close()
+    assert h.closed
+    assert all(f._keepalive is None for f in futures[1:])  # settled: the memory is the caller's again
+    assert [f.wait() for f in futures] == [4096] * 3
