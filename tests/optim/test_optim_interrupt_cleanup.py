@@ -69,3 +69,26 @@ def test_ctrl_c_while_nvme_state_dict_cleans_up_after_a_failed_read_reaches_the_
     set_grads(params, 3)
     opt.step()
     opt.close()
+
+
+def test_waiting_for_everything_raises_a_ctrl_c_met_after_an_error():
+    """finish_all waits for every future before it raises the first error; a Ctrl-C met after an I/O error
+    (the user's, while the rest were waited for) was dropped for that error."""
+    from swapio.optim.finish import finish_all
+
+    ran = []
+
+    def failed():
+        ran.append("failed")
+        raise OSError(errno.EIO, "Input/output error")
+
+    def interrupted():
+        ran.append("interrupted")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        finish_all([failed, interrupted, lambda: ran.append("last")])
+    assert ran == ["failed", "interrupted", "last"]  # everything still waited for first
+    assert isinstance(info.value.__context__, OSError)  # the error is not lost either
+    with pytest.raises(OSError):
+        finish_all([failed, failed])  # errors alone: the first
