@@ -86,7 +86,9 @@ class Future:
                         if self._outcome is not None:
                             self._keepalive = None
                             self._then = self._undo = None
-        return self._outcome
+        outcome = self._outcome
+        assert outcome is not None  # (settled above, or what stopped it propagated)
+        return outcome
 
     def _settle_from_request(self) -> None:
         """Sets the outcome of the finished request (under self._lock).
