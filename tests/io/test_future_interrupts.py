@@ -198,3 +198,17 @@ def test_ctrl_c_while_a_handle_closes_is_raised_once_every_request_let_go_of_its
     assert h.closed
     assert all(f._keepalive is None for f in futures[1:])  # settled: the memory is the caller's again
     assert [f.wait() for f in futures] == [4096] * 3
+
+
+def test_a_gpu_swap_ins_future_reports_an_interrupted_follow_up_like_any_future():
+    """exception() of the read-then-copy future (swap_in to a GPU) returns the interrupted step's RuntimeError,
+    as Future.exception() does, and raises the Ctrl-C itself (its read's follow-up step cut; no GPU needed: the
+    copy is never issued)."""
+    from swapio.core.cuda_copy import DeviceCopyFuture
+
+    steps = Steps(KeyboardInterrupt)
+    read = Future(Finished(), then=steps.then, undo=steps.undo)
+    f = DeviceCopyFuture(read, issue=lambda: pytest.fail("no copy after a failed read"), target=None)
+    with pytest.raises(KeyboardInterrupt):
+        f.exception()
+    assert isinstance(f.exception(), RuntimeError) and f.done()
