@@ -154,8 +154,9 @@ class AioHandle(Closeable):
     def _let_go(self, future: Future) -> None:
         """A future whose outcome its caller has seen: counted (if it succeeded) and forgotten."""
         with self._lock:
-            if self._pending.pop(future, False) is None:
-                ok, value = future._settle()
+            if future in self._pending:
+                ok, value = future._settle()  # (first: a Ctrl-C here leaves it tracked, for wait() to count)
+                del self._pending[future]
                 if ok:
                     self._settled += value
 

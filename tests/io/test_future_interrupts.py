@@ -212,3 +212,39 @@ def test_a_gpu_swap_ins_future_reports_an_interrupted_follow_up_like_any_future(
     with pytest.raises(KeyboardInterrupt):
         f.exception()
     assert isinstance(f.exception(), RuntimeError) and f.done()
+
+
+class InterruptedAt:
+    """A native request whose n-th result() (1-based) raises KeyboardInterrupt; the others return its result."""
+
+    def __init__(self, request, n):
+        self.request, self.n, self.results = request, n, 0
+
+    def wait(self, timeout=None):
+        return self.request.wait(timeout)
+
+    def done(self):
+        return self.request.done()
+
+    def result(self):
+        self.results += 1
+        if self.results == self.n:
+            raise KeyboardInterrupt
+        return self.request.result()
+
+
+def test_ctrl_c_while_a_handle_lets_go_of_a_seen_request_keeps_it_counted(handle_factory, tmp_path):
+    """Seeing a chained future's outcome lets the handle forget its request (counting its bytes for h.wait());
+    a Ctrl-C there used to drop it from the handle uncounted, so h.wait() returned too few bytes."""
+    h = handle_factory()
+    data = torch.arange(4096, dtype=torch.uint8)
+    h.pwrite(data, tmp_path / "f.bin").wait()
+    assert h.wait() == 4096
+    out = torch.empty_like(data)
+    read = h.pread(out, tmp_path / "f.bin")
+    read._request = InterruptedAt(read._request, 2)  # the chained future takes the result, then the handle
+    chained = read._chain(lambda n: n)
+    with pytest.raises(KeyboardInterrupt):
+        chained.wait()
+    assert chained.wait() == 4096 and torch.equal(out, data)
+    assert h.wait() == 4096  # the read is counted once, not lost
