@@ -171,6 +171,7 @@ class DeviceCopyFuture(Future):
 
     def exception(self, timeout=None):
         start = time.monotonic()
+        self.observed = True
         failed = self._read.exception(timeout)  # the read's error, or its follow-up's (interrupted: RuntimeError)
         if failed is not None:
             return failed
