@@ -258,7 +258,7 @@ class SwapStore(Closeable):
         seen = swapped._write is not None and swapped._write.observed
         try:
             swapped.wait()
-        except BaseException:
+        except Exception:  # (a Ctrl-C is the caller's either way)
             if not seen:
                 raise
         finally:

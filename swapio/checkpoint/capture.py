@@ -77,7 +77,8 @@ def _copy_all(jobs, threads):
     helper = threading.Thread(target=run, args=(jobs[cut:],), name="swapio-capture")
     try:  # an interrupt anywhere here must not leave the helper copying into staging the caller then frees
         start_shielded(helper)
-        run(jobs[:cut])
+        for d, s in jobs[:cut]:  # (on this thread: its error or Ctrl-C propagates as it is, after the join)
+            _copy(d, s)
     finally:  # (the loop is inline: an interrupt can land at any call, one into a helper function included)
         interrupted = None
         while True:

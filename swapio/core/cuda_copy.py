@@ -170,9 +170,15 @@ class DeviceCopyFuture(Future):
     result = wait
 
     def exception(self, timeout=None):
+        start = time.monotonic()
+        self.observed = True
+        failed = self._read.exception(timeout)  # the read's error, or its follow-up's (interrupted: RuntimeError)
+        if failed is not None:
+            return failed
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
         try:
-            self.wait(timeout)
-        except OSError as exc:
+            self.wait(left)
+        except OSError as exc:  # the copy's TimeoutError
             return exc
         return None
 

@@ -81,17 +81,48 @@ class Future:
             with self._lock:
                 if self._outcome is None:
                     try:
-                        value = self._request.result()
-                        if self._then is not None:
-                            value = self._then(value)
-                        self._outcome = (True, value)
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
-                        self._outcome = (False, exc)
-                        if self._undo is not None:
-                            self._undo(exc)
-                    self._keepalive = None
-                    self._then = self._undo = None
-        return self._outcome
+                        self._settle_from_request()
+                    finally:
+                        if self._outcome is not None:
+                            self._keepalive = None
+                            self._then = self._undo = None
+        outcome = self._outcome
+        assert outcome is not None  # (settled above, or what stopped it propagated)
+        return outcome
+
+    def _settle_from_request(self) -> None:
+        """Sets the outcome of the finished request (under self._lock).
+
+        Only an Exception is the operation's outcome. A KeyboardInterrupt or SystemExit raised meanwhile (a signal
+        handler runs between any two bytecodes of the main thread) is the caller's and propagates at once, never
+        kept to be returned by exception() or raised again by a later wait(). Landing before `then` started, it
+        leaves the future unsettled: the next wait settles it from the request, whose result can be taken again.
+        Landing inside `then`, it may have cut a step with side effects in half, which can neither be run again
+        nor reported as done: the future fails with a RuntimeError saying so, and undo runs, as for any failure."""
+        try:
+            try:
+                value = self._request.result()
+            except Exception as exc:  # noqa: BLE001 - the operation's error, handed to the caller by wait()
+                self._outcome = (False, exc)
+                return
+            try:
+                self._outcome = (True, value if self._then is None else self._then(value))
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._outcome = (False, exc)
+            except BaseException as exc:
+                # (one landing after the outcome was kept leaves it; without `then` nothing was done yet)
+                if self._outcome is None and self._then is not None:
+                    interrupted = RuntimeError(f"{type(exc).__name__} interrupted the step that completes this "
+                                               "operation after its I/O finished: its result is unknown, do it "
+                                               "again")
+                    interrupted.__cause__ = exc
+                    self._outcome = (False, interrupted)
+                raise
+        finally:
+            undo, outcome = self._undo, self._outcome
+            if undo is not None and outcome is not None and not outcome[0]:
+                self._undo = None  # once
+                undo(outcome[1])
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

@@ -154,8 +154,9 @@ class AioHandle(Closeable):
     def _let_go(self, future: Future) -> None:
         """A future whose outcome its caller has seen: counted (if it succeeded) and forgotten."""
         with self._lock:
-            if self._pending.pop(future, False) is None:
-                ok, value = future._settle()
+            if future in self._pending:
+                ok, value = future._settle()  # (first: a Ctrl-C here leaves it tracked, for wait() to count)
+                del self._pending[future]
                 if ok:
                     self._settled += value
 
@@ -191,9 +192,15 @@ class AioHandle(Closeable):
         native = getattr(self, "_native", None)
         if native is not None and not native.closed:
             native.close()
+            interrupted: Optional[BaseException] = None
             with self._lock:
                 for f in self._pending:
-                    f._settle()  # every request is finished now: drop the memory they hold
+                    try:
+                        f._settle()  # every request is finished now: drop the memory they hold
+                    except BaseException as exc:  # noqa: BLE001 - Ctrl-C: raised once the others let go too
+                        interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
 
     @property
     def closed(self) -> bool:

@@ -414,6 +414,7 @@ class Session:
     def abort(self):
         """Discards everything of this session now (an interrupt, or close()): transfers in flight are waited
         for (their memory is in use by the kernel or the GPU), then the memory and the file go."""
+        interrupted = None
         with self.res.lock:
             self.aborted, self.open = True, False
             for entry in self.pending:
@@ -422,8 +423,10 @@ class Session:
                         entry.d2h.synchronize()
                     if entry.write is not None:
                         entry.write.exception()
-                except BaseException:  # noqa: BLE001 - a second interrupt: what is left is freed at exit
+                except Exception:  # noqa: BLE001 - a transfer of what is being discarded: nothing to report
                     pass
+                except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the user's, raised once all is cleaned up
+                    interrupted = interrupted or exc
                 entry.d2h = entry.write = None
             self.pending.clear()
             self.resident.clear()
@@ -438,6 +441,8 @@ class Session:
             self._remove_file()
             self.res.sessions.discard(self)
             self.res.read_blocks.clear()
+        if interrupted is not None:
+            raise interrupted
 
     def _remove_file(self):
         if self.path is not None:

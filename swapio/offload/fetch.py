@@ -431,10 +431,10 @@ class Fetcher:
         fetch.detached = True
 
     def _drop(self, fetch):
+        for f in fetch.reads:  # a read cannot be cancelled: its buffer is reused only after it finished (a Ctrl-C
+            f.exception()      # meanwhile leaves the fetch in the table, for the next drop to free)
         if self.fetches.get(fetch.record) is fetch:
             del self.fetches[fetch.record]
-        for f in fetch.reads:  # a read cannot be cancelled: its buffer is reused only after it finished
-            f.exception()
         fetch.reads = []
         fetch.device = None
         if fetch.event is not None and not fetch.event.query():

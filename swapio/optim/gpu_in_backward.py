@@ -125,5 +125,7 @@ class GpuInBackward:
                           "then updates what is left)", SwapioWarning, stacklevel=2)
 
     def close(self):
-        self.worker.close()
-        self.copies.end()
+        try:
+            self.worker.close()
+        finally:  # (as OffloadedParams.close)
+            self.copies.end()

@@ -399,18 +399,26 @@ class NvmeState:
                     self._pending[s] = futures
             ok = True
         finally:
+            interrupted = None  # a Ctrl-C meanwhile: the user's, raised once the slots are free (not lost with
+            # the errors ignored here)
             for f in reads.values():
                 try:
                     f.wait()
-                except BaseException:  # noqa: BLE001 - a read nobody needs any more
+                except Exception:  # noqa: BLE001 - a read nobody needs any more
                     pass
-            if ok:
+                except BaseException as exc:  # noqa: BLE001 - see `interrupted`
+                    interrupted = interrupted or exc
+            if ok and interrupted is None:
                 self.wait_all()
             else:
                 try:
                     self.wait_all()
-                except BaseException:  # noqa: BLE001 - the first error is already propagating; self.written
-                    pass               # tells what reached the file
+                except Exception:  # noqa: BLE001 - the first error is already propagating; self.written
+                    pass            # tells what reached the file
+                except BaseException as exc:  # noqa: BLE001 - see `interrupted`
+                    interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
 
     # ---- operations ---------------------------------------------------------------------------------------
     def step(self, works, threads, ctrl_c):

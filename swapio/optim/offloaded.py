@@ -492,12 +492,14 @@ class OffloadedParams(TrainableOwner):
 
     def close(self):
         self.closed = True
-        self.worker.close()
-        for training in self._records():
-            training.release(self)
-        if self.grads is not None:
-            self.grads.close()
-            self.grads = None
+        try:
+            self.worker.close()
+        finally:  # (a Ctrl-C while it waited for the worker is raised after this: the worker's thread has ended)
+            for training in self._records():
+                training.release(self)
+            if self.grads is not None:
+                self.grads.close()
+                self.grads = None
 
 
 def run_grad_hooks(p, g):

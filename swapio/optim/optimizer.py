@@ -20,6 +20,7 @@ from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
 from . import checkpoint, reference, state_dict_hooks, timing
 from .cpu_state import CpuState
+from .finish import finish_all
 from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
@@ -599,17 +600,11 @@ class OffloadOptimizer(Optimizer):
     def close(self):
         """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
         backend, self._backend = getattr(self, "_backend", None), None
-        offloaded = self.__dict__.get("_offloaded")
-        if offloaded is not None:
-            offloaded.close()  # before the backend's directory, which may hold the gradient sums, goes
-        in_backward = self.__dict__.get("_gpu_in_backward")
-        if in_backward is not None:
-            in_backward.close()
-        grad_copies = self.__dict__.get("_grad_copies")
-        if grad_copies is not None:
-            grad_copies.close()
-        if backend is not None:
-            backend.close()
+        # each part closed even when one before it raised (a Ctrl-C while a worker is waited for is raised once
+        # everything is released); the offloaded params before the backend's directory, which may hold their sums
+        parts = (self.__dict__.get("_offloaded"), self.__dict__.get("_gpu_in_backward"),
+                 self.__dict__.get("_grad_copies"), backend)
+        finish_all(part.close for part in parts if part is not None)
 
     def __enter__(self):
         return self

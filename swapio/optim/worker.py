@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..core._signals import DeferredSigint
+
 
 class UpdateWorker:
     def __init__(self, lock, name):
@@ -74,14 +76,18 @@ class UpdateWorker:
         self.raise_error()
 
     def close(self):
-        """Waits for the worker (an error of its was the step's to report) and ends its thread."""
+        """Waits for the worker (an error of its was the step's to report) and ends its thread. It returns, or
+        raises the user's Ctrl-C met while waiting, only once the thread has ended: the caller then frees what
+        the run uses (a second Ctrl-C meanwhile is raised after it too)."""
         try:
             self.wait()
-        except BaseException:  # noqa: BLE001 - see above
+        except Exception:  # noqa: BLE001 - see above
             pass
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
+        finally:
+            if self.executor is not None:
+                with DeferredSigint():
+                    self.executor.shutdown(wait=True)
+                self.executor = None
 
 
 def _drop_locals(exc):

@@ -192,3 +192,45 @@ def test_peak_rss_of_activations_is_bounded_by_the_staging_ring_and_two_layers(t
     bound = staging + 2 * layer + 2 * layer + off["param_grads"]
     assert off["peak"] <= bound, f"peak {off['peak'] >> 20} MiB > bound {bound >> 20} MiB"
     assert plain["peak"] > bound  # the bound is below what the activations need without offload
+
+
+class HeldWrite:
+    """A write's future that reports itself unfinished until waited for (so it is still pending when close()
+    runs); the first wait for it raises KeyboardInterrupt (Ctrl-C while close() waits)."""
+
+    def __init__(self, future, interrupt):
+        self.future, self.interrupt = future, interrupt
+
+    def done(self):
+        return False
+
+    def exception(self, timeout=None):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return self.future.exception(timeout)
+
+    def wait(self, timeout=None):
+        return self.future.wait(timeout)
+
+
+def test_ctrl_c_while_close_waits_for_writes_reaches_the_user_after_the_cleanup(tmp_path, monkeypatch):
+    """close() waits for the writes in flight before it frees their memory: a Ctrl-C during that wait was
+    swallowed (close returned as if nothing had happened). It is raised once everything is cleaned up."""
+    model, x = make_stack(), batch()
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0)
+    real, writes = handle_module.AioHandle.pwrite, []
+
+    def pwrite(self, *args, **kwargs):
+        writes.append(HeldWrite(real(self, *args, **kwargs), interrupt=not writes))
+        return writes[-1]
+    monkeypatch.setattr(handle_module.AioHandle, "pwrite", pwrite)
+    with act:
+        loss = model(x.clone().requires_grad_(True)).sum()
+    assert len(writes) >= 2
+    with pytest.raises(KeyboardInterrupt):
+        act.close()
+    assert all(w.future.done() and w.future.observed for w in writes[1:])  # the others were still waited for
+    assert_clean(act)
+    with pytest.raises(RuntimeError, match="discarded|released"):
+        loss.backward()

@@ -201,3 +201,28 @@ def test_an_interrupt_right_after_the_capture_helper_started_leaves_no_helper_co
     swapio.checkpoint.save(state, tmp_path / "a.safetensors")  # and the library goes on working
     got = swapio.checkpoint.load(tmp_path / "a.safetensors")
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_ctrl_c_in_the_callers_half_of_the_capture_wins_over_the_helpers_error(tmp_path, monkeypatch):
+    """The capture copies half the bytes on the caller's thread and half on a helper; both halves' exceptions
+    were kept in one list and the first raised, so a Ctrl-C on the caller's thread that came after the helper had
+    failed was dropped for the helper's error. The caller's own Ctrl-C (or error) now propagates as it is."""
+    from swapio.checkpoint import capture
+
+    def copy(d, s):
+        if threading.current_thread().name == "swapio-capture":
+            raise RuntimeError("the helper's copy failed")
+        for t in threading.enumerate():  # the helper has failed and recorded its error by now
+            if t.name == "swapio-capture":
+                t.join()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(capture, "_copy", copy)
+    state = {f"t{i}": torch.randn(1000) for i in range(4)}
+    with pytest.raises(KeyboardInterrupt):
+        swapio.checkpoint.async_save(state, tmp_path / "a.safetensors")
+    monkeypatch.undo()
+    assert not any(t.name == "swapio-capture" and t.is_alive() for t in threading.enumerate())
+    swapio.checkpoint.async_save(state, tmp_path / "a.safetensors").wait()  # the next save works
+    got = swapio.checkpoint.load(tmp_path / "a.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in state.items())

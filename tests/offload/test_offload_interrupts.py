@@ -310,3 +310,51 @@ def test_an_offloaded_modules_forward_keeps_its_signature(tmp_path):
     disk_offload(model, tmp_path / "od")
     assert inspect.signature(model.forward) == want
     remove_offload(model)
+
+
+class InterruptedRead:
+    """A read's future whose first exception() raises KeyboardInterrupt (Ctrl-C while it is waited for)."""
+
+    def __init__(self, future):
+        self.future, self.fired = future, False
+
+    def exception(self, timeout=None):
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self.future.exception(timeout)
+
+    def wait(self, timeout=None):
+        return self.future.wait(timeout)
+
+    def done(self):
+        return self.future.done()
+
+
+def ring_accounted(fetcher):
+    """The ring's bytes in use are those of the fetches in the table (none lost to an interrupted drop)."""
+    from swapio.offload.layout import round_up
+    return fetcher.ring.in_use == sum(round_up(f.record.nbytes) for f in fetcher.fetches.values()
+                                      if f.alloc[0] == "ring")
+
+
+def test_ctrl_c_while_dropping_a_read_ahead_keeps_its_ring_region_accounted_for(tmp_path):
+    """A fetch read ahead is dropped (to make room, or by remove_offload) only once its reads finished; a Ctrl-C
+    during that wait used to leave it out of the table with its ring region still taken, for good."""
+    model = stack()
+    x = torch.randn(3, 64)
+    want = model(x)
+    disk_offload(model, tmp_path / "od", buffer_bytes=64 << 10)
+    assert torch.equal(model(x), want)
+    fetcher = _offloaded[model].fetcher
+    record = next(r for u in _offloaded[model].units for r in u.records if r not in fetcher.fetches)
+    fetch = fetcher.start(record, copy=False)
+    assert fetch.alloc[0] == "ring" and fetch.reads
+    fetch.reads[0] = InterruptedRead(fetch.reads[0])
+    with pytest.raises(KeyboardInterrupt):
+        fetcher.drain()
+    assert ring_accounted(fetcher)
+    assert torch.equal(model(x), want)
+    assert ring_accounted(fetcher) and fetcher.stats["temp"] == 0
+    remove_offload(model)
+    assert torch.equal(model(x), want)

@@ -1,0 +1,94 @@
+"""Ctrl-C while the nvme pipeline cleans up after an error: it waits for the reads still in flight before their
+slots can be reused, and a Ctrl-C there used to be ignored with them, so the error went on and the user's Ctrl-C
+was lost. It reaches the user (after the cleanup), and the optimizer is as usable as after the error alone."""
+import errno
+import os
+
+import pytest
+import torch
+
+import swapio
+from helpers.optim import one_thread  # noqa: F401
+from helpers.resume import make_opt, make_params, set_grads, snapshot, train
+
+
+class Scripted:
+    """A read's future that waits for the real read, then raises `error` once."""
+
+    def __init__(self, future, error):
+        self.future, self.error = future, error
+
+    def wait(self, timeout=None):
+        value = self.future.wait(timeout)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return value
+
+    result = wait
+
+    def done(self):
+        return self.future.done()
+
+    def exception(self, timeout=None):
+        try:
+            self.wait(timeout)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+
+def test_ctrl_c_while_nvme_state_dict_cleans_up_after_a_failed_read_reaches_the_user(tmp_path, monkeypatch):
+    params = make_params()
+    opt = make_opt("adam", params, "nvme", tmp_path, "fp32")
+    train(opt, params, 1, 2)
+    want = snapshot(opt, params)
+    swap = opt.swap_path
+    real, reads = swapio.AioHandle.pread, []
+
+    def pread(self, tensor, path, offset=0, **kw):
+        future = real(self, tensor, path, offset, **kw)
+        if os.path.dirname(os.fspath(path)) == swap:
+            reads.append(future)
+            if len(reads) == 1:  # the first record's read fails; the cleanup's wait for the next one gets Ctrl-C
+                return Scripted(future, OSError(errno.EIO, "Input/output error", os.fspath(path)))
+            if len(reads) == 2:
+                return Scripted(future, KeyboardInterrupt())
+        return future
+
+    monkeypatch.setattr(swapio.AioHandle, "pread", pread)
+    with pytest.raises(KeyboardInterrupt):
+        opt.state_dict()
+    monkeypatch.undo()
+    assert len(reads) >= 2 and all(f.done() for f in reads)
+    now = snapshot(opt, params)  # the state as it was, and the optimizer goes on
+    for i in range(len(params)):
+        assert torch.equal(now["params"][i], want["params"][i])
+        for name, t in now["state"][i].items():
+            assert torch.equal(t, want["state"][i][name]), (i, name)
+    set_grads(params, 3)
+    opt.step()
+    opt.close()
+
+
+def test_waiting_for_everything_raises_a_ctrl_c_met_after_an_error():
+    """finish_all waits for every future before it raises the first error; a Ctrl-C met after an I/O error
+    (the user's, while the rest were waited for) was dropped for that error."""
+    from swapio.optim.finish import finish_all
+
+    ran = []
+
+    def failed():
+        ran.append("failed")
+        raise OSError(errno.EIO, "Input/output error")
+
+    def interrupted():
+        ran.append("interrupted")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        finish_all([failed, interrupted, lambda: ran.append("last")])
+    assert ran == ["failed", "interrupted", "last"]  # everything still waited for first
+    assert isinstance(info.value.__context__, OSError)  # the error is not lost either
+    with pytest.raises(OSError):
+        finish_all([failed, failed])  # errors alone: the first
