@@ -171,7 +171,13 @@ class CpuState:
         exports them (fp32 state: as torch's state_dict() gives), else None (they must be decoded)."""
         if not self.format.exports_stored:
             return None
-        return {p: {name: self.state[p][name] for name in fields_of(p)} for p in params}
+        return {p: {name: self._shaped(self.state[p][name], name, p) for name in fields_of(p)} for p in params}
+
+    def _shaped(self, t, name, p):
+        """The live tensor t shaped as field `name` of p is exported: a view where p's `.data` was replaced by one
+        of the same count and another shape since t was made (Adam's state is element-wise and steps on)."""
+        shape = self.format.shape(name, shard(p).shape)
+        return t if t.shape == shape else t.view(shape)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: a new handle, closed by the caller."""

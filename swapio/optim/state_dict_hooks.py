@@ -77,9 +77,10 @@ def _take_state(opt, state_dict):
         values[p] = {}
         for key, val in entry.items():
             if key in opt.state_keys:
-                validate.state_tensor(key, val, opt.state_format.count(key, shard(p).numel(), shard(p).shape),
-                                      where)
-                values[p][key] = policy(p, val, k, state_dict["param_groups"], key).reshape(-1)
+                val = policy(p, val, k, state_dict["param_groups"], key)  # a DTensor's local shard, fp32 CPU
+                shape = shard(p).shape
+                validate.state_tensor(key, val, opt.state_format.shape(key, shape), shape, where)
+                values[p][key] = val.reshape(-1)
         state_transfer.check_loaded_fields(opt.state_format, p, opt.kept_fields(p, saved_group[k]), values[p])
     setattr(opt, _TAKEN, (steps, values))
     return {**state_dict, "state": rest}

@@ -496,3 +496,35 @@ def test_io_config_file_and_kwargs_reach_the_handles(tmp_path):
     cfg.write_text(json.dumps({"handle": {"block_sz": 1}}))
     with pytest.raises(ValueError, match="unknown AioHandle config keys"):
         so.OffloadAdamW([torch.zeros(3, requires_grad=True)], offload="nvme", swap_dir=tmp_path, io_config=cfg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("source", ["torch.optim.AdamW", "OffloadAdamW", "OffloadLion"])
+def test_load_state_dict_refuses_state_shaped_for_another_parameter(source, mode, tmp_path):
+    """Parameters given in another order (same element counts, other shapes): torch's step fails on the moments'
+    shapes; reshaping them silently would scramble the moments (and a bf16 parameter's master) across elements."""
+    a, b = torch.randn(4, 5).bfloat16().requires_grad_(True), torch.randn(5, 4).requires_grad_(True)
+    if source.startswith("torch"):
+        saved = torch.optim.AdamW([a, b])
+    else:
+        saved = getattr(so, source)([a, b], offload=mode, **({"swap_dir": tmp_path} if mode == "nvme" else {}))
+    a.grad, b.grad = torch.randn(4, 5).bfloat16(), torch.randn(5, 4)
+    saved.step()
+    sd = _snapshot(saved.state_dict())
+    cls = so.OffloadLion if source == "OffloadLion" else so.OffloadAdamW
+    opt = _opt_like(cls, [b, a], mode, tmp_path)
+    b.grad, a.grad = torch.randn(5, 4), torch.randn(4, 5).bfloat16()
+    opt.step()
+    before = _snapshot(opt.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 0: 'exp_avg' has shape \(4, 5\), but its parameter has shape "
+                                         r"\(5, 4\)"):
+        opt.load_state_dict(sd)
+    _assert_state_equal(opt.state_dict(), before)
+    opt.load_state_dict(_snapshot(before))  # its own state dict, in its own order, loads
+    if hasattr(saved, "close"):
+        saved.close()
+    opt.close()
+
+
+def _opt_like(cls, params, mode, tmp_path):
+    return cls(params, offload=mode, **({"swap_dir": tmp_path / "other"} if mode == "nvme" else {}))
