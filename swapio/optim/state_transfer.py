@@ -85,7 +85,8 @@ def install(opt, new_groups, steps, fields, source, extra_state=None, check=None
     kept = {p: opt.kept_fields(p, g) for g in new_groups for p in g["params"]}
     for p, have in fields.items():
         check_loaded_fields(opt.state_format, p, kept[p], have)
-    state = defaultdict(dict)
+    # entries of the kind the backend gives (nvme mode: nvme_state.StepOnly)
+    state = defaultdict(getattr(opt.state, "default_factory", None) or dict)
     for p, step in steps.items():
         state[p]["step"] = step
     for k, v in (extra_state or {}).items():

@@ -528,3 +528,28 @@ def test_load_state_dict_refuses_state_shaped_for_another_parameter(source, mode
 
 def _opt_like(cls, params, mode, tmp_path):
     return cls(params, offload=mode, **({"swap_dir": tmp_path / "other"} if mode == "nvme" else {}))
+
+
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadLion], ids=lambda c: c.__name__)
+def test_nvme_state_entry_asked_for_a_moment_says_where_the_state_is(cls, tmp_path):
+    """In nvme mode optimizer.state[p] holds only "step"; code that reads opt.state[p]["exp_avg"] (as with torch,
+    or in cpu mode) got a bare KeyError. The KeyError now says where the moments are and how to read them; after
+    a load too."""
+    params = _params()
+    opt = _opt(params, "nvme", tmp_path, cls=cls)
+    _apply(opt, params, _grads(1)[0])
+    p = params[0]
+
+    def check():
+        assert float(opt.state[p]["step"]) >= 1
+        assert "exp_avg" not in opt.state[p] and opt.state[p].get("exp_avg") is None
+        with pytest.raises(KeyError, match=r"exp_avg.*nvme.*swap file.*state_dict\(\)"):
+            opt.state[p]["exp_avg"]
+
+    check()
+    opt.load_state_dict(_snapshot(opt.state_dict()))
+    check()
+    opt.save(tmp_path / "ckpt")
+    opt.load(tmp_path / "ckpt")
+    check()
+    opt.close()
