@@ -370,8 +370,12 @@ class OffloadOptimizer(Optimizer):
         rule, works, index = self._rule, [], -1
         wanted = None if params is None else {id(p) for p in params}
         nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.counts_nonfinite else None
-        for group in self.param_groups:
-            hyper = rule.hyper(group)
+        for i, group in enumerate(self.param_groups):
+            try:
+                hyper = rule.hyper(group)
+            except (TypeError, ValueError) as exc:  # before anything is stepped
+                raise type(exc)(f"param group {i}: {exc} (a group's values are checked at each step: this one was "
+                                "set by an lr scheduler or an edit of optimizer.param_groups)") from None
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:
