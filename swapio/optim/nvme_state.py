@@ -134,6 +134,8 @@ class StepOnly(dict):
     (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so."""
 
     def __missing__(self, key):
+        if key == "step":  # no state yet: as torch's
+            raise KeyError(key)
         raise KeyError(f"{key!r}: in nvme mode optimizer.state[p] holds only 'step'; the optimizer's arrays are in "
                        "its swap file. Read a copy with opt.state_dict()['state'][index] (index: p's position in "
                        "the param groups); change them through load_state_dict()")

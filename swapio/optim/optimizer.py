@@ -181,6 +181,23 @@ class OffloadOptimizer(Optimizer):
         if self.__dict__.get("_grad_copies") is not None:
             self._grad_copies.attach(p for p in group["params"] if p not in self._offloaded.entries)
 
+    # torch's hook registration, keeping this optimizer's state-dict hooks where they must run
+    # (state_dict_hooks.keep_in_place): the user's see the whole state, as with torch
+    def register_state_dict_post_hook(self, hook, prepend=False):
+        handle = super().register_state_dict_post_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
+
+    def register_load_state_dict_pre_hook(self, hook, prepend=False):
+        handle = super().register_load_state_dict_pre_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
+
+    def register_load_state_dict_post_hook(self, hook, prepend=False):
+        handle = super().register_load_state_dict_post_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
+
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
         """torch casts floating state to the parameter's dtype and device (for a bf16 parameter that would

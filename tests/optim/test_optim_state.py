@@ -553,3 +553,36 @@ def test_nvme_state_entry_asked_for_a_moment_says_where_the_state_is(cls, tmp_pa
     opt.load(tmp_path / "ckpt")
     check()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hooks_registered_by_the_user_see_the_whole_state_as_with_torch(mode, tmp_path):
+    """The optimizer's own hooks fill in the state (state_dict), take it out of the state dict before torch casts it
+    (load pre-hook) and install it (load post-hook). A user's load pre-hook that edits the state (resetting the
+    momentum on resume) saw the state dict without the parameters' entries and was silently without effect; a
+    user's post-hooks given prepend=True ran before ours and saw the state before it was filled in or installed."""
+    params = _params(torch.bfloat16)
+    opt = _opt(params, mode, tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    sd = _snapshot(opt.state_dict())
+    seen = {}
+
+    def reset_momentum(o, state_dict):
+        seen["load_pre"] = sorted(state_dict["state"])
+        for st in state_dict["state"].values():
+            st["exp_avg"] = torch.zeros_like(st["exp_avg"])
+
+    opt.register_load_state_dict_pre_hook(reset_momentum)
+    opt.register_state_dict_post_hook(
+        lambda o, state_dict: seen.__setitem__("post", sorted(state_dict["state"][0])), prepend=True)
+    opt.register_load_state_dict_post_hook(
+        lambda o: seen.__setitem__("load_post", float(o.state[params[0]]["step"])), prepend=True)
+    opt.load_state_dict(sd)
+    assert seen["load_pre"] == list(range(len(params)))
+    assert seen["load_post"] == 1.0
+    after = opt.state_dict()
+    assert seen["post"] == ["exp_avg", "exp_avg_sq", "master", "step"]
+    for i in sd["state"]:
+        assert not after["state"][i]["exp_avg"].any()
+        assert torch.equal(after["state"][i]["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
+    opt.close()
