@@ -12,6 +12,7 @@ from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
 
+from ..checkpoint import detached
 from .params import FP32, MASTER, shard
 
 
@@ -65,6 +66,13 @@ def exported_tensors(opt, params):
         return live
     fmt, exported = opt.state_format, opt.exported_fields()
     out = {p: {name: fmt.empty(name, p, FP32) for name in exported[p]} for p in params}
+    copied = (f"a copy that {type(opt).__name__}.state_dict() made of its state, which it keeps "
+              f"{'in a swap file' if opt.offload == 'nvme' else 'as ' + fmt.name}: loading into it would not "
+              "reach the optimizer (its live step counts would change, its moments not). Load without out= and "
+              "give the optimizer's part to opt.load_state_dict(), or use opt.save() / opt.load()")
+    for tensors in out.values():
+        for t in tensors.values():
+            detached.mark(t, copied)  # swapio.checkpoint.load(out=) refuses it
 
     def sink(p, a, b, views):
         for name, t in out[p].items():

@@ -586,3 +586,48 @@ def test_hooks_registered_by_the_user_see_the_whole_state_as_with_torch(mode, tm
         assert not after["state"][i]["exp_avg"].any()
         assert torch.equal(after["state"][i]["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
     opt.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_load_out_into_the_state_dict_restores_the_state_or_refuses(mode, state_dtype, tmp_path):
+    """swapio.checkpoint's way to resume a torch optimizer, load(path, out={"optimizer": opt.state_dict()}), fills
+    the state dict's tensors in place. Where they are the live state (cpu mode, fp32 state, as torch's) that
+    restores it; elsewhere they are copies, so the moments stayed as they were while the live step counts went
+    back: the run went on from a state that was neither. That is now a ValueError before anything is read."""
+    from swapio import checkpoint as ckpt
+    params = _params(torch.bfloat16)
+    opt = _opt(params, mode, tmp_path, state_dtype=state_dtype)
+    grads = _grads(3)
+    _apply(opt, params, grads[0])
+    saved = _snapshot(opt.state_dict())
+    ckpt.save({"optimizer": opt.state_dict()}, tmp_path / "c.safetensors")
+    for g in grads[1:]:
+        _apply(opt, params, g)
+    before = _snapshot(opt.state_dict())
+    out = {"optimizer": opt.state_dict()}
+    if mode == "cpu" and state_dtype == "fp32":
+        ckpt.load(tmp_path / "c.safetensors", out=out)
+        _assert_state_equal(opt.state_dict(), saved)
+    else:
+        with pytest.raises(ValueError, match=r"copy .*OffloadAdamW.*load_state_dict"):
+            ckpt.load(tmp_path / "c.safetensors", out=out)
+        _assert_state_equal(opt.state_dict(), before)
+        opt.load_state_dict(ckpt.load(tmp_path / "c.safetensors")["optimizer"])  # what the message says
+        _assert_state_equal(opt.state_dict(), saved)
+    opt.close()
+
+
+def test_the_marks_on_exported_copies_go_with_them(tmp_path):
+    from swapio.checkpoint import detached
+    params = _params()
+    opt = _opt(params, "nvme", tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    held = len(detached._marked)
+    for _ in range(20):
+        sd = opt.state_dict()
+        assert detached.message_of(sd["state"][0]["exp_avg"]) is not None
+    del sd
+    gc.collect()
+    assert len(detached._marked) == held
+    opt.close()
