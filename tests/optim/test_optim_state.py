@@ -422,6 +422,13 @@ def test_adam_keeps_l2_decay_and_adamw_forces_decoupled():
     assert adamw.param_groups[0]["weight_decay"] == 0
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_adamw_given_decoupled_weight_decay_says_it_takes_none(value):
+    """torch's AdamW takes no decoupled_weight_decay (TypeError); ours said OffloadAdam.__init__ got it twice."""
+    with pytest.raises(TypeError, match=r"OffloadAdamW .*decoupled_weight_decay.*OffloadAdam\(decoupled_weight_decay"):
+        so.OffloadAdamW([torch.zeros(3, requires_grad=True)], decoupled_weight_decay=value)
+
+
 # ---- swap directory and I/O settings --------------------------------------------------------------------------
 def test_swap_dir_is_private_and_removed_on_close(tmp_path):
     params = _params()
