@@ -428,6 +428,10 @@ class OffloadOptimizer(Optimizer):
         """Advances the step count of every parameter the backend fully stepped (w.done), with the state it
         created for a first step; the others keep their count and state, untouched."""
         for w in works:
+            if (w.done or w.started) and not w.external:
+                # the kernel wrote the parameter through its pointer: tell autograd, as torch's in-place step does,
+                # so that a backward through a graph that saved the old values raises instead of using the new
+                torch.autograd.graph.increment_version([w.t] if w.p is w.t else [w.t, w.p])  # (a DTensor, its shard)
             if not w.done:
                 if w.started:
                     self._torn.add(w.p)
