@@ -118,15 +118,28 @@ class OffloadOptimizer(Optimizer):
         default for it (as torch.optim.Adam/AdamW fill it), not this optimizer's constructor argument. The state
         dict's contents are replaced, not the dict, which the backend holds."""
         live = self.__dict__.get("state")
-        super().__setstate__(state)
-        if live is not None and self.state is not live:
-            new, self.state = self.state, live
+        super().__setstate__(state)  # (torch's: self.__dict__.update, not through __setattr__)
+        if live is not None and self.__dict__["state"] is not live:
+            new = self.__dict__["state"]
+            self.__dict__["state"] = live
             live.clear()
             live.update(new)
         for group in self.param_groups:
             for key, value in self._historical_defaults.items():
                 group.setdefault(key, value)
             self._fill_group(group)
+
+    def __setattr__(self, name, value):
+        """`opt.state = defaultdict(dict)` (a common way to reset an optimizer) replaces the contents of the state
+        dict, not the dict: the backend and the in-backward workers hold it, and would go on reading the old
+        state while the optimizer filled the new one."""
+        live = self.__dict__.get("state")
+        if name == "state" and live is not None and value is not live:
+            new = dict(value)  # (value may be a view of live's own contents)
+            live.clear()
+            live.update(new)
+            return
+        super().__setattr__(name, value)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "

@@ -638,3 +638,30 @@ def test_the_marks_on_exported_copies_go_with_them(tmp_path):
     gc.collect()
     assert len(detached._marked) == held
     opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reset", ["assigned", "cleared"])
+def test_resetting_the_state_restarts_every_parameter_as_torch(reset, mode, tmp_path):
+    """`opt.state = collections.defaultdict(dict)`, a common way to reset an optimizer: the backend kept reading the
+    old dict, so in cpu mode later steps used the moments from before the reset (and the new state was ignored)."""
+    import collections
+    params = _params()
+    ref = ref_copy(params)
+    ours = _opt(params, mode, tmp_path)
+    theirs = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2,
+                               weight_decay=0.1, foreach=False)
+    for k, grads in enumerate(_grads(4)):
+        if k == 2:
+            for opt in (ours, theirs):
+                if reset == "assigned":
+                    opt.state = collections.defaultdict(dict)
+                else:
+                    opt.state.clear()
+        feed(params, ref, grads)
+        ours.step()
+        theirs.step()
+    for mine, q in zip(masters(ours, params), ref):
+        assert rel_diff(mine, q) <= TOL
+    assert [float(ours.state[p]["step"]) for p in params] == [2.0] * len(params)
+    ours.close()
