@@ -28,6 +28,7 @@ from ..safetensors.dtypes import dtype_from_name
 from ..safetensors.opened import open_checkpoint
 from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
+from . import detached
 from .format import skeleton_of
 from .structure import dense, flatten, tensor_nodes, unflatten
 
@@ -132,6 +133,9 @@ def _check_writable(given, where):
     for name, t in given.items():
         if t.numel() == 0:
             continue
+        copied = detached.message_of(t)
+        if copied is not None:
+            raise ValueError(f"{where}: out= tensor {name!r} is {copied}")
         if t.is_conj() or t.is_neg():
             raise ValueError(f"{where}: out= tensor {name!r} is a lazily conjugated or negated view: loading into "
                              "it would store other values; pass a tensor of its own")

@@ -29,6 +29,7 @@ class CpuState:
         self._sent = {}  # p -> event of the last copy to the GPU straight out of p's pinned master
         self.io_settings = io_settings
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
+        self._codes = {}  # p -> {field: (data_ptr, version)} of its int8 codes as this backend last left them
 
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
@@ -60,6 +61,9 @@ class CpuState:
         copies = StepCopies() if own else copies
         arrival = self.grad_copies.arrival if self.grad_copies is not None else (lambda p: None)
         gpu = sorted((w for w in works if w.cuda), key=lambda w: (arrival(w.p) is None, arrival(w.p) or 0))
+        for w in works:
+            if not w.new:
+                self._check_codes(w)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
@@ -86,6 +90,8 @@ class CpuState:
                         run_segment(w, 0, w.numel, fields, w.grad, None, threads)
                     clock.kernel_s += now() - t0
                 w.done, w.created = True, stored if w.new else None
+                if self.format.has_scales:
+                    self._codes[w.p] = _codes_of(stored)
                 ctrl_c.poll()
         except BaseException:
             t0 = now()
@@ -95,6 +101,23 @@ class CpuState:
         finally:
             if own:
                 copies.end()
+
+    def _check_codes(self, w):
+        """RuntimeError, before anything is stepped, where int8 codes in state[p] were changed or replaced since
+        this backend wrote them: they are codes, not values, so torch's ways to reset a moment (zero_(), a new
+        zero tensor) would set it to about -1 x its block's scale (the signed map's code 0), silently."""
+        seen = self._codes.get(w.p)
+        if not seen:
+            return
+        st = self.state.get(w.p, {})
+        now_ = _codes_of({name: st[name] for name in seen if torch.is_tensor(st.get(name))})
+        edited = [name for name in seen if now_.get(name) != seen[name]]
+        if edited:
+            raise RuntimeError(f"{edited[0]!r} of a parameter of shape {tuple(w.t.shape)} was changed or replaced in "
+                               "optimizer.state[p] since its last step: with state_dtype='int8' it holds codes, not "
+                               "values (code 0 stands for about -1 x the block's scale, so zero_() does not zero "
+                               "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
+                               "moments, load_state_dict() a state dict with them in fp32")
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go
@@ -171,7 +194,13 @@ class CpuState:
         exports them (fp32 state: as torch's state_dict() gives), else None (they must be decoded)."""
         if not self.format.exports_stored:
             return None
-        return {p: {name: self.state[p][name] for name in fields_of(p)} for p in params}
+        return {p: {name: self._shaped(self.state[p][name], name, p) for name in fields_of(p)} for p in params}
+
+    def _shaped(self, t, name, p):
+        """The live tensor t shaped as field `name` of p is exported: a view where p's `.data` was replaced by one
+        of the same count and another shape since t was made (Adam's state is element-wise and steps on)."""
+        shape = self.format.shape(name, shard(p).shape)
+        return t if t.shape == shape else t.view(shape)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: a new handle, closed by the caller."""
@@ -202,6 +231,8 @@ class CpuState:
             finish_all(f.wait for f in futures)
         check()
         commit()
+        for p in entries:
+            self._codes.pop(p, None)  # the new codes are the load's
 
     def memory(self):
         """The bytes of the state tensors in RAM; pinned: the GPU staging buffers ("state"), and as parts of their
@@ -223,3 +254,8 @@ class CpuState:
         for event in self._sent.values():
             event.synchronize()
         self._sent = {}
+
+
+def _codes_of(stored):
+    """{field: (data_ptr, version)} of the int8 codes among a parameter's state tensors."""
+    return {name: (t.data_ptr(), t._version) for name, t in stored.items() if t.dtype == torch.uint8}

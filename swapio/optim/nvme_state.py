@@ -129,6 +129,18 @@ def _check_direct(path):
                       "FUSE and network file systems): pass direct=None or False, or use a disk", path) from None
 
 
+class StepOnly(dict):
+    """optimizer.state[p] in nvme mode: "step" alone, the arrays being in the swap file. Asking it for an array
+    (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so."""
+
+    def __missing__(self, key):
+        if key == "step":  # no state yet: as torch's
+            raise KeyError(key)
+        raise KeyError(f"{key!r}: in nvme mode optimizer.state[p] holds only 'step'; the optimizer's arrays are in "
+                       "its swap file. Read a copy with opt.state_dict()['state'][index] (index: p's position in "
+                       "the param groups); change them through load_state_dict()")
+
+
 class NvmeState:
     """The state in a swap file under a private directory of swap_dir. fmt: the StateFormat; state: the
     optimizer's state dict (the same object for the optimizer's life; read only, to know which parameters have
@@ -145,6 +157,7 @@ class NvmeState:
         except OSError as exc:
             raise OSError(exc.errno, f"cannot create swap_dir: {exc.strerror}", swap_dir) from None
         self.format, self.state = fmt, state
+        state.default_factory = StepOnly  # (torch's state is a defaultdict(dict)) the entries step() makes
         # the rule steps whole parameters (rules.Rule.whole): a parameter is never split over chunks, and a
         # slot grows to the largest parameter's record where that exceeds buffer_bytes / buffer_count
         self.whole = whole

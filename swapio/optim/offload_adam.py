@@ -60,6 +60,9 @@ class OffloadAdamW(OffloadAdam):
                  maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
                  **io_kwargs):
+        if "decoupled_weight_decay" in io_kwargs:  # as torch.optim.AdamW, which does not take it either
+            raise TypeError("OffloadAdamW always decouples its weight decay and takes no decoupled_weight_decay; "
+                            "for a choice use OffloadAdam(decoupled_weight_decay=...)")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,

@@ -119,15 +119,28 @@ class OffloadOptimizer(Optimizer):
         default for it (as torch.optim.Adam/AdamW fill it), not this optimizer's constructor argument. The state
         dict's contents are replaced, not the dict, which the backend holds."""
         live = self.__dict__.get("state")
-        super().__setstate__(state)
-        if live is not None and self.state is not live:
-            new, self.state = self.state, live
+        super().__setstate__(state)  # (torch's: self.__dict__.update, not through __setattr__)
+        if live is not None and self.__dict__["state"] is not live:
+            new = self.__dict__["state"]
+            self.__dict__["state"] = live
             live.clear()
             live.update(new)
         for group in self.param_groups:
             for key, value in self._historical_defaults.items():
                 group.setdefault(key, value)
             self._fill_group(group)
+
+    def __setattr__(self, name, value):
+        """`opt.state = defaultdict(dict)` (a common way to reset an optimizer) replaces the contents of the state
+        dict, not the dict: the backend and the in-backward workers hold it, and would go on reading the old
+        state while the optimizer filled the new one."""
+        live = self.__dict__.get("state")
+        if name == "state" and live is not None and value is not live:
+            new = dict(value)  # (value may be a view of live's own contents)
+            live.clear()
+            live.update(new)
+            return
+        super().__setattr__(name, value)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "
@@ -181,6 +194,23 @@ class OffloadOptimizer(Optimizer):
             raise
         if self.__dict__.get("_grad_copies") is not None:
             self._grad_copies.attach(p for p in group["params"] if p not in self._offloaded.entries)
+
+    # torch's hook registration, keeping this optimizer's state-dict hooks where they must run
+    # (state_dict_hooks.keep_in_place): the user's see the whole state, as with torch
+    def register_state_dict_post_hook(self, hook, prepend=False):
+        handle = super().register_state_dict_post_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
+
+    def register_load_state_dict_pre_hook(self, hook, prepend=False):
+        handle = super().register_load_state_dict_pre_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
+
+    def register_load_state_dict_post_hook(self, hook, prepend=False):
+        handle = super().register_load_state_dict_post_hook(hook, prepend)
+        state_dict_hooks.keep_in_place(self)
+        return handle
 
     @staticmethod
     def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
@@ -371,8 +401,12 @@ class OffloadOptimizer(Optimizer):
         rule, works, index = self._rule, [], -1
         wanted = None if params is None else {id(p) for p in params}
         nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.counts_nonfinite else None
-        for group in self.param_groups:
-            hyper = rule.hyper(group)
+        for i, group in enumerate(self.param_groups):
+            try:
+                hyper = rule.hyper(group)
+            except (TypeError, ValueError) as exc:  # before anything is stepped
+                raise type(exc)(f"param group {i}: {exc} (a group's values are checked at each step: this one was "
+                                "set by an lr scheduler or an edit of optimizer.param_groups)") from None
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:
@@ -408,6 +442,10 @@ class OffloadOptimizer(Optimizer):
         """Advances the step count of every parameter the backend fully stepped (w.done), with the state it
         created for a first step; the others keep their count and state, untouched."""
         for w in works:
+            if (w.done or w.started) and not w.external:
+                # the kernel wrote the parameter through its pointer: tell autograd, as torch's in-place step does,
+                # so that a backward through a graph that saved the old values raises instead of using the new
+                torch.autograd.graph.increment_version([w.t] if w.p is w.t else [w.t, w.p])  # (a DTensor, its shard)
             if not w.done:
                 if w.started:
                     self._torn.add(w.p)

@@ -6,10 +6,10 @@ parameter's entry "step" plus the fields the rule exports, read from the state b
 
 load_state_dict: torch casts every state tensor with Optimizer._process_value_according_to_param_policy, called
 on the base class by name, so an override is never reached: a bf16 parameter would round its fp32 moments to
-bf16, and a GPU parameter would pull its whole state onto the GPU. So a pre-hook takes the parameters' entries
-out of the state dict (hooks registered later see only the remaining entries), casts them with the optimizer's
-own policy (fp32 CPU copies) and checks them; torch then checks and installs the param groups; a post-hook, run
-before any other, hands the taken state to the backend, stored as the optimizer's state format says (an fp32
+bf16, and a GPU parameter would pull its whole state onto the GPU. So a pre-hook, run after every other (the user's see and
+may edit the whole state dict, as with torch), takes the parameters' entries out of the state dict, casts them
+with the optimizer's own policy (fp32 CPU copies) and checks them; torch then checks and installs the param
+groups; a post-hook, run before any other, hands the taken state to the backend, stored as the optimizer's state format says (an fp32
 state dict loaded into an int8 optimizer is quantised).
 """
 from itertools import chain
@@ -21,12 +21,28 @@ from .params import shard
 from .state_format import SCALE
 
 _TAKEN = "_swapio_loaded_state"  # optimizer attribute: the state between the pre- and the post-hook
+_OURS = "_swapio_state_dict_hooks"  # optimizer attribute: {torch's hook dict attribute: (our hook's id, first)}
 
 
 def register(opt):
-    opt.register_state_dict_post_hook(_export_state, prepend=True)
-    opt.register_load_state_dict_pre_hook(_take_state)
-    opt.register_load_state_dict_post_hook(_install_state, prepend=True)
+    """Registers the three hooks, to be kept in place (keep_in_place) whatever the user registers later."""
+    setattr(opt, _OURS, {
+        "_optimizer_state_dict_post_hooks": (opt.register_state_dict_post_hook(_export_state).id, True),
+        "_optimizer_load_state_dict_pre_hooks": (opt.register_load_state_dict_pre_hook(_take_state).id, False),
+        "_optimizer_load_state_dict_post_hooks": (opt.register_load_state_dict_post_hook(_install_state).id, True),
+    })
+    keep_in_place(opt)
+
+
+def keep_in_place(opt):
+    """Puts our hooks back where they must run, after the user registered one: the export first among state-dict
+    post-hooks and the install first among load post-hooks (a user's, even given prepend=True, sees the state
+    filled in or installed), the taking of the state last among load pre-hooks (a user's sees, and may edit, the
+    whole state dict, as with torch)."""
+    for attribute, (hook_id, first) in opt.__dict__.get(_OURS, {}).items():
+        hooks = getattr(opt, attribute)
+        if hook_id in hooks:
+            hooks.move_to_end(hook_id, last=not first)
 
 
 def _export_state(opt, state_dict):
@@ -77,9 +93,10 @@ def _take_state(opt, state_dict):
         values[p] = {}
         for key, val in entry.items():
             if key in opt.state_keys:
-                validate.state_tensor(key, val, opt.state_format.count(key, shard(p).numel(), shard(p).shape),
-                                      where)
-                values[p][key] = policy(p, val, k, state_dict["param_groups"], key).reshape(-1)
+                val = policy(p, val, k, state_dict["param_groups"], key)  # a DTensor's local shard, fp32 CPU
+                shape = shard(p).shape
+                validate.state_tensor(key, val, opt.state_format.shape(key, shape), shape, where)
+                values[p][key] = val.reshape(-1)
         state_transfer.check_loaded_fields(opt.state_format, p, opt.kept_fields(p, saved_group[k]), values[p])
     setattr(opt, _TAKEN, (steps, values))
     return {**state_dict, "state": rest}

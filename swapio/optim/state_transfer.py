@@ -12,6 +12,7 @@ from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
 
+from ..checkpoint import detached
 from .params import FP32, MASTER, shard
 
 
@@ -65,6 +66,13 @@ def exported_tensors(opt, params):
         return live
     fmt, exported = opt.state_format, opt.exported_fields()
     out = {p: {name: fmt.empty(name, p, FP32) for name in exported[p]} for p in params}
+    copied = (f"a copy that {type(opt).__name__}.state_dict() made of its state, which it keeps "
+              f"{'in a swap file' if opt.offload == 'nvme' else 'as ' + fmt.name}: loading into it would not "
+              "reach the optimizer (its live step counts would change, its moments not). Load without out= and "
+              "give the optimizer's part to opt.load_state_dict(), or use opt.save() / opt.load()")
+    for tensors in out.values():
+        for t in tensors.values():
+            detached.mark(t, copied)  # swapio.checkpoint.load(out=) refuses it
 
     def sink(p, a, b, views):
         for name, t in out[p].items():
@@ -85,7 +93,8 @@ def install(opt, new_groups, steps, fields, source, extra_state=None, check=None
     kept = {p: opt.kept_fields(p, g) for g in new_groups for p in g["params"]}
     for p, have in fields.items():
         check_loaded_fields(opt.state_format, p, kept[p], have)
-    state = defaultdict(dict)
+    # entries of the kind the backend gives (nvme mode: nvme_state.StepOnly)
+    state = defaultdict(getattr(opt.state, "default_factory", None) or dict)
     for p, step in steps.items():
         state[p]["step"] = step
     for k, v in (extra_state or {}).items():

@@ -53,14 +53,20 @@ def values(name, tensor, where):
         raise ValueError(f"{where}: {name!r} holds negative values")
 
 
-def state_tensor(name, value, count, where):
-    """A state dict's field: a real floating tensor of `count` elements with usable values."""
+def state_tensor(name, value, shape, param_shape, where):
+    """A state dict's field: a real floating tensor of `shape` (the field's for a parameter of `param_shape`) with
+    usable values. The shape, not only the element count: a state of parameters given in another order has the
+    right counts but other shapes, which torch's step refuses; flattened, it would scramble the elements."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{where}: {name!r} must be a tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise ValueError(f"{where}: {name!r} must be a floating-point tensor, got {value.dtype}")
-    if value.numel() != count:
-        raise ValueError(f"{where}: {name!r} has {value.numel()} elements, needs {count}")
+    if value.numel() != math.prod(shape):
+        raise ValueError(f"{where}: {name!r} has {value.numel()} elements, needs {math.prod(shape)}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, but its parameter has shape "
+                         f"{tuple(param_shape)} (needs {tuple(shape)}): was the state saved with the parameters in "
+                         "another order? Give the optimizer its parameters in the order of the saved one")
     values(name, value, where)
 
 

@@ -74,12 +74,25 @@ def _worker(rank, port, out_dir):
         results["fsdp_local_shapes"] = [tuple(p.to_local().shape) for p in model.parameters()]
         results["fsdp"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
         model = fully_shard(mlp(), mesh=mesh)
-        _local_steps(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False), rank)
+        torch_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+        _local_steps(model, torch_opt, rank)
         results["fsdp_torch"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        results["fsdp_torch_state"] = _local_moments(torch_opt.state_dict())
+        try:  # torch's state dict of DTensor moments, loaded rank by rank: each takes its shard
+            with so.OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD) as opt:
+                opt.load_state_dict(torch_opt.state_dict())
+                results["fsdp_loaded_state"] = _local_moments(opt.state_dict())
+        except ValueError as exc:
+            results["fsdp_loaded_state"] = str(exc)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
+
+
+def _local_moments(state_dict):
+    return {i: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items() if k != "step"}
+            for i, st in state_dict["state"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +197,15 @@ def test_fsdp2_local_shards_step_like_a_single_process_and_like_torch_adamw(runs
     assert_params_equal(ranks[0]["fsdp"], ranks[1]["fsdp"])
     _assert_close(ranks[0]["fsdp"], _single_process("cpu", tmp_path))
     _assert_close(ranks[0]["fsdp"], ranks[0]["fsdp_torch"])
+
+
+def test_torch_adamw_state_dict_of_fsdp2_shards_loads_rank_by_rank(runs):
+    """torch's AdamW over FSDP2 keeps DTensor moments; each rank's OffloadAdamW loads its local shard of them (it
+    refused them, counting the DTensor's global elements against the shard's)."""
+    _, ranks = runs
+    for r in ranks:
+        assert isinstance(r["fsdp_loaded_state"], dict), r["fsdp_loaded_state"]
+        assert r["fsdp_loaded_state"].keys() == r["fsdp_torch_state"].keys()
+        for i, moments in r["fsdp_torch_state"].items():
+            for name, t in moments.items():
+                assert torch.equal(r["fsdp_loaded_state"][i][name], t), (i, name)

@@ -128,3 +128,27 @@ def test_unedited_parameters_keep_their_fp32_master(mode, tmp_path):
                 opt.step()
         master = opt.state_dict()["state"][0]["master"]
         assert not torch.equal(master, master.to(torch.bfloat16).float())  # finer than bf16: never overwritten
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadLion, so.OffloadAdafactor], ids=lambda c: c.__name__)
+def test_a_backward_through_weights_stepped_since_raises_as_with_torch(cls, dtype, mode, tmp_path):
+    """A graph built before step() (a loss computed, then a discriminator's step, then its backward): torch's step
+    bumps each parameter's version counter, so autograd refuses the saved, since-overwritten weights. The kernel
+    writing the parameters in place bumped nothing, and the backward silently used the new weights."""
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    w = torch.randn(4, 8).to(dtype).requires_grad_(True)
+    with cls([w], lr=1e-2, offload=mode, **extra) as opt:
+        for _ in range(2):  # the first step and a later one
+            loss = (w * w).sum()  # saves w
+            w.grad = torch.randn_like(w)
+            version = w._version
+            opt.step()
+            assert w._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its own writes are not taken for outside edits
+            w.grad = torch.randn_like(w)
+            opt.step()

@@ -72,3 +72,27 @@ def test_amsgrad_turned_on_mid_run_fails_loudly_and_turned_off_again_goes_on(mod
         assert rel_diff(mine, q) <= 1e-6
     ours.save(tmp_path / "ckpt")
     ours.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("edit, named", [({"lr": -1e-3}, "learning rate"), ({"betas": (0.9, 1.5)}, "beta"),
+                                         ({"eps": float("nan")}, "epsilon")])
+def test_a_group_edited_to_an_invalid_value_is_refused_at_step_naming_the_group_before_any_change(mode, edit, named,
+                                                                                                  tmp_path):
+    """A custom LambdaLR that goes negative past its end: torch would step with it silently (gradient ascent); the
+    step refuses it, naming the group and where such a value comes from, and changes nothing."""
+    params, ref, ours, _ = _pair(mode, tmp_path)
+    ours.add_param_group({"params": [torch.randn(40, requires_grad=True)]})
+    gen = torch.Generator().manual_seed(1)
+    _feed(params, ref, gen)
+    ours.step()
+    before = [p.detach().clone() for p in params]
+    steps = [float(ours.state[p]["step"]) for p in params]
+    ours.param_groups[1].update(edit)
+    _feed(params, ref, gen)
+    ours.param_groups[1]["params"][0].grad = torch.randn(40)
+    with pytest.raises(ValueError, match=rf"param group 1: Invalid {named}.*lr scheduler"):
+        ours.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert [float(ours.state[p]["step"]) for p in params] == steps
+    ours.close()

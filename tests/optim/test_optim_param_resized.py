@@ -71,3 +71,24 @@ def test_adafactor_refuses_a_reshaped_matrix_its_factors_no_longer_fit(offload, 
         opt.step()
     assert torch.equal(p.detach(), value) and float(opt.state[p]["step"]) == 1.0
     opt.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadLion], ids=lambda c: c.__name__)
+def test_same_count_other_shape_exports_state_shaped_like_the_parameter_and_loads_it_back(cls, state_dtype, offload,
+                                                                                          tmp_path):
+    """state_dict() gives the moments the parameter's current shape in every mode and state_dtype (cpu mode's
+    live fp32 tensors kept the first step's), so that load_state_dict(), which checks shapes, takes it back."""
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = _make(cls, [p], offload, tmp_path, state_dtype)
+    p.grad = torch.randn(4, 6)
+    opt.step()
+    p.data, p.grad = p.data.reshape(6, 4).clone(), torch.randn(6, 4)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == (6, 4)
+    before = {k: v.clone() for k, v in sd["state"][0].items()}
+    opt.load_state_dict(sd)
+    assert all(torch.equal(opt.state_dict()["state"][0][k], v) for k, v in before.items())
+    opt.close()

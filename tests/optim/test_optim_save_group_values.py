@@ -60,3 +60,64 @@ def test_the_family_saves_numpy_hyperparameters(cls, tmp_path):
     assert (group["lr"], group["weight_decay"], group["maximize"]) == (float(np.float64(1e-3)),
                                                                      float(np.float32(0.1)), False)
     assert type(group["lr"]) is float and type(group["maximize"]) is bool
+
+
+# What users keep beside the hyperparameters (a name, a layer's scale, a mask or a step tensor of their own): torch's
+# state_dict() carries any of it
+EXTRAS = {
+    "tensor in a dict": {"layer": {"scale": torch.tensor([0.5, 2.0])}},
+    "tensor in a list in a dict": {"layer": {"scales": [torch.tensor(0.5)]}},
+    "int32 tensor": {"layer_id": torch.tensor(3, dtype=torch.int32)},
+    "bool tensor": {"frozen": torch.tensor(False)},
+}
+TOO_LARGE = {"mask": torch.ones(2000)}
+
+
+def _assert_same_value(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_same_value(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_same_value(g, w)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(EXTRAS))
+def test_tensors_a_group_holds_beside_its_hyperparameters_save_and_load_back(case, mode, tmp_path):
+    """save() wrote these and load() then refused the checkpoint (found only when resuming)."""
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    p = torch.randn(300, requires_grad=True)
+    opt = so.OffloadAdamW([{"params": [p], **EXTRAS[case]}], lr=1e-2, offload=mode, **extra)
+    p.grad = _grads(0, 300)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    resumed = so.OffloadAdamW([p.detach().clone().requires_grad_(True)], offload=mode, **extra)
+    resumed.load(tmp_path / "ckpt")
+    for key, value in EXTRAS[case].items():
+        _assert_same_value(resumed.param_groups[0][key], value)
+    opt.close()
+    resumed.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_tensor_too_large_for_a_checkpoint_is_refused_by_save_not_by_load(mode, tmp_path):
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    p = torch.randn(300, requires_grad=True)
+    opt = so.OffloadAdamW([p], lr=1e-2, offload=mode, **extra)
+    p.grad = _grads(0, 300)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    before = (tmp_path / "ckpt" / "swapio-optim.safetensors").read_bytes()
+    opt.param_groups[0].update(TOO_LARGE)
+    with pytest.raises(ValueError, match=r"param group 0: 'mask' .*\(8000 bytes\).*state_dict\(\)"):
+        opt.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "swapio-optim.safetensors").read_bytes() == before  # the last checkpoint stays
+    opt.close()

@@ -422,6 +422,13 @@ def test_adam_keeps_l2_decay_and_adamw_forces_decoupled():
     assert adamw.param_groups[0]["weight_decay"] == 0
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_adamw_given_decoupled_weight_decay_says_it_takes_none(value):
+    """torch's AdamW takes no decoupled_weight_decay (TypeError); ours said OffloadAdam.__init__ got it twice."""
+    with pytest.raises(TypeError, match=r"OffloadAdamW .*decoupled_weight_decay.*OffloadAdam\(decoupled_weight_decay"):
+        so.OffloadAdamW([torch.zeros(3, requires_grad=True)], decoupled_weight_decay=value)
+
+
 # ---- swap directory and I/O settings --------------------------------------------------------------------------
 def test_swap_dir_is_private_and_removed_on_close(tmp_path):
     params = _params()
@@ -496,3 +503,165 @@ def test_io_config_file_and_kwargs_reach_the_handles(tmp_path):
     cfg.write_text(json.dumps({"handle": {"block_sz": 1}}))
     with pytest.raises(ValueError, match="unknown AioHandle config keys"):
         so.OffloadAdamW([torch.zeros(3, requires_grad=True)], offload="nvme", swap_dir=tmp_path, io_config=cfg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("source", ["torch.optim.AdamW", "OffloadAdamW", "OffloadLion"])
+def test_load_state_dict_refuses_state_shaped_for_another_parameter(source, mode, tmp_path):
+    """Parameters given in another order (same element counts, other shapes): torch's step fails on the moments'
+    shapes; reshaping them silently would scramble the moments (and a bf16 parameter's master) across elements."""
+    a, b = torch.randn(4, 5).bfloat16().requires_grad_(True), torch.randn(5, 4).requires_grad_(True)
+    if source.startswith("torch"):
+        saved = torch.optim.AdamW([a, b])
+    else:
+        saved = getattr(so, source)([a, b], offload=mode, **({"swap_dir": tmp_path} if mode == "nvme" else {}))
+    a.grad, b.grad = torch.randn(4, 5).bfloat16(), torch.randn(5, 4)
+    saved.step()
+    sd = _snapshot(saved.state_dict())
+    cls = so.OffloadLion if source == "OffloadLion" else so.OffloadAdamW
+    opt = _opt_like(cls, [b, a], mode, tmp_path)
+    b.grad, a.grad = torch.randn(5, 4), torch.randn(4, 5).bfloat16()
+    opt.step()
+    before = _snapshot(opt.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 0: 'exp_avg' has shape \(4, 5\), but its parameter has shape "
+                                         r"\(5, 4\)"):
+        opt.load_state_dict(sd)
+    _assert_state_equal(opt.state_dict(), before)
+    opt.load_state_dict(_snapshot(before))  # its own state dict, in its own order, loads
+    if hasattr(saved, "close"):
+        saved.close()
+    opt.close()
+
+
+def _opt_like(cls, params, mode, tmp_path):
+    return cls(params, offload=mode, **({"swap_dir": tmp_path / "other"} if mode == "nvme" else {}))
+
+
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadLion], ids=lambda c: c.__name__)
+def test_nvme_state_entry_asked_for_a_moment_says_where_the_state_is(cls, tmp_path):
+    """In nvme mode optimizer.state[p] holds only "step"; code that reads opt.state[p]["exp_avg"] (as with torch,
+    or in cpu mode) got a bare KeyError. The KeyError now says where the moments are and how to read them; after
+    a load too."""
+    params = _params()
+    opt = _opt(params, "nvme", tmp_path, cls=cls)
+    _apply(opt, params, _grads(1)[0])
+    p = params[0]
+
+    def check():
+        assert float(opt.state[p]["step"]) >= 1
+        assert "exp_avg" not in opt.state[p] and opt.state[p].get("exp_avg") is None
+        with pytest.raises(KeyError, match=r"exp_avg.*nvme.*swap file.*state_dict\(\)"):
+            opt.state[p]["exp_avg"]
+
+    check()
+    opt.load_state_dict(_snapshot(opt.state_dict()))
+    check()
+    opt.save(tmp_path / "ckpt")
+    opt.load(tmp_path / "ckpt")
+    check()
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hooks_registered_by_the_user_see_the_whole_state_as_with_torch(mode, tmp_path):
+    """The optimizer's own hooks fill in the state (state_dict), take it out of the state dict before torch casts it
+    (load pre-hook) and install it (load post-hook). A user's load pre-hook that edits the state (resetting the
+    momentum on resume) saw the state dict without the parameters' entries and was silently without effect; a
+    user's post-hooks given prepend=True ran before ours and saw the state before it was filled in or installed."""
+    params = _params(torch.bfloat16)
+    opt = _opt(params, mode, tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    sd = _snapshot(opt.state_dict())
+    seen = {}
+
+    def reset_momentum(o, state_dict):
+        seen["load_pre"] = sorted(state_dict["state"])
+        for st in state_dict["state"].values():
+            st["exp_avg"] = torch.zeros_like(st["exp_avg"])
+
+    opt.register_load_state_dict_pre_hook(reset_momentum)
+    opt.register_state_dict_post_hook(
+        lambda o, state_dict: seen.__setitem__("post", sorted(state_dict["state"][0])), prepend=True)
+    opt.register_load_state_dict_post_hook(
+        lambda o: seen.__setitem__("load_post", float(o.state[params[0]]["step"])), prepend=True)
+    opt.load_state_dict(sd)
+    assert seen["load_pre"] == list(range(len(params)))
+    assert seen["load_post"] == 1.0
+    after = opt.state_dict()
+    assert seen["post"] == ["exp_avg", "exp_avg_sq", "master", "step"]
+    for i in sd["state"]:
+        assert not after["state"][i]["exp_avg"].any()
+        assert torch.equal(after["state"][i]["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
+    opt.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_load_out_into_the_state_dict_restores_the_state_or_refuses(mode, state_dtype, tmp_path):
+    """swapio.checkpoint's way to resume a torch optimizer, load(path, out={"optimizer": opt.state_dict()}), fills
+    the state dict's tensors in place. Where they are the live state (cpu mode, fp32 state, as torch's) that
+    restores it; elsewhere they are copies, so the moments stayed as they were while the live step counts went
+    back: the run went on from a state that was neither. That is now a ValueError before anything is read."""
+    from swapio import checkpoint as ckpt
+    params = _params(torch.bfloat16)
+    opt = _opt(params, mode, tmp_path, state_dtype=state_dtype)
+    grads = _grads(3)
+    _apply(opt, params, grads[0])
+    saved = _snapshot(opt.state_dict())
+    ckpt.save({"optimizer": opt.state_dict()}, tmp_path / "c.safetensors")
+    for g in grads[1:]:
+        _apply(opt, params, g)
+    before = _snapshot(opt.state_dict())
+    out = {"optimizer": opt.state_dict()}
+    if mode == "cpu" and state_dtype == "fp32":
+        ckpt.load(tmp_path / "c.safetensors", out=out)
+        _assert_state_equal(opt.state_dict(), saved)
+    else:
+        with pytest.raises(ValueError, match=r"copy .*OffloadAdamW.*load_state_dict"):
+            ckpt.load(tmp_path / "c.safetensors", out=out)
+        _assert_state_equal(opt.state_dict(), before)
+        opt.load_state_dict(ckpt.load(tmp_path / "c.safetensors")["optimizer"])  # what the message says
+        _assert_state_equal(opt.state_dict(), saved)
+    opt.close()
+
+
+def test_the_marks_on_exported_copies_go_with_them(tmp_path):
+    from swapio.checkpoint import detached
+    params = _params()
+    opt = _opt(params, "nvme", tmp_path)
+    _apply(opt, params, _grads(1)[0])
+    held = len(detached._marked)
+    for _ in range(20):
+        sd = opt.state_dict()
+        assert detached.message_of(sd["state"][0]["exp_avg"]) is not None
+    del sd
+    gc.collect()
+    assert len(detached._marked) == held
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reset", ["assigned", "cleared"])
+def test_resetting_the_state_restarts_every_parameter_as_torch(reset, mode, tmp_path):
+    """`opt.state = collections.defaultdict(dict)`, a common way to reset an optimizer: the backend kept reading the
+    old dict, so in cpu mode later steps used the moments from before the reset (and the new state was ignored)."""
+    import collections
+    params = _params()
+    ref = ref_copy(params)
+    ours = _opt(params, mode, tmp_path)
+    theirs = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2,
+                               weight_decay=0.1, foreach=False)
+    for k, grads in enumerate(_grads(4)):
+        if k == 2:
+            for opt in (ours, theirs):
+                if reset == "assigned":
+                    opt.state = collections.defaultdict(dict)
+                else:
+                    opt.state.clear()
+        feed(params, ref, grads)
+        ours.step()
+        theirs.step()
+    for mine, q in zip(masters(ours, params), ref):
+        assert rel_diff(mine, q) <= TOL
+    assert [float(ours.state[p]["step"]) for p in params] == [2.0] * len(params)
+    ours.close()

@@ -269,3 +269,34 @@ def test_no_warning_without_non_finite_values(tmp_path):
     with make_opt("adamw", params, "cpu", "int8", tmp_path) as opt, warnings.catch_warnings():
         warnings.simplefilter("error", SwapioWarning)
         run_opt(opt, params, steps=2)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lion"])
+@pytest.mark.parametrize("edit", ["zero_", "replaced"])
+def test_int8_codes_changed_outside_the_optimizer_are_refused_not_read_as_values(edit, kind, tmp_path):
+    """In cpu mode with int8 state optimizer.state[p]["exp_avg"] holds codes: torch's way to reset a momentum,
+    zero_() (or a new zero tensor), set every code to 0, which stands for about -1 x the block's scale, and the next
+    step silently went on from that. The step now refuses it, before anything changes, saying what to do."""
+    params = make_params()
+    opt = make_opt(kind, params, "cpu", "int8", tmp_path)
+    for step in range(2):
+        for p, g in zip(params, grads(step, params)):
+            p.grad = g
+        opt.step()
+    p = params[1]
+    if edit == "zero_":
+        opt.state[p]["exp_avg"].zero_()
+    else:
+        opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+    before = [q.detach().clone() for q in params]
+    for q, g in zip(params, grads(2, params)):
+        q.grad = g
+    with pytest.raises(RuntimeError, match=r"'exp_avg'.*codes.*del opt.state\[p\]"):
+        opt.step()
+    assert all(torch.equal(q.detach(), b) for q, b in zip(params, before))
+    del opt.state[p]  # what the message says: that parameter starts afresh, the others go on
+    opt.step()
+    assert float(opt.state[p]["step"]) == 1.0 and float(opt.state[params[0]]["step"]) == 3.0
+    opt.load_state_dict(opt.state_dict())  # new code tensors from a load are the optimizer's own
+    opt.step()
+    opt.close()

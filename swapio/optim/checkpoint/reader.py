@@ -10,7 +10,7 @@ import torch
 from ...checkpoint.load import locate
 from ...safetensors.header import Location
 from ..state_format import StateFormat, shape_of_factors
-from .files import FILE, FORMAT
+from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES
 
 
 def read_meta_v4(file):
@@ -87,13 +87,11 @@ def _factored_shape(fields):
     return shape_of_factors(tuple(row.shape), tuple(col.shape))
 
 
-MAX_HYPER_BYTES = 4096  # a tensor-valued hyperparameter (lr=torch.tensor(...), as torch allows) is a scalar
-
-
 def _tensor_hyperparameters(groups, file):
-    """The param groups with each tensor-valued hyperparameter (saved as a tensor, as torch's state_dict() holds
-    it) read back as a new CPU tensor; a tensor anywhere else in a group ('params') is left for _no_arrays to
-    refuse. Their values are checked with the rest of the group (_check_groups)."""
+    """The param groups with each tensor they hold (a tensor-valued hyperparameter, as torch's state_dict() holds
+    it, or a small value of the user's, in a list, tuple or dict too: whatever save() wrote) read back as a new
+    CPU tensor; a tensor in 'params' is left for _no_arrays to refuse. Hyperparameters' values are checked with
+    the rest of the group (_check_groups)."""
     if not isinstance(groups, list):
         return groups
     def value(v, where):
@@ -101,15 +99,17 @@ def _tensor_hyperparameters(groups, file):
             return _read_small(v, where)
         if isinstance(v, (list, tuple)):  # betas as a pair of tensors
             return type(v)(value(x, where) for x in v)
+        if isinstance(v, dict):
+            return {k: value(x, where) for k, x in v.items()}
         return v
     return [{key: v if key == "params" else value(v, f"{file}: param group {i}: {key!r}")
              for key, v in g.items()} if isinstance(g, dict) else g for i, g in enumerate(groups)]
 
 
 def _read_small(loc, where):
-    if loc.nbytes > MAX_HYPER_BYTES or not (loc.dtype.is_floating_point or loc.dtype == torch.int64):
-        raise ValueError(f"{where}: a {loc.dtype} tensor of shape {list(loc.shape)} where a hyperparameter (a "
-                         "number or a one-element tensor) belongs")
+    if loc.nbytes > MAX_GROUP_TENSOR_BYTES:
+        raise ValueError(f"{where}: a {loc.dtype} tensor of shape {list(loc.shape)} ({loc.nbytes} bytes) where a "
+                         f"param group's value (a hyperparameter, at most {MAX_GROUP_TENSOR_BYTES} bytes) belongs")
     with open(loc.path, "rb") as f:
         f.seek(loc.offset)
         raw = f.read(loc.nbytes)

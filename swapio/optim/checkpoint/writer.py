@@ -17,7 +17,7 @@ from ...safetensors.dtypes import dtype_name
 from ...safetensors.file_writer import FileWriter
 from .. import state_transfer
 from ..params import shard
-from .files import FILE, FORMAT, VERSION
+from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, VERSION
 
 _UNSET = "0" * 16  # a checksum's place in the header while the arrays stream: as long as any, so the header
 #                    keeps its size (and the arrays their offsets) when the checksums are filled in
@@ -44,8 +44,30 @@ def _plain_groups(opt, groups):
     or load() refuses (its flags must be bools), so save() would fail after training, or write a checkpoint
     that does not load."""
     flags = {k for k, v in type(opt)._historical_defaults.items() if isinstance(v, bool)}  # amsgrad, maximize...
+    for i, g in enumerate(groups):
+        for k, v in g.items():
+            if k != "params":
+                _check_group_tensors(v, f"param group {i}: {k!r}")
     return [{k: v if k == "params" else bool(v) if k in flags else _as_stepped(v) for k, v in g.items()}
             for g in groups]
+
+
+def _check_group_tensors(value, where):
+    """ValueError, before anything is written, for a tensor in a param group that load() would refuse: one larger
+    than a hyperparameter may be (load() bounds what a file makes it read outside the state)."""
+    if isinstance(value, torch.Tensor):
+        nbytes = value.numel() * value.element_size()
+        if nbytes > MAX_GROUP_TENSOR_BYTES:
+            raise ValueError(f"{where} holds a tensor of shape {tuple(value.shape)} ({nbytes} bytes): a checkpoint "
+                             f"keeps a param group's tensors up to {MAX_GROUP_TENSOR_BYTES} bytes (hyperparameters, "
+                             "small values). Keep a larger one outside the param group, or save with "
+                             "torch.save(opt.state_dict())")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_group_tensors(v, where)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_group_tensors(v, where)
 
 
 def _structure(opt):
