@@ -1,5 +1,6 @@
 """Ctrl-C delivered at a chosen call, for the tests that interrupt an optimizer's step: the at-th call (0-based) of
-a function, or the at-th read or write of the optimizer's own swap file."""
+a function, or the at-th read or write of the optimizer's own swap file; and a native request whose result() is
+interrupted, for the tests of what a future does then."""
 import os
 import signal
 
@@ -39,3 +40,23 @@ def ctrl_c_on_swap_io(opt, monkeypatch, name, at):
         return real(self, tensor, path, offset, **kw)
 
     monkeypatch.setattr(swapio.AioHandle, name, wrapper)
+
+
+class InterruptedAt:
+    """A native request whose n-th result() (1-based) raises KeyboardInterrupt (Ctrl-C as the result comes back);
+    the others return the request's result."""
+
+    def __init__(self, request, n=1):
+        self.request, self.n, self.results = request, n, 0
+
+    def wait(self, timeout=None):
+        return self.request.wait(timeout)
+
+    def done(self):
+        return self.request.done()
+
+    def result(self):
+        self.results += 1
+        if self.results == self.n:
+            raise KeyboardInterrupt
+        return self.request.result()

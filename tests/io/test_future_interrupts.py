@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swapio.core.futures import Future
+from helpers.ctrl_c import InterruptedAt, ctrl_c_on_call
 
 INTERRUPTS = [KeyboardInterrupt, SystemExit]
 
@@ -147,15 +148,7 @@ def test_ctrl_c_in_a_verified_swap_in_reaches_the_caller_and_swap_in_can_be_call
     want = t.clone()
     swapped = store.swap_out(t).wait()
     assert not swapped.is_resident
-    real, calls = _checksum.digest, []
-
-    def digest(tensor):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return real(tensor)
-
-    monkeypatch.setattr(_checksum, "digest", digest)
+    ctrl_c_on_call(monkeypatch, _checksum, "digest", 0, how="raise")
     f = swapped.swap_in()
     with pytest.raises(KeyboardInterrupt):
         f.exception()
@@ -212,25 +205,6 @@ def test_a_gpu_swap_ins_future_reports_an_interrupted_follow_up_like_any_future(
     with pytest.raises(KeyboardInterrupt):
         f.exception()
     assert isinstance(f.exception(), RuntimeError) and f.done()
-
-
-class InterruptedAt:
-    """A native request whose n-th result() (1-based) raises KeyboardInterrupt; the others return its result."""
-
-    def __init__(self, request, n):
-        self.request, self.n, self.results = request, n, 0
-
-    def wait(self, timeout=None):
-        return self.request.wait(timeout)
-
-    def done(self):
-        return self.request.done()
-
-    def result(self):
-        self.results += 1
-        if self.results == self.n:
-            raise KeyboardInterrupt
-        return self.request.result()
 
 
 def test_ctrl_c_while_a_handle_lets_go_of_a_seen_request_keeps_it_counted(handle_factory, tmp_path):

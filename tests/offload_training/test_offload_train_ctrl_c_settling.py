@@ -9,28 +9,10 @@ import pytest
 
 from swapio.core.handle import AioHandle
 from swapio.offload import remove_offload
+from helpers.ctrl_c import InterruptedAt, ctrl_c_on_call
 from helpers.offload_training import MLP, batches, build_opt, make_model, offload, reference, train
 
 pytest.importorskip("safetensors")
-
-
-class InterruptedOnce:
-    """A native request whose first result() raises KeyboardInterrupt (Ctrl-C as it returns); then itself."""
-
-    def __init__(self, request):
-        self.request, self.fired = request, False
-
-    def wait(self, timeout=None):
-        return self.request.wait(timeout)
-
-    def done(self):
-        return self.request.done()
-
-    def result(self):
-        if not self.fired:
-            self.fired = True
-            raise KeyboardInterrupt
-        return self.request.result()
 
 
 def interrupt_collecting_write(monkeypatch, where, n):
@@ -42,7 +24,7 @@ def interrupt_collecting_write(monkeypatch, where, n):
         if where in os.fspath(path):
             calls[0] += 1
             if calls[0] == n:
-                future._request = InterruptedOnce(future._request)
+                future._request = InterruptedAt(future._request)
         return future
 
     monkeypatch.setattr(AioHandle, "pwrite", pwrite)
@@ -88,15 +70,7 @@ def test_ctrl_c_while_close_waits_for_the_in_backward_worker_is_raised_after_the
     train(model, opt, data[:1])
     swap, worker = opt.swap_path, opt._offloaded.worker
     assert os.path.isdir(swap) and worker.executor is not None
-    real, calls = UpdateWorker.idle, []
-
-    def idle(self):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(UpdateWorker, "idle", idle)
+    ctrl_c_on_call(monkeypatch, UpdateWorker, "idle", 0, how="raise")
     with pytest.raises(KeyboardInterrupt) as interrupted:
         opt.close()
     # (checked while the exception, and so close()'s frame, lives: its clean-up is done, not left to a finalizer)
