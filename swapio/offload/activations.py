@@ -19,6 +19,7 @@ import torch
 
 from ..core import _swapdir
 from ..core._errors import check_int
+from ..core._signals import DeferredSigint
 from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
@@ -107,14 +108,16 @@ class _Resources:
 
 
 def _close(owner, handle, pool, read_blocks):
-    try:
-        if handle is not None:
-            handle.close()
-    finally:
-        pool.clear()
-        read_blocks.clear(closing=True)
-        if owner is not None:
-            owner.remove_everything()
+    # runs once (a finalizer): a Ctrl-C is raised when all of it is done, never left half done for good
+    with DeferredSigint():
+        try:
+            if handle is not None:
+                handle.close()
+        finally:
+            pool.clear()
+            read_blocks.clear(closing=True)
+            if owner is not None:
+                owner.remove_everything()
 
 
 @methods_run_eagerly("pack", "unpack", reason=_EAGER)

@@ -92,3 +92,37 @@ def test_waiting_for_everything_raises_a_ctrl_c_met_after_an_error():
     assert isinstance(info.value.__context__, OSError)  # the error is not lost either
     with pytest.raises(OSError):
         finish_all([failed, failed])  # errors alone: the first
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_while_close_removes_the_swap_directory_is_raised_once_it_is_gone(tmp_path, monkeypatch):
+    """A Ctrl-C landing while close() removes the nvme swap directory (found by fuzzing) left the directory half
+    removed and its lock file's descriptor open for the rest of the process (close() again did nothing). It is
+    raised once the directory is gone and the lock let go."""
+    import shutil
+    import signal
+
+    params = make_params()
+    opt = make_opt("adam", params, "nvme", tmp_path, "fp32")
+    train(opt, params, 1, 2)
+    swap = opt.swap_path
+    real, calls = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        opt.close()
+    monkeypatch.undo()
+    assert calls and not os.path.exists(swap) and os.listdir(tmp_path) == []
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [t for t in held if t.startswith(str(tmp_path))]
+    opt.close()  # idempotent
+    again = make_opt("adam", params, "nvme", tmp_path, "fp32")  # the swap_dir is free for another optimizer
+    train(again, params, 3, 3)
+    again.close()
