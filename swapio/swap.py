@@ -227,8 +227,10 @@ class SwapStore(Closeable):
             path = os.path.join(self.directory, name + SUFFIX)
             swapped = SwappedTensor(self, name, path, tensor, release)
             self._tensors[name] = swapped
+        creating = False
         try:
             self._owner.files.add(path)
+            creating = True  # from here the file may exist before _file says so (a Ctrl-C as it is created)
             swapped._file = _swapdir.create_private_file(path)
             source = tensor.detach()
             if source.device.type != "cpu" or not source.is_contiguous():
@@ -241,7 +243,7 @@ class SwapStore(Closeable):
         except BaseException:
             with self._lock:
                 self._tensors.pop(name, None)
-            if swapped._file is not None:  # never leave the empty file behind
+            if creating:  # never leave the empty file behind (the name is this store's: reserved above)
                 _unlink(path)
             self._owner.files.discard(path)
             raise

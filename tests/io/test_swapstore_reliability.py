@@ -219,6 +219,29 @@ def test_swap_in_while_its_swap_out_is_creating_the_file_reads_nothing(tmp_path,
     store.close()
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_as_swap_out_creates_the_file_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A Ctrl-C landing as swap_out's file was created, before swap_out knew it (found by fuzzing), left that
+    file behind: forgotten by the store, so close() kept it, and the directory the store made with it."""
+    store = swapio.SwapStore(tmp_path / "s")
+    real_create = _swapdir.create_private_file
+
+    def create(path):
+        identity = real_create(path)
+        signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt as this returns
+        return identity
+
+    monkeypatch.setattr(_swapdir, "create_private_file", create)
+    with pytest.raises(KeyboardInterrupt):
+        store.swap_out(sample(), name="x", release=False)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "s")) == [".swapio-owner"] and "x" not in store
+    s = store.swap_out(sample(), name="x", release=False).wait(TIMEOUT)  # the name is free again
+    assert torch.equal(s.swap_in().wait(TIMEOUT), sample())
+    store.close()
+    assert not os.path.exists(tmp_path / "s")
+
+
 def test_pread_identity_is_checked(tmp_path):
     path = str(tmp_path / "f.bin")
     data = torch.arange(4096, dtype=torch.int32)
