@@ -126,3 +126,27 @@ def test_ctrl_c_while_close_removes_the_swap_directory_is_raised_once_it_is_gone
     again = make_opt("adam", params, "nvme", tmp_path, "fp32")  # the swap_dir is free for another optimizer
     train(again, params, 3, 3)
     again.close()
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_a_ctrl_c_deferred_by_a_step_is_raised_in_preference_to_an_error_ending_it():
+    """DeferredSigint (a step, a one-time clean-up) records a Ctrl-C until its next consistent point; an error
+    ending the block before that point dropped the recorded Ctrl-C, so the user's Ctrl-C was lost for it. It is
+    raised, with the error as its context, as finish_all does; a Ctrl-C raised in the block stays alone."""
+    import signal
+    from swapio.core._signals import DeferredSigint
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        with DeferredSigint():
+            signal.raise_signal(signal.SIGINT)
+            raise OSError(errno.EIO, "Input/output error")
+    assert isinstance(info.value.__context__, OSError)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(SystemExit):
+        with DeferredSigint():
+            signal.raise_signal(signal.SIGINT)
+            raise SystemExit(3)  # not an error: it goes on as it is
+    with DeferredSigint() as ctrl_c:
+        signal.raise_signal(signal.SIGINT)
+        assert ctrl_c.pending
+        ctrl_c.pending = False  # (handled: nothing left to raise)
