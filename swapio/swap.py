@@ -11,6 +11,7 @@ import torch
 
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
+from .core._signals import DeferredSigint
 from .core._errors import StrPath, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
@@ -76,7 +77,9 @@ class SwappedTensor:
             dev = out.device
         if dev.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
-        with self._lock:
+        # A Ctrl-C waits until the read is submitted and recorded: landing just after the submission, it freed the
+        # refilled memory again under the read still writing into it
+        with self._lock, DeferredSigint():
             refill = out is None and self._released and dev == self.device
             if refill and self._refill is not None:
                 return self._refill  # already being refilled: one read into the source, not two
