@@ -101,10 +101,11 @@ class _Resources:
         return nbytes > 0 and nbytes >= self.min_bytes and storage.data_ptr() not in self.excluded
 
     def close(self):
-        with self.lock:
-            for session in list(self.sessions):
-                session.abort()
-        self._finalizer()
+        with DeferredSigint():  # every session and then the finalizer (which runs once), whole; then a Ctrl-C
+            with self.lock:
+                for session in list(self.sessions):
+                    session.abort()
+            self._finalizer()
 
 
 def _close(owner, handle, pool, read_blocks):

@@ -338,7 +338,8 @@ class WeightStreamer:
 
     def close(self):
         """Waits for every read and copy in flight, frees the buffers and runs extra_close (once)."""
-        self._finalizer()
+        with DeferredSigint():  # the finalizer runs once: a Ctrl-C is raised when it is done
+            self._finalizer()
 
 
 def _close(fetcher, extra_close):

@@ -559,5 +559,6 @@ class NvmeState:
                 "io_bytes_per_step": 2 * sum(c.record_bytes for c in self.chunks)}
 
     def close(self):
-        self._finalizer()
+        with DeferredSigint():  # the finalizer runs once: a Ctrl-C is raised when it is done
+            self._finalizer()
 

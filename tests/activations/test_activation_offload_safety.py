@@ -305,3 +305,36 @@ def test_ctrl_c_while_autograd_frees_the_saved_activations_leaves_the_session_en
     assert act.stats()["pinned_bytes"] == 0
     assert_same_grads(grads_of(model, x, act), want)
     act.close()
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_while_close_discards_a_forward_still_discards_the_others_and_the_directory(tmp_path, monkeypatch):
+    """close() discards each forward still held, then removes the directory: a Ctrl-C in the first discard ended
+    close() there, the other forwards' files and memory and the directory kept. It is raised once all is done."""
+    from swapio.offload.activation_store import Session
+
+    model, x = make_stack(), batch()
+    act = offload_activations(to="nvme", swap_dir=tmp_path, model=model, min_bytes=0)
+    losses = []
+    for _ in range(2):  # two forwards whose graphs are still held
+        with act:
+            losses.append(model(x.clone().requires_grad_(True)).sum())
+    directory = act.directory
+    assert act.stats()["live_sessions"] == 2
+    real, calls = Session.abort, []
+
+    def abort(self):
+        calls.append(self)
+        if len(calls) == 1:
+            ctrl_c()
+        return real(self)
+
+    monkeypatch.setattr(Session, "abort", abort)
+    with pytest.raises(KeyboardInterrupt):
+        act.close()
+    monkeypatch.undo()
+    assert len(calls) == 2 and not os.path.exists(directory) and os.listdir(tmp_path) == []
+    assert act.stats()["live_sessions"] == 0 and act.stats()["pinned_bytes"] == 0
+    for loss in losses:
+        with pytest.raises(RuntimeError, match="discarded|released"):
+            loss.backward()
