@@ -11,6 +11,7 @@ import torch
 
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
+from .core._signals import DeferredSigint
 from .core._errors import StrPath, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
@@ -76,7 +77,9 @@ class SwappedTensor:
             dev = out.device
         if dev.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
-        with self._lock:
+        # A Ctrl-C waits until the read is submitted and recorded: landing just after the submission, it freed the
+        # refilled memory again under the read still writing into it
+        with self._lock, DeferredSigint():
             refill = out is None and self._released and dev == self.device
             if refill and self._refill is not None:
                 return self._refill  # already being refilled: one read into the source, not two
@@ -227,8 +230,10 @@ class SwapStore(Closeable):
             path = os.path.join(self.directory, name + SUFFIX)
             swapped = SwappedTensor(self, name, path, tensor, release)
             self._tensors[name] = swapped
+        creating = False
         try:
             self._owner.files.add(path)
+            creating = True  # from here the file may exist before _file says so (a Ctrl-C as it is created)
             swapped._file = _swapdir.create_private_file(path)
             source = tensor.detach()
             if source.device.type != "cpu" or not source.is_contiguous():
@@ -241,7 +246,7 @@ class SwapStore(Closeable):
         except BaseException:
             with self._lock:
                 self._tensors.pop(name, None)
-            if swapped._file is not None:  # never leave the empty file behind
+            if creating:  # never leave the empty file behind (the name is this store's: reserved above)
                 _unlink(path)
             self._owner.files.discard(path)
             raise

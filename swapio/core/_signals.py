@@ -9,7 +9,9 @@ recorded instead; the code calls poll() at each point where its state is consist
 backends: between parameters; in nvme mode at a chunk boundary that no parameter spans, once the writes before it
 are on disk). poll() then runs the handler that was in place (torch's default: KeyboardInterrupt), so Ctrl-C
 still stops a long step within about one parameter. A handler that returns (a training loop's own "stop after
-this step" flag) lets the work go on. Only the main thread receives Python signal handlers, so elsewhere this
+this step" flag) lets the work go on. Clean-ups that must run whole (removing a swap directory and letting go of
+its lock, a finalizer's work, which runs only once) run inside it too, so a Ctrl-C is raised once they are done.
+Only the main thread receives Python signal handlers, so elsewhere this
 does nothing; neither does it where SIGINT is ignored or has its default action (SIG_IGN / SIG_DFL: no Python
 code runs for it).
 
@@ -58,7 +60,9 @@ class DeferredSigint:
         if handler is None:
             return
         signal.signal(signal.SIGINT, handler)
-        if self.pending and exc_type is None:  # Ctrl-C after the last consistent point: the step is complete
+        # Ctrl-C after the last consistent point: the work is complete, or ended by an error, which the user's
+        # Ctrl-C is raised in preference to (the error its __context__); never dropped for it
+        if self.pending and (exc_type is None or issubclass(exc_type, Exception)):
             self.pending = False
             handler(signal.SIGINT, self._frame)
 

@@ -28,6 +28,7 @@ from .. import _C
 from . import _durable
 from ._errors import warn_once
 from ._owned_fd import OwnedFd
+from ._signals import DeferredSigint
 
 LOCK_NAME = ".swapio-owner"
 PRIVATE_PREFIX = "swapio-optim-"  # private directories (mkdtemp) that a dead owner's successor may remove whole
@@ -125,9 +126,14 @@ class Owner:
             self._owned.close()  # drops the lock (once, also when the SIGTERM handler releases it meanwhile)
 
     def remove_everything(self):
-        """What SIGTERM does: every file of this owner, then the lock, the directory if the owner made it."""
+        """What SIGTERM does: every file of this owner, then the lock, the directory if the owner made it. A Ctrl-C
+        meanwhile is raised once all that is done: cut short, it left files and the lock's descriptor behind."""
         if os.getpid() != self.pid:
             return
+        with DeferredSigint():
+            self._remove_everything()
+
+    def _remove_everything(self):
         if self.private:
             shutil.rmtree(self.directory, ignore_errors=True)
             if os.path.lexists(self.directory):

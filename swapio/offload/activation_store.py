@@ -29,6 +29,7 @@ import torch
 
 from ..core import _swapdir
 from ..core._align import ALIGN, round_up
+from ..core._signals import DeferredSigint
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
 from .kept import Kept, modified_in_place
@@ -78,7 +79,11 @@ class Saved:
         session = self.session
         if session is not None:
             self.session = None
-            session.drop(self.entry, self.generation)
+            # A finalizer (autograd freeing what it saved): the last drop ends the session, waiting for its writes
+            # and removing its file. Cut short by a Ctrl-C, that stayed half done until close(): the Ctrl-C waits
+            # for the drop to be whole. (Python then drops it, as any exception raised in a finalizer.)
+            with DeferredSigint():
+                session.drop(self.entry, self.generation)
 
 
 def byte_view(storage, device, nbytes):

@@ -19,6 +19,7 @@ import torch
 
 from ..core import _swapdir
 from ..core._errors import check_int
+from ..core._signals import DeferredSigint
 from ..core.handle import AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
@@ -100,21 +101,24 @@ class _Resources:
         return nbytes > 0 and nbytes >= self.min_bytes and storage.data_ptr() not in self.excluded
 
     def close(self):
-        with self.lock:
-            for session in list(self.sessions):
-                session.abort()
-        self._finalizer()
+        with DeferredSigint():  # every session and then the finalizer (which runs once), whole; then a Ctrl-C
+            with self.lock:
+                for session in list(self.sessions):
+                    session.abort()
+            self._finalizer()
 
 
 def _close(owner, handle, pool, read_blocks):
-    try:
-        if handle is not None:
-            handle.close()
-    finally:
-        pool.clear()
-        read_blocks.clear(closing=True)
-        if owner is not None:
-            owner.remove_everything()
+    # runs once (a finalizer): a Ctrl-C is raised when all of it is done, never left half done for good
+    with DeferredSigint():
+        try:
+            if handle is not None:
+                handle.close()
+        finally:
+            pool.clear()
+            read_blocks.clear(closing=True)
+            if owner is not None:
+                owner.remove_everything()
 
 
 @methods_run_eagerly("pack", "unpack", reason=_EAGER)

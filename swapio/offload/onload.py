@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from ..core._signals import DeferredSigint
 from .no_copy import refuse_copy
 from .units import check_unchanged, get_entry, set_entry
 from .weight_store import current_value
@@ -167,15 +168,16 @@ def _write(streamer, changed):
     training.prepare(records, 0)
     try:
         for record in records:
-            buf = training.begin(record, need_current=True, idle=True)
-            try:
-                for slot in record.slots:
-                    if slot in changed:
-                        training.view(buf, slot).copy_(changed[slot])
-            except BaseException:
-                training.abort(record)
-                raise
-            training.end(record, buf)
+            with DeferredSigint():  # a record begun is ended or aborted before a Ctrl-C acts
+                buf = training.begin(record, need_current=True, idle=True)
+                try:
+                    for slot in record.slots:
+                        if slot in changed:
+                            training.view(buf, slot).copy_(changed[slot])
+                except BaseException:
+                    training.abort(record)
+                    raise
+                training.end(record, buf)
     except BaseException:
         training.return_loans()  # the streamer's memory back before it runs again
         raise

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from ..core._ranges import section
+from ..core._signals import DeferredSigint
 from . import compiled, conversions, loading, onload, saved_tensors, saving
 from .fetch import view
 from .no_copy import refuse_copy
@@ -337,19 +338,21 @@ class WeightStreamer:
 
     def close(self):
         """Waits for every read and copy in flight, frees the buffers and runs extra_close (once)."""
-        self._finalizer()
+        with DeferredSigint():  # the finalizer runs once: a Ctrl-C is raised when it is done
+            self._finalizer()
 
 
 def _close(fetcher, extra_close):
     """streamer.close(), also run when an streamer is collected without remove_offload: reads still in flight into
     the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
-    fetcher.drain()
-    errors = []
-    for fn in extra_close:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
-            errors.append(exc)
-    extra_close.clear()
-    if errors:
-        raise errors[0]
+    with DeferredSigint():  # it runs once: a Ctrl-C is raised when all of it is done, never left half done
+        fetcher.drain()
+        errors = []
+        for fn in extra_close:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - run every cleanup, report the first failure
+                errors.append(exc)
+        extra_close.clear()
+        if errors:
+            raise errors[0]

@@ -246,8 +246,8 @@ class DiskStore(RecordTurns):
         except BaseException:
             self.end_turn(record)
             raise
-        self.fetcher.rewriting(record)
         try:
+            self.fetcher.rewriting(record)  # (inside: a Ctrl-C as it returns must reach the abort below)
             with DeferredSigint():  # the buffer is recorded as taken before a Ctrl-C acts (see _put_back)
                 whole = self._take(record.nbytes, idle)
                 with self._lock:

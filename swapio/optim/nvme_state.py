@@ -25,6 +25,7 @@ from ..core import _durable, _swapdir
 from ..core._align import ALIGN, round_up
 from ..core._owned_fd import OwnedFd
 from ..core._ranges import section
+from ..core._signals import DeferredSigint
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
 from .finish import finish_all
@@ -110,12 +111,13 @@ def _check_fits_in_ram(slot_bytes, count):
 def _cleanup(handles, owner):
     if owner.pid != os.getpid():
         return  # a forked child's copy: the directory and the handles' workers are the parent's
-    for h in handles:
-        try:
-            h.close()
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
-    owner.remove_everything()
+    with DeferredSigint():  # runs once (a finalizer): a Ctrl-C is raised when all of it is done
+        for h in handles:
+            try:
+                h.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        owner.remove_everything()
 
 
 def _check_direct(path):
@@ -570,5 +572,6 @@ class NvmeState:
                 "io_bytes_per_step": 2 * sum(c.record_bytes for c in self.chunks)}
 
     def close(self):
-        self._finalizer()
+        with DeferredSigint():  # the finalizer runs once: a Ctrl-C is raised when it is done
+            self._finalizer()
 

@@ -26,6 +26,7 @@ import torch
 
 from ..core import cuda_copy
 from ..core._align import round_up
+from ..core._signals import DeferredSigint
 from ..offload.trainable import TrainableOwner
 from ..offload.training import lookup
 from .grad_marker import new_marker
@@ -269,13 +270,17 @@ class OffloadedParams(TrainableOwner):
         steps = {p: self._step_of(p) for _, params in plan for p in params}
         begun = []
         try:
-            for record, params in plan:
-                need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
-                begun.append((record, training.begin(record, need_current, idle), need_current, params))
+            # a record begun is in `begun` before a Ctrl-C acts, so that its end (or abort) below runs: one landing
+            # as begin() returned left it marked as being rewritten, unreadable for good
+            with DeferredSigint():
+                for record, params in plan:
+                    need_current = any(steps[p] == 0 for p in params) or len(params) < len(record.slots)
+                    begun.append((record, training.begin(record, need_current, idle), need_current, params))
             data = {p: training.view(buf, self.entries[p][1]) for record, buf, _, params in begun for p in params}
             self.step()([p for _, _, _, params in begun for p in params], grads.get, data.get)
         finally:
-            finish_all(lambda b=b: self._end(training, steps, *b) for b in begun)
+            with DeferredSigint():  # every begun record ended, whatever lands meanwhile
+                finish_all(lambda b=b: self._end(training, steps, *b) for b in begun)
 
     def _end(self, training, steps, record, buf, need_current, params):
         stepped = {id(p) for p in params if self._step_of(p) != steps[p]}
@@ -413,18 +418,19 @@ class OffloadedParams(TrainableOwner):
                 stateful = [p for p in owned if self._step_of(p) > 0]
                 if not stateful:
                     continue
-                buf = training.begin(record, len(stateful) < len(record.slots))
-                try:
-                    views = {p: training.view(buf, self.entries[p][1]).view(-1) for p in stateful}
+                with DeferredSigint():  # a record begun is ended or aborted before a Ctrl-C acts
+                    buf = training.begin(record, len(stateful) < len(record.slots))
+                    try:
+                        views = {p: training.view(buf, self.entries[p][1]).view(-1) for p in stateful}
 
-                    def sink(p, a, b, fields, views=views):
-                        views[p][a:b].copy_(fields[MASTER][:b - a])
+                        def sink(p, a, b, fields, views=views):
+                            views[p][a:b].copy_(fields[MASTER][:b - a])
 
-                    read_state(stateful, sink)
-                except BaseException:
-                    training.abort(record)  # the record keeps its bytes; a later load rewrites it
-                    raise
-                training.end(record, buf)
+                        read_state(stateful, sink)
+                    except BaseException:
+                        training.abort(record)  # the record keeps its bytes; a later load rewrites it
+                        raise
+                    training.end(record, buf)
             training.flush()
 
     def current(self, p):

@@ -219,6 +219,58 @@ def test_swap_in_while_its_swap_out_is_creating_the_file_reads_nothing(tmp_path,
     store.close()
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_as_swap_out_creates_the_file_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A Ctrl-C landing as swap_out's file was created, before swap_out knew it (found by fuzzing), left that
+    file behind: forgotten by the store, so close() kept it, and the directory the store made with it."""
+    store = swapio.SwapStore(tmp_path / "s")
+    real_create = _swapdir.create_private_file
+
+    def create(path):
+        identity = real_create(path)
+        signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt as this returns
+        return identity
+
+    monkeypatch.setattr(_swapdir, "create_private_file", create)
+    with pytest.raises(KeyboardInterrupt):
+        store.swap_out(sample(), name="x", release=False)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "s")) == [".swapio-owner"] and "x" not in store
+    s = store.swap_out(sample(), name="x", release=False).wait(TIMEOUT)  # the name is free again
+    assert torch.equal(s.swap_in().wait(TIMEOUT), sample())
+    store.close()
+    assert not os.path.exists(tmp_path / "s")
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_as_swap_in_submits_its_read_keeps_the_memory_it_reads_into(tmp_path, monkeypatch):
+    """A Ctrl-C landing just after swap_in submitted the read that refills a released tensor (found by fuzzing:
+    heap corruption, a crash later) freed that tensor's memory again while the read was still writing into it.
+    The read stays the tensor's refill: the memory is kept, and the next swap_in returns that read."""
+    from swapio.swap import SwappedTensor
+
+    store = swapio.SwapStore(tmp_path / "s")
+    t = sample()
+    s = store.swap_out(t.clone(), release=True).wait(TIMEOUT)
+    source = s._source
+    assert source.untyped_storage().nbytes() == 0
+    real = SwappedTensor._read_into
+
+    def read_into(self, *args, **kwargs):
+        future = real(self, *args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt as this returns
+        return future
+
+    monkeypatch.setattr(SwappedTensor, "_read_into", read_into)
+    with pytest.raises(KeyboardInterrupt):
+        s.swap_in()
+    monkeypatch.undo()
+    assert source.untyped_storage().nbytes() == t.nbytes  # what the read writes into is still allocated
+    got = s.swap_in().wait(TIMEOUT)
+    assert got is source and torch.equal(got, t) and s.is_resident
+    store.close()
+
+
 def test_pread_identity_is_checked(tmp_path):
     path = str(tmp_path / "f.bin")
     data = torch.arange(4096, dtype=torch.int32)

@@ -302,6 +302,34 @@ def test_ctrl_c_inside_remove_offload_leaves_the_model_offloaded_and_working(tmp
     assert torch.equal(model(x), want)
 
 
+def test_ctrl_c_while_remove_offload_frees_the_ring_still_frees_everything(tmp_path, monkeypatch):
+    """A Ctrl-C landing while remove_offload's close waits for the reads and writes in flight (the fetcher's
+    drain) ended that clean-up there, and it runs once: the handle stayed open and the offload_dir claimed
+    (another disk_offload of it: EBUSY) until the streamer was collected. It is raised once all is freed."""
+    model = stack()
+    x = torch.randn(3, 64)
+    want = model(x)
+    disk_offload(model, tmp_path / "od", buffer_bytes=64 << 10)
+    engine = _offloaded[model]
+    real = engine.fetcher.drain
+
+    def drain():
+        ctrl_c()
+        return real()
+    monkeypatch.setattr(engine.fetcher, "drain", drain)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        remove_offload(model)
+    # (checked while the exception, and so remove_offload's frames, live: the clean-up is done, not left to them)
+    assert model not in _offloaded and torch.equal(model(x), want)
+    assert engine.fetcher.ring is None or engine.fetcher.ring._arena is None
+    again = stack()
+    disk_offload(again, tmp_path / "od", buffer_bytes=64 << 10)  # the directory is free for another model
+    with torch.no_grad():
+        assert torch.equal(again(x), want)
+    del interrupted
+    remove_offload(again)
+
+
 def test_an_offloaded_modules_forward_keeps_its_signature(tmp_path):
     """transformers inspects forward's signature (generate() checks which inputs a model takes)."""
     import inspect

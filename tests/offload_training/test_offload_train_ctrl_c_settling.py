@@ -82,3 +82,50 @@ def test_ctrl_c_while_close_waits_for_the_in_backward_worker_is_raised_after_the
     opt.close()  # idempotent
     remove_offload(model)
     assert model(data[0][0]).shape == data[0][1].shape
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("where", ["marked", "begun"])
+def test_ctrl_c_as_a_step_marks_a_record_rewritten_leaves_it_readable_and_training_goes_on(tmp_path, monkeypatch, n,
+                                                                                           where):
+    """A Ctrl-C landing just as step() marked a record as being rewritten (found by fuzzing), or just as it had
+    taken the record's buffer, before the code that gives both back on failure, left the mark for good: every
+    later read of those weights (a forward, param_value) raised "a module needs the weights ... while an optimizer
+    step rewrites them". The interrupted step leaves the records it had not stepped as they were, and training
+    goes on exactly."""
+    import signal
+
+    from swapio.offload.fetch import Fetcher
+    from swapio.offload.training import Training
+
+    data = batches(MLP, 4)
+    want = reference(str(tmp_path / "ref"), data)
+    model = offload(make_model(), "disk", str(tmp_path / "run"))
+    opt = build_opt("AdamW", model.parameters(), str(tmp_path / "s"))
+    train(model, opt, data[:1])
+    owner, name = (Fetcher, "rewriting") if where == "marked" else (Training, "begin")
+    real, calls = getattr(owner, name), []
+
+    def returning_into_ctrl_c(self, record, *args, **kwargs):
+        out = real(self, record, *args, **kwargs)
+        calls.append(record)
+        if len(calls) == n:
+            signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt as this returns
+        return out
+
+    monkeypatch.setattr(owner, name, returning_into_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, opt, data[1:2])
+    monkeypatch.undo()
+    opt.zero_grad()
+    for p in model.parameters():
+        opt.param_value(p)  # readable again
+    done = {int(opt.state[p]["step"]) for p in model.parameters()}
+    if len(done) > 1:  # the step went as far as some records: back to a checkpoint of the step before
+        pytest.fail(f"mixed step counts {done}")
+    train(model, opt, data[done.pop():])
+    for name, p in model.named_parameters():
+        assert opt.param_value(p).equal(want[1][name]), name
+    opt.close()
+    remove_offload(model)
