@@ -260,9 +260,22 @@ def _rank_file_values(path, rank):
     return st.load_file(file), save_id
 
 
+def _ran(seen, scenario):
+    """Every rank ran the scenario to its end (a crash of its own is recorded under "_<scenario>")."""
+    assert f"_{scenario}" not in seen[0] and f"_{scenario}" not in seen[1], seen
+
+
+def _kept_previous(seen, scenario):
+    """Every rank found the previous checkpoint intact, and its directory holds only that checkpoint's files."""
+    for r in range(WORLD):
+        assert seen[r][f"{scenario}_intact"] is True
+    listed, named = seen[0][f"{scenario}_listing"]
+    assert listed == named
+
+
 def test_one_rank_raising_leaves_the_previous_checkpoint_intact_on_every_rank(failures):
     root, seen = failures
-    assert "_raises" not in seen[0] and "_raises" not in seen[1], seen
+    _ran(seen, "raises")
     assert seen[1]["raises"].startswith("TypeError: state['extra']: a set cannot be stored")
     assert seen[0]["raises"].startswith("RuntimeError: swapio.checkpoint: rank 1 failed to save its shard "
                                         "(TypeError: state['extra']")
@@ -290,7 +303,7 @@ def test_ranks_save_different_keys_dtypes_and_shapes_under_the_same_names(failur
 
 def test_metadata_reaches_every_rank_file_and_its_own_keys_are_refused(failures):
     root, seen = failures
-    assert "_metadata" not in seen[0] and "_metadata" not in seen[1], seen
+    _ran(seen, "metadata")
     for r in range(WORLD):
         with safetensors.safe_open(_rank_file(os.path.join(root, "metadata"), r), "pt") as f:
             assert f.metadata()["run"] == f"run of rank {r}"
@@ -309,7 +322,7 @@ def test_a_group_without_global_rank_0_saves_and_loads(failures):
 
 def test_rank_0_failing_to_write_the_index_fails_every_rank(failures):
     _, seen = failures
-    assert "_index_fails" not in seen[0] and "_index_fails" not in seen[1], seen
+    _ran(seen, "index_fails")
     assert seen[0]["index"].startswith("IsADirectoryError")
     assert seen[1]["index"].startswith("RuntimeError: swapio.checkpoint: rank 0 failed to write the index")
     assert seen[0]["after_index"] is True and seen[1]["after_index"] is True
@@ -317,7 +330,7 @@ def test_rank_0_failing_to_write_the_index_fails_every_rank(failures):
 
 def test_a_checkpoint_of_format_version_1_loads_and_a_save_over_it_leaves_only_its_own_files(failures):
     _, seen = failures
-    assert "_version_1" not in seen[0] and "_version_1" not in seen[1], seen
+    _ran(seen, "version_1")
     for r in range(WORLD):
         assert seen[r]["version_1_loads"] is True and seen[r]["version_1_saved_over"] is True
     listed, named = seen[0]["version_1_listing"]
@@ -329,7 +342,7 @@ def test_a_rank_interrupted_mid_save_tells_the_others_which_raise_naming_it(fail
     """Ctrl-C on one rank: it raises KeyboardInterrupt; the others learn it in the save's next agreement and raise
     a RuntimeError naming that rank, instead of waiting out the process group's timeout (gloo's error then)."""
     _, seen = failures
-    assert "_interrupted" not in seen[0] and "_interrupted" not in seen[1], seen
+    _ran(seen, "interrupted")
     assert seen[victim][f"interrupted_{where}"].startswith("KeyboardInterrupt")
     failed = "failed to save its shard" if where == "writing" else "failed to write the index"
     assert seen[1 - victim][f"interrupted_{where}"].startswith(
@@ -342,23 +355,17 @@ def test_a_rank_interrupted_mid_save_tells_the_others_which_raise_naming_it(fail
 
 def test_a_directory_another_job_is_saving_into_is_refused_on_every_rank_before_any_write(failures):
     _, seen = failures
-    assert "_busy" not in seen[0] and "_busy" not in seen[1], seen
+    _ran(seen, "busy")
     assert seen[0]["busy"].startswith("OSError: [Errno 16] another live process is using this distributed checkpoint")
     assert seen[1]["busy"].startswith("RuntimeError: swapio.checkpoint: rank 0 failed to start the save (OSError: "
                                       "[Errno 16]")
-    for r in range(WORLD):
-        assert seen[r]["busy_intact"] is True
-    listed, named = seen[0]["busy_listing"]
-    assert listed == named
+    _kept_previous(seen, "busy")
 
 
 def test_enospc_on_one_rank_fails_every_rank_naming_it_and_keeps_the_previous_checkpoint(failures):
     _, seen = failures
-    assert "_enospc" not in seen[0] and "_enospc" not in seen[1], seen
+    _ran(seen, "enospc")
     assert seen[1]["enospc"].startswith("OSError: [Errno 28]")
     assert seen[0]["enospc"].startswith("RuntimeError: swapio.checkpoint: rank 1 failed to save its shard (OSError: "
                                         "[Errno 28] No space left on device)")
-    for r in range(WORLD):
-        assert seen[r]["enospc_intact"] is True
-    listed, named = seen[0]["enospc_listing"]
-    assert listed == named
+    _kept_previous(seen, "enospc")
