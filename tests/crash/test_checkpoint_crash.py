@@ -2,7 +2,6 @@
 checkpoint's path then loads as the previous or the new checkpoint, whole, never a mix; what a killed save left
 is removed by the next save into the directory, but never the temporary file of a save still running."""
 import pytest
-import multiprocessing
 import os
 import random
 import signal
@@ -17,6 +16,7 @@ import swapio
 from helpers.checkpoint_crash_child import loaded_k, saver, uniform_state
 from helpers.checkpoint import leftovers
 from helpers.crash import kill_while_saving
+from helpers.fork import forkserver  # noqa: F401
 from conftest import REPO
 from swapio.safetensors.commit import PendingFile, reclaim
 
@@ -25,10 +25,8 @@ pytestmark = pytest.mark.crash
 ITERATIONS = 32
 
 
-def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["helpers.checkpoint_crash_child"])
+def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, forkserver):
+    ctx = forkserver  # savers fork from a server that imported checkpoint_crash_child once
     ckpt = str(tmp_path / "c.safetensors")
     swapio.checkpoint.save(uniform_state(0), ckpt)
     rng = random.Random(20)

@@ -3,7 +3,6 @@ remove_offload), of forwards, and of forward + backward with a trainable residen
 generator; the child waits at its point until the signal comes (helpers/offload_crash_child.py). After a Ctrl-C the
 process goes on and its model works as the resident one does; after a SIGKILL the next user of the directory
 works and reclaims what the killed process left; either way nothing is left behind but the offload itself."""
-import multiprocessing
 import os
 import random
 import signal
@@ -11,8 +10,8 @@ import warnings
 
 import pytest
 
-from conftest import REPO
 from helpers.crash import wait_ready
+from helpers.fork import forkserver  # noqa: F401
 from helpers.offload_crash_child import POINTS, check_next_use, child
 
 pytestmark = pytest.mark.crash
@@ -22,32 +21,15 @@ SIGNALS = (signal.SIGINT, signal.SIGKILL)
 ROUNDS = 3  # per phase and signal: 18 children in all
 
 
-@pytest.fixture(scope="module")
-def fork_context():
-    # Children fork from a server that imported offload_crash_child once (Python 3.11's fork server ignores
-    # sys.path: it gets the path through the environment).
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    try:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["helpers.offload_crash_child"])
-        yield ctx
-    finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
-
-
 @pytest.mark.parametrize("phase", PHASES)
-def test_interrupt_or_kill_at_random_points_then_the_next_use_works(tmp_path, fork_context, phase):
+def test_interrupt_or_kill_at_random_points_then_the_next_use_works(tmp_path, forkserver, phase):
     rng = random.Random(f"offload-faults-{phase}")
     directory = str(tmp_path / "od")
     for i in range(ROUNDS * len(SIGNALS)):
         sig, target = SIGNALS[i % 2], rng.randint(1, POINTS[phase])
-        ready, ready_in_child = fork_context.Pipe(duplex=False)
-        result = fork_context.Value("b", 0, lock=False)
-        proc = fork_context.Process(target=child, args=(phase, directory, target, ready_in_child, result), daemon=True)
+        ready, ready_in_child = forkserver.Pipe(duplex=False)
+        result = forkserver.Value("b", 0, lock=False)
+        proc = forkserver.Process(target=child, args=(phase, directory, target, ready_in_child, result), daemon=True)
         proc.start()
         ready_in_child.close()
         wait_ready(ready, proc, f"point {target} of {phase}")

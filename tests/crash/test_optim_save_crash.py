@@ -1,6 +1,5 @@
 """SIGKILL and SIGINT at random points of opt.save(): whatever the moment, the checkpoint directory then loads
 as the previous or the new checkpoint, whole, never a mix (cpu and nvme modes)."""
-import multiprocessing
 import os
 import random
 import signal
@@ -10,7 +9,7 @@ import warnings
 import pytest
 
 from swapio.optim import checkpoint
-from conftest import REPO
+from helpers.fork import forkserver  # noqa: F401
 from helpers.optim_save_crash_child import loaded_k, make_optimizer, saver, uniform_state
 from helpers.crash import kill_while_saving
 
@@ -19,12 +18,8 @@ pytestmark = pytest.mark.crash
 ITERATIONS = 48
 
 
-def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, monkeypatch):
-    # Savers fork from a server that imported crash_child once (Python 3.11's fork server ignores sys.path:
-    # it gets the path through the environment).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["helpers.optim_save_crash_child"])
+def test_kill_at_random_points_of_save_leaves_a_whole_checkpoint(tmp_path, forkserver):
+    ctx = forkserver  # savers fork from a server that imported optim_save_crash_child once
     ckpt, swap_dir = str(tmp_path / "ckpt"), str(tmp_path / "swap")
     os.mkdir(swap_dir)
     first = make_optimizer("cpu", None)

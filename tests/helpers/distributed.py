@@ -6,7 +6,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers.fork import fork_server
 
 JOIN_TIMEOUT = 60  # seconds a spawned group may take before the test fails ("a rank hung")
 COLLECTIVE_TIMEOUT = 10  # seconds a collective waits for a peer: a rank left waiting fails instead of hanging
@@ -29,8 +30,7 @@ def init_group(rank, port, world):
 def run_group(worker, arg, world):
     """Spawns worker(rank, port, arg) on `world` processes and joins them with a timeout; their exit codes (a
     process killed by signal s: -s). A process still alive after the timeout is killed and fails the test."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "swapio"])  # imported once by the server: each group starts in ~0.1 s
+    ctx = fork_server()  # torch and swapio imported once by the server: each group starts in ~0.1 s
     port = free_port()
     procs = [ctx.Process(target=worker, args=(rank, port, arg)) for rank in range(world)]
     for p in procs:

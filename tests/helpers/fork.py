@@ -2,6 +2,7 @@
 child modules (and torch, swapio) once, so each starts in milliseconds instead of seconds."""
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -10,23 +11,42 @@ import pytest
 
 from conftest import REPO, TIMEOUT
 
-CHILD_MODULES = [f"helpers.{name}" for name in ("matrix_child", "leftover_children", "memory_child",
-                                                "train_budget_child")]
+# Every module the tests' children run, imported once by the one fork server of the session (with torch and
+# swapio, and each module's warm-up): a child then starts in milliseconds, where one that imported its module
+# itself paid a second or more.
+CHILD_MODULES = ["torch", "swapio"] + [f"helpers.{name}" for name in (
+    "matrix_child", "leftover_children", "memory_child", "train_budget_child", "optim_save_crash_child",
+    "checkpoint_crash_child", "offload_crash_child", "export_crash_child")]
 
 
-@pytest.fixture(scope="module")
-def forkserver():
-    """The forkserver context. Python 3.11's fork server ignores sys.path: it gets the path through the
-    environment when it starts (if another test started it already, the modules are imported on first use)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
+def fork_server():
+    """The forkserver context, its server started with CHILD_MODULES preloaded. The server is one per process and
+    starts once: every test that forks from it goes through here, so that none starts it without the modules (then
+    every child of the session imported them itself). Python 3.11's fork server ignores sys.path: it gets the path
+    through the environment at its start, which is restored afterwards."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(CHILD_MODULES)
-    yield ctx
-    if before is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = before
+    if not _started:
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
+        try:
+            ctx.set_forkserver_preload(CHILD_MODULES)
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+        _started.append(True)
+    return ctx
+
+
+_started: list = []
+
+
+@pytest.fixture
+def forkserver():
+    """The forkserver context (fork_server)."""
+    return fork_server()
 
 
 def run_child(ctx, target, *args, timeout=120):

@@ -336,16 +336,13 @@ def _loaded_value(directory):
 @pytest.mark.crash
 @pytest.mark.parametrize("sizes", [("40KB", "40KB"), ("40KB", "100KB"), ("100KB", "40KB")],
                          ids=["same-shards", "fewer-shards", "more-shards"])
-def test_a_re_export_killed_at_any_step_leaves_the_previous_or_the_new_export(tmp_path, monkeypatch, sizes):
+def test_a_re_export_killed_at_any_step_leaves_the_previous_or_the_new_export(tmp_path, sizes):
     """SIGKILL right before each change an export makes to the directory, in turn: a loader following the index
     finds the previous export or the new one, whole, at every step; what killed exports left goes with the next
     export that finishes."""
-    import multiprocessing
     from helpers.export_crash_child import export_until
-    from helpers.fork import run_child
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["helpers.export_crash_child"])
+    from helpers.fork import fork_server, run_child
+    ctx = fork_server()
     directory = tmp_path / "export"
     first, then = sizes
     assert run_child(ctx, export_until, str(directory), 1.0, first, 0) == 0
