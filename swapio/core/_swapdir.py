@@ -14,9 +14,9 @@ A clean release removes the lock file while still holding the lock; whoever lock
 still the one at the path, so a lock on a file being removed is never mistaken for ownership.
 """
 import ctypes
-import ctypes.util
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -254,10 +254,17 @@ def _say(message):
 
 
 # ---- RAM-backed directories ----------------------------------------------------------------------------------------
+@functools.cache
+def _libc():
+    # The process's own symbols, libc's among them: ctypes.util.find_library would run `ldconfig -p` in a
+    # subprocess at every call (each swap directory made).
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def ram_file_system(path):
     """"tmpfs" or "ramfs" when path lives in RAM (statfs), else None (also when it cannot be told)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = _libc()
         buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
         if libc.statfs(os.fsencode(path), buf) != 0:
             return None

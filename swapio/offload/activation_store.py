@@ -29,6 +29,7 @@ import torch
 
 from ..core import _swapdir
 from ..core._align import ALIGN, round_up
+from ..core._owned_fd import OwnedFd
 from ..core._signals import DeferredSigint
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
@@ -178,12 +179,9 @@ class Session:
             return
         size = max(end, self.res.file_hint, 2 * self.reserved)
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            try:
-                if _swapdir.identity_of(fd) == self.identity:
-                    os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
+            with OwnedFd.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) as owned:
+                if _swapdir.identity_of(owned.fileno()) == self.identity:
+                    os.posix_fallocate(owned.fileno(), 0, size)
         except OSError:
             size = float("inf")  # not supported (or no room for the reserve): the writes will say what is wrong
         self.reserved = size
@@ -460,16 +458,16 @@ def remove_soon(path):
     """Removes the file from its directory now and lets a thread free its blocks: the last reference to a large
     file frees them, and on ext4 the step waited 45-60 ms for that (with almost no CPU) at each backward's end."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        owned = OwnedFd.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        fd = None  # gone already, or not a file of ours (a symlink planted there): the unlink below says
+        owned = None  # gone already, or not a file of ours (a symlink planted there): the unlink below says
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     finally:
-        if fd is not None:
+        if owned is not None:
             try:
-                threading.Thread(target=os.close, args=(fd,), name="swapio-free-activations", daemon=True).start()
+                threading.Thread(target=owned.close, name="swapio-free-activations", daemon=True).start()
             except RuntimeError:  # no new threads (the interpreter is exiting)
-                os.close(fd)
+                owned.close()

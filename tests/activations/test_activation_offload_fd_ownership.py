@@ -1,0 +1,53 @@
+"""The activation offload's swap files under interruptions at every point where a signal handler could run in the
+code that opens and closes their descriptors (the reservation of a file's blocks, and remove_soon, which hands the
+last descriptor of a removed file to a thread): each descriptor closed exactly once, none left open, no file left
+in the swap directory, and the next forward + backward equals the resident model's (helpers/fd_audit.py)."""
+import gc
+import importlib
+import os
+import threading
+
+import pytest
+import torch
+
+from helpers.activations import assert_same_grads, batch, grads_of, make_stack
+from helpers.fd_audit import FdAudit, code_objects, sweep
+from swapio.offload import offload_activations
+
+store = importlib.import_module("swapio.offload.activation_store")
+owned_fd = importlib.import_module("swapio.core._owned_fd")
+
+
+def _wait_for_freeing_threads():
+    for t in threading.enumerate():
+        # (a start() interrupted after the thread began: it is running, but says so a moment later)
+        if t.name == "swapio-free-activations" and t._started.wait(30):
+            t.join(30)
+
+
+@pytest.mark.slow
+def test_bug_a_swap_file_interrupted_at_its_open_or_removal_leaks_no_descriptor(tmp_path):
+    """BUG: `fd = os.open(...)` in the reservation of a session's file and in remove_soon: an interruption right
+    after os.open returned (before the assignment), or before the `try` that closes it, left the descriptor open,
+    with the removed file's blocks, for the life of the process."""
+    codes = code_objects(store.Session._reserve, store.remove_soon, owned_fd.OwnedFd, threading.Thread.start,
+                         exclude=("OwnedFd.__del__",))
+    model, x = make_stack(depth=1), batch()
+    want = grads_of(model, x)
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+
+    def step():
+        with offload_activations(to="nvme", swap_dir=swap_dir, min_bytes=0) as act:
+            grads_of(model, x, act)
+
+    with FdAudit() as audit:
+        runs = sweep(step, codes, after_each=_wait_for_freeing_threads)
+        gc.collect()
+        _wait_for_freeing_threads()
+        leaks = audit.leaks()
+    assert runs > 20
+    assert (audit.problems, leaks) == ([], [])
+    assert os.listdir(swap_dir) == []  # each private directory went with its close()
+    with offload_activations(to="nvme", swap_dir=swap_dir, min_bytes=0) as act:
+        assert_same_grads(grads_of(model, x, act), want)
