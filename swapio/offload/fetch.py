@@ -80,7 +80,10 @@ class Fetcher:
         self.spare_bytes = max((r.nbytes for r in records), default=0)
         self._spare, self._spare_user = GrowingBlock(size=round_up), None  # pinned at its first use
         self.fetches = {}     # record -> Fetch, in the order they were started
-        self._let_go = collections.deque()  # claims whose alias from hold() died, released at the next call
+        # hold()'s aliases: {id(weakref to the alias's memory): (that weakref, its Claim)}; a weakref lands in
+        # _died when the memory dies, appended by C code (no Python runs there: see hold())
+        self._aliases = {}
+        self._died = collections.deque()
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = threading.RLock()
@@ -295,7 +298,11 @@ class Fetcher:
         alias = torch.frombuffer(region, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
         with self.lock:
             fetch.holds.add(claim)
-            weakref.finalize(region, self._alias_died, claim)
+            # The release is queued by deque.append, C code, as the memory dies: a Python finalizer could be cut
+            # short at its first bytecode by a Ctrl-C, which Python drops there, and the release with it
+            died = weakref.ref(region, self._died.append)
+            self._aliases[id(died)] = (died, claim)
+            weakref.finalize(region, self._alias_died, claim)  # releases it at once, where it can
             claim.aliased = True
         return alias
 
@@ -318,11 +325,12 @@ class Fetcher:
             self._release(fetch)
 
     def _alias_died(self, claim):
-        """Queues the release; settles it at once unless this thread is inside the fetcher (a garbage collection
-        there must not change the tables under it) or another thread is (the next call settles it)."""
-        self._let_go.append(claim)
+        """Releases the claim at once, unless this thread is inside the fetcher (a garbage collection there must
+        not change the tables under it) or another thread is: the queued weakref (hold()) then has the next
+        call release it, as it does when a Ctrl-C cuts this finalizer short."""
         if not self.lock._is_owned() and self.lock.acquire(blocking=False):
             try:
+                self._settle(claim)
                 self._settle_holds()
             finally:
                 self.lock.release()
@@ -361,9 +369,15 @@ class Fetcher:
         return start <= tensor.data_ptr() < start + fetch.host.numel()
 
     def _settle_holds(self):
-        """Releases the fetches whose aliases died since the last call (under the lock)."""
-        while self._let_go:
-            self._settle(self._let_go.popleft())
+        """Releases the fetches whose aliases died since the last call (under the lock). Each is taken off the
+        queue only once released (_settle is idempotent): a Ctrl-C between the two leaves it for the next call."""
+        while self._died:
+            died = self._died[0]
+            _, claim = self._aliases.get(id(died), (None, None))
+            if claim is not None:
+                self._settle(claim)
+                del self._aliases[id(died)]
+            self._died.popleft()
 
     def _keep(self, fetch):
         """A tied record in the spare stays there, read once, until its next user runs (GPT-2's wte, then

@@ -4,6 +4,7 @@ stays out of the ring while autograd holds the unpacked weight, goes back to it 
 whatever happens to the record meanwhile (rewritten by a step, the model's offload removed) the weight keeps
 the bytes it was fetched with."""
 import gc
+import sys
 import types
 import weakref
 
@@ -15,6 +16,7 @@ from swapio.offload.api import _offloaded
 from swapio.offload.layout import round_up
 from swapio.offload.fetch import Fetcher
 from helpers.ctrl_c import ctrl_c_on_call
+from helpers.fd_audit import code_objects, sweep
 
 WIDTH, LAYERS = 64, 4
 LAYER = WIDTH * WIDTH * 4
@@ -192,3 +194,27 @@ def test_a_saved_output_does_not_keep_its_graph_alive(tmp_path):
     disk_offload(model, tmp_path / "od")
     assert output_freed_at_once(model)
     remove_offload(model)
+
+
+def test_ctrl_c_as_a_held_weight_dies_still_gives_its_region_back(offloaded, monkeypatch):
+    """BUG: the release of a held weight's region ran as a Python finalizer of the weight's memory. A Ctrl-C landing
+    as it began (any point before the claim was queued) was dropped by Python, as every exception in a finalizer
+    is, and the release with it: the region stayed out of the ring for good. The weight's death now queues the
+    claim without running any Python code, and the fetcher's next call releases it."""
+    model, resident, streamer, unpacked = offloaded
+    fetcher = streamer.fetcher
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: None)  # the dropped Ctrl-C, as Python drops it
+    # what runs when the weight dies: the finalizer's call and the release it makes (none, once queued in C)
+    finalizers = {weakref.finalize.__call__.__code__} | {c for c in code_objects(Fetcher) if "died" in c.co_name}
+
+    def backward():
+        torch.autograd.grad(forward(model, x), x)
+        unpacked.kept.clear()
+        gc.collect()
+
+    sweep(backward, finalizers)
+    fetcher.drop_unused(keep=())
+    assert all(f.users == 0 and f.held == 0 for f in fetcher.fetches.values())
+    assert fetcher.ring.in_use == 0
+    assert torch.equal(torch.autograd.grad(forward(model, x), x)[0], want_grad(resident, x))
