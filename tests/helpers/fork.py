@@ -16,7 +16,7 @@ from conftest import REPO, TIMEOUT
 # itself paid a second or more.
 CHILD_MODULES = ["torch", "swapio"] + [f"helpers.{name}" for name in (
     "matrix_child", "leftover_children", "memory_child", "train_budget_child", "optim_save_crash_child",
-    "checkpoint_crash_child", "offload_crash_child", "export_crash_child")]
+    "checkpoint_crash_child", "offload_crash_child", "export_crash_child", "offload_training")]
 
 
 def fork_server():

@@ -269,11 +269,12 @@ def assert_goes_on(model, opt, tmp, data, want):
 
 # ---- a second process for resume tests ----------------------------------------------------------------------
 def child(spec):
-    """Runs in a new process (python -c): spec is a dict (see test_offload_train_resume.py).
+    """Runs in a new process (a child of the fork server): spec is a dict (see test_offload_train_resume.py).
     phase "first": offloads a fresh model, trains spec["steps"] steps, saves the optimizer to spec["save"], then
     trains spec["extra"] more steps (the storage moves past the checkpoint) and dies without any cleanup.
     phase "resume": builds the model on meta, offloads it from spec["od"] (and spec["ckpt"]), a new optimizer,
     load(spec["save"]), trains the steps from spec["start"] to spec["end"], then writes the weights to spec["out"]."""
+    torch.set_num_threads(1)
     dtype = getattr(torch, spec["dtype"])
     data = batches(MLP, spec["total"])
     kw = dict(offload=spec["offload"], state_dtype=spec["state_dtype"], in_backward=spec["in_backward"])
