@@ -469,5 +469,10 @@ def remove_soon(path):
         if owned is not None:
             try:
                 threading.Thread(target=owned.close, name="swapio-free-activations", daemon=True).start()
-            except RuntimeError:  # no new threads (the interpreter is exiting)
+            except BaseException as exc:
+                # No new threads (the interpreter is exiting), or a Ctrl-C inside start(), which may leave a thread
+                # that never runs (Python keeps it listed, and with it the descriptor) or one that runs all the
+                # same: closed here, the thread then finds it closed
                 owned.close()
+                if not isinstance(exc, RuntimeError):
+                    raise

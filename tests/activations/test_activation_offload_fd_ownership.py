@@ -19,10 +19,18 @@ owned_fd = importlib.import_module("swapio.core._owned_fd")
 
 
 def _wait_for_freeing_threads():
+    """Joins the threads that close removed files. A start() interrupted before the thread was created leaves it
+    listed for good, never started (the descriptor was closed by remove_soon then); one interrupted after says it
+    started a moment later."""
     for t in threading.enumerate():
-        # (a start() interrupted after the thread began: it is running, but says so a moment later)
-        if t.name == "swapio-free-activations" and t._started.wait(30):
-            t.join(30)
+        if t.name == "swapio-free-activations" and t not in _never_started:
+            if t._started.wait(5):
+                t.join(30)
+            else:
+                _never_started.add(t)
+
+
+_never_started: set = set()
 
 
 @pytest.mark.slow
