@@ -215,12 +215,18 @@ class ActivationOffload:
         if entered and entered[-1][0] is hooks:
             entered.pop()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] == hooks.pack and top[1] == hooks.unpack:
+        on_top = top is not None and top[0] == hooks.pack and top[1] == hooks.unpack
+        if on_top:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if failed:
             session.abort()
-        else:
-            session.close_forward()
+            return
+        session.close_forward()
+        if not on_top:  # torch can only pop the top: ours stay under the others (a later save there raises)
+            raise RuntimeError(
+                "offload_activations' `with` block ended while saved-tensor hooks pushed inside it (a "
+                "torch.autograd.graph.saved_tensors_hooks or save_on_cpu context entered in the block) were "
+                "still pushed; exit contexts in the reverse order of entering them")
 
     def close(self):
         """Discards every saved activation still held (their graphs can no longer run backward), removes the swap
