@@ -20,7 +20,7 @@ import torch
 from ..core import _swapdir
 from ..core._errors import check_int
 from ..core._signals import DeferredSigint
-from ..core.handle import AioHandle
+from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
 from .activation_store import Session
@@ -254,6 +254,12 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     if to == "nvme":
         if swap_dir is None:
             raise ValueError('to="nvme" needs swap_dir, a directory on the disk that takes the activations')
+        if not isinstance(swap_dir, (str, bytes, os.PathLike)):
+            raise TypeError(f"swap_dir must be a path (str, bytes or os.PathLike), got {type(swap_dir).__name__}")
+        unknown = sorted(set(io_kwargs) - set(IO_SETTINGS))
+        if unknown:
+            raise TypeError(f"offload_activations got unexpected arguments {unknown}; its AioHandle settings are "
+                            f"{list(IO_SETTINGS)}")
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
