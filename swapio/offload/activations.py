@@ -83,7 +83,8 @@ class _Resources:
     def wanted(self, t):
         """Whether a saved tensor is offloaded: a plain dense tensor on a device this mode moves, of at least
         min_bytes of storage, not a parameter (nor a view of one), not a buffer of the model."""
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
+                or t.is_neg()):  # (a strided nested tensor has no sizes to rebuild it from)
             return False
         kind = t.device.type
         if not (kind == "cuda" or (kind == "cpu" and self.to == "nvme")):
