@@ -113,6 +113,13 @@ class Session:
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
         res = self.res
+        if not self.open:  # its hooks outlived their `with` (left under others), or close() came inside it
+            raise RuntimeError(
+                "a tensor was saved into an ActivationOffload forward that has ended: "
+                + ("the ActivationOffload was closed (or the forward interrupted) inside its `with` block"
+                   if self.aborted else "its saved-tensor hooks were still pushed after its `with` block, under "
+                   "hooks pushed inside the block and left there")
+                + "; exit contexts in the reverse order of entering them, and close() after the block")
         if not res.wanted(tensor):
             return Kept(tensor)
         storage = tensor.untyped_storage()

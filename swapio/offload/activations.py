@@ -20,7 +20,7 @@ import torch
 from ..core import _swapdir
 from ..core._errors import check_int
 from ..core._signals import DeferredSigint
-from ..core.handle import AioHandle
+from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
 from .activation_store import Session
@@ -83,7 +83,8 @@ class _Resources:
     def wanted(self, t):
         """Whether a saved tensor is offloaded: a plain dense tensor on a device this mode moves, of at least
         min_bytes of storage, not a parameter (nor a view of one), not a buffer of the model."""
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
+                or t.is_neg()):  # (a strided nested tensor has no sizes to rebuild it from)
             return False
         kind = t.device.type
         if not (kind == "cuda" or (kind == "cpu" and self.to == "nvme")):
@@ -215,12 +216,18 @@ class ActivationOffload:
         if entered and entered[-1][0] is hooks:
             entered.pop()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] == hooks.pack and top[1] == hooks.unpack:
+        on_top = top is not None and top[0] == hooks.pack and top[1] == hooks.unpack
+        if on_top:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if failed:
             session.abort()
-        else:
-            session.close_forward()
+            return
+        session.close_forward()
+        if not on_top:  # torch can only pop the top: ours stay under the others (a later save there raises)
+            raise RuntimeError(
+                "offload_activations' `with` block ended while saved-tensor hooks pushed inside it (a "
+                "torch.autograd.graph.saved_tensors_hooks or save_on_cpu context entered in the block) were "
+                "still pushed; exit contexts in the reverse order of entering them")
 
     def close(self):
         """Discards every saved activation still held (their graphs can no longer run backward), removes the swap
@@ -248,6 +255,12 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     if to == "nvme":
         if swap_dir is None:
             raise ValueError('to="nvme" needs swap_dir, a directory on the disk that takes the activations')
+        if not isinstance(swap_dir, (str, bytes, os.PathLike)):
+            raise TypeError(f"swap_dir must be a path (str, bytes or os.PathLike), got {type(swap_dir).__name__}")
+        unknown = sorted(set(io_kwargs) - set(IO_SETTINGS))
+        if unknown:
+            raise TypeError(f"offload_activations got unexpected arguments {unknown}; its AioHandle settings are "
+                            f"{list(IO_SETTINGS)}")
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")

@@ -267,6 +267,8 @@ def test_close_discards_what_a_graph_still_holds(tmp_path):
     (dict(min_bytes=-1), ValueError, "min_bytes"),
     (dict(prefetch=1.5), TypeError, "prefetch"),
     (dict(model="gpt2"), TypeError, "model must be"),
+    (dict(to="nvme", swap_dir=123), TypeError, "swap_dir must be a path"),
+    (dict(to="nvme", swap_dir=".", queue_dept=4), TypeError, "offload_activations.*queue_dept.*queue_depth"),
 ])
 def test_bad_arguments_name_the_problem(kwargs, error, match):
     with pytest.raises(error, match=match):
