@@ -31,6 +31,160 @@ def run_child(spec):
     assert fork.run_child(fork.fork_server(), child, spec) == 0
 
 
+# ---- errors ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+@pytest.mark.parametrize("which", ["torch", "none"])
+def test_torch_optimizer_or_none_is_a_clear_error_at_backward(tmp_path, storage, which):
+    model = offload(make_model(), storage, tmp_path)
+    if which == "torch":
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with one_thread():
+        loss = loss_of(model, batches(MLP, 1)[0])
+        with pytest.raises(ValueError, match=r"'c\.(weight|bias)'.*OffloadAdamW"):
+            loss.backward()
+    remove_offload(model)
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_in_backward_two_backward_passes_before_step(tmp_path, storage):
+    """Accumulating with in_backward=True: the RuntimeError that says so (repeated: the in-backward worker may
+    still be running when the second forward starts, which must not change the error)."""
+    for i in range(5):
+        model = offload(make_model(), storage, tmp_path / str(i))
+        data = batches(MLP, 2)
+        with build_opt("AdamW", model.parameters(), tmp_path / str(i), in_backward=True) as opt, one_thread():
+            loss_of(model, data[0]).backward()
+            with pytest.raises(RuntimeError, match="in_backward"):
+                loss_of(model, data[1]).backward()
+        remove_offload(model)
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_in_backward_forward_between_backward_and_step(tmp_path, storage):
+    """A no_grad forward (a metric, a log) between backward and step() with in_backward=True: it must neither
+    raise nor make the update running on the worker fail; training goes on exactly like resident."""
+    data = batches(MLP, 3)
+    want_losses, want = resident_run(MLP, torch.float32, "AdamW", data, tmp_path, 1, {})
+    for i in range(4):
+        model = offload(make_model(), storage, tmp_path / str(i))
+        with build_opt("AdamW", model.parameters(), tmp_path / str(i), in_backward=True) as opt, one_thread():
+            losses = []
+            for b in data:
+                loss = loss_of(model, b)
+                loss.backward()
+                with torch.no_grad():
+                    loss_of(model, b)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        assert_same_losses(losses, want_losses)
+        remove_offload(model)
+        assert_same_weights(weights(model), want)
+
+
+def test_checkpoint_only_offload_cannot_be_trained(tmp_path):
+    ckpt = save_checkpoint_file(make_model(), tmp_path / "m.safetensors")
+    before = digest(ckpt)
+    model = disk_offload(meta_model(), checkpoint=ckpt)
+    with pytest.raises(ValueError, match="offload_dir"):
+        build_opt("AdamW", model.parameters(), tmp_path)
+    assert digest(ckpt) == before
+    # nothing was claimed by the failed optimizer: a frozen forward still works, and a later good setup too
+    remove_offload(model)
+
+
+def test_two_optimizers_cannot_own_one_weight(tmp_path):
+    model = offload(make_model(), "disk", tmp_path)
+    with build_opt("AdamW", model.parameters(), tmp_path):
+        with pytest.raises(ValueError, match="already trained"):
+            build_opt("Lion", model.parameters(), tmp_path)
+    with build_opt("Lion", model.parameters(), tmp_path) as opt:  # the first closed: free again
+        train(model, opt, batches(MLP, 1))
+    remove_offload(model)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_checkpoint_bytes_unchanged_and_trained_weights_in_offload_dir(tmp_path, in_backward):
+    ckpt = save_checkpoint_file(make_model(), tmp_path / "model.safetensors")
+    before = digest(ckpt)
+    data = batches(MLP, 3)
+    want_losses, want = resident_run(MLP, torch.float32, "AdamW", data, tmp_path, 1, {})
+    model = disk_offload(meta_model(), checkpoint=ckpt, offload_dir=tmp_path / "od")
+    with build_opt("AdamW", model.parameters(), tmp_path, offload="nvme", in_backward=in_backward) as opt:
+        assert_same_losses(train(model, opt, data), want_losses)
+    assert digest(ckpt) == before
+    remove_offload(model)
+    assert_same_weights(weights(model), want)
+    assert digest(ckpt) == before
+    # offloading again from the checkpoint and the same offload_dir reads the trained weights
+    again = disk_offload(meta_model(), checkpoint=ckpt, offload_dir=tmp_path / "od")
+    remove_offload(again)
+    assert_same_weights(weights(again), want)
+
+
+def test_remove_offload_between_backward_and_step(tmp_path):
+    """remove_offload of a model being trained: the weights as the latest step left them."""
+    data = batches(MLP, 3)
+    _, want = resident_run(MLP, torch.float32, "AdamW", data[:2], tmp_path, 1, {"offload": "nvme"})
+    model = offload(make_model(), "disk", tmp_path)
+    opt = build_opt("AdamW", model.parameters(), tmp_path, offload="nvme")
+    train(model, opt, data[:2])
+    with one_thread():
+        loss_of(model, data[2]).backward()  # a gradient in flight, no step
+    remove_offload(model)
+    assert_same_weights(weights(model), want)
+    opt.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_step_counts_like_torch(tmp_path, in_backward):
+    model = offload(make_model(), "disk", tmp_path)
+    sched_lrs = []
+    with build_opt("AdamW", model.parameters(), tmp_path, in_backward=in_backward) as opt:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        with one_thread():
+            for b in batches(MLP, 3):
+                loss_of(model, b).backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                sched_lrs.append(opt.param_groups[0]["lr"])
+        assert all(int(s["step"].item()) == 3 for s in opt.state.values())
+    assert sched_lrs == [5e-3, 2.5e-3, 1.25e-3]
+    remove_offload(model)
+
+
+def test_in_backward_with_lr_scheduler_equals_resident(tmp_path):
+    """The lr a scheduler sets after step k is the one step k+1 uses, also when updates run during backward."""
+    data = batches(MLP, 3)
+
+    def loop(model, opt):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.3)
+        return train_with(model, opt, data, sched)
+
+    ref = make_model()
+    with build_opt("AdamW", ref.parameters(), tmp_path / "r") as opt:
+        want_losses = loop(ref, opt)
+    model = offload(make_model(), "disk", tmp_path)
+    with build_opt("AdamW", model.parameters(), tmp_path, in_backward=True) as opt:
+        assert_same_losses(loop(model, opt), want_losses)
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+def train_with(model, opt, data, sched):
+    losses = []
+    with one_thread():
+        for b in data:
+            loss = loss_of(model, b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.detach())
+    return losses
+
+
 # ---- resume in a new process --------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("source,dtype,off,state_dtype,in_backward", [
