@@ -344,39 +344,61 @@ struct V {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out0), both);
     _mm_storeh_pi(reinterpret_cast<__m64*>(out1), _mm_castsi128_ps(both));  // vmovhps: a store, no shuffle
   }
-  // lowp_loops.h's int8 Adam with kAdamVectors 2: the codes of first moments m0, m1 (8 each, |m| am0, am1) to
-  // mout[0, 16) and of second moments v0, v1 to vout[0, 16). One deferral test for the 32 lanes. The 32 codes of +y
-  // (unclamped, < 2^11) and regions are packed to bytes at once, in the same order; one vpshufb looks up the clamps of
-  // both maps by region (code_max16) and one vpminub applies them. A negative m takes 2 zero - c, saturated at 0 (no
-  // -1.0), picked by its sign byte: signed saturation keeps the sign of m's bits (-0 is negative too, and its
-  // c = zero gives zero), and v's bytes are 0. Then one vpermd orders 16 bytes of m and 16 of v.
-  static SWAPIO_INLINE void encode4a(uint8_t* mout, F m0, F am0, F m1, F am1, F minv, const QuantMap& qm,
-                                     uint8_t* vout, F v0, F v1, F vinv, const QuantMap& qv) {
-    static_assert(2 * kSignedZero == 254, "2 zero fits a byte");
-    const F y0 = _mm256_mul_ps(am0, minv), y1 = _mm256_mul_ps(am1, minv);
-    const F y2 = _mm256_mul_ps(v0, vinv), y3 = _mm256_mul_ps(v1, vinv);
-    __m256i r0, r1, r2, r3;
-    const __m256i u0 = unclamped_code(y0, qm, r0), u1 = unclamped_code(y1, qm, r1);
-    const __m256i u2 = unclamped_code(y2, qv, r2), u3 = unclamped_code(y3, qv, r3);
-    __m256i c0 = _mm256_srli_epi32(u0, kPos8Bits), c1 = _mm256_srli_epi32(u1, kPos8Bits);
-    __m256i c2 = _mm256_srli_epi32(u2, kPos8Bits), c3 = _mm256_srli_epi32(u3, kPos8Bits);
-    if (__builtin_expect(lower16(_mm256_min_epu16(_mm256_min_epu16(u0, u1), _mm256_min_epu16(u2, u3))), 0)) {
-      // within their region's clamp: the clamp below keeps them
-      if (defers(u0)) c0 = exact_codes(y0, qm);
-      if (defers(u1)) c1 = exact_codes(y1, qm);
-      if (defers(u2)) c2 = exact_codes(y2, qv);
-      if (defers(u3)) c3 = exact_codes(y3, qv);
+  // lowp_loops.h's int8 Adam with kAdamVectors 2: the codes of first moments m0, m1 (m, am: m0 and |m0| at [0, 8), m1
+  // and |m1| at [8, 16)) to mout[0, 16) and of second moments v0, v1 (at v) to vout[0, 16), by the arithmetic search
+  // alone. Returns the running unsigned 16-bit minimum of the lanes' rint(P8) (`least`, from least_init()): the caller
+  // tests it once per block (lower16) and, if a lane deferred, encodes the block again with encode4a_exact (one in
+  // about 150 blocks: a test per 32 lanes cost 1.5 % of the step, benchmarks/RESULTS.md).
+  static SWAPIO_INLINE __m256i least_init() { return _mm256_set1_epi16(-1); }
+  static SWAPIO_INLINE __m256i encode4a(uint8_t* mout, const float* m, const float* am, F minv, const QuantMap& qm,
+                                        uint8_t* vout, const float* v, F vinv, const QuantMap& qv, __m256i least) {
+    __m256i u[4], r[4];
+    search4(am, minv, qm, v, vinv, qv, u, r);
+    least = _mm256_min_epu16(least, _mm256_min_epu16(_mm256_min_epu16(u[0], u[1]), _mm256_min_epu16(u[2], u[3])));
+    for (__m256i& c : u) c = _mm256_srli_epi32(c, kPos8Bits);
+    pack4(mout, vout, _mm256_loadu_ps(m), _mm256_loadu_ps(m + 8), u, r, qm);
+    return least;
+  }
+  // encode4a with the bucket lookup for the vectors with a deferring lane (out of line: rare)
+  static __attribute__((noinline, cold)) void encode4a_exact(uint8_t* mout, const float* m, const float* am, F minv,
+                                                             const QuantMap& qm, uint8_t* vout, const float* v, F vinv,
+                                                             const QuantMap& qv) {
+    __m256i u[4], r[4];
+    search4(am, minv, qm, v, vinv, qv, u, r);
+    const float* x[4] = {am, am + 8, v, v + 8};
+    for (int i = 0; i < 4; ++i) {  // the exact codes lie within their region's clamp: pack4's clamp keeps them
+      const bool of_m = i < 2;
+      u[i] = defers(u[i]) ? exact_codes(_mm256_mul_ps(_mm256_loadu_ps(x[i]), of_m ? minv : vinv), of_m ? qm : qv)
+                          : _mm256_srli_epi32(u[i], kPos8Bits);
     }
+    pack4(mout, vout, _mm256_loadu_ps(m), _mm256_loadu_ps(m + 8), u, r, qm);
+  }
+  // encode4a's search: rint(P8) of the 32 lanes in u (m0, m1, v0, v1), their regions in r
+  static SWAPIO_INLINE void search4(const float* am, F minv, const QuantMap& qm, const float* v, F vinv,
+                                    const QuantMap& qv, __m256i (&u)[4], __m256i (&r)[4]) {
+    u[0] = unclamped_code(_mm256_mul_ps(_mm256_loadu_ps(am), minv), qm, r[0]);
+    u[1] = unclamped_code(_mm256_mul_ps(_mm256_loadu_ps(am + 8), minv), qm, r[1]);
+    u[2] = unclamped_code(_mm256_mul_ps(_mm256_loadu_ps(v), vinv), qv, r[2]);
+    u[3] = unclamped_code(_mm256_mul_ps(_mm256_loadu_ps(v + 8), vinv), qv, r[3]);
+  }
+  // encode4a's packing of the 32 codes of +y (unclamped, < 2^11) c and their regions r. The codes and regions are
+  // packed to bytes at once, in the same order; one vpshufb looks up the clamps of both maps by region (code_max16) and
+  // one vpminub applies them. A negative m takes 2 zero - c, saturated at 0 (no -1.0), picked by its sign byte: signed
+  // saturation keeps the sign of m's bits (-0 is negative too, and its c = zero gives zero), and v's bytes are 0.
+  // Then one vpermd orders 16 bytes of m and 16 of v.
+  static SWAPIO_INLINE void pack4(uint8_t* mout, uint8_t* vout, F m0, F m1, const __m256i (&c)[4],
+                                  const __m256i (&r)[4], const QuantMap& qm) {
+    static_assert(2 * kSignedZero == 254, "2 zero fits a byte");
     // per 128-bit lane: bytes of c0's 4, c1's 4 (m), c2's 4, c3's 4 (v); dwords 0 4 1 5 (m), 2 6 3 7 (v)
-    const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-    const __m256i regions = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
+    const __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    const __m256i regions = _mm256_packus_epi16(_mm256_packus_epi32(r[0], r[1]), _mm256_packus_epi32(r[2], r[3]));
     const __m256i code_max = _mm256_shuffle_epi8(
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(qm.code_max16))), regions);
-    const __m256i c = _mm256_min_epu8(codes, code_max);
+    const __m256i clamped = _mm256_min_epu8(codes, code_max);
     const __m256i sign = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(m0), _mm256_castps_si256(m1)),
                                             _mm256_setzero_si256());
-    const __m256i negative = _mm256_subs_epu8(_mm256_set1_epi8(static_cast<char>(2 * kSignedZero)), c);
-    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_blendv_epi8(c, negative, sign),
+    const __m256i negative = _mm256_subs_epu8(_mm256_set1_epi8(static_cast<char>(2 * kSignedZero)), clamped);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_blendv_epi8(clamped, negative, sign),
                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mout), _mm256_castsi256_si128(b));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(vout), _mm256_extracti128_si256(b, 1));

@@ -41,7 +41,9 @@ struct sticky : std::false_type {};
 template <class V>
 struct sticky<V, std::enable_if_t<V::kSticky>> : std::true_type {};
 // V::kAdamVectors (default 1): vectors of each stage per iteration of the int8 Adam loop (Lion's is 2). A kSticky V
-// with 2 provides encode4a: both moments of 2 W elements at once, given |m|.
+// with 2 provides encode4a: both moments of 2 W elements at once, given |m|, by the arithmetic search alone, returning
+// the running least of its lanes' positions, which lower16() tests (least_init() starts it); and encode4a_exact, the
+// same with the bucket lookup for the lanes that defer.
 template <class V, class = void>
 struct adam_vectors : std::integral_constant<int, 1> {};
 template <class V>
@@ -240,7 +242,7 @@ struct Loops {
         vmax = vm;
         bad = bd;
         if constexpr (kEncodeApart) {
-          for (int64_t j = 0; j < kQuantBlock; j += kStride) encode_stride(a, b_enc, j, se);
+          encode_whole(a, b_enc, se);
         }
       } else {
         if (dec) decode_block(a, b_dec, end_of(b_dec, e), sd);
@@ -383,13 +385,35 @@ struct Loops {
     }
   }
   static SWAPIO_INLINE void encode_stride(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
-    if constexpr (kSticky && two && kStride == 2 * W) {
-      V::encode4a(static_cast<uint8_t*>(a.m.data) + b0 + j, V::load(s.m + j), V::load(s.ma + j), V::load(s.m + j + W),
-                  V::load(s.ma + j + W), s.mc.inv, *a.m.map, static_cast<uint8_t*>(a.v.data) + b0 + j,
-                  V::load(s.v + j), V::load(s.v + j + W), s.vc.inv, *a.v.map);
+    if constexpr (kEncode4) {
+      if (__builtin_expect(V::lower16(encode4(a, b0, j, s, V::least_init())), 0)) encode4_exact(a, b0, j, s);
     } else {
       for (int64_t k = j; k < j + kStride; k += kEnc) encode_vectors(a, b0, k, s);
     }
+  }
+  // kEncodeApart: a whole block. With encode4a, the deferral test once for the block: if a lane deferred, the block
+  // is encoded again with the exact search (the codes are a function of the slot, which stays as it is).
+  static SWAPIO_INLINE void encode_whole(const LowpArgs& a, int64_t b0, const Slot& s) {
+    if constexpr (kEncode4) {
+      auto least = V::least_init();
+      for (int64_t j = 0; j < kQuantBlock; j += kStride) least = encode4(a, b0, j, s, least);
+      if (__builtin_expect(V::lower16(least), 0)) {
+        for (int64_t j = 0; j < kQuantBlock; j += kStride) encode4_exact(a, b0, j, s);
+      }
+    } else {
+      for (int64_t j = 0; j < kQuantBlock; j += kStride) encode_stride(a, b0, j, s);
+    }
+  }
+  // V::encode4a: both moments of 2 W elements at once (kSticky, two moments, kAdamVectors 2)
+  static constexpr bool kEncode4 = kSticky && two && kStride == 2 * W;
+  template <class Least>
+  static SWAPIO_INLINE Least encode4(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s, Least least) {
+    return V::encode4a(static_cast<uint8_t*>(a.m.data) + b0 + j, s.m + j, s.ma + j, s.mc.inv, *a.m.map,
+                       static_cast<uint8_t*>(a.v.data) + b0 + j, s.v + j, s.vc.inv, *a.v.map, least);
+  }
+  static SWAPIO_INLINE void encode4_exact(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
+    V::encode4a_exact(static_cast<uint8_t*>(a.m.data) + b0 + j, s.m + j, s.ma + j, s.mc.inv, *a.m.map,
+                      static_cast<uint8_t*>(a.v.data) + b0 + j, s.v + j, s.vc.inv, *a.v.map);
   }
   static SWAPIO_INLINE void encode_vectors(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
     uint8_t* mcodes = static_cast<uint8_t*>(a.m.data) + b0;
