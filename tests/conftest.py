@@ -20,6 +20,15 @@ if REPO not in sys.path:  # run from a checkout without `pip install`
 
 import swapio  # noqa: E402
 
+
+def pytest_configure(config):
+    """Ctrl-C raises KeyboardInterrupt in every test, as in a foreground run, even where the runner started with SIGINT
+    ignored (a background job of a non-interactive shell, nohup): the tests that send themselves a real SIGINT
+    expect Python's own handler (with SIGINT ignored, 5 of them failed)."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_finish(session):
     """Moves what the test modules' imports made (torch, transformers, ...: most of the objects the session ever
     holds) out of the cyclic collector's sight: the tests' own gc.collect() calls (hundreds, to see what a test's
