@@ -49,3 +49,45 @@ def test_gradient_checkpointing_trains_like_resident(tmp_path, reentrant, storag
     assert_same_losses(got, want)
     remove_offload(model)
     assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_lora_with_gradient_checkpointing_and_input_require_grads_trains_like_resident(tmp_path, reentrant, storage):
+    """The usual peft recipe on a frozen offloaded base: gradient checkpointing, enable_input_require_grads() (so
+    reentrant checkpoints see an input that requires grad), LoRA added after offloading, torch's AdamW."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        model = gpt2()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()
+        return model
+
+    def lora(base):
+        torch.manual_seed(5)  # the adapters' initial values
+        config = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], lora_dropout=0.0,
+                                 init_lora_weights=False)
+        return peft.get_peft_model(base, config)
+
+    def train(model):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.train()
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        torch.manual_seed(11)
+        with one_thread():
+            for _ in range(3):
+                ids = torch.randint(0, 64, (2, 10), generator=g)
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    want_losses, want = train(lora(build()))
+    got_losses, got = train(lora(offload(build(), storage, tmp_path)))
+    assert_same_losses(got_losses, want_losses)
+    assert sorted(got) == sorted(want) and want
+    assert_same_weights(got, want)
