@@ -26,6 +26,11 @@ class TrainableOwner:
         raise NotImplementedError(f"{type(self).__name__} owns offloaded weights but takes no gradients: "
                                   "override TrainableOwner.gradient")
 
+    def backward_ended(self, slot):
+        """The backward ended before every use of `slot` got a gradient (a loss computed from one of several
+        forwards): the uses that got one are the slot's gradient of this backward, as .grad gets at each backward's
+        end. gradient() was called with complete=False for each of them."""
+
     def settle(self):
         """A forward is about to read the model's weights: updates the owner still runs on its own threads (from
         the last backward) finish first, so the forward reads the new weights. An owner whose updates run during

@@ -9,9 +9,12 @@ TrainableOwner; the owner calls only Training's public methods below (the "for o
 Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
-of gradients handed over, the C heap gives its free pages back (core/heap.py). `pending`
-counts, per slot, the leaves whose gradient has not arrived yet: at 0 the slot's gradient for this backward is
-complete, which is when an optimizer stepping in backward may update it. A trainable weight with no owner is a
+of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` counts, per slot, the
+leaves forwards made since the last step, `arrived` the gradients the running backward brought: when every leaf's
+has, the slot's gradient for this backward is complete, which is when an optimizer stepping in backward may update
+it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's gradient at its end,
+and one that reaches them again (retain_graph=True) starts a new count: each backward is one gradient, as torch's
+.grad gets one per backward (gradient hooks run once per backward on it). A trainable weight with no owner is a
 ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
 
 One gradient's path: autograd -> watch()'s hook -> _arrived -> owner.gradient (optim/offloaded.py: summed, or
@@ -21,6 +24,8 @@ next forward fetches it (fetch.py).
 """
 import threading
 import weakref
+
+import torch
 
 from ..core.heap import HeapTrim
 from .trainable import TrainableOwner
@@ -52,7 +57,9 @@ class Training:
         self._streamer = weakref.ref(streamer)
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
-        self.pending = {}   # slot -> leaves made by forwards whose gradient has not arrived yet
+        self.made = {}      # slot -> leaves made by forwards since the last step() / zero_grad()
+        self.arrived = {}   # slot -> gradients of its leaves that the running backward brought
+        self.task = None    # the autograd graph task (backward) those gradients came from
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
@@ -211,14 +218,23 @@ class Training:
     def watch(self, slot, leaf):
         """A forward made `leaf` for the trainable `slot`: its gradient goes to the slot's owner."""
         with self.lock:
-            self.pending[slot] = self.pending.get(slot, 0) + 1
+            self.made[slot] = self.made.get(slot, 0) + 1
         leaf.register_post_accumulate_grad_hook(lambda t: self._arrived(slot, t))
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
+        # Counting by backward, not by leaves alone: two forwards then two backwards, or retain_graph=True, used to
+        # merge two backwards' gradients (hooks ran once on their sum) or split one (hooks ran on each tie's part).
+        task = torch._C._current_graph_task_id()
         with self.lock:
-            left = self.pending.get(slot, 1) - 1
-            self.pending[slot] = max(left, 0)
+            new = task != self.task
+            if new:
+                self.task = task
+                self.arrived.clear()  # a backward that raised never reached its end
+            got = self.arrived[slot] = self.arrived.get(slot, 0) + 1
+            complete = got >= self.made.get(slot, 0)
+        if new and task >= 0:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(task))
         owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
@@ -227,16 +243,32 @@ class Training:
                              "or freeze it (requires_grad_(False)), or keep its module resident with "
                              "keep_resident=[...]")
         nbytes = grad.numel() * grad.element_size()
-        owner.gradient(slot, grad, complete=left <= 0)
+        owner.gradient(slot, grad, complete=complete)
         del grad  # summed or queued by the owner: its heap memory comes back with the next trim
         self.heap.freed(nbytes)
 
-    def complete(self, slot):
-        """No leaf of the slot waits for its gradient."""
+    def _backward_ended(self, task):
+        """The end of a backward that brought gradients: slots some of whose leaves got none have their gradient of
+        this backward in full all the same."""
         with self.lock:
-            return self.pending.get(slot, 0) == 0
+            if task != self.task:
+                return
+            short = [s for s, got in self.arrived.items() if got < self.made.get(s, 0)]
+            self.arrived.clear()
+            self.task = None
+        for slot in short:
+            owner = self._owner_of(slot)
+            if owner is not None:
+                owner.backward_ended(slot)
+
+    def complete(self, slot):
+        """Every leaf of the slot got its gradient in this backward."""
+        with self.lock:
+            return self.arrived.get(slot, 0) >= self.made.get(slot, 0)
 
     def reset(self):
         """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
         with self.lock:
-            self.pending.clear()
+            self.made.clear()
+            self.arrived.clear()
+            self.task = None

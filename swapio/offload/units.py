@@ -38,6 +38,26 @@ class Placeholder(torch.nn.Parameter):
                    "model, or freeze the weights yourself instead). " if converted else "") + CHANGE_WEIGHTS)
         torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.autograd.grad(loss, model.parameters()) and loss.backward(inputs=...) name placeholders, which no
+        # graph contains (each forward computes with a fresh leaf): torch gave them no gradient without a word
+        # (None with allow_unused=True; backward(inputs=...) accumulated nothing, so step() updated nothing).
+        if func is torch.autograd.grad or func is torch.autograd.backward:
+            inputs = (kwargs or {}).get("inputs", args[1] if func is torch.autograd.grad and len(args) > 1 else None)
+            inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+            found = [t for t in inputs if isinstance(t, Placeholder)]
+            if found:
+                raise RuntimeError(
+                    f"{func.__module__}.{func.__name__} was given {len(found)} weight(s) offloaded by swapio as "
+                    f"inputs (the first {tuple(found[0].shape)} {found[0].dtype}): between forwards such a weight is "
+                    "a placeholder that no graph contains (each forward computes with a fresh copy), so torch would "
+                    "give it no gradient. Call loss.backward() without inputs= and train offloaded weights with a "
+                    "swapio optimizer, or keep their modules resident (keep_resident=[...]) to take their "
+                    "gradients with torch.autograd.grad")
+        with torch._C.DisableTorchFunctionSubclass():  # then as torch.nn.Parameter's (written so dynamo traces it)
+            return func(*args, **(kwargs or {}))
+
     def detach(self):
         """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
         parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""

@@ -118,6 +118,13 @@ class OffloadedParams(TrainableOwner):
                 return
         self._accept(p, slot, g)
 
+    def backward_ended(self, slot):
+        p = self.param_of.get(slot)
+        with self.lock:
+            g = None if p is None else self.parts.pop(p, None)
+        if g is not None:
+            self._accept(p, slot, g)
+
     def _accept(self, p, slot, g):
         """p's whole gradient of this backward: through the hooks registered on p, as torch runs a leaf's (its
         gradient hooks, then the accumulation, then its post-accumulate-grad hooks), into the sum or the update."""
