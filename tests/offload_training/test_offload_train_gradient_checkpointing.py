@@ -19,8 +19,8 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def run(model, opt, reentrant):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+def train_steps(model, opt):
+    """3 steps in train mode on the same batches and dropout masks each time; their losses."""
     model.train()
     g = torch.Generator().manual_seed(3)
     losses = []
@@ -34,6 +34,11 @@ def run(model, opt, reentrant):
             opt.zero_grad()
             losses.append(loss.detach())
     return losses
+
+
+def run(model, opt, reentrant):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return train_steps(model, opt)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -72,18 +77,7 @@ def test_lora_with_gradient_checkpointing_and_input_require_grads_trains_like_re
 
     def train(model):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model.train()
-        g = torch.Generator().manual_seed(3)
-        losses = []
-        torch.manual_seed(11)
-        with one_thread():
-            for _ in range(3):
-                ids = torch.randint(0, 64, (2, 10), generator=g)
-                loss = model(ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+        losses = train_steps(model, opt)
         return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     want_losses, want = train(lora(build()))
