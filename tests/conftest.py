@@ -147,8 +147,8 @@ def open_fds():
 
 @pytest.fixture
 def ctrl_c_raises():
-    """SIGINT raises KeyboardInterrupt in this test even where the runner started with SIGINT ignored (a background
-    job of a non-interactive shell), so tests that send themselves a real Ctrl-C see it."""
+    """SIGINT raises KeyboardInterrupt in this test whatever handler an earlier test left in place (pytest_configure
+    sets Python's own for the session), and the handler before it is put back after."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)

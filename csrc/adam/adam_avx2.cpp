@@ -347,8 +347,9 @@ struct V {
   // lowp_loops.h's int8 Adam with kAdamVectors 2: the codes of first moments m0, m1 (m, am: m0 and |m0| at [0, 8), m1
   // and |m1| at [8, 16)) to mout[0, 16) and of second moments v0, v1 (at v) to vout[0, 16), by the arithmetic search
   // alone. Returns the running unsigned 16-bit minimum of the lanes' rint(P8) (`least`, from least_init()): the caller
-  // tests it once per block (lower16) and, if a lane deferred, encodes the block again with encode4a_exact (one in
-  // about 150 blocks: a test per 32 lanes cost 1.5 % of the step, benchmarks/RESULTS.md).
+  // tests it once per block (lower16) and, if a lane deferred, encodes the block again with encode4a_exact (fewer
+  // than 1 block in 500 once the moments are under way; a test per 32 lanes cost 1.4 % of the step,
+  // benchmarks/RESULTS.md).
   static SWAPIO_INLINE __m256i least_init() { return _mm256_set1_epi16(-1); }
   static SWAPIO_INLINE __m256i encode4a(uint8_t* mout, const float* m, const float* am, F minv, const QuantMap& qm,
                                         uint8_t* vout, const float* v, F vinv, const QuantMap& qv, __m256i least) {

@@ -385,14 +385,11 @@ struct Loops {
     }
   }
   static SWAPIO_INLINE void encode_stride(const LowpArgs& a, int64_t b0, int64_t j, const Slot& s) {
-    if constexpr (kEncode4) {
-      if (__builtin_expect(V::lower16(encode4(a, b0, j, s, V::least_init())), 0)) encode4_exact(a, b0, j, s);
-    } else {
-      for (int64_t k = j; k < j + kStride; k += kEnc) encode_vectors(a, b0, k, s);
-    }
+    for (int64_t k = j; k < j + kStride; k += kEnc) encode_vectors(a, b0, k, s);
   }
-  // kEncodeApart: a whole block. With encode4a, the deferral test once for the block: if a lane deferred, the block
-  // is encoded again with the exact search (the codes are a function of the slot, which stays as it is).
+  // kEncodeApart: a whole block. With encode4a (the V's that provide it encode apart), the deferral test once for the
+  // block: if a lane deferred, the block is encoded again with the exact search (the codes are a function of the
+  // slot, which stays as it is).
   static SWAPIO_INLINE void encode_whole(const LowpArgs& a, int64_t b0, const Slot& s) {
     if constexpr (kEncode4) {
       auto least = V::least_init();
