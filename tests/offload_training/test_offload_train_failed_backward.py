@@ -1,0 +1,122 @@
+"""A backward that raises partway (an out-of-memory error in the middle of the model), caught by the user's loop,
+then training goes on: with opt.zero_grad() after catching it, or without (the next backward sums on top of the
+gradients the failed one left, as torch's .grad does). Each is checked against the same loop on the resident
+model (torch.equal on losses, weights and what the gradient hooks saw), and nothing of the failed backward stays
+behind in the streamer or the optimizer."""
+import pytest
+import torch
+
+from swapio.offload import remove_offload
+from swapio.offload.api import _offloaded
+from helpers.offload_training import (MLP, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
+                                      offload, one_thread, weights)
+
+pytest.importorskip("safetensors")
+FAIL_AT = 2  # the step whose backward raises
+
+
+class _Raise(torch.autograd.Function):
+    """Identity whose backward raises once when armed: the nodes after it in forward (b, c) have run by then."""
+
+    @staticmethod
+    def forward(ctx, x, model):
+        ctx.model = model
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.model.armed:
+            ctx.model.armed = False
+            raise RuntimeError("out of memory (simulated)")
+        return g, None
+
+
+class FailingMLP(MLP):
+    armed = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(_Raise.apply(self.norm(h), self)))
+        return self.c(h)
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return FailingMLP()
+
+
+def run(model, opt, data, after_failure):
+    """The user's loop: a RuntimeError in backward is caught, after_failure(opt) runs, the batch is skipped."""
+    losses, seen = [], []
+    model.c.weight.register_hook(lambda g: seen.append(g.clone()))
+    with one_thread():
+        for i, b in enumerate(data):
+            model.armed = i == FAIL_AT
+            loss = loss_of(model, b)
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                assert "simulated" in str(e)
+                after_failure(opt)
+                continue
+            losses.append(loss.detach().clone())
+            opt.step()
+            opt.zero_grad()
+    return losses, seen
+
+
+def check(model, ref, got, want):
+    assert_same_losses(got[0], want[0])
+    assert len(got[1]) == len(want[1]) == len(batches(MLP, 5))  # the failed backward reached c's hook too
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+    streamer = _offloaded[model]
+    assert not streamer.training.made and not streamer.training.arrived
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
+@pytest.mark.parametrize("zero", [True, False], ids=["zero_grad", "accumulate"])
+def test_a_caught_failed_backward_then_training_goes_on_as_on_resident(tmp_path, storage, off, zero):
+    data = batches(MLP, 5)
+    after = (lambda o: o.zero_grad()) if zero else (lambda o: None)
+    ref = make()
+    with build_opt("AdamW", ref.parameters(), tmp_path / "r", offload=off) as opt:
+        want = run(ref, opt, data, after)
+    model = offload(make(), storage, tmp_path, FailingMLP)
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", offload=off) as opt:
+        got = run(model, opt, data, after)
+    check(model, ref, got, want)
+
+
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
+def test_in_backward_keeps_the_updates_the_failed_backward_made_as_optimizer_hooks_do(tmp_path, storage, off):
+    """in_backward=True updated b and c before the error (their gradients were complete): as torch's
+    optimizer-in-backward hooks would, i.e. the resident loop stepping the parameters that got a .grad."""
+    data = batches(MLP, 5)
+    ref = make()
+    with build_opt("AdamW", ref.parameters(), tmp_path / "r", offload=off) as opt:
+        want = run(ref, opt, data, lambda o: (o.step(), o.zero_grad()))
+    model = offload(make(), storage, tmp_path, FailingMLP)
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", offload=off, in_backward=True) as opt:
+        got = run(model, opt, data, lambda o: o.zero_grad())
+        assert int(opt.state[model.c.weight]["step"]) == int(opt.state[model.a.weight]["step"]) + 1
+    check(model, ref, got, want)
+
+
+def test_in_backward_without_zero_grad_after_a_failed_backward_says_what_to_do(tmp_path):
+    """The failed backward's updates were applied, so its gradients cannot be summed into the next one: the next
+    backward is a RuntimeError naming the caught error and zero_grad(), and zero_grad() lets training go on."""
+    data = batches(MLP, 5)
+    model = offload(make(), "cpu", tmp_path, FailingMLP)
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", in_backward=True) as opt, one_thread():
+        model.armed = True
+        with pytest.raises(RuntimeError, match="simulated"):
+            loss_of(model, data[0]).backward()
+        with pytest.raises(RuntimeError, match=r"(?s)raised partway.*zero_grad\(\)"):
+            loss_of(model, data[1]).backward()
+        opt.zero_grad()
+        loss_of(model, data[1]).backward()
+        opt.step()
+    remove_offload(model)
