@@ -10,11 +10,14 @@ Gradients: each forward with grad enabled makes a fresh leaf Parameter of every 
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
 of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` counts, per slot, the
-leaves forwards made since the last step, `arrived` the gradients the running backward brought: when every leaf's
-has, the slot's gradient for this backward is complete, which is when an optimizer stepping in backward may update
-it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's gradient at its end,
-and one that reaches them again (retain_graph=True) starts a new count: each backward is one gradient, as torch's
-.grad gets one per backward (gradient hooks run once per backward on it). A trainable weight with no owner is a
+leaves forwards made since the last step, `arrived` per backward (autograd graph task) the gradients it brought:
+when every leaf's has, the slot's gradient for this backward is complete, which is when an optimizer stepping in
+backward may update it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's
+gradient at its end, and one that reaches them again (retain_graph=True) starts a new count: each backward is one
+gradient, as torch's .grad gets one per backward (gradient hooks run once per backward on it). Counting per
+backward keeps apart backwards that overlap (two threads, or a reentrant checkpoint's backward inside another);
+one that raised gets no end: the uses it brought of an incomplete gradient are dropped, as autograd drops a leaf's
+inputs it had not yet accumulated. A trainable weight with no owner is a
 ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
 
 One gradient's path: autograd -> watch()'s hook -> _arrived -> owner.gradient (optim/offloaded.py: summed, or
@@ -58,8 +61,7 @@ class Training:
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
         self.made = {}      # slot -> leaves made by forwards since the last step() / zero_grad()
-        self.arrived = {}   # slot -> gradients of its leaves that the running backward brought
-        self.task = None    # the autograd graph task (backward) those gradients came from
+        self.arrived = {}   # graph task (a backward) -> {slot: gradients of its leaves that it brought}
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
@@ -223,18 +225,16 @@ class Training:
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
-        # Counting by backward, not by leaves alone: two forwards then two backwards, or retain_graph=True, used to
-        # merge two backwards' gradients (hooks ran once on their sum) or split one (hooks ran on each tie's part).
         task = torch._C._current_graph_task_id()
         with self.lock:
-            new = task != self.task
+            counts = self.arrived.get(task)
+            new = counts is None
             if new:
-                self.task = task
-                self.arrived.clear()  # a backward that raised never reached its end
-            got = self.arrived[slot] = self.arrived.get(slot, 0) + 1
+                counts = self.arrived[task] = {}
+            got = counts[slot] = counts.get(slot, 0) + 1
             complete = got >= self.made.get(slot, 0)
         if new and task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(task))
+            torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
         owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
@@ -243,32 +243,60 @@ class Training:
                              "or freeze it (requires_grad_(False)), or keep its module resident with "
                              "keep_resident=[...]")
         nbytes = grad.numel() * grad.element_size()
-        owner.gradient(slot, grad, complete=complete)
+        owner.gradient(slot, grad, complete, task)
         del grad  # summed or queued by the owner: its heap memory comes back with the next trim
         self.heap.freed(nbytes)
 
-    def _backward_ended(self, task):
-        """The end of a backward that brought gradients: slots some of whose leaves got none have their gradient of
-        this backward in full all the same."""
+    def _backward_ended(self, task, ended):
+        """The end of a backward that brought gradients (ended), or its failure (not ended: it raised): slots some
+        of whose leaves got none have their gradient of this backward in full all the same, or lose the uses it
+        brought."""
         with self.lock:
-            if task != self.task:
-                return
-            short = [s for s, got in self.arrived.items() if got < self.made.get(s, 0)]
-            self.arrived.clear()
-            self.task = None
+            counts = self.arrived.pop(task, {})
+            short = [s for s, got in counts.items() if got < self.made.get(s, 0)]
+        error = None
         for slot in short:
             owner = self._owner_of(slot)
-            if owner is not None:
-                owner.backward_ended(slot)
+            if owner is None:
+                continue
+            if ended and error is None:
+                try:
+                    owner.backward_ended(slot, task)
+                    continue
+                except BaseException as e:  # noqa: B036 - fails the backward once the rest are dropped
+                    error = e
+            owner.backward_abandoned(slot, task)  # a failed backward's: nothing of it may stay for the next
+        if error is not None:
+            raise error
 
-    def complete(self, slot):
-        """Every leaf of the slot got its gradient in this backward."""
+    def complete(self, slot, task):
+        """Every leaf of the slot got its gradient in the backward `task` (the one gradient() was given)."""
         with self.lock:
-            return self.arrived.get(slot, 0) >= self.made.get(slot, 0)
+            return self.arrived.get(task, {}).get(slot, 0) >= self.made.get(slot, 0)
 
     def reset(self):
         """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
         with self.lock:
             self.made.clear()
             self.arrived.clear()
-            self.task = None
+
+
+class _BackwardEnd:
+    """The final callback of a backward that brought gradients: autograd calls it when the backward ended, and
+    frees it uncalled when the backward raised (before the error reaches the caller)."""
+
+    def __init__(self, training, task):
+        self.training, self.task, self.ran = weakref.ref(training), task, False
+
+    def _end(self, ended):
+        training = self.training()
+        if training is not None:
+            training._backward_ended(self.task, ended)
+
+    def __call__(self):
+        self.ran = True
+        self._end(True)
+
+    def __del__(self):
+        if not self.ran:
+            self._end(False)
