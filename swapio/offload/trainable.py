@@ -33,8 +33,9 @@ class TrainableOwner:
         end. gradient() was called with complete=False for each of them."""
 
     def backward_abandoned(self, slot, backward):
-        """The backward raised before every use of `slot` got a gradient: the uses gradient() got with
-        complete=False in it are no gradient, as autograd drops a leaf's inputs it had not yet accumulated."""
+        """The backward raised; it had brought gradients of `slot` (called for each such slot). The uses gradient()
+        got with complete=False in it are no gradient, as autograd drops a leaf's inputs it had not yet
+        accumulated; those given with complete=True stay as they were taken."""
 
     def settle(self):
         """A forward is about to read the model's weights: updates the owner still runs on its own threads (from

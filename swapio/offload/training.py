@@ -248,12 +248,12 @@ class Training:
         self.heap.freed(nbytes)
 
     def _backward_ended(self, task, ended):
-        """The end of a backward that brought gradients (ended), or its failure (not ended: it raised): slots some
-        of whose leaves got none have their gradient of this backward in full all the same, or lose the uses it
-        brought."""
+        """The end of a backward that brought gradients (ended): slots some of whose leaves got none have their
+        gradient of this backward in full all the same. Or its failure (not ended: it raised): every slot it
+        brought a gradient of is abandoned (the uses of an incomplete one are lost)."""
         with self.lock:
             counts = self.arrived.pop(task, {})
-            short = [s for s, got in counts.items() if got < self.made.get(s, 0)]
+            short = [s for s, got in counts.items() if got < self.made.get(s, 0) or not ended]
         error = None
         for slot in short:
             owner = self._owner_of(slot)

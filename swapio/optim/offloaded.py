@@ -56,7 +56,8 @@ class OffloadedParams(TrainableOwner):
         self.markers = {}    # p -> (GradMarker set as p.grad while p has a gradient, its version then)
         self.consumed = set()  # in_backward: weights whose gradient a finished step() applied, until zero_grad()
         self.fresh = set()   # in_backward: weights that got a gradient since the last step()
-        self.queued = set()  # in_backward: records handed to the worker since the last step()
+        self.queued = {}     # in_backward: record handed to the worker since the last step() -> its backward
+        self.failed_backwards = set()  # in_backward: backwards that raised since the last step() or zero_grad()
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
@@ -130,6 +131,8 @@ class OffloadedParams(TrainableOwner):
         p = self.param_of.get(slot)
         with self.lock:
             self.parts.pop((backward, p), None)
+            if self.in_backward:
+                self.failed_backwards.add(backward)
 
     def _accept(self, p, slot, g, backward=None):
         """p's whole gradient of a backward: through the hooks registered on p, as torch runs a leaf's (its
@@ -149,7 +152,7 @@ class OffloadedParams(TrainableOwner):
             return
         training = self.entries[p][0]
         with self.lock:
-            if slot.record in self.queued:
+            if self._updated_in_backward(slot.record):
                 raise second_backward_error(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
@@ -174,8 +177,24 @@ class OffloadedParams(TrainableOwner):
 
     def check_backward(self, record):
         """A backward needs the weights of `record` (training.py): refused once this backward updated them."""
-        if self.in_backward and record in self.queued:
+        if not self.in_backward:
+            return
+        with self.lock:
+            updated = self._updated_in_backward(record)
+        if updated:
             raise second_backward_error(f"a backward needs the weights of {record}")
+
+    def _updated_in_backward(self, record):
+        """A backward since the last step() updated the record: a next backward may not, unless that backward
+        raised and model.zero_grad() (p.grad = None) dropped what it applied since (then, as after opt.zero_grad(),
+        the next backward is a step of its own, as with torch's optimizer-in-backward hooks)."""
+        if record not in self.queued:
+            return False
+        if self.queued[record] in self.failed_backwards and all(
+                self._marker_state(self.param_of[s]) is None for s in record.slots if s in self.param_of):
+            del self.queued[record]
+            return False
+        return True
 
     def _mark(self, p):
         """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
@@ -223,7 +242,7 @@ class OffloadedParams(TrainableOwner):
                      if self.param_of[s] in self.partial}
             if not grads:
                 return
-            self.queued.add(record)
+            self.queued[record] = backward
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
@@ -383,6 +402,7 @@ class OffloadedParams(TrainableOwner):
                 training.return_loans()  # after an error: the streamer's memory back before the next forward
                 training.reset()
             self.queued.clear()
+            self.failed_backwards.clear()
             self.partial.clear()
             self.consumed |= self.fresh
             self.fresh.clear()
@@ -420,6 +440,7 @@ class OffloadedParams(TrainableOwner):
         self.partial.clear()
         self.parts.clear()
         self.queued.clear()
+        self.failed_backwards.clear()
         self.consumed.clear()
         self.fresh.clear()
         self.failed = False

@@ -116,16 +116,18 @@ def test_a_tied_weights_use_that_got_its_gradient_before_the_error_is_dropped(tm
 
 
 @pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
-def test_in_backward_keeps_the_updates_the_failed_backward_made_as_optimizer_hooks_do(tmp_path, storage, off):
+@pytest.mark.parametrize("who", ["opt", "model"])
+def test_in_backward_keeps_the_updates_the_failed_backward_made_as_optimizer_hooks_do(tmp_path, storage, off, who):
     """in_backward=True updated b and c before the error (their gradients were complete): as torch's
-    optimizer-in-backward hooks would, i.e. the resident loop stepping the parameters that got a .grad."""
+    optimizer-in-backward hooks would, i.e. the resident loop stepping the parameters that got a .grad. Then
+    opt.zero_grad() or model.zero_grad() (which used to leave the next backward refused) and training goes on."""
     data = batches(MLP, 5)
     ref = make()
     with build_opt("AdamW", ref.parameters(), tmp_path / "r", offload=off) as opt:
         want = run(ref, opt, data, lambda m, o: (o.step(), o.zero_grad()))
     model = offload(make(), storage, tmp_path, FailingMLP)
     with build_opt("AdamW", model.parameters(), tmp_path / "s", offload=off, in_backward=True) as opt:
-        got = run(model, opt, data, lambda m, o: o.zero_grad())
+        got = run(model, opt, data, lambda m, o: (o if who == "opt" else m).zero_grad())
         assert int(opt.state[model.c.weight]["step"]) == int(opt.state[model.a.weight]["step"]) + 1
     check(model, ref, got, want)
 
@@ -144,4 +146,10 @@ def test_in_backward_without_zero_grad_after_a_failed_backward_says_what_to_do(t
         opt.zero_grad()
         loss_of(model, data[1]).backward()
         opt.step()
+        opt.zero_grad()
+        # a backward that ended is one step: model.zero_grad() cannot undo its updates, so a second stays refused
+        loss_of(model, data[2]).backward()
+        model.zero_grad()
+        with pytest.raises(RuntimeError, match="second backward before step"):
+            loss_of(model, data[3]).backward()
     remove_offload(model)
