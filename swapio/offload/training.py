@@ -9,10 +9,11 @@ TrainableOwner; the owner calls only Training's public methods below (the "for o
 Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
-of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` counts, per slot, the
-leaves forwards made since the last step, `arrived` per backward (autograd graph task) the gradients it brought:
-when every leaf's has, the slot's gradient for this backward is complete, which is when an optimizer stepping in
-backward may update it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's
+of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` holds, per slot, the
+leaves forwards made since the last step, `arrived` per backward (autograd graph task) the leaves it brought a
+gradient of: when no other leaf of the slot will get one in this backward (autograd tells which it will reach:
+not those of a forward whose loss this is not, or of a checkpoint's recomputation), the slot's gradient for this
+backward is complete, which is when an optimizer stepping in backward may update it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's
 gradient at its end, and one that reaches them again (retain_graph=True) starts a new count: each backward is one
 gradient, as torch's .grad gets one per backward (gradient hooks run once per backward on it). Counting per
 backward keeps apart backwards that overlap (two threads, or a reentrant checkpoint's backward inside another);
@@ -60,8 +61,8 @@ class Training:
         self._streamer = weakref.ref(streamer)
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
-        self.made = {}      # slot -> leaves made by forwards since the last step() / zero_grad()
-        self.arrived = {}   # graph task (a backward) -> {slot: gradients of its leaves that it brought}
+        self.made = {}      # slot -> weakrefs to the leaves forwards made since the last step() / zero_grad()
+        self.arrived = {}   # graph task (a backward) -> {slot: [ids of the leaves it brought a gradient of, complete]}
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
@@ -220,19 +221,26 @@ class Training:
     def watch(self, slot, leaf):
         """A forward made `leaf` for the trainable `slot`: its gradient goes to the slot's owner."""
         with self.lock:
-            self.made[slot] = self.made.get(slot, 0) + 1
+            leaves = self.made.setdefault(slot, [])
+            if len(leaves) >= 8:  # forwards whose backward never ran (evaluation with grad enabled): not kept
+                leaves[:] = [r for r in leaves if r() is not None]
+            leaves.append(weakref.ref(leaf))
         leaf.register_post_accumulate_grad_hook(lambda t: self._arrived(slot, t))
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
         task = torch._C._current_graph_task_id()
         with self.lock:
-            counts = self.arrived.get(task)
-            new = counts is None
+            seen = self.arrived.get(task)
+            new = seen is None
             if new:
-                counts = self.arrived[task] = {}
-            got = counts[slot] = counts.get(slot, 0) + 1
-            complete = got >= self.made.get(slot, 0)
+                seen = self.arrived[task] = {}
+            entry = seen.setdefault(slot, [set(), False])
+            entry[0].add(id(leaf))
+            others = [o for o in (r() for r in self.made.get(slot, ())) if o is not None and id(o) not in entry[0]]
+        complete = not any(_will_reach(o) for o in others)
+        if complete:
+            entry[1] = True
         if new and task >= 0:
             torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
         owner = self._owner_of(slot)
@@ -252,8 +260,8 @@ class Training:
         gradient of this backward in full all the same. Or its failure (not ended: it raised): every slot it
         brought a gradient of is abandoned (the uses of an incomplete one are lost)."""
         with self.lock:
-            counts = self.arrived.pop(task, {})
-            short = [s for s, got in counts.items() if got < self.made.get(s, 0) or not ended]
+            seen = self.arrived.pop(task, {})
+            short = [s for s, (_, complete) in seen.items() if not complete or not ended]
         error = None
         for slot in short:
             owner = self._owner_of(slot)
@@ -272,13 +280,21 @@ class Training:
     def complete(self, slot, task):
         """Every leaf of the slot got its gradient in the backward `task` (the one gradient() was given)."""
         with self.lock:
-            return self.arrived.get(task, {}).get(slot, 0) >= self.made.get(slot, 0)
+            entry = self.arrived.get(task, {}).get(slot)
+            return entry[1] if entry is not None else not self.made.get(slot)
 
     def reset(self):
         """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
         with self.lock:
             self.made.clear()
             self.arrived.clear()
+
+
+def _will_reach(leaf):
+    """The running backward will still accumulate a gradient into `leaf` (its AccumulateGrad is in its graph)."""
+    with torch.enable_grad():
+        node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+    return torch._C._will_engine_execute_node(node)
 
 
 class _BackwardEnd:

@@ -5,6 +5,7 @@ model (torch.equal on losses, weights and what the gradient hooks saw), and noth
 behind in the streamer or the optimizer."""
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from swapio.offload import remove_offload
 from swapio.offload.api import _offloaded
@@ -46,6 +47,19 @@ class FailingTied(Tied):
 
     def forward(self, ids):
         return self.head(torch.tanh(self.mid(_Raise.apply(self.emb(ids), self))))
+
+
+class FailingCheckpointed(MLP):
+    """norm and b under torch.utils.checkpoint: their recomputation in backward makes leaves that get no gradient,
+    so the error after their backward must not take b's gradients for incomplete ones."""
+    armed = False
+    reentrant = False
+
+    def forward(self, x):
+        h = _Raise.apply(torch.tanh(self.a(x)), self)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(self.norm(t))), h,
+                                              use_reentrant=self.reentrant)
+        return self.c(h)
 
 
 def make(cls=FailingMLP, seed=0):
@@ -113,6 +127,22 @@ def test_a_tied_weights_use_that_got_its_gradient_before_the_error_is_dropped(tm
     with build_opt("AdamW", model.parameters(), tmp_path / "s", offload=off) as opt:
         got = run(model, opt, data, after_failure)
     check(model, ref, got, want, hooks=4)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("after", ["nothing", "model.zero_grad"])
+def test_a_failed_backward_through_a_checkpoint_keeps_what_it_completed(tmp_path, reentrant, after):
+    data = batches(MLP, 5)
+    after_failure = {"nothing": lambda m, o: None, "model.zero_grad": lambda m, o: m.zero_grad()}[after]
+    ref = make(FailingCheckpointed)
+    ref.reentrant = reentrant
+    with build_opt("AdamW", ref.parameters(), tmp_path / "r") as opt:
+        want = run(ref, opt, data, after_failure)
+    model = offload(make(FailingCheckpointed), "disk", tmp_path, FailingCheckpointed)
+    model.reentrant = reentrant
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", offload="nvme") as opt:
+        got = run(model, opt, data, after_failure)
+    check(model, ref, got, want)
 
 
 @pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
