@@ -11,15 +11,15 @@ Gradients: each forward with grad enabled makes a fresh leaf Parameter of every 
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
 of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` holds, per slot, the
 leaves forwards made since the last step, `arrived` per backward (autograd graph task) the leaves it brought a
-gradient of: when no other leaf of the slot will get one in this backward (autograd tells which it will reach:
-not those of a forward whose loss this is not, or of a checkpoint's recomputation), the slot's gradient for this
-backward is complete, which is when an optimizer stepping in backward may update it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's
-gradient at its end, and one that reaches them again (retain_graph=True) starts a new count: each backward is one
-gradient, as torch's .grad gets one per backward (gradient hooks run once per backward on it). Counting per
-backward keeps apart backwards that overlap (two threads, or a reentrant checkpoint's backward inside another);
-one that raised gets no end: the uses it brought of an incomplete gradient are dropped, as autograd drops a leaf's
-inputs it had not yet accumulated. A trainable weight with no owner is a
-ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
+gradient of. When the running backward will reach no other leaf of the slot (autograd says which it will: not
+those of a forward whose loss this is not, nor a checkpoint's recomputation), the slot's gradient of this backward
+is complete, which is when an optimizer stepping in backward may update it; an incomplete one ends at the
+backward's end. Each backward is one gradient, as torch's .grad gets one per backward (gradient hooks run once per
+backward on it), and backwards that overlap (two threads, a reentrant checkpoint's inside another) are kept apart.
+A backward that raised gets no end: autograd frees its final callback uncalled (_BackwardEnd), and the uses it
+brought of an incomplete gradient are dropped, as autograd drops a leaf's inputs it had not yet accumulated.
+A trainable weight with no owner is a ValueError at its first gradient: a torch optimizer would step the
+placeholder, a silent no-op.
 
 One gradient's path: autograd -> watch()'s hook -> _arrived -> owner.gradient (optim/offloaded.py: summed, or
 handed to the update worker) -> the owner's update: begin(record) -> the optimizer's kernel writes the new
