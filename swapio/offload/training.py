@@ -292,6 +292,8 @@ class Training:
 
 def _will_reach(leaf):
     """The running backward will still accumulate a gradient into `leaf` (its AccumulateGrad is in its graph)."""
+    if not leaf.requires_grad:  # frozen since its forward: autograd accumulates nothing into it
+        return False
     with torch.enable_grad():
         node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
     return torch._C._will_engine_execute_node(node)
