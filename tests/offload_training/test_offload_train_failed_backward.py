@@ -1,8 +1,10 @@
 """A backward that raises partway (an out-of-memory error in the middle of the model), caught by the user's loop,
-then training goes on: with opt.zero_grad() after catching it, or without (the next backward sums on top of the
-gradients the failed one left, as torch's .grad does). Each is checked against the same loop on the resident
-model (torch.equal on losses, weights and what the gradient hooks saw), and nothing of the failed backward stays
-behind in the streamer or the optimizer."""
+then training goes on: with opt.zero_grad() or model.zero_grad() after catching it, or without (the next backward
+sums on top of the gradients the failed one completed, as torch's .grad does). A tied weight whose second use the
+failed backward never reached gets nothing from it, and a checkpointed block's gradients it did complete stay.
+Each is checked against the same loop on the resident model (torch.equal on losses, weights and what the gradient
+hooks saw), and nothing of the failed backward stays behind in the streamer. With in_backward=True, the updates
+the failed backward made stay, as torch's optimizer-in-backward hooks leave them."""
 import pytest
 import torch
 import torch.utils.checkpoint
