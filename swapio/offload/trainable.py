@@ -18,18 +18,24 @@ class TrainableOwner:
     """The base of an owner of trainable offloaded weights (see the module). Subclass it and override what the
     owner needs; swapio.offload calls nothing else on it."""
 
-    def gradient(self, slot, grad, complete):
+    def gradient(self, slot, grad, complete, backward):
         """The gradient `grad` of one use of the offloaded weight `slot` arrived, on the backward thread, right
         after autograd accumulated it (the leaf's .grad is dropped already). grad is on the execution device as
-        autograd made it; complete: no other use of the slot waits for its gradient in this backward (a weight
-        used several times in one forward gets one call per use). Raising here fails the backward."""
+        autograd made it; backward: an id of the backward it belongs to (backwards may overlap: threads, a
+        reentrant checkpoint's); complete: no other use of the slot waits for its gradient in this backward (a
+        weight used several times in one forward gets one call per use). Raising here fails the backward."""
         raise NotImplementedError(f"{type(self).__name__} owns offloaded weights but takes no gradients: "
                                   "override TrainableOwner.gradient")
 
-    def backward_ended(self, slot):
+    def backward_ended(self, slot, backward):
         """The backward ended before every use of `slot` got a gradient (a loss computed from one of several
         forwards): the uses that got one are the slot's gradient of this backward, as .grad gets at each backward's
         end. gradient() was called with complete=False for each of them."""
+
+    def backward_abandoned(self, slot, backward):
+        """The backward raised; it had brought gradients of `slot` (called for each such slot). The uses gradient()
+        got with complete=False in it are no gradient, as autograd drops a leaf's inputs it had not yet
+        accumulated; those given with complete=True stay as they were taken."""
 
     def settle(self):
         """A forward is about to read the model's weights: updates the owner still runs on its own threads (from

@@ -9,13 +9,17 @@ TrainableOwner; the owner calls only Training's public methods below (the "for o
 Gradients: each forward with grad enabled makes a fresh leaf Parameter of every trainable weight it fetches
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
-of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` counts, per slot, the
-leaves forwards made since the last step, `arrived` the gradients the running backward brought: when every leaf's
-has, the slot's gradient for this backward is complete, which is when an optimizer stepping in backward may update
-it. A backward that reaches only some leaves (one loss of several forwards) ends the slot's gradient at its end,
-and one that reaches them again (retain_graph=True) starts a new count: each backward is one gradient, as torch's
-.grad gets one per backward (gradient hooks run once per backward on it). A trainable weight with no owner is a
-ValueError at its first gradient: a torch optimizer would step the placeholder, a silent no-op.
+of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` holds, per slot, the
+leaves forwards made since the last step, `arrived` per backward (autograd graph task) the leaves it brought a
+gradient of. When the running backward will reach no other leaf of the slot (autograd says which it will: not
+those of a forward whose loss this is not, nor a checkpoint's recomputation), the slot's gradient of this backward
+is complete, which is when an optimizer stepping in backward may update it; an incomplete one ends at the
+backward's end. Each backward is one gradient, as torch's .grad gets one per backward (gradient hooks run once per
+backward on it), and backwards that overlap (two threads, a reentrant checkpoint's inside another) are kept apart.
+A backward that raised gets no end: autograd frees its final callback uncalled (_BackwardEnd), and the uses it
+brought of an incomplete gradient are dropped, as autograd drops a leaf's inputs it had not yet accumulated.
+A trainable weight with no owner is a ValueError at its first gradient: a torch optimizer would step the
+placeholder, a silent no-op.
 
 One gradient's path: autograd -> watch()'s hook -> _arrived -> owner.gradient (optim/offloaded.py: summed, or
 handed to the update worker) -> the owner's update: begin(record) -> the optimizer's kernel writes the new
@@ -57,9 +61,8 @@ class Training:
         self._streamer = weakref.ref(streamer)
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
-        self.made = {}      # slot -> leaves made by forwards since the last step() / zero_grad()
-        self.arrived = {}   # slot -> gradients of its leaves that the running backward brought
-        self.task = None    # the autograd graph task (backward) those gradients came from
+        self.made = {}      # slot -> weakrefs to the leaves forwards made since the last step() / zero_grad()
+        self.arrived = {}   # graph task (a backward) -> {slot: [ids of the leaves it brought a gradient of, complete]}
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
@@ -218,23 +221,28 @@ class Training:
     def watch(self, slot, leaf):
         """A forward made `leaf` for the trainable `slot`: its gradient goes to the slot's owner."""
         with self.lock:
-            self.made[slot] = self.made.get(slot, 0) + 1
+            leaves = self.made.setdefault(slot, [])
+            if len(leaves) >= 8:  # forwards whose backward never ran (evaluation with grad enabled): not kept
+                leaves[:] = [r for r in leaves if r() is not None]
+            leaves.append(weakref.ref(leaf))
         leaf.register_post_accumulate_grad_hook(lambda t: self._arrived(slot, t))
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
-        # Counting by backward, not by leaves alone: two forwards then two backwards, or retain_graph=True, used to
-        # merge two backwards' gradients (hooks ran once on their sum) or split one (hooks ran on each tie's part).
         task = torch._C._current_graph_task_id()
         with self.lock:
-            new = task != self.task
+            seen = self.arrived.get(task)
+            new = seen is None
             if new:
-                self.task = task
-                self.arrived.clear()  # a backward that raised never reached its end
-            got = self.arrived[slot] = self.arrived.get(slot, 0) + 1
-            complete = got >= self.made.get(slot, 0)
+                seen = self.arrived[task] = {}
+            entry = seen.setdefault(slot, [set(), False])
+            entry[0].add(id(leaf))
+            others = [o for o in (r() for r in self.made.get(slot, ())) if o is not None and id(o) not in entry[0]]
+        complete = not any(_will_reach(o) for o in others)
+        if complete:
+            entry[1] = True
         if new and task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(task))
+            torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
         owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
@@ -243,32 +251,70 @@ class Training:
                              "or freeze it (requires_grad_(False)), or keep its module resident with "
                              "keep_resident=[...]")
         nbytes = grad.numel() * grad.element_size()
-        owner.gradient(slot, grad, complete=complete)
+        owner.gradient(slot, grad, complete, task)
         del grad  # summed or queued by the owner: its heap memory comes back with the next trim
         self.heap.freed(nbytes)
 
-    def _backward_ended(self, task):
-        """The end of a backward that brought gradients: slots some of whose leaves got none have their gradient of
-        this backward in full all the same."""
+    def _backward_ended(self, task, ended):
+        """The end of a backward that brought gradients (ended): slots some of whose leaves got none have their
+        gradient of this backward in full all the same. Or its failure (not ended: it raised): every slot it
+        brought a gradient of is abandoned (the uses of an incomplete one are lost)."""
         with self.lock:
-            if task != self.task:
-                return
-            short = [s for s, got in self.arrived.items() if got < self.made.get(s, 0)]
-            self.arrived.clear()
-            self.task = None
+            seen = self.arrived.pop(task, {})
+            short = [s for s, (_, complete) in seen.items() if not complete or not ended]
+        error = None
         for slot in short:
             owner = self._owner_of(slot)
-            if owner is not None:
-                owner.backward_ended(slot)
+            if owner is None:
+                continue
+            if ended and error is None:
+                try:
+                    owner.backward_ended(slot, task)
+                    continue
+                except BaseException as e:  # noqa: B036 - fails the backward once the rest are dropped
+                    error = e
+            owner.backward_abandoned(slot, task)  # a failed backward's: nothing of it may stay for the next
+        if error is not None:
+            raise error
 
-    def complete(self, slot):
-        """Every leaf of the slot got its gradient in this backward."""
+    def complete(self, slot, task):
+        """Every leaf of the slot got its gradient in the backward `task` (the one gradient() was given)."""
         with self.lock:
-            return self.arrived.get(slot, 0) >= self.made.get(slot, 0)
+            entry = self.arrived.get(task, {}).get(slot)
+            return entry[1] if entry is not None else not self.made.get(slot)
 
     def reset(self):
         """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
         with self.lock:
             self.made.clear()
             self.arrived.clear()
-            self.task = None
+
+
+def _will_reach(leaf):
+    """The running backward will still accumulate a gradient into `leaf` (its AccumulateGrad is in its graph)."""
+    if not leaf.requires_grad:  # frozen since its forward: autograd accumulates nothing into it
+        return False
+    with torch.enable_grad():
+        node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+    return torch._C._will_engine_execute_node(node)
+
+
+class _BackwardEnd:
+    """The final callback of a backward that brought gradients: autograd calls it when the backward ended, and
+    frees it uncalled when the backward raised (before the error reaches the caller)."""
+
+    def __init__(self, training, task):
+        self.training, self.task, self.ran = weakref.ref(training), task, False
+
+    def _end(self, ended):
+        training = self.training()
+        if training is not None:
+            training._backward_ended(self.task, ended)
+
+    def __call__(self):
+        self.ran = True
+        self._end(True)
+
+    def __del__(self):
+        if not self.ran:
+            self._end(False)

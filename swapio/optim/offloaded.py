@@ -52,17 +52,19 @@ class OffloadedParams(TrainableOwner):
         self.param_of = {}   # slot -> p
         self.grads = None    # RamGrads | FileGrads, from start()
         self.partial = {}    # in_backward: p -> fp32 gradient of this backward, until its record is updated
-        self.parts = {}      # p -> the sum of its uses' gradients in this backward, until the last arrives
+        self.parts = {}      # (backward, p) -> the sum of p's uses' gradients in that backward, until the last arrives
         self.markers = {}    # p -> (GradMarker set as p.grad while p has a gradient, its version then)
         self.consumed = set()  # in_backward: weights whose gradient a finished step() applied, until zero_grad()
         self.fresh = set()   # in_backward: weights that got a gradient since the last step()
-        self.queued = set()  # in_backward: records handed to the worker since the last step()
+        self.queued = {}     # in_backward: record handed to the worker since the last step() -> its backward
+        self.failed_backwards = set()  # in_backward: backwards that raised since the last step() or zero_grad()
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
         self.closed = False
         self.lock = threading.Lock()
+        self.accepting = threading.RLock()  # _accept: one gradient at a time (a hook may hand over another)
         self.ready_changed = threading.Condition(self.lock)
         self.worker = UpdateWorker(self.lock, "swapio-in-backward")
 
@@ -100,7 +102,7 @@ class OffloadedParams(TrainableOwner):
         return {t: ordered for t, rs in out.items() if (ordered := t.in_order(rs))}
 
     # ---- gradients (the backward thread) --------------------------------------------------------------------
-    def gradient(self, slot, g, complete):
+    def gradient(self, slot, g, complete, backward):
         """A gradient of `slot` arrived (complete: the last of this backward). The gradients of a weight used
         several times in a forward (ties, a module called twice) are summed first, in their own dtype and in
         arrival order, as autograd sums a leaf's inputs before accumulating them into .grad."""
@@ -110,24 +112,37 @@ class OffloadedParams(TrainableOwner):
         p = self.param_of[slot]
         g = cuda_copy.to_host(g)
         with self.lock:
-            part = self.parts.pop(p, None)
+            part = self.parts.pop((backward, p), None)
             g = g.clone() if part is None and not complete and g.device.type == "cpu" and cuda_copy.in_staging(g) else g
             g = g if part is None else part + g
             if not complete:
-                self.parts[p] = g
+                self.parts[backward, p] = g
                 return
-        self._accept(p, slot, g)
+        self._accept(p, slot, g, backward)
 
-    def backward_ended(self, slot):
+    def backward_ended(self, slot, backward):
         p = self.param_of.get(slot)
         with self.lock:
-            g = None if p is None else self.parts.pop(p, None)
+            g = None if p is None else self.parts.pop((backward, p), None)
         if g is not None:
-            self._accept(p, slot, g)
+            self._accept(p, slot, g, backward)
 
-    def _accept(self, p, slot, g):
-        """p's whole gradient of this backward: through the hooks registered on p, as torch runs a leaf's (its
-        gradient hooks, then the accumulation, then its post-accumulate-grad hooks), into the sum or the update."""
+    def backward_abandoned(self, slot, backward):
+        p = self.param_of.get(slot)
+        with self.lock:
+            self.parts.pop((backward, p), None)
+            if self.in_backward:
+                self.failed_backwards.add(backward)
+
+    def _accept(self, p, slot, g, backward=None):
+        """p's whole gradient of a backward: through the hooks registered on p, as torch runs a leaf's (its
+        gradient hooks, then the accumulation, then its post-accumulate-grad hooks), into the sum or the update.
+        One at a time: backwards of two threads would otherwise add to one sum at once (torch's AccumulateGrad
+        takes a lock too)."""
+        with self.accepting:
+            self._accept_one(p, slot, g, backward)
+
+    def _accept_one(self, p, slot, g, backward):
         g = run_grad_hooks(p, g)
         if not self.in_backward:
             self._sync(p)  # what model.zero_grad() or p.grad.zero_() did since the last gradient
@@ -137,7 +152,7 @@ class OffloadedParams(TrainableOwner):
             return
         training = self.entries[p][0]
         with self.lock:
-            if slot.record in self.queued:
+            if self._updated_in_backward(slot.record):
                 raise second_backward_error(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
@@ -158,12 +173,28 @@ class OffloadedParams(TrainableOwner):
                 else:
                     self.partial[p].zero_()
                     self._mark(p)
-        self._maybe_queue(training, slot.record)
+        self._maybe_queue(training, slot.record, backward)
 
     def check_backward(self, record):
         """A backward needs the weights of `record` (training.py): refused once this backward updated them."""
-        if self.in_backward and record in self.queued:
+        if not self.in_backward:
+            return
+        with self.lock:
+            updated = self._updated_in_backward(record)
+        if updated:
             raise second_backward_error(f"a backward needs the weights of {record}")
+
+    def _updated_in_backward(self, record):
+        """A backward since the last step() updated the record: a next backward may not, unless that backward
+        raised and model.zero_grad() (p.grad = None) dropped what it applied since (then, as after opt.zero_grad(),
+        the next backward is a step of its own, as with torch's optimizer-in-backward hooks)."""
+        if record not in self.queued:
+            return False
+        if self.queued[record] in self.failed_backwards and all(
+                self._marker_state(self.param_of[s]) is None for s in record.slots if s in self.param_of):
+            del self.queued[record]
+            return False
+        return True
 
     def _mark(self, p):
         """p.grad shows whether p has a gradient, as .grad does in torch: a GradMarker (meta: no memory, no values)
@@ -198,20 +229,20 @@ class OffloadedParams(TrainableOwner):
         """Gradients whose last use never got one (an unused output): taken as they are."""
         with self.lock:
             parts, self.parts = self.parts, {}
-        for p, g in parts.items():
+        for (_, p), g in parts.items():
             self._accept(p, self.entries[p][1], g)
 
-    def _maybe_queue(self, training, record):
+    def _maybe_queue(self, training, record, backward):
         owned = [s for s in record.slots if s in self.param_of]
         with self.ready_changed:
-            if record in self.queued or not all(training.complete(s) for s in owned):
+            if record in self.queued or not all(training.complete(s, backward) for s in owned):
                 return
             keep = self.step()  # the optimizer lives until the worker's run returns
             grads = {self.param_of[s]: self.partial.pop(self.param_of[s]) for s in owned
                      if self.param_of[s] in self.partial}
             if not grads:
                 return
-            self.queued.add(record)
+            self.queued[record] = backward
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
@@ -371,6 +402,7 @@ class OffloadedParams(TrainableOwner):
                 training.return_loans()  # after an error: the streamer's memory back before the next forward
                 training.reset()
             self.queued.clear()
+            self.failed_backwards.clear()
             self.partial.clear()
             self.consumed |= self.fresh
             self.fresh.clear()
@@ -408,6 +440,7 @@ class OffloadedParams(TrainableOwner):
         self.partial.clear()
         self.parts.clear()
         self.queued.clear()
+        self.failed_backwards.clear()
         self.consumed.clear()
         self.fresh.clear()
         self.failed = False
@@ -485,7 +518,7 @@ class OffloadedParams(TrainableOwner):
         if not self.in_backward or self.closed:
             return
         error = self.worker.take_error()
-        left = [self.entries[p][1].name for p in [*self.partial, *self.parts]]
+        left = [self.entries[p][1].name for p in [*self.partial, *(p for _, p in self.parts)]]
         if error is not None:
             problem = RuntimeError(f"an update of the offloaded weights during backward (in_backward=True) failed "
                                    f"after the optimizer was dropped: {error!r}. The weights it had not reached keep "

@@ -159,7 +159,8 @@ def _call(weak_method):
 
 def second_backward_error(what):
     """The error of a gradient arriving for a parameter its in_backward update already stepped."""
-    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), or "
-                        "retain_graph=True): with in_backward=True every backward is one step, so call step() (and "
-                        "zero_grad()) after each backward; to sum the gradients of several backward passes, build "
-                        "the optimizer with in_backward=False")
+    return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), "
+                        "retain_graph=True, or a backward that raised partway and was caught): with in_backward=True "
+                        "every backward is one step, so call step() (and zero_grad()) after each backward, and "
+                        "zero_grad() after catching a backward's error (what it updated stays updated); to sum the "
+                        "gradients of several backward passes, build the optimizer with in_backward=False")

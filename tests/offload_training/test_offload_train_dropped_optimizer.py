@@ -24,9 +24,19 @@ pytest.importorskip("safetensors")
 LR, DECAY = 1e-2, 0.01
 
 
-def torch_step(data, forward=loss_of):
+class Spare(MLP):
+    """A weight in each module that forward never uses: backward reaches every module's record but cannot complete
+    it, so in_backward=True leaves every gradient to step()."""
+
+    def __init__(self):
+        super().__init__()
+        for module in (self.a, self.norm, self.b, self.c):
+            module.spare = torch.nn.Parameter(torch.zeros(2))
+
+
+def torch_step(data, forward=loss_of, cls=MLP):
     """{name: weight} of the resident model after one torch.optim.AdamW step on data[0]."""
-    model = make_model(MLP)
+    model = make_model(cls)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     with one_thread():
         forward(model, data[0]).backward()
@@ -193,14 +203,13 @@ def test_a_failed_update_of_a_dropped_optimizer_is_raised_by_the_next_forward_or
 
 
 def test_gradients_left_for_step_by_a_dropped_optimizer_are_a_runtime_error_not_lost(tmp_path, no_gc):
-    # A forward whose backward never runs leaves each weight's gradient incomplete: backward hands none to the
-    # worker, step() would apply them; dropped before step(), they cannot be.
+    # Records with a weight backward never reaches: backward hands none of them to the worker, step() would apply
+    # their gradients; dropped before step(), it cannot.
     data = batches(MLP, 2)
-    model = offload(make_model(MLP), "disk", tmp_path)
-    before = weights(make_model(MLP))
+    model = offload(make_model(Spare), "disk", tmp_path, Spare)
+    before = weights(make_model(Spare))
     opt = build(model, "cpu", tmp_path)
     with one_thread():
-        loss_of(model, data[1])  # its graph is dropped unused
         loss_of(model, data[0]).backward()
     del opt
     with pytest.raises(RuntimeError, match="step"):
@@ -214,12 +223,11 @@ def test_gradients_left_for_step_by_a_dropped_optimizer_are_a_runtime_error_not_
 def test_an_optimizer_stepped_or_closed_before_it_is_dropped_reports_nothing(tmp_path, no_gc, end):
     # step() applied what backward left; close() discards it, as the program asked
     data = batches(MLP, 2)
-    want = torch_step(data) if end == "step" else weights(make_model(MLP))
-    model = offload(make_model(MLP), "disk", tmp_path)
+    want = torch_step(data, cls=Spare) if end == "step" else weights(make_model(Spare))
+    model = offload(make_model(Spare), "disk", tmp_path, Spare)
     opt = build(model, "cpu", tmp_path)
     with one_thread():
-        loss_of(model, data[1])  # its graph is dropped unused: backward leaves every gradient to step()
-        loss_of(model, data[0]).backward()
+        loss_of(model, data[0]).backward()  # backward leaves every gradient to step() (Spare)
     opt.step() if end == "step" else opt.close()
     dropped = weakref.ref(opt)
     del opt

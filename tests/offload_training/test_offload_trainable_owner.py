@@ -34,7 +34,7 @@ class SgdOwner(TrainableOwner):
             training.claim(slot, self)
             self.entries[slot] = (training, p)
 
-    def gradient(self, slot, grad, complete):
+    def gradient(self, slot, grad, complete, backward):
         self.calls.append(("gradient", slot.name, complete))
         g = grad.detach().clone()
         self.grads[slot] = g if slot not in self.grads else self.grads[slot] + g
