@@ -160,7 +160,9 @@ def _call(weak_method):
 def second_backward_error(what):
     """The error of a gradient arriving for a parameter its in_backward update already stepped."""
     return RuntimeError(f"{what} after this backward already updated it (a second backward before step(), "
-                        "retain_graph=True, or a backward that raised partway and was caught): with in_backward=True "
-                        "every backward is one step, so call step() (and zero_grad()) after each backward, and "
-                        "zero_grad() after catching a backward's error (what it updated stays updated); to sum the "
-                        "gradients of several backward passes, build the optimizer with in_backward=False")
+                        "retain_graph=True, a backward that raised partway and was caught, or a weight used both "
+                        "inside a reentrant activation checkpoint and elsewhere, whose checkpoint's own backward "
+                        "completed it early): with in_backward=True every backward is one step, so call step() (and "
+                        "zero_grad()) after each backward, and zero_grad() after catching a backward's error (what it "
+                        "updated stays updated); checkpoint with use_reentrant=False; to sum the gradients of several "
+                        "backward passes, build the optimizer with in_backward=False")

@@ -85,3 +85,59 @@ def test_lora_with_gradient_checkpointing_and_input_require_grads_trains_like_re
     assert_same_losses(got_losses, want_losses)
     assert sorted(got) == sorted(want) and want
     assert_same_weights(got, want)
+
+
+class SharedLayer(torch.nn.Module):
+    """One layer used twice in a forward (ALBERT-style), checkpointed in both uses or in one of them only."""
+
+    def __init__(self, reentrant, both):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.shared, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.reentrant, self.both = reentrant, both
+
+    def segment(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.segment, self.emb(x), use_reentrant=self.reentrant)
+        h = torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=self.reentrant) if self.both \
+            else self.segment(h)
+        return self.head(h).square().mean()
+
+
+def train_shared(model, opt):
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with one_thread():
+        for _ in range(3):
+            loss = model(torch.randn(5, 8, generator=g, requires_grad=True))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("both", [True, False], ids=["two-segments", "inside-and-outside"])
+@pytest.mark.parametrize("reentrant,in_backward", [(False, True), (False, False), (True, False)])
+def test_weight_used_in_and_out_of_checkpoints_trains_like_resident(tmp_path, reentrant, in_backward, both):
+    ref = SharedLayer(reentrant, both)
+    with build_opt("AdamW", ref.parameters(), tmp_path / "ref") as opt:
+        want = train_shared(ref, opt)
+    model = offload(SharedLayer(reentrant, both), "disk", tmp_path)
+    with build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu", in_backward=in_backward) as opt:
+        got = train_shared(model, opt)
+    assert_same_losses(got, want)
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("both", [True, False], ids=["two-segments", "inside-and-outside"])
+def test_in_backward_with_a_reentrant_checkpoint_of_a_shared_weight_says_what_to_do(tmp_path, both):
+    """The reentrant checkpoint's own backward sees its segment only: the weight looks complete there and is updated;
+    its other use then needs it again. Loud, and the message names the way out."""
+    model = offload(SharedLayer(True, both), "disk", tmp_path)
+    with build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu", in_backward=True) as opt:
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            train_shared(model, opt)
