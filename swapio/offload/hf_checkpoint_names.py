@@ -13,7 +13,7 @@ from .hf_model import is_transformers_model
 
 def _transforms(model):
     """(renamings, converters, transformers' rename_source_key) of what transformers applies when it loads
-    `model`; None for a transformers without them (before 5), a model that needs none, or another model."""
+    `model`; None for a transformers without them (before 5) or another model."""
     if not is_transformers_model(model):
         return None
     try:
@@ -24,21 +24,25 @@ def _transforms(model):
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    return (renamings, converters, rename_source_key) if renamings or converters else None
+    return renamings, converters, rename_source_key
 
 
 def as_model_names(model, locations):
-    """{name: Location} of a checkpoint with each tensor (also) under the name `model` loads it as. A tensor that
-    transformers would merge with others into one of the model's tensors is a ValueError."""
+    """{name: Location} of a checkpoint with each tensor (also) under the name `model` loads it as: renamed, and
+    with the base model's prefix stripped or added as transformers does (BertModel from a BertForMaskedLM
+    directory: `bert.embeddings...` is `embeddings...`). A tensor that transformers would merge with others into
+    one of the model's tensors is a ValueError."""
     transforms = _transforms(model)
     if transforms is None:
         return locations
     renamings, converters, rename_source_key = transforms
-    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    wanted |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    wanted = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
+    wanted.update(dict.fromkeys(name for name, _ in model.named_buffers(remove_duplicate=False)))
+    present = dict.fromkeys(wanted, True)  # rename_source_key asks .get(name) is not None
+    prefix = getattr(model, "base_model_prefix", None) or None
     out, merged = dict(locations), {}
     for name, loc in locations.items():
-        new, converter = rename_source_key(name, renamings, converters)
+        new, converter = rename_source_key(name, renamings, converters, prefix, present)
         if converter is not None:
             merged.setdefault(new, []).append(name)
         elif new != name and new not in locations:

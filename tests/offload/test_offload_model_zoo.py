@@ -128,3 +128,19 @@ def test_save_pretrained_of_the_offloaded_model_writes_what_transformers_writes(
     model.save_pretrained(tmp_path / "own", save_original_format=False)
     assert load_file(tmp_path / "own").keys() == own.keys()
     remove_offload(model)
+
+
+def test_a_base_model_from_a_directory_with_a_head(saved):
+    """transformers' AutoModel.from_pretrained of a checkpoint saved with a head strips the base model's prefix
+    (`gpt_neox.layers...` is GPTNeoXModel's `layers...`); swapio said "lacks tensor 'embed_in.weight'". A tensor
+    the base model has and the checkpoint lacks (BERT's pooler, which transformers would initialize at random) is
+    still a clear error, never random values."""
+    directory, _ = saved("gpt_neox")
+    want_model = transformers.GPTNeoXModel.from_pretrained(directory).eval()
+    model = from_pretrained(transformers.AutoModel, directory)
+    assert isinstance(model, transformers.GPTNeoXModel)
+    ids = hf_zoo.inputs("gpt_neox")["input_ids"]
+    with torch.no_grad(), hf_zoo.one_thread():
+        assert torch.equal(model(ids).last_hidden_state, want_model(ids).last_hidden_state)
+    with pytest.raises(ValueError, match="lacks tensor 'pooler.dense.weight'"):
+        from_pretrained(transformers.BertModel, saved("bert_mlm")[0])
