@@ -6,7 +6,8 @@ transformers 5 converts some architectures' checkpoints as it loads them, and co
 per-expert matrices are concatenated into one fused tensor per layer. A rename only changes where a tensor is
 looked up, so swapio reads it in place under the model's name. A merge makes a tensor that no file holds, and
 reading in place cannot make it: that is a ValueError naming the tensor and the way out, not a bare "lacks tensor".
-save_pretrained of an offloaded model writes the renamed tensors back under transformers' saved names.
+A base model read from a directory saved with a head finds its tensors under the base model's prefix, as in
+transformers. save_pretrained of an offloaded model writes the renamed tensors back under transformers' saved names.
 """
 from .hf_model import is_transformers_model
 

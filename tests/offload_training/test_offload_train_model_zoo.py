@@ -1,6 +1,7 @@
 """Training offloaded transformers weights with OffloadAdamW (weight_decay > 0) against the resident model trained
 with torch.optim.AdamW, over three steps: Mixtral and Qwen2-MoE (fused expert tensors whose rows for experts a
-batch does not route to get zero gradients) and two tied embeddings (BertForMaskedLM's decoder, Gemma's head).
+batch does not route to get zero gradients) and tied embeddings (BertForMaskedLM's decoder, Gemma's head, Bloom's
+with ALiBi).
 The middle step's loss reads only the first layer's output, so the later layers and the head get no gradient:
 torch skips a parameter whose grad is None (no decay, no moment decay) and swapio must too.
 
@@ -46,7 +47,7 @@ def train(model, opt, seen=None):
 
 @pytest.mark.parametrize("name,kind,in_backward", [("mixtral", "disk", False), ("mixtral", "cpu", True),
                                                    ("qwen2_moe", "cpu", False), ("bert_mlm", "disk", False),
-                                                   ("gemma", "cpu", False)])
+                                                   ("gemma", "cpu", False), ("bloom", "disk", False)])
 def test_trains_as_torch_adamw_skipping_parameters_without_gradient(tmp_path, name, kind, in_backward):
     ref = hf_zoo.resident(name)
     seen = {"none": {}, "zero_rows": {}}
@@ -62,5 +63,5 @@ def test_trains_as_torch_adamw_skipping_parameters_without_gradient(tmp_path, na
     got = dict(model.named_parameters())
     for n, want in ref.named_parameters():
         assert torch.equal(got[n], want), n
-    if name in ("bert_mlm", "gemma"):  # the tie survived training
+    if name in ("bert_mlm", "gemma", "bloom"):  # the tie survived training
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
