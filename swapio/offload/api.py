@@ -15,6 +15,7 @@ from .streamer import WeightStreamer
 from .weight_store import DiskStore, HostStore
 from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
+from .hf_checkpoint_names import as_model_names
 from .names import checkpoint_names, find
 from .prepare import buffer_owners_outside, compute_buffers, retie
 from ..safetensors.opened import check_against, open_checkpoint
@@ -313,10 +314,11 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     names = None
     if checkpoint is not None:  # a model built on meta: its ties and computed buffers, which no checkpoint holds
         names = open_checkpoint(checkpoint)
-        retie(model, names)
-        compute_buffers(model, names)  # what it cannot compute stays on meta: _place_resident names it
+        model_names = as_model_names(model, names)  # a transformers checkpoint's older names: the model's
+        retie(model, model_names)
+        compute_buffers(model, model_names)  # what it cannot compute stays on meta: _place_resident names it
         if offload_buffers:
-            keep += buffer_owners_outside(model, names)
+            keep += buffer_owners_outside(model, model_names)
     else:  # a model on meta reusing an offload_dir has its computed buffers on meta too
         compute_buffers(model, {})
     units, slots, resident = collect(model, offload_buffers, keep)
@@ -333,11 +335,11 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
             dir_claim = dir_owner.claim(offload_dir)
             dir_owner.reclaim(offload_dir)
         if checkpoint is not None:
-            origin, by_name = os.fspath(checkpoint), names  # the header read once
+            origin, by_name = os.fspath(checkpoint), model_names  # the header read once
             if offload_dir is not None:
                 dir_claim.source = _same_source(offload_dir, checkpoint, names)
             if offload_dir is not None and odir.has_index(offload_dir):
-                by_name = {**names, **odir.read_index(offload_dir)}  # weights trained earlier, then the checkpoint
+                by_name = {**model_names, **odir.read_index(offload_dir)}  # weights trained earlier, then the checkpoint
         elif any(t.device.type == "meta" for t in current.values()):
             if not odir.has_index(offload_dir):
                 meta = next(s.name for s, t in current.items() if t.device.type == "meta")

@@ -3,10 +3,13 @@
 transformers' own save_pretrained takes model.state_dict(), which holds swapio's meta placeholders between
 forwards ("Cannot copy out of meta tensor"), and would need the whole model in memory anyway. While a model is
 offloaded, its save_pretrained is this one: save_checkpoint (shards and index, streamed record by record, which
-also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back. What it
+also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back; with
+save_original_format (transformers' default), under the names transformers' own save_pretrained writes where
+they are renames (hf_checkpoint_names.py). What it
 cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
 """
-from .export import save_checkpoint
+from .export import write_checkpoint
+from .hf_checkpoint_names import original_names
 from .hf_model import ModelMethod
 
 _ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
@@ -35,7 +38,9 @@ class SavePretrained(ModelMethod):
                              "Save without it (push the directory with huggingface_hub's upload_folder), or "
                              "remove_offload(model) first")
         if is_main_process:
-            save_checkpoint(self.model(), save_directory, max_shard_size=max_shard_size)
+            model = self.model()
+            rename = original_names(model) if kwargs.get("save_original_format", True) else None
+            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, rename=rename)
 
 
 install, uninstall = SavePretrained.install, SavePretrained.uninstall

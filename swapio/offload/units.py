@@ -287,7 +287,9 @@ def refuse_meta_inputs(args, kwargs, device):
                            "(transformers) and next(model.parameters()).device say 'meta': put inputs on the "
                            f"execution device ({device}) instead, e.g. inputs.to({str(device)!r}). (A weight of "
                            "another offloaded module, passed as an input, is such a placeholder too: keep that "
-                           "module resident with keep_resident=[...])")
+                           "module resident with keep_resident=[...]. transformers' generate() of some models, "
+                           "such as Whisper, builds inputs on model.device itself: keep resident the module that "
+                           "owns the model's first parameter, and model.device is the execution device.)")
 
 
 def move_to(device):
