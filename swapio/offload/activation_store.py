@@ -39,11 +39,12 @@ from .kept import Kept, modified_in_place
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
                  "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held")
+                 "generation", "waiting", "held", "owner_ref")
 
-    def __init__(self, index, nbytes, device, storage, version):
+    def __init__(self, index, nbytes, device, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
         self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
+        self.owner_ref = weakref.ref(owner)  # the tensor whose version counter `version` was read from
         self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
         self.pooled = False   # host is a block of the pinned pool
         self.offset = None    # where the bytes lie in the session's file (to="nvme")
@@ -87,6 +88,34 @@ class Saved:
                 session.drop(self.entry, self.generation)
 
 
+def counter_owner(tensor):
+    """A view's base, else the tensor: it holds the version counter that the tensor uses, and it lives as long as
+    any of its views."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def counts_with(owner, tensor):
+    """Whether `tensor` counts its changes in place on the version counter of `owner` (None: gone), so that a copy
+    saved for one, at the same version, stands for the other. Tensors of one storage that are not views of one
+    base may not: torch.unsafe_chunk's pieces (the CPU GRU's gates) and .data aliases each have their own counter,
+    and one can be changed with no counter of the other moving. Others do (detach(), a view with another dtype):
+    Python cannot read a counter's identity, so this bumps the tensor's and looks whether the owner's moved too,
+    then puts it back (under the GIL; a change in place racing a save from another thread is a race already)."""
+    if owner is tensor:
+        return True
+    if owner is None:
+        return False
+    version = tensor._version
+    if owner._version != version:
+        return False
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version + 1,))
+    try:
+        return owner._version == version + 1
+    finally:
+        torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+
+
 def byte_view(storage, device, nbytes):
     """A flat uint8 tensor over a whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
@@ -98,7 +127,7 @@ class Session:
     def __init__(self, res, number):
         self.res, self.number = res, number
         self.entries = []
-        self.by_storage = {}   # storage data_ptr -> entry (checked against the storage itself and its version)
+        self.by_storage = {}   # storage data_ptr -> entry (checked against the storage, its version and counter)
         self.pending = []      # entries with a copy or write in flight, oldest first
         self.resident = collections.deque()  # CPU entries written and still held in RAM, oldest first
         self.staged = 0        # bytes counted against staging_bytes now
@@ -122,12 +151,12 @@ class Session:
                 + "; exit contexts in the reverse order of entering them, and close() after the block")
         if not res.wanted(tensor):
             return Kept(tensor)
-        storage = tensor.untyped_storage()
+        storage, owner = tensor.untyped_storage(), counter_owner(tensor)
         with res.lock:
             entry = self.by_storage.get(storage.data_ptr())
             if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
-                    or entry.version != tensor._version):
-                entry = self._offload(tensor, storage)
+                    or entry.version != tensor._version or not counts_with(entry.owner_ref(), owner)):
+                entry = self._offload(tensor, storage, owner)
                 entry.refs += 1
                 self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
             else:
@@ -135,9 +164,9 @@ class Session:
                 entry.refs += 1
             return Saved(self, entry, tensor)
 
-    def _offload(self, tensor, storage):
+    def _offload(self, tensor, storage, owner):
         res, nbytes, device = self.res, storage.nbytes(), tensor.device
-        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version)
+        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version, owner)
         source = byte_view(storage, device, nbytes)
         to_disk = res.to == "nvme"
         if to_disk:
