@@ -238,6 +238,13 @@ class ActivationOffload:
         where = f" in {self._res.directory}" if self._res.directory else ""
         return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
 
+    def __reduce_ex__(self, protocol):
+        # (pickle's own error named a lock): a copy would share the original's swap directory and sessions
+        raise TypeError("an ActivationOffload cannot be copied or pickled (copy, deepcopy, pickle, torch.save): make "
+                        "another with offload_activations")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
+
 
 def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=4,
                         staging_bytes=DEFAULT_STAGING_BYTES, **io_kwargs):
@@ -287,6 +294,15 @@ class _OffloadingForward:
     @property
     def __wrapped__(self):  # inspect.signature(model.forward) shows the model's own
         return self.inner
+
+    def __reduce_ex__(self, protocol):
+        # deepcopy (an EMA model), pickle, torch.save of the model object: pickle's own error named a lock
+        raise TypeError("a model with activation offload enabled cannot be copied or pickled (copy.deepcopy, "
+                        "pickle, torch.save of the model object): call disable_activation_offload(model) first, "
+                        "copy it, and enable_activation_offload on each copy (torch.save(model.state_dict()) works "
+                        "as it is)")
+
+    __deepcopy__ = lambda self, memo: self.__reduce_ex__(None)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
