@@ -39,7 +39,7 @@ from .kept import Kept, modified_in_place
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
                  "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held", "owner_ref")
+                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version")
 
     def __init__(self, index, nbytes, device, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -53,6 +53,11 @@ class Entry:
         self.last_copy = None  # the event of the last host-to-device copy reading self.host
         self.loaded = None    # a future of the bytes back on self.device (prefetched)
         self.restored = None  # weakref to the storage back on the device, while something uses it
+        # Every saved view is rebuilt as a view of one uint8 tensor over that storage (weakly referenced, held with
+        # the storage below), so that they share its version counter: a backward that changes one in place moves
+        # it, and the later unpacks see that, as autograd sees it without offload
+        self.base_ref = None
+        self.base_version = 0
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
         self.watch = None     # the tensor's detached view, sharing its version counter: a CPU tensor's while host
@@ -319,12 +324,23 @@ class Session:
             if saved.generation != entry.generation:
                 saved.generation = entry.generation
                 entry.waiting -= 1
-            entry.held = storage if entry.waiting > 0 else None
+            base = None if fresh or entry.base_ref is None else entry.base_ref()
+            if base is None:  # (or gone while the storage lived on: autograd keeps a shallow copy of what it unpacks)
+                base = byte_view(storage, entry.device, entry.nbytes)
+                entry.base_ref, entry.base_version = weakref.ref(base), base._version
+            entry.held = base if entry.waiting > 0 else None
+            changed_in_backward = base._version != entry.base_version
         if saved.entry.changed_in_flight:
             raise modified_in_place(saved.dtype, saved.size, "was changed in place while swapio was still copying "
                                     "it out of the forward, so what it saved may be half changed")
-        out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
-        return out.set_(storage, saved.offset, saved.size, saved.stride)
+        if changed_in_backward:
+            # a node that unpacked this storage earlier in the backward changed it in place (without offload the one
+            # tensor's version counter moved, and autograd refuses the later unpack)
+            raise modified_in_place(saved.dtype, saved.size, "was changed in place during the backward, by a node "
+                                    "that unpacked it earlier")
+        nbytes, itemsize = entry.nbytes, saved.dtype.itemsize
+        whole = base if nbytes % itemsize == 0 else base[:nbytes - nbytes % itemsize]
+        return whole.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def _restore(self, entry):
         """(The entry's storage back on its device: the one already back while something still uses it, whether
@@ -419,7 +435,7 @@ class Session:
             if entry.refs > 0:
                 return
             self.live -= 1
-            entry.loaded = entry.restored = entry.held = None
+            entry.loaded = entry.restored = entry.held = entry.base_ref = None
             if entry.d2h is None and entry.write is None:
                 self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
             if self.by_storage.get(entry.key) is entry:
@@ -470,7 +486,7 @@ class Session:
             self.pending.clear()
             self.resident.clear()
             for entry in self.entries:
-                entry.loaded = entry.restored = entry.held = None
+                entry.loaded = entry.restored = entry.held = entry.base_ref = None
                 if entry.staged:
                     self.staged -= entry.staged
                     entry.staged = 0
