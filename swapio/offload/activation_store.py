@@ -132,7 +132,9 @@ class Session:
     def __init__(self, res, number):
         self.res, self.number = res, number
         self.entries = []
-        self.by_storage = {}   # storage data_ptr -> entry (checked against the storage, its version and counter)
+        # storage data_ptr -> its live entries (one per version counter and version saved; checked against the
+        # storage itself): the pieces of an unsafe_chunk, saved in turns, each find their own again
+        self.by_storage = {}
         self.pending = []      # entries with a copy or write in flight, oldest first
         self.resident = collections.deque()  # CPU entries written and still held in RAM, oldest first
         self.staged = 0        # bytes counted against staging_bytes now
@@ -158,9 +160,11 @@ class Session:
             return Kept(tensor)
         storage, owner = tensor.untyped_storage(), counter_owner(tensor)
         with res.lock:
-            entry = self.by_storage.get(storage.data_ptr())
-            if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
-                    or entry.version != tensor._version or not counts_with(entry.owner_ref(), owner)):
+            version = tensor._version
+            entry = next((e for e in self.by_storage.get(storage.data_ptr(), ())
+                          if e.refs and e.storage_ref() is storage and e.version == version
+                          and counts_with(e.owner_ref(), owner)), None)
+            if entry is None:
                 entry = self._offload(tensor, storage, owner)
                 entry.refs += 1
                 self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
@@ -195,7 +199,7 @@ class Session:
                 entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
                 self.pending.append(entry)
         self.entries.append(entry)
-        self.by_storage[storage.data_ptr()] = entry
+        self.by_storage.setdefault(entry.key, []).append(entry)
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
@@ -438,8 +442,11 @@ class Session:
             entry.loaded = entry.restored = entry.held = entry.base_ref = None
             if entry.d2h is None and entry.write is None:
                 self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
-            if self.by_storage.get(entry.key) is entry:
-                del self.by_storage[entry.key]
+            same = self.by_storage.get(entry.key, [])
+            if entry in same:
+                same.remove(entry)
+                if not same:
+                    del self.by_storage[entry.key]
             self._finish_if_done()
 
     def _finish_if_done(self):
