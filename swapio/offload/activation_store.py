@@ -112,13 +112,24 @@ def counts_with(owner, tensor):
     if owner is None:
         return False
     version = tensor._version
-    if owner._version != version:
+    if owner._version != version or _set_version is None:  # (no way to tell: a copy of its own)
         return False
-    torch._C._autograd._unsafe_set_version_counter((tensor,), (version + 1,))
+    _set_version(tensor, version + 1)
     try:
         return owner._version == version + 1
     finally:
-        torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+        _set_version(tensor, version)
+
+
+def _set_version_now(tensor, version):
+    try:
+        _unsafe_set_version((tensor,), (version,))
+    except TypeError:  # older torch: one tensor and one version
+        _unsafe_set_version(tensor, version)
+
+
+_unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+_set_version = None if _unsafe_set_version is None else _set_version_now
 
 
 def byte_view(storage, device, nbytes):
