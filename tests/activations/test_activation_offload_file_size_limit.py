@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent("""
     import errno, json, os, resource, signal, sys
     sys.path.insert(0, {tests!r})
@@ -32,6 +34,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (a child process)
 def test_writes_past_the_file_size_limit_fail_the_forward_and_leave_nothing(tmp_path):
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     repo = os.path.dirname(tests)

@@ -3,6 +3,7 @@ attention, recurrent layers (packed sequences too), checkpointed functions with 
 bit-equal to the run without offload. torch.func's gradient transforms refuse saved-tensor hooks: torch's error,
 and the offload leaves nothing behind."""
 import contextlib
+import shutil
 
 import pytest
 import torch
@@ -104,4 +105,23 @@ def test_torch_func_gradient_transforms_refuse_the_hooks_and_nothing_is_left(tmp
     with act:
         loss = model(x).tanh().sum()
     assert torch.equal(torch.autograd.grad(loss, x)[0], want)
+    act.close()
+
+
+@pytest.mark.slow  # (inductor builds C++)
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_inductor_compiled_model_bit_equal_to_its_compiled_run_without_offload(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64),
+                                torch.nn.LayerNorm(64))
+    x = torch.randn(32, 64, requires_grad=True)
+    compiled = torch.compile(model)  # inductor: its own kernels, the saved tensors through the hooks
+    want = torch.autograd.grad(compiled(x).square().sum(), [x, *model.parameters()])
+    act = _nvme(tmp_path)
+    with act:
+        loss = compiled(x).square().sum()
+    got = torch.autograd.grad(loss, [x, *model.parameters()])
+    assert act.stats()["tensors"] > 0 and act.stats()["read_bytes"] > 0
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
     act.close()
