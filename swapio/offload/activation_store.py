@@ -39,11 +39,12 @@ from .kept import Kept, modified_in_place
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
                  "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held")
+                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version")
 
-    def __init__(self, index, nbytes, device, storage, version):
+    def __init__(self, index, nbytes, device, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
         self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
+        self.owner_ref = weakref.ref(owner)  # the tensor whose version counter `version` was read from
         self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
         self.pooled = False   # host is a block of the pinned pool
         self.offset = None    # where the bytes lie in the session's file (to="nvme")
@@ -52,6 +53,11 @@ class Entry:
         self.last_copy = None  # the event of the last host-to-device copy reading self.host
         self.loaded = None    # a future of the bytes back on self.device (prefetched)
         self.restored = None  # weakref to the storage back on the device, while something uses it
+        # Every saved view is rebuilt as a view of one uint8 tensor over that storage (weakly referenced, held with
+        # the storage below), so that they share its version counter: a backward that changes one in place moves
+        # it, and the later unpacks see that, as autograd sees it without offload
+        self.base_ref = None
+        self.base_version = 0
         self.refs = 0         # saved tensors (views) using this entry
         self.staged = 0       # bytes this entry counts against staging_bytes
         self.watch = None     # the tensor's detached view, sharing its version counter: a CPU tensor's while host
@@ -87,6 +93,45 @@ class Saved:
                 session.drop(self.entry, self.generation)
 
 
+def counter_owner(tensor):
+    """A view's base, else the tensor: it holds the version counter that the tensor uses, and it lives as long as
+    any of its views."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def counts_with(owner, tensor):
+    """Whether `tensor` counts its changes in place on the version counter of `owner` (None: gone), so that a copy
+    saved for one, at the same version, stands for the other. Tensors of one storage that are not views of one
+    base may not: torch.unsafe_chunk's pieces (the CPU GRU's gates) and .data aliases each have their own counter,
+    and one can be changed with no counter of the other moving. Others do (detach(), a view with another dtype):
+    Python cannot read a counter's identity, so this bumps the tensor's and looks whether the owner's moved too,
+    then puts it back (under the GIL; a change in place racing a save from another thread is a race already)."""
+    if owner is tensor:
+        return True
+    if owner is None:
+        return False
+    version = tensor._version
+    if owner._version != version or _set_version is None:  # (no way to tell: a copy of its own)
+        return False
+    _set_version(tensor, version + 1)
+    try:
+        return owner._version == version + 1
+    finally:
+        _set_version(tensor, version)
+
+
+def _set_version_now(tensor, version):
+    try:
+        _unsafe_set_version((tensor,), (version,))
+    except TypeError:  # older torch: one tensor and one version
+        _unsafe_set_version(tensor, version)
+
+
+_unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+_set_version = None if _unsafe_set_version is None else _set_version_now
+
+
 def byte_view(storage, device, nbytes):
     """A flat uint8 tensor over a whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
@@ -98,7 +143,9 @@ class Session:
     def __init__(self, res, number):
         self.res, self.number = res, number
         self.entries = []
-        self.by_storage = {}   # storage data_ptr -> entry (checked against the storage itself and its version)
+        # storage data_ptr -> its live entries (one per version counter and version saved; checked against the
+        # storage itself): the pieces of an unsafe_chunk, saved in turns, each find their own again
+        self.by_storage = {}
         self.pending = []      # entries with a copy or write in flight, oldest first
         self.resident = collections.deque()  # CPU entries written and still held in RAM, oldest first
         self.staged = 0        # bytes counted against staging_bytes now
@@ -122,12 +169,14 @@ class Session:
                 + "; exit contexts in the reverse order of entering them, and close() after the block")
         if not res.wanted(tensor):
             return Kept(tensor)
-        storage = tensor.untyped_storage()
+        storage, owner = tensor.untyped_storage(), counter_owner(tensor)
         with res.lock:
-            entry = self.by_storage.get(storage.data_ptr())
-            if (entry is None or entry.refs == 0 or entry.storage_ref() is not storage
-                    or entry.version != tensor._version):
-                entry = self._offload(tensor, storage)
+            version = tensor._version
+            entry = next((e for e in self.by_storage.get(storage.data_ptr(), ())
+                          if e.refs and e.storage_ref() is storage and e.version == version
+                          and counts_with(e.owner_ref(), owner)), None)
+            if entry is None:
+                entry = self._offload(tensor, storage, owner)
                 entry.refs += 1
                 self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
             else:
@@ -135,9 +184,9 @@ class Session:
                 entry.refs += 1
             return Saved(self, entry, tensor)
 
-    def _offload(self, tensor, storage):
+    def _offload(self, tensor, storage, owner):
         res, nbytes, device = self.res, storage.nbytes(), tensor.device
-        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version)
+        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version, owner)
         source = byte_view(storage, device, nbytes)
         to_disk = res.to == "nvme"
         if to_disk:
@@ -161,7 +210,7 @@ class Session:
                 entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
                 self.pending.append(entry)
         self.entries.append(entry)
-        self.by_storage[storage.data_ptr()] = entry
+        self.by_storage.setdefault(entry.key, []).append(entry)
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
@@ -290,12 +339,23 @@ class Session:
             if saved.generation != entry.generation:
                 saved.generation = entry.generation
                 entry.waiting -= 1
-            entry.held = storage if entry.waiting > 0 else None
+            base = None if fresh or entry.base_ref is None else entry.base_ref()
+            if base is None:  # (or gone while the storage lived on: autograd keeps a shallow copy of what it unpacks)
+                base = byte_view(storage, entry.device, entry.nbytes)
+                entry.base_ref, entry.base_version = weakref.ref(base), base._version
+            entry.held = base if entry.waiting > 0 else None
+            changed_in_backward = base._version != entry.base_version
         if saved.entry.changed_in_flight:
             raise modified_in_place(saved.dtype, saved.size, "was changed in place while swapio was still copying "
                                     "it out of the forward, so what it saved may be half changed")
-        out = torch.empty(0, dtype=saved.dtype, device=saved.entry.device)
-        return out.set_(storage, saved.offset, saved.size, saved.stride)
+        if changed_in_backward:
+            # a node that unpacked this storage earlier in the backward changed it in place (without offload the one
+            # tensor's version counter moved, and autograd refuses the later unpack)
+            raise modified_in_place(saved.dtype, saved.size, "was changed in place during the backward, by a node "
+                                    "that unpacked it earlier")
+        nbytes, itemsize = entry.nbytes, saved.dtype.itemsize
+        whole = base if nbytes % itemsize == 0 else base[:nbytes - nbytes % itemsize]
+        return whole.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def _restore(self, entry):
         """(The entry's storage back on its device: the one already back while something still uses it, whether
@@ -390,11 +450,14 @@ class Session:
             if entry.refs > 0:
                 return
             self.live -= 1
-            entry.loaded = entry.restored = entry.held = None
+            entry.loaded = entry.restored = entry.held = entry.base_ref = None
             if entry.d2h is None and entry.write is None:
                 self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
-            if self.by_storage.get(entry.key) is entry:
-                del self.by_storage[entry.key]
+            same = self.by_storage.get(entry.key, [])
+            if entry in same:
+                same.remove(entry)
+                if not same:
+                    del self.by_storage[entry.key]
             self._finish_if_done()
 
     def _finish_if_done(self):
@@ -441,7 +504,7 @@ class Session:
             self.pending.clear()
             self.resident.clear()
             for entry in self.entries:
-                entry.loaded = entry.restored = entry.held = None
+                entry.loaded = entry.restored = entry.held = entry.base_ref = None
                 if entry.staged:
                     self.staged -= entry.staged
                     entry.staged = 0

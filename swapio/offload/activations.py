@@ -11,8 +11,10 @@ call the model themselves (transformers' Trainer, accelerate). The hooks are tor
 a module of a swapio-offloaded model, swapio's hooks for offloaded weights sit on top of these and hand them every
 saved tensor that is not a weight, so both work in one step.
 """
+import inspect
 import os
 import threading
+import types
 import weakref
 
 import torch
@@ -238,6 +240,13 @@ class ActivationOffload:
         where = f" in {self._res.directory}" if self._res.directory else ""
         return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
 
+    def __reduce_ex__(self, protocol):
+        # (pickle's own error named a lock): a copy would share the original's swap directory and sessions
+        raise TypeError("an ActivationOffload cannot be copied or pickled (copy, deepcopy, pickle, torch.save): make "
+                        "another with offload_activations")
+
+    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
+
 
 def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=4,
                         staging_bytes=DEFAULT_STAGING_BYTES, **io_kwargs):
@@ -284,15 +293,45 @@ class _OffloadingForward:
     def __init__(self, act, inner):
         self.act, self.inner = act, inner
 
-    @property
-    def __wrapped__(self):  # inspect.signature(model.forward) shows the model's own
-        return self.inner
-
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         with self.act:
             return self.inner(*args, **kwargs)
+
+
+class _Switch:
+    """What enable_activation_offload keeps in the model's __dict__: the ActivationOffload and the forward the
+    model had in its __dict__ before (None: its class's)."""
+    __slots__ = ("act", "own")
+
+    def __init__(self, act, own):
+        self.act, self.own = act, own
+
+    def __reduce_ex__(self, protocol):
+        # deepcopy (an EMA model), pickle, torch.save of the model object: pickle's own error named a lock
+        raise TypeError("a model with activation offload enabled cannot be copied or pickled (copy.deepcopy, "
+                        "pickle, torch.save of the model object): call disable_activation_offload(model) first, "
+                        "copy it, and enable_activation_offload on each copy (torch.save(model.state_dict()) works "
+                        "as it is)")
+
+    __deepcopy__ = lambda self, memo: self.__reduce_ex__(None)
+
+
+def _method(call):
+    """A function to bind as model.forward, as accelerate expects of it: prepare() wraps its __func__ in autocast,
+    and unwrap_model(keep_fp32_wrapper=False) binds the innermost function it finds (this one) back onto the model
+    (bound, an object that is no function got the model as an extra argument). Its signature is the model's own
+    forward's (Trainer reads it to pick the dataset's columns)."""
+    def forward(self, *args, **kwargs):
+        return call(*args, **kwargs)
+    try:
+        own = inspect.signature(call.inner)
+        forward.__signature__ = own.replace(  # type: ignore[attr-defined]
+            parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *own.parameters.values()])
+    except (TypeError, ValueError):  # no signature to show: (*args, **kwargs)
+        pass
+    return forward
 
 
 def enable_activation_offload(model, to="cpu", **kwargs):
@@ -306,8 +345,8 @@ def enable_activation_offload(model, to="cpu", **kwargs):
                            "disable_activation_offload(model) first")
     act = offload_activations(to, model=model, **kwargs)
     own = model.__dict__.get("forward")
-    model.forward = _OffloadingForward(act, model.forward)
-    model.__dict__[_ATTR] = (act, own)
+    model.forward = types.MethodType(_method(_OffloadingForward(act, model.forward)), model)
+    model.__dict__[_ATTR] = _Switch(act, own)
     return act
 
 
@@ -319,7 +358,7 @@ def disable_activation_offload(model):
     state = model.__dict__.pop(_ATTR, None)
     if state is None:
         return
-    act, own = state
+    act, own = state.act, state.own
     if own is None:
         model.__dict__.pop("forward", None)
     else:

@@ -87,9 +87,9 @@ def offloaded_storages(monkeypatch):
     seen = []
     real = activation_store.Session._offload
 
-    def spy(self, tensor, storage):
+    def spy(self, tensor, storage, *rest):
         seen.append(storage.data_ptr())
-        return real(self, tensor, storage)
+        return real(self, tensor, storage, *rest)
     monkeypatch.setattr(activation_store.Session, "_offload", spy)
     return seen
 
