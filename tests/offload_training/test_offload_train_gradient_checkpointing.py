@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from swapio.offload import remove_offload
-from helpers.offload_training import assert_same_losses, assert_same_weights, build_opt, offload, one_thread, weights
+from helpers.offload_training import (assert_same_losses, assert_same_weights, build_opt, offload, one_thread, train,
+                                     weights)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -75,13 +76,13 @@ def test_lora_with_gradient_checkpointing_and_input_require_grads_trains_like_re
                                  init_lora_weights=False)
         return peft.get_peft_model(base, config)
 
-    def train(model):
+    def train_lora(model):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = train_steps(model, opt)
         return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    want_losses, want = train(lora(build()))
-    got_losses, got = train(lora(offload(build(), storage, tmp_path)))
+    want_losses, want = train_lora(lora(build()))
+    got_losses, got = train_lora(lora(offload(build(), storage, tmp_path)))
     assert_same_losses(got_losses, want_losses)
     assert sorted(got) == sorted(want) and want
     assert_same_weights(got, want)
@@ -103,20 +104,12 @@ class SharedLayer(torch.nn.Module):
         h = torch.utils.checkpoint.checkpoint(self.segment, self.emb(x), use_reentrant=self.reentrant)
         h = torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=self.reentrant) if self.both \
             else self.segment(h)
-        return self.head(h).square().mean()
+        return self.head(h)
 
 
-def train_shared(model, opt):
+def shared_batches():
     g = torch.Generator().manual_seed(1)
-    losses = []
-    with one_thread():
-        for _ in range(3):
-            loss = model(torch.randn(5, 8, generator=g, requires_grad=True))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    return losses
+    return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(3)]
 
 
 @pytest.mark.parametrize("both", [True, False], ids=["two-segments", "inside-and-outside"])
@@ -124,10 +117,10 @@ def train_shared(model, opt):
 def test_weight_used_in_and_out_of_checkpoints_trains_like_resident(tmp_path, reentrant, in_backward, both):
     ref = SharedLayer(reentrant, both)
     with build_opt("AdamW", ref.parameters(), tmp_path / "ref") as opt:
-        want = train_shared(ref, opt)
+        want = train(ref, opt, shared_batches())
     model = offload(SharedLayer(reentrant, both), "disk", tmp_path)
     with build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu", in_backward=in_backward) as opt:
-        got = train_shared(model, opt)
+        got = train(model, opt, shared_batches())
     assert_same_losses(got, want)
     remove_offload(model)
     assert_same_weights(weights(model), weights(ref))
@@ -140,4 +133,4 @@ def test_in_backward_with_a_reentrant_checkpoint_of_a_shared_weight_says_what_to
     model = offload(SharedLayer(True, both), "disk", tmp_path)
     with build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu", in_backward=True) as opt:
         with pytest.raises(RuntimeError, match="use_reentrant=False"):
-            train_shared(model, opt)
+            train(model, opt, shared_batches())
