@@ -240,12 +240,10 @@ class ActivationOffload:
         where = f" in {self._res.directory}" if self._res.directory else ""
         return f"<swapio ActivationOffload to={self._res.to!r}{where}>"
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol):  # (copy and deepcopy come here too)
         # (pickle's own error named a lock): a copy would share the original's swap directory and sessions
         raise TypeError("an ActivationOffload cannot be copied or pickled (copy, deepcopy, pickle, torch.save): make "
                         "another with offload_activations")
-
-    __deepcopy__ = __copy__ = lambda self, *memo: self.__reduce_ex__(None)
 
 
 def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAULT_MIN_BYTES, prefetch=4,
@@ -314,8 +312,6 @@ class _Switch:
                         "pickle, torch.save of the model object): call disable_activation_offload(model) first, "
                         "copy it, and enable_activation_offload on each copy (torch.save(model.state_dict()) works "
                         "as it is)")
-
-    __deepcopy__ = lambda self, memo: self.__reduce_ex__(None)
 
 
 def _method(call):
