@@ -5,6 +5,7 @@ in the swap directory, and the next forward + backward equals the resident model
 import gc
 import importlib
 import os
+import tempfile
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from helpers.activations import assert_same_grads, batch, grads_of, make_stack
 from helpers.fd_audit import FdAudit, code_objects, sweep
+from helpers.isolated import run_isolated
 from swapio.offload import offload_activations
 
 store = importlib.import_module("swapio.offload.activation_store")
@@ -37,13 +39,16 @@ _never_started: set = set()
 def test_bug_a_swap_file_interrupted_at_its_open_or_removal_leaks_no_descriptor(tmp_path):
     """BUG: `fd = os.open(...)` in the reservation of a session's file and in remove_soon: an interruption right
     after os.open returned (before the assignment), or before the `try` that closes it, left the descriptor open,
-    with the removed file's blocks, for the life of the process."""
+    with the removed file's blocks, for the life of the process. (In a child: helpers/isolated.py.)"""
+    run_isolated(__file__, "sweep_the_swap_files_descriptors", str(tmp_path))
+
+
+def sweep_the_swap_files_descriptors(directory):
     codes = code_objects(store.Session._reserve, store.remove_soon, owned_fd.OwnedFd, threading.Thread.start,
                          exclude=("OwnedFd.__del__",))
     model, x = make_stack(depth=1), batch()
     want = grads_of(model, x)
-    swap_dir = tmp_path / "swap"
-    swap_dir.mkdir()
+    swap_dir = tempfile.mkdtemp(dir=directory)  # (a fresh one for a second run)
 
     def step():
         with offload_activations(to="nvme", swap_dir=swap_dir, min_bytes=0) as act:

@@ -74,6 +74,11 @@ def code_objects(*owners, exclude=()):
 _CHECKS_AFTER = {dis.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD") if name in dis.opmap}
 
 
+# Every trace function installed, kept for the life of the process: CPython 3.11 rarely called one after it was
+# freed (helpers/isolated.py), so none is ever freed.
+_kept = []
+
+
 class InterruptAt:
     """`with InterruptAt(codes, at):` raises Interrupt at the at-th point (0-based) where a signal handler could
     run in code objects `codes` on this thread (_CHECKS_AFTER); .fired tells whether it did (False: the block
@@ -81,6 +86,8 @@ class InterruptAt:
 
     def __init__(self, codes, at):
         self.codes, self.at, self.count, self.fired = codes, at, 0, False
+        self._tracer = self._global  # one object for settrace, also held here (see _kept)
+        _kept.append(self._tracer)
 
     def _global(self, frame, event, arg):
         if event != "call" or frame.f_code not in self.codes or self.fired:
@@ -99,10 +106,11 @@ class InterruptAt:
                         sys.settrace(None)
                         raise Interrupt()
             return local
+        _kept.append(local)
         return local
 
     def __enter__(self):
-        sys.settrace(self._global)
+        sys.settrace(self._tracer)
         return self
 
     def __exit__(self, *exc):
