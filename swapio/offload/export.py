@@ -114,9 +114,9 @@ def save_checkpoint(model, path, max_shard_size=None):
     return write_checkpoint(model, path, max_shard_size)
 
 
-def write_checkpoint(model, path, max_shard_size=None, rename=None):
-    """save_checkpoint, each tensor stored under rename(its name) when `rename` is given (save_pretrained's
-    original names)."""
+def write_checkpoint(model, path, max_shard_size=None, relayout=None):
+    """save_checkpoint, the tensors stored as relayout(model, items) says when it is given (save_pretrained's
+    original layout, hf_original_layout.py)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     limit = None if max_shard_size is None else shard_size(max_shard_size)
@@ -131,9 +131,8 @@ def write_checkpoint(model, path, max_shard_size=None, rename=None):
         streamer.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
         check_unchanged(streamer.units)  # a weight replaced, or changed in place and lost, is said, not saved
     stored = items(model, streamer)
-    if rename is not None:
-        for it in stored:
-            it.entry.name = rename(it.entry.name)
+    if relayout is not None:
+        stored = relayout(model, stored)
     groups = [stored] if single else _shards(stored, limit or DEFAULT_SHARD)
     finals = [path] if single else [os.path.join(path, SHARD.format(i + 1, len(groups))) for i in range(len(groups))]
     plans = [layout.plain([it.entry for it in g], dict(METADATA)) for g in groups]

@@ -7,7 +7,7 @@ per-expert matrices are concatenated into one fused tensor per layer. A rename o
 looked up, so swapio reads it in place under the model's name. A merge makes a tensor that no file holds, and
 reading in place cannot make it: that is a ValueError naming the tensor and the way out, not a bare "lacks tensor".
 A base model read from a directory saved with a head finds its tensors under the base model's prefix, as in
-transformers. save_pretrained of an offloaded model writes the renamed tensors back under transformers' saved names.
+transformers. (save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
 """
 from .hf_model import is_transformers_model
 
@@ -59,25 +59,3 @@ def as_model_names(model, locations):
                 "then disk_offload(model, offload_dir=...) (written once, in the model's layout)")
     return out
 
-
-def original_names(model):
-    """The function giving a model tensor's name in the layout transformers' save_pretrained writes
-    (save_original_format): the renames transformers' loading applies, reversed. None when there are none, and
-    when some tensor is a merge (Mixtral's fused experts): splitting it is not a rename, so the model's own layout
-    is written, which transformers loads as it is."""
-    if not is_transformers_model(model):
-        return None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, apply_renamings
-    except ImportError:
-        return None
-    transforms = getattr(model, "_weight_conversions", None)  # what from_pretrained applied, as transformers reads
-    if transforms is None:  # built another way: the mapping, without the legacy renames and prefix changes
-        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False)
-                      if not isinstance(t, PrefixChange)]
-    reverse = [t.reverse_transform() for t in transforms[::-1]]
-    if any(isinstance(t, WeightConverter) for t in reverse):
-        return None
-    renamings = [t for t in reverse if isinstance(t, WeightRenaming)]
-    return (lambda name: apply_renamings(name, renamings)) if renamings else None
