@@ -7,9 +7,27 @@ per-expert matrices are concatenated into one fused tensor per layer. A rename o
 looked up, so swapio reads it in place under the model's name. A merge makes a tensor that no file holds, and
 reading in place cannot make it: that is a ValueError naming the tensor and the way out, not a bare "lacks tensor".
 A base model read from a directory saved with a head finds its tensors under the base model's prefix, as in
-transformers. (save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
+transformers. A peft model reads the checkpoint of the transformers model it wraps (names.py): that model's
+conversions apply, to the names its checkpoint would use (no `base_layer`), as for the model unwrapped.
+(save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
 """
 from .hf_model import is_transformers_model
+from .names import PEFT_PREFIXES, aliases
+
+
+def _transformers_model(model):
+    """The transformers model whose checkpoint `model` reads: itself, or the one a peft model wraps under
+    peft's prefix (`base_model.model`); None for another model."""
+    if is_transformers_model(model):
+        return model
+    for prefix in PEFT_PREFIXES:
+        try:
+            inner = model.get_submodule(prefix[:-1])
+        except AttributeError:
+            continue
+        if is_transformers_model(inner):
+            return inner
+    return None
 
 
 def _transforms(model):
@@ -33,12 +51,14 @@ def as_model_names(model, locations):
     with the base model's prefix stripped or added as transformers does (BertModel from a BertForMaskedLM
     directory: `bert.embeddings...` is `embeddings...`). A tensor that transformers would merge with others into
     one of the model's tensors is a ValueError."""
-    transforms = _transforms(model)
+    model = _transformers_model(model)
+    transforms = None if model is None else _transforms(model)
     if transforms is None:
         return locations
     renamings, converters, rename_source_key = transforms
-    wanted = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
-    wanted.update(dict.fromkeys(name for name, _ in model.named_buffers(remove_duplicate=False)))
+    own = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    own += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    wanted = dict.fromkeys(aliases(name)[-1] for name in own)  # as its checkpoint names them: no peft base_layer
     present = dict.fromkeys(wanted, True)  # rename_source_key asks .get(name) is not None
     prefix = getattr(model, "base_model_prefix", None) or None
     out, merged = dict(locations), {}

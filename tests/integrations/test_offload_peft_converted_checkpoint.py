@@ -1,0 +1,59 @@
+"""A peft model offloaded from the checkpoint of the transformers model it wraps, where transformers 5 converts
+that checkpoint as it loads it (GPT-NeoX's `embed_out` is `lm_head`, ViT's older layer names): the tensors are
+found as for the unwrapped model, and the logits equal the resident peft model's; a checkpoint transformers
+would merge (Mixtral's experts) is the unwrapped model's clear error, not a bare "lacks tensor"."""
+import pytest
+import torch
+
+from helpers import hf_zoo
+from swapio.offload import disk_offload, remove_offload
+
+peft = pytest.importorskip("peft")
+TARGETS = {"gpt_neox": ["query_key_value", "dense_4h_to_h"], "vit": ["q_proj", "v_proj"],
+           "mixtral": ["q_proj", "v_proj"]}
+
+
+def with_lora(name):
+    torch.manual_seed(3)  # the adapters' initial values
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[name], init_lora_weights="gaussian")
+    return peft.get_peft_model(hf_zoo.resident(name), config).eval()
+
+
+def logits(name, model):
+    with torch.no_grad(), hf_zoo.one_thread():
+        return model(**hf_zoo.inputs(name)).logits
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "vit"])
+def test_peft_model_reads_a_checkpoint_transformers_renames(tmp_path, name):
+    """Was a ValueError: "lacks tensor 'base_model.model.lm_head.weight'" (GPT-NeoX), "lacks tensor
+    'base_model.model.vit.layers.0.attention.q_proj.base_layer.weight'" (ViT)."""
+    hf_zoo.resident(name).save_pretrained(tmp_path)
+    want = logits(name, with_lora(name))
+    model = disk_offload(with_lora(name), checkpoint=tmp_path, buffer_bytes=16 << 10)
+    assert torch.equal(logits(name, model), want)
+    remove_offload(model)
+    assert torch.equal(logits(name, model), want)
+
+
+def test_peft_model_of_a_merged_checkpoint_is_the_unwrapped_models_error(tmp_path):
+    hf_zoo.resident("mixtral").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.(gate_up|down)_proj' is not in "
+                                         r"the checkpoint: transformers makes it when loading by merging"):
+        disk_offload(with_lora("mixtral"), checkpoint=tmp_path)
+
+
+def test_peft_base_model_reads_a_checkpoint_saved_with_a_head(tmp_path):
+    """A peft GPTNeoXModel (no head) from a GPTNeoXForCausalLM directory: transformers strips `gpt_neox.` for
+    the base model; swapio said "lacks tensor 'base_model.model.embed_in.weight'"."""
+    hf_zoo.resident("gpt_neox").save_pretrained(tmp_path)
+    config = peft.LoraConfig(r=4, target_modules=TARGETS["gpt_neox"], init_lora_weights="gaussian")
+    torch.manual_seed(3)
+    resident = peft.get_peft_model(hf_zoo.transformers.GPTNeoXModel.from_pretrained(tmp_path), config).eval()
+    torch.manual_seed(3)
+    model = peft.get_peft_model(hf_zoo.transformers.GPTNeoXModel.from_pretrained(tmp_path), config).eval()
+    disk_offload(model, checkpoint=tmp_path, buffer_bytes=16 << 10)
+    ids = hf_zoo.inputs("gpt_neox")["input_ids"]
+    with torch.no_grad(), hf_zoo.one_thread():
+        assert torch.equal(model(input_ids=ids).last_hidden_state, resident(input_ids=ids).last_hidden_state)
+    remove_offload(model)
