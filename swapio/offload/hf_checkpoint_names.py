@@ -11,23 +11,8 @@ transformers. A peft model reads the checkpoint of the transformers model it wra
 conversions apply, to the names its checkpoint would use (no `base_layer`), as for the model unwrapped.
 (save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
 """
-from .hf_model import is_transformers_model
-from .names import PEFT_PREFIXES, aliases
-
-
-def _transformers_model(model):
-    """The transformers model whose checkpoint `model` reads: itself, or the one a peft model wraps under
-    peft's prefix (`base_model.model`); None for another model."""
-    if is_transformers_model(model):
-        return model
-    for prefix in PEFT_PREFIXES:
-        try:
-            inner = model.get_submodule(prefix[:-1])
-        except AttributeError:
-            continue
-        if is_transformers_model(inner):
-            return inner
-    return None
+from .hf_model import is_transformers_model, transformers_model_of
+from .names import aliases
 
 
 def _transforms(model):
@@ -51,7 +36,7 @@ def as_model_names(model, locations):
     with the base model's prefix stripped or added as transformers does (BertModel from a BertForMaskedLM
     directory: `bert.embeddings...` is `embeddings...`). A tensor that transformers would merge with others into
     one of the model's tensors is a ValueError."""
-    model = _transformers_model(model)
+    model = transformers_model_of(model)
     transforms = None if model is None else _transforms(model)
     if transforms is None:
         return locations

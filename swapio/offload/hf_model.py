@@ -2,6 +2,7 @@
 the per-model method overrides (hf_save.py, hf_resize.py) set in its instance __dict__ while it is offloaded."""
 import weakref
 
+from .names import PEFT_PREFIXES
 from .no_copy import refuse_copy
 
 
@@ -10,10 +11,26 @@ def is_transformers_model(model):
                for c in type(model).__mro__)
 
 
+def transformers_model_of(model):
+    """The transformers model `model` is, or the one a peft model wraps (under peft's prefix, `base_model.model`,
+    whose checkpoint it reads: names.py); None for another model."""
+    if is_transformers_model(model):
+        return model
+    for prefix in PEFT_PREFIXES:
+        try:
+            inner = model.get_submodule(prefix[:-1])
+        except AttributeError:
+            continue
+        if is_transformers_model(inner):
+            return inner
+    return None
+
+
 class ModelMethod:
     """model.<NAME> while the model is offloaded: a subclass defines NAME and __call__ (self.model() is the model,
-    held weakly). install() sets it on a transformers model unless its instance has its own; uninstall() takes
-    back only what install() set."""
+    held weakly). install() sets it on a transformers model (or the one a peft model wraps: peft's own methods
+    reach it, and merge_and_unload() returns it) unless its instance has its own; uninstall() takes back only
+    what install() set."""
 
     __slots__ = ("model",)
     NAME = ""
@@ -26,10 +43,12 @@ class ModelMethod:
 
     @classmethod
     def install(cls, model):
-        if is_transformers_model(model) and cls.NAME not in model.__dict__:
+        model = transformers_model_of(model)
+        if model is not None and cls.NAME not in model.__dict__:
             setattr(model, cls.NAME, cls(model))
 
     @classmethod
     def uninstall(cls, model):
-        if isinstance(model.__dict__.get(cls.NAME), cls):
+        model = transformers_model_of(model)
+        if model is not None and isinstance(model.__dict__.get(cls.NAME), cls):
             del model.__dict__[cls.NAME]

@@ -5,8 +5,9 @@ forwards ("Cannot copy out of meta tensor"), and would need the whole model in m
 offloaded, its save_pretrained is this one: save_checkpoint (shards and index, streamed record by record, which
 also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back; with
 save_original_format (transformers' default), the tensors transformers' own save_pretrained writes, under its
-names (hf_original_layout.py: renamed, fused experts split per expert). What it cannot honour (another
-state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
+names (hf_original_layout.py: renamed, fused experts split per expert). The transformers model a peft model
+wraps gets it too, when the peft model is what was offloaded (merge_and_unload() returns it). What it cannot
+honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
 """
 from .export import write_checkpoint
 from .hf_original_layout import original_layout
@@ -40,7 +41,7 @@ class SavePretrained(ModelMethod):
         if is_main_process:
             model = self.model()
             relayout = original_layout if kwargs.get("save_original_format", True) else None
-            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, relayout=relayout)
+            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, relayout=relayout, part=True)
 
 
 install, uninstall = SavePretrained.install, SavePretrained.uninstall
