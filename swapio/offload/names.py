@@ -1,12 +1,14 @@
 """The names a model tensor may have in a checkpoint saved from the plain model.
 
 peft wraps a transformers model without changing its checkpoint: `PeftModel` puts `base_model.model.` in front of
-every name, and each adapted layer keeps the original module as `base_layer` (`...q_proj.base_layer.weight`),
-while the checkpoint, written by the plain model's save_pretrained, says `...q_proj.weight`. Looking a tensor up
-under these aliases too lets a peft-wrapped model be offloaded from the base model's checkpoint.
+every name, each adapted layer keeps the original module as `base_layer` (`...q_proj.base_layer.weight`), and
+each module of modules_to_save keeps it as `original_module` (`classifier.original_module.weight`, the trainable
+copy beside it), while the checkpoint, written by the plain model's save_pretrained, says `...q_proj.weight`.
+Looking a tensor up under these aliases too lets a peft-wrapped model be offloaded from the base model's
+checkpoint.
 """
 PEFT_PREFIXES = ("base_model.model.",)
-PEFT_WRAPPER = ".base_layer."
+PEFT_WRAPPERS = (".base_layer.", ".original_module.")
 
 
 def aliases(name):
@@ -17,8 +19,9 @@ def aliases(name):
         if stripped.startswith(prefix):
             stripped = stripped[len(prefix):]
             break
-    while PEFT_WRAPPER in "." + stripped:
-        stripped = ("." + stripped).replace(PEFT_WRAPPER, ".", 1)[1:]
+    for wrapper in PEFT_WRAPPERS:
+        while wrapper in "." + stripped:
+            stripped = ("." + stripped).replace(wrapper, ".", 1)[1:]
     if stripped != name:
         out.append(stripped)
     return out

@@ -1,7 +1,8 @@
 """A peft model offloaded from the checkpoint of the transformers model it wraps, where transformers 5 converts
 that checkpoint as it loads it (GPT-NeoX's `embed_out` is `lm_head`, ViT's older layer names): the tensors are
 found as for the unwrapped model, and the logits equal the resident peft model's; a checkpoint transformers
-would merge (Mixtral's experts) is the unwrapped model's clear error, not a bare "lacks tensor"."""
+would merge (Mixtral's experts) is the unwrapped model's clear error, not a bare "lacks tensor". peft's
+modules_to_save keep the frozen original as `original_module`, found under the plain model's name too."""
 import pytest
 import torch
 
@@ -56,4 +57,26 @@ def test_peft_base_model_reads_a_checkpoint_saved_with_a_head(tmp_path):
     ids = hf_zoo.inputs("gpt_neox")["input_ids"]
     with torch.no_grad(), hf_zoo.one_thread():
         assert torch.equal(model(input_ids=ids).last_hidden_state, resident(input_ids=ids).last_hidden_state)
+    remove_offload(model)
+
+
+@pytest.mark.parametrize("name, saved", [("vit", "classifier"), ("gpt_neox", "lm_head"), ("bert_mlm", "cls")])
+def test_modules_to_save_originals_are_read_from_the_checkpoint(tmp_path, name, saved):
+    """peft's modules_to_save wraps the module: its frozen `original_module` (offloaded) beside a trainable copy
+    (resident). Was a ValueError: "lacks tensor 'base_model.model.classifier.original_module.weight'". GPT-NeoX's
+    lm_head is `embed_out` in the file, BERT's decoder is tied to the word embeddings."""
+    hf_zoo.resident(name).save_pretrained(tmp_path)
+    targets = {"vit": ["q_proj"], "gpt_neox": ["query_key_value"], "bert_mlm": ["query"]}[name]
+
+    def make():
+        torch.manual_seed(3)
+        config = peft.LoraConfig(r=4, target_modules=targets, modules_to_save=[saved], init_lora_weights="gaussian")
+        return peft.get_peft_model(hf_zoo.resident(name), config).eval()
+    resident, model = make(), make()
+    disk_offload(model, checkpoint=tmp_path, buffer_bytes=16 << 10)
+    originals = [p for n, p in model.named_parameters() if ".original_module." in n]
+    assert originals and all(p.device.type == "meta" for p in originals)  # offloaded: read from the file
+    assert torch.equal(logits(name, model), logits(name, resident))
+    with model.disable_adapter(), resident.disable_adapter():  # the original modules compute
+        assert torch.equal(logits(name, model), logits(name, resident))
     remove_offload(model)
