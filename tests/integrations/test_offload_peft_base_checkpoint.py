@@ -1,8 +1,9 @@
-"""A peft model offloaded from the checkpoint of the transformers model it wraps, where transformers 5 converts
-that checkpoint as it loads it (GPT-NeoX's `embed_out` is `lm_head`, ViT's older layer names): the tensors are
-found as for the unwrapped model, and the logits equal the resident peft model's; a checkpoint transformers
-would merge (Mixtral's experts) is the unwrapped model's clear error, not a bare "lacks tensor". peft's
-modules_to_save keep the frozen original as `original_module`, found under the plain model's name too."""
+"""A peft model offloaded from the checkpoint of the transformers model it wraps (disk_offload(checkpoint=...)).
+Where transformers 5 converts that checkpoint as it loads it (GPT-NeoX's `embed_out` is `lm_head`, ViT's older
+layer names), the tensors are found as for the unwrapped model, and the logits equal the resident peft model's;
+a checkpoint transformers would merge (Mixtral's experts) is the unwrapped model's clear error, not a bare
+"lacks tensor". peft's modules_to_save keep the frozen original as `original_module`, found under the plain
+model's name too; its adapters, which no base checkpoint holds, stay resident even frozen (inference)."""
 import pytest
 import torch
 
@@ -79,4 +80,29 @@ def test_modules_to_save_originals_are_read_from_the_checkpoint(tmp_path, name, 
     assert torch.equal(logits(name, model), logits(name, resident))
     with model.disable_adapter(), resident.disable_adapter():  # the original modules compute
         assert torch.equal(logits(name, model), logits(name, resident))
+    remove_offload(model)
+
+
+@pytest.mark.parametrize("saved", [None, "lm_head"])
+def test_frozen_adapters_of_an_inference_peft_model_stay_resident(tmp_path, saved):
+    """PeftModel.from_pretrained(base, adapter_dir) loads the adapters frozen (inference); swapio streamed them
+    like the base weights and looked them up in the base model's checkpoint: "lacks tensor
+    'base_model.model.gpt_neox.layers.0.attention.query_key_value.lora_A.default.weight'"."""
+    hf_zoo.resident("gpt_neox").save_pretrained(tmp_path / "base")
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, target_modules=TARGETS["gpt_neox"], init_lora_weights="gaussian",
+                             modules_to_save=[saved] if saved else None)
+    trained = peft.get_peft_model(hf_zoo.resident("gpt_neox"), config)
+    with torch.no_grad():  # an adapter (and saved module) that differ from the base
+        for n, p in trained.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    trained.save_pretrained(tmp_path / "adapter")
+    resident = peft.PeftModel.from_pretrained(hf_zoo.resident("gpt_neox"), tmp_path / "adapter").eval()
+    model = peft.PeftModel.from_pretrained(hf_zoo.resident("gpt_neox"), tmp_path / "adapter").eval()
+    assert not any(p.requires_grad for p in model.parameters())
+    disk_offload(model, checkpoint=tmp_path / "base", buffer_bytes=16 << 10)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n or "modules_to_save" in n]
+    assert adapters and all(p.device.type == "cpu" for p in adapters)
+    assert torch.equal(logits("gpt_neox", model), logits("gpt_neox", resident))
     remove_offload(model)
