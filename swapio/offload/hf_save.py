@@ -40,8 +40,17 @@ class SavePretrained(ModelMethod):
                              "remove_offload(model) first")
         if is_main_process:
             model = self.model()
-            relayout = original_layout if kwargs.get("save_original_format", True) else None
-            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, relayout=relayout, part=True)
+            original = kwargs.get("save_original_format", True)
+            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, part=True,
+                             relayout=lambda model, stored: _as_transformers_saves(model, stored, original))
+
+
+def _as_transformers_saves(model, stored, original_format):
+    """The tensors transformers' save_pretrained writes: without the model's _keys_to_ignore_on_save (Marian's
+    sinusoidal position embeddings, which its loading computes), in its original layout if asked."""
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    stored = [it for it in stored if it.entry.name not in ignored]
+    return original_layout(model, stored) if original_format else stored
 
 
 install, uninstall = SavePretrained.install, SavePretrained.uninstall

@@ -1,6 +1,7 @@
 """save_pretrained of an offloaded transformers model writes what transformers' own save_pretrained writes of the
 resident model (save_original_format): converted tensors split back by transformers' own rules, streamed through
-the offload ring and across shards; what cannot be streamed or reverted is a clear error, and nothing written."""
+the offload ring and across shards, without the keys it ignores on save; what cannot be streamed or reverted is
+a clear error, and nothing written."""
 import pytest
 import torch
 
@@ -81,4 +82,28 @@ def test_a_conversion_transformers_cannot_revert_is_a_clear_error(tmp_path):
                                          r"checkpoint layout(.|\n)*save_original_format=False"):
         model.save_pretrained(tmp_path / "swapio")
     assert not (tmp_path / "swapio").exists()
+    remove_offload(model)
+
+
+def test_keys_transformers_ignores_on_save_are_not_written(tmp_path):
+    """Marian's sinusoidal position embeddings are parameters its loading computes (_keys_to_ignore_on_save):
+    transformers' save_pretrained leaves them out, swapio's wrote them."""
+    config = transformers.MarianConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                       decoder_ffn_dim=64, max_position_embeddings=32, pad_token_id=0,
+                                       decoder_start_token_id=0)
+    torch.manual_seed(0)
+    resident = transformers.MarianMTModel(config).eval()
+    resident.save_pretrained(tmp_path / "transformers")
+    torch.manual_seed(0)
+    model = disk_offload(transformers.MarianMTModel(config).eval(), tmp_path / "od", buffer_bytes=16 << 10)
+    model.save_pretrained(tmp_path / "swapio")
+    got, expected = load_file(tmp_path / "swapio"), load_file(tmp_path / "transformers")
+    assert sorted(got) == sorted(expected) and "model.encoder.embed_positions.weight" not in got
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    ids = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    loaded = transformers.MarianMTModel.from_pretrained(tmp_path / "swapio").eval()
+    with torch.no_grad(), hf_zoo.one_thread():
+        want = resident(input_ids=ids, decoder_input_ids=ids).logits
+        assert torch.equal(loaded(input_ids=ids, decoder_input_ids=ids).logits, want)
     remove_offload(model)
