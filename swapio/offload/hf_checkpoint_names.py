@@ -61,6 +61,7 @@ def as_model_names(model, locations):
                 f"checkpoint: transformers makes it when loading by merging {len(sources)} tensors ({shown}), "
                 f"the {model.config.model_type} checkpoint layout that save_pretrained writes. swapio reads a "
                 "checkpoint in place and cannot merge tensors: load the model with transformers' from_pretrained, "
-                "then disk_offload(model, offload_dir=...) (written once, in the model's layout)")
+                "then disk_offload(model, offload_dir=...) (written once, in the model's layout); or save it with "
+                "save_pretrained(dir, save_original_format=False), the model's layout, which swapio reads in place")
     return out
 

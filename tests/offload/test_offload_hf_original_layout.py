@@ -107,3 +107,21 @@ def test_keys_transformers_ignores_on_save_are_not_written(tmp_path):
         want = resident(input_ids=ids, decoder_input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids, decoder_input_ids=ids).logits, want)
     remove_offload(model)
+
+
+def test_the_models_own_layout_is_what_swapio_reads_in_place(tmp_path):
+    """The per-expert layout is transformers' (swapio's from_pretrained refuses it, saying so);
+    save_original_format=False keeps the fused tensors, which it reads in place."""
+    from swapio.offload import from_pretrained
+    resident = hf_zoo.resident("mixtral")
+    model = disk_offload(hf_zoo.resident("mixtral"), tmp_path / "od", buffer_bytes=16 << 10)
+    model.save_pretrained(tmp_path / "original")
+    model.save_pretrained(tmp_path / "own", save_original_format=False)
+    remove_offload(model)
+    with pytest.raises(ValueError, match=r"merging(.|\n)*save_original_format=False"):
+        from_pretrained(transformers.MixtralForCausalLM, tmp_path / "original")
+    again = from_pretrained(transformers.MixtralForCausalLM, tmp_path / "own", buffer_bytes=16 << 10)
+    ids = hf_zoo.inputs("mixtral")["input_ids"]
+    with torch.no_grad(), hf_zoo.one_thread():
+        assert torch.equal(again(ids).logits, resident(ids).logits)
+    remove_offload(again)
