@@ -2,7 +2,6 @@
 the per-model method overrides (hf_save.py, hf_resize.py) set in its instance __dict__ while it is offloaded."""
 import weakref
 
-from .names import PEFT_PREFIXES
 from .no_copy import refuse_copy
 
 
@@ -12,18 +11,13 @@ def is_transformers_model(model):
 
 
 def transformers_model_of(model):
-    """The transformers model `model` is, or the one a peft model wraps (under peft's prefix, `base_model.model`,
-    whose checkpoint it reads: names.py); None for another model."""
+    """The transformers model `model` is, or the one a peft model wraps (its get_base_model(), whose checkpoint
+    it reads: names.py); None for another model."""
     if is_transformers_model(model):
         return model
-    for prefix in PEFT_PREFIXES:
-        try:
-            inner = model.get_submodule(prefix[:-1])
-        except AttributeError:
-            continue
-        if is_transformers_model(inner):
-            return inner
-    return None
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else None
+    return inner if inner is not None and is_transformers_model(inner) else None
 
 
 class ModelMethod:

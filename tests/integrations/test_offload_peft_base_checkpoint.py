@@ -106,3 +106,20 @@ def test_frozen_adapters_of_an_inference_peft_model_stay_resident(tmp_path, save
     assert adapters and all(p.device.type == "cpu" for p in adapters)
     assert torch.equal(logits("gpt_neox", model), logits("gpt_neox", resident))
     remove_offload(model)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox"])
+def test_prompt_learning_model_reads_the_base_checkpoint(tmp_path, name):
+    """peft's prompt learning wraps the transformers model itself (`base_model.`, not `base_model.model.`):
+    "lacks tensor 'base_model.gpt_neox.embed_in.weight'". Phi-3's own `model.` makes the LoRA reading of
+    `base_model.model.layers...` (`layers...`) the wrong one there; GPT-NeoX's head is `embed_out` in the file."""
+    hf_zoo.resident(name).save_pretrained(tmp_path)
+
+    def make():
+        torch.manual_seed(3)
+        config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return peft.get_peft_model(hf_zoo.resident(name), config).eval()
+    resident, model = make(), make()
+    disk_offload(model, checkpoint=tmp_path, buffer_bytes=16 << 10)
+    assert torch.equal(logits(name, model), logits(name, resident))
+    remove_offload(model)
