@@ -12,7 +12,7 @@ conversions apply, to the names its checkpoint would use (no `base_layer`), as f
 (save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
 """
 from .hf_model import is_transformers_model, transformers_model_of
-from .names import aliases
+from .names import without_wrappers
 
 
 def _transforms(model):
@@ -43,7 +43,7 @@ def as_model_names(model, locations):
     renamings, converters, rename_source_key = transforms
     own = [name for name, _ in model.named_parameters(remove_duplicate=False)]
     own += [name for name, _ in model.named_buffers(remove_duplicate=False)]
-    wanted = dict.fromkeys(aliases(name)[-1] for name in own)  # as its checkpoint names them: no peft base_layer
+    wanted = dict.fromkeys(without_wrappers(name) for name in own)  # as its checkpoint names them
     present = dict.fromkeys(wanted, True)  # rename_source_key asks .get(name) is not None
     prefix = getattr(model, "base_model_prefix", None) or None
     out, merged = dict(locations), {}

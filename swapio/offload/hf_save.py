@@ -42,7 +42,7 @@ class SavePretrained(ModelMethod):
             model = self.model()
             original = kwargs.get("save_original_format", True)
             write_checkpoint(model, save_directory, max_shard_size=max_shard_size, part=True,
-                             relayout=lambda model, stored: _as_transformers_saves(model, stored, original))
+                             relayout=lambda m, stored: _as_transformers_saves(m, stored, original))
 
 
 def _as_transformers_saves(model, stored, original_format):

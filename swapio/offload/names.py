@@ -11,15 +11,21 @@ PEFT_PREFIXES = ("base_model.model.", "base_model.")
 PEFT_WRAPPERS = (".base_layer.", ".original_module.")
 
 
+def without_wrappers(name):
+    """name without peft's module wrappers (`q_proj.base_layer.weight` is `q_proj.weight`)."""
+    for wrapper in PEFT_WRAPPERS:
+        while wrapper in "." + name:
+            name = ("." + name).replace(wrapper, ".", 1)[1:]
+    return name
+
+
 def aliases(name):
     """`name` first, then the names a plain model's checkpoint would use for the same tensor (one per peft prefix
     it may have: `base_model.model.model.layers...` is a LoRA Llama's `model.layers...`, or a prompt-learning
     one's `model.model.layers...`)."""
     out = [name]
     for stripped in [name[len(p):] for p in PEFT_PREFIXES if name.startswith(p)] or [name]:
-        for wrapper in PEFT_WRAPPERS:
-            while wrapper in "." + stripped:
-                stripped = ("." + stripped).replace(wrapper, ".", 1)[1:]
+        stripped = without_wrappers(stripped)
         if stripped not in out:
             out.append(stripped)
     return out
