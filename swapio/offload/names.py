@@ -1,11 +1,11 @@
 """The names a model tensor may have in a checkpoint saved from the plain model.
 
 peft wraps a transformers model without changing its checkpoint: `PeftModel` puts `base_model.model.` in front of
-every name (`base_model.` for prompt learning, which wraps the model itself), each adapted layer keeps the original module as `base_layer` (`...q_proj.base_layer.weight`), and
-each module of modules_to_save keeps it as `original_module` (`classifier.original_module.weight`, the trainable
-copy beside it), while the checkpoint, written by the plain model's save_pretrained, says `...q_proj.weight`.
-Looking a tensor up under these aliases too lets a peft-wrapped model be offloaded from the base model's
-checkpoint.
+every name (`base_model.` for prompt learning, which wraps the model itself), each adapted layer keeps the
+original module as `base_layer` (`...q_proj.base_layer.weight`), and each module of modules_to_save keeps it as
+`original_module` (`classifier.original_module.weight`, the trainable copy beside it), while the checkpoint,
+written by the plain model's save_pretrained, says `...q_proj.weight`. Looking a tensor up under these aliases
+too lets a peft-wrapped model be offloaded from the base model's checkpoint.
 """
 PEFT_PREFIXES = ("base_model.model.", "base_model.")
 PEFT_WRAPPERS = (".base_layer.", ".original_module.")
