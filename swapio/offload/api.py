@@ -17,7 +17,7 @@ from .fetch import ZERO_STATS, Fetcher
 from .layout import group_records, pack, place_on_disk
 from .hf_checkpoint_names import as_model_names
 from .names import checkpoint_names, find
-from .prepare import buffer_owners_outside, compute_buffers, retie
+from .prepare import buffer_owners_outside, compute_buffers, computed_parameters, retie
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
@@ -205,7 +205,9 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         assign_state_dict(model, state_dict)
         retie(model, state_dict)
         compute_buffers(model, state_dict)  # what it cannot compute stays on meta: _place_resident names it
-    units, slots, resident = collect(model, offload_buffers, _check_keep(keep_resident) + trainable_modules(model))
+    computed = computed_parameters(model, state_dict) if state_dict is not None else []  # never saved
+    units, slots, resident = collect(model, offload_buffers,
+                                     _check_keep(keep_resident) + trainable_modules(model) + computed)
     dora.check_offloaded(model, units, preload_names)
     current = _current(units)
     for slot in slots:
@@ -317,6 +319,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         model_names = as_model_names(model, names)  # a transformers checkpoint's older names: the model's
         retie(model, model_names)
         compute_buffers(model, model_names)  # what it cannot compute stays on meta: _place_resident names it
+        keep += computed_parameters(model, model_names)  # never saved: no checkpoint serves them
         if offload_buffers:
             keep += buffer_owners_outside(model, model_names)
     else:  # a model on meta reusing an offload_dir has its computed buffers on meta too

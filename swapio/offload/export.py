@@ -64,13 +64,13 @@ def shard_size(value):
     return n
 
 
-def _streamer_of(model):
+def _streamer_of(model, part=False):
     """The model's WeightStreamer, or None for a model whose weights are its own (not offloaded, or held by
-    cpu_offload_with_hook)."""
+    cpu_offload_with_hook). part: the model may be a part of the offloaded one."""
     owner = offloaded.get(model)
     if not isinstance(owner, WeightStreamer):
         return None
-    if owner.model is not model:
+    if owner.model is not model and not part:
         raise ValueError("save_checkpoint needs the model that was offloaded, not one of its submodules")
     return owner
 
@@ -114,9 +114,10 @@ def save_checkpoint(model, path, max_shard_size=None):
     return write_checkpoint(model, path, max_shard_size)
 
 
-def write_checkpoint(model, path, max_shard_size=None, rename=None):
-    """save_checkpoint, each tensor stored under rename(its name) when `rename` is given (save_pretrained's
-    original names)."""
+def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False):
+    """save_checkpoint, the tensors stored as relayout(model, items) says when it is given (save_pretrained's
+    original layout, hf_original_layout.py); part: the model may be a part of the offloaded one (the
+    transformers model a peft model wraps), its own tensors saved under its own names."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     limit = None if max_shard_size is None else shard_size(max_shard_size)
@@ -125,15 +126,14 @@ def write_checkpoint(model, path, max_shard_size=None, rename=None):
     if single and limit is not None:
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "
                          "file: pass a directory")
-    streamer = _streamer_of(model)
+    streamer = _streamer_of(model, part)
     _refuse_own_source(streamer, path, single)
     if streamer is not None:
         streamer.training.settle()  # updates an optimizer still runs from the last backward (in_backward) come first
         check_unchanged(streamer.units)  # a weight replaced, or changed in place and lost, is said, not saved
     stored = items(model, streamer)
-    if rename is not None:
-        for it in stored:
-            it.entry.name = rename(it.entry.name)
+    if relayout is not None:
+        stored = relayout(model, stored)
     groups = [stored] if single else _shards(stored, limit or DEFAULT_SHARD)
     finals = [path] if single else [os.path.join(path, SHARD.format(i + 1, len(groups))) for i in range(len(groups))]
     plans = [layout.plain([it.entry for it in g], dict(METADATA)) for g in groups]

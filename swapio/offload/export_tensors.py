@@ -5,6 +5,8 @@ Slot with several names, or one resident tensor reached from several modules) is
 as save_pretrained drops tied duplicates; non-persistent buffers are not in state_dict, so not stored. An
 offloaded tensor's bytes are read through the model's own fetcher (never from the offload files directly: the
 fetcher knows where the current weights are, whoever rewrites them); a resident one comes from the model.
+A stored tensor may also be a part of one: computed from a tensor's value by its Split (save_pretrained's
+original layout, hf_original_layout.py), all the parts of one value from one reading of it.
 """
 import torch
 
@@ -14,12 +16,33 @@ from .fetch import view
 
 
 class Item:
-    """One stored tensor: its Entry (name, shape, dtype, bytes) and either its Slot or its resident tensor."""
+    """One stored tensor: its Entry (name, shape, dtype, bytes) and either its Slot or its resident tensor; `part`
+    (a Split, the name) when what is stored is Split(that value)[name] instead of the value itself."""
 
-    __slots__ = ("entry", "slot", "tensor")
+    __slots__ = ("entry", "slot", "tensor", "part")
 
-    def __init__(self, entry, slot, tensor):
-        self.entry, self.slot, self.tensor = entry, slot, tensor
+    def __init__(self, entry, slot, tensor, part=None):
+        self.entry, self.slot, self.tensor, self.part = entry, slot, tensor, part
+
+
+class Split:
+    """The tensors computed from one stored value (its parts): split(value) -> {name: tensor}, each checked
+    against the Entry planned for it (the plan is made from shapes alone, before any value is read)."""
+
+    __slots__ = ("compute", "entries")
+
+    def __init__(self, compute, entries):
+        self.compute, self.entries = compute, entries  # entries: {name: Entry}
+
+    def __call__(self, value):
+        parts = self.compute(value)
+        for name, e in self.entries.items():
+            t = parts.get(name)
+            if t is None or tuple(t.shape) != tuple(e.tensor.shape) or t.dtype != e.tensor.dtype:
+                got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise RuntimeError(f"{name}: computed from the model's value it is {got}, not the planned "
+                                   f"{e.tensor.dtype} {list(e.tensor.shape)}")
+        return parts
 
 
 def _key(t):
@@ -71,14 +94,25 @@ class Reader:
             if record is not None and (not self.sequence or self.sequence[-1] is not record):
                 self.sequence.append(record)
         self.next, self.held = 0, None
+        self.split, self.parts = None, None  # the Split whose parts were computed last, and them
 
     def source(self, item):
         """The callable the writer asks for the item's bytes (a 1-D uint8 tensor)."""
+        if item.part is not None:
+            return lambda: self._part(item)
         if item.slot is None:
             return lambda: flat_bytes(item.tensor)
-        return lambda: self._offloaded(item.slot)
+        return lambda: flat_bytes(self._offloaded(item.slot))
+
+    def _part(self, item):
+        split, name = item.part
+        if self.split is not split:  # the parts of one value are computed once while it is held
+            value = item.tensor if item.slot is None else self._offloaded(item.slot)
+            self.parts, self.split = split(value), split
+        return flat_bytes(self.parts[name])
 
     def _offloaded(self, slot):
+        """The slot's value, a view of its held record."""
         if self.held is None or self.held.record is not slot.record:
             self.release()
             while self.sequence[self.next] is not slot.record:
@@ -88,9 +122,10 @@ class Reader:
                 if self.fetcher.start(later) is None:
                     break  # the ring is full: reads go on from here at the next record
             self.held = self.fetcher.acquire(slot.record)
-        return flat_bytes(view(self.held, slot))
+        return view(self.held, slot)
 
     def release(self):
+        self.split, self.parts = None, None  # they may be views of the held record
         held, self.held = self.held, None
         if held is not None:
             self.fetcher.release(held)

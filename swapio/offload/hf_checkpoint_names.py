@@ -7,9 +7,12 @@ per-expert matrices are concatenated into one fused tensor per layer. A rename o
 looked up, so swapio reads it in place under the model's name. A merge makes a tensor that no file holds, and
 reading in place cannot make it: that is a ValueError naming the tensor and the way out, not a bare "lacks tensor".
 A base model read from a directory saved with a head finds its tensors under the base model's prefix, as in
-transformers. save_pretrained of an offloaded model writes the renamed tensors back under transformers' saved names.
+transformers. A peft model reads the checkpoint of the transformers model it wraps (names.py): that model's
+conversions apply, to the names its checkpoint would use (no `base_layer`), as for the model unwrapped.
+(save_pretrained of an offloaded model writes transformers' saved layout: hf_original_layout.py.)
 """
-from .hf_model import is_transformers_model
+from .hf_model import is_transformers_model, transformers_model_of
+from .names import without_wrappers
 
 
 def _transforms(model):
@@ -33,12 +36,14 @@ def as_model_names(model, locations):
     with the base model's prefix stripped or added as transformers does (BertModel from a BertForMaskedLM
     directory: `bert.embeddings...` is `embeddings...`). A tensor that transformers would merge with others into
     one of the model's tensors is a ValueError."""
-    transforms = _transforms(model)
+    model = transformers_model_of(model)
+    transforms = None if model is None else _transforms(model)
     if transforms is None:
         return locations
     renamings, converters, rename_source_key = transforms
-    wanted = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
-    wanted.update(dict.fromkeys(name for name, _ in model.named_buffers(remove_duplicate=False)))
+    own = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    own += [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    wanted = dict.fromkeys(without_wrappers(name) for name in own)  # as its checkpoint names them
     present = dict.fromkeys(wanted, True)  # rename_source_key asks .get(name) is not None
     prefix = getattr(model, "base_model_prefix", None) or None
     out, merged = dict(locations), {}
@@ -56,28 +61,7 @@ def as_model_names(model, locations):
                 f"checkpoint: transformers makes it when loading by merging {len(sources)} tensors ({shown}), "
                 f"the {model.config.model_type} checkpoint layout that save_pretrained writes. swapio reads a "
                 "checkpoint in place and cannot merge tensors: load the model with transformers' from_pretrained, "
-                "then disk_offload(model, offload_dir=...) (written once, in the model's layout)")
+                "then disk_offload(model, offload_dir=...) (written once, in the model's layout); or save it with "
+                "save_pretrained(dir, save_original_format=False), the model's layout, which swapio reads in place")
     return out
 
-
-def original_names(model):
-    """The function giving a model tensor's name in the layout transformers' save_pretrained writes
-    (save_original_format): the renames transformers' loading applies, reversed. None when there are none, and
-    when some tensor is a merge (Mixtral's fused experts): splitting it is not a rename, so the model's own layout
-    is written, which transformers loads as it is."""
-    if not is_transformers_model(model):
-        return None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, apply_renamings
-    except ImportError:
-        return None
-    transforms = getattr(model, "_weight_conversions", None)  # what from_pretrained applied, as transformers reads
-    if transforms is None:  # built another way: the mapping, without the legacy renames and prefix changes
-        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False)
-                      if not isinstance(t, PrefixChange)]
-    reverse = [t.reverse_transform() for t in transforms[::-1]]
-    if any(isinstance(t, WeightConverter) for t in reverse):
-        return None
-    renamings = [t for t in reverse if isinstance(t, WeightRenaming)]
-    return (lambda name: apply_renamings(name, renamings)) if renamings else None

@@ -10,10 +10,21 @@ def is_transformers_model(model):
                for c in type(model).__mro__)
 
 
+def transformers_model_of(model):
+    """The transformers model `model` is, or the one a peft model wraps (its get_base_model(), whose checkpoint
+    it reads: names.py); None for another model."""
+    if is_transformers_model(model):
+        return model
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else None
+    return inner if inner is not None and is_transformers_model(inner) else None
+
+
 class ModelMethod:
     """model.<NAME> while the model is offloaded: a subclass defines NAME and __call__ (self.model() is the model,
-    held weakly). install() sets it on a transformers model unless its instance has its own; uninstall() takes
-    back only what install() set."""
+    held weakly). install() sets it on a transformers model (or the one a peft model wraps: peft's own methods
+    reach it, and merge_and_unload() returns it) unless its instance has its own; uninstall() takes back only
+    what install() set."""
 
     __slots__ = ("model",)
     NAME = ""
@@ -26,10 +37,12 @@ class ModelMethod:
 
     @classmethod
     def install(cls, model):
-        if is_transformers_model(model) and cls.NAME not in model.__dict__:
+        model = transformers_model_of(model)
+        if model is not None and cls.NAME not in model.__dict__:
             setattr(model, cls.NAME, cls(model))
 
     @classmethod
     def uninstall(cls, model):
-        if isinstance(model.__dict__.get(cls.NAME), cls):
+        model = transformers_model_of(model)
+        if model is not None and isinstance(model.__dict__.get(cls.NAME), cls):
             del model.__dict__[cls.NAME]

@@ -4,12 +4,13 @@ transformers' own save_pretrained takes model.state_dict(), which holds swapio's
 forwards ("Cannot copy out of meta tensor"), and would need the whole model in memory anyway. While a model is
 offloaded, its save_pretrained is this one: save_checkpoint (shards and index, streamed record by record, which
 also writes config.json and generation_config.json), so that from_pretrained(dir) gives the model back; with
-save_original_format (transformers' default), under the names transformers' own save_pretrained writes where
-they are renames (hf_checkpoint_names.py). What it
-cannot honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
+save_original_format (transformers' default), the tensors transformers' own save_pretrained writes, under its
+names (hf_original_layout.py: renamed, fused experts split per expert). The transformers model a peft model
+wraps gets it too, when the peft model is what was offloaded (merge_and_unload() returns it). What it cannot
+honour (another state_dict, push_to_hub, a variant, pickle files) is refused, saying what to do instead.
 """
 from .export import write_checkpoint
-from .hf_checkpoint_names import original_names
+from .hf_original_layout import original_layout
 from .hf_model import ModelMethod
 
 _ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
@@ -39,8 +40,17 @@ class SavePretrained(ModelMethod):
                              "remove_offload(model) first")
         if is_main_process:
             model = self.model()
-            rename = original_names(model) if kwargs.get("save_original_format", True) else None
-            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, rename=rename)
+            original = kwargs.get("save_original_format", True)
+            write_checkpoint(model, save_directory, max_shard_size=max_shard_size, part=True,
+                             relayout=lambda m, stored: _as_transformers_saves(m, stored, original))
+
+
+def _as_transformers_saves(model, stored, original_format):
+    """The tensors transformers' save_pretrained writes: without the model's _keys_to_ignore_on_save (Marian's
+    sinusoidal position embeddings, which its loading computes), in its original layout if asked."""
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    stored = [it for it in stored if it.entry.name not in ignored]
+    return original_layout(model, stored) if original_format else stored
 
 
 install, uninstall = SavePretrained.install, SavePretrained.uninstall

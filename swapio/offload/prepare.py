@@ -9,6 +9,9 @@ init_empty_weights) lacks two things that no checkpoint supplies:
   from the config). The owner must have no parameter with real values, which `_init_weights` would overwrite.
   To tell "filled" from "left alone", the memory starts as NaN (integers: their minimum); a buffer still holding
   it is reported. accelerate's init_empty_weights() leaves buffers real, so there is nothing to do then.
+- Parameters transformers never saves (a model's _keys_to_ignore_on_save: Marian's sinusoidal position
+  embeddings), which its loading computes: computed the same way when on meta, and kept resident (no checkpoint
+  holds them).
 - Ties. save_pretrained stores a tied weight under one name (Qwen2's `model.embed_tokens.weight`, not
   `lm_head.weight`). A model built under init_empty_weights() has the tie broken (accelerate re-registers the
   tied parameter as a new meta tensor), so the other name finds nothing. transformers' `tie_weights` is called
@@ -19,7 +22,7 @@ then raises a ValueError naming the buffer and the ways out.
 """
 import torch
 
-from .names import find
+from .names import aliases, find
 
 
 def _transformers_model(model):
@@ -61,34 +64,65 @@ def _still_sentinel(t, value):
 def compute_buffers(model, locations):
     """Computes the non-persistent buffers on meta that the checkpoint lacks; returns the names of those it could
     not compute (left on meta)."""
-    pending = {}  # module -> [(attribute, qualified name)]
+    pending = {}  # module -> [(table kind, attribute, qualified name)]
     for mname, module in model.named_modules():
         for attr in module._non_persistent_buffers_set:
             b = module._buffers.get(attr)
             name = f"{mname}.{attr}" if mname else attr
             if b is not None and b.device.type == "meta" and find(locations, name) is None:
-                pending.setdefault(module, []).append((attr, name))
-    if not pending:
-        return []
+                pending.setdefault(module, []).append(("buffer", attr, name))
+    return _compute(_transformers_model(model), pending)
+
+
+def computed_parameters(model, locations):
+    """Names of the modules owning parameters that transformers never saves and computes when loading (the
+    model's _keys_to_ignore_on_save: Marian's sinusoidal position embeddings) where the checkpoint lacks them:
+    they stay resident, computed first (as compute_buffers does) when on meta. ValueError for one it could not
+    compute."""
     root = _transformers_model(model)
+    ignored = set(getattr(root, "_keys_to_ignore_on_save", None) or ()) if root is not None else set()
+    if not ignored:
+        return []
+    owners, pending = [], {}
+    for mname, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            name = f"{mname}.{attr}" if mname else attr
+            if p is None or not ignored & set(aliases(name)) or find(locations, name) is not None:
+                continue
+            owners.append(mname)
+            if p.device.type == "meta":
+                pending.setdefault(module, []).append(("param", attr, name))
+    failed = _compute(root, pending)
+    if failed:
+        raise ValueError(f"{failed[0]} is on the meta device, and transformers computes it when loading (it never "
+                         "saves it), but swapio could not: build the model with its weights")
+    return owners
+
+
+def _compute(root, pending):
+    """Fills each pending tensor ({module: [(kind, attribute, name)]}) through root._init_weights(module), as
+    transformers' loading does; returns the names of those it left alone (put back on meta)."""
     failed = []
     for module, entries in pending.items():
         if root is None or any(p.device.type != "meta" for p in module.parameters(recurse=False)):
-            failed += [name for _, name in entries]
+            failed += [name for _, _, name in entries]
             continue
         metas, sentinels = {}, {}
-        for attr, name in entries:
-            meta = metas[attr] = module._buffers[attr]
-            value = sentinels[attr] = _sentinel(meta)
+        for kind, attr, name in entries:
+            table = module._buffers if kind == "buffer" else module._parameters
+            meta = metas[kind, attr] = table[attr]
+            value = sentinels[kind, attr] = _sentinel(meta)
             if value is None:
                 continue
-            module._buffers[attr] = torch.full(meta.shape, value, dtype=meta.dtype, device="cpu")
+            real = torch.full(meta.shape, value, dtype=meta.dtype, device="cpu")
+            table[attr] = real if kind == "buffer" else torch.nn.Parameter(real, requires_grad=meta.requires_grad)
         with torch.no_grad():
             root._init_weights(module)
-        for attr, name in entries:
-            value = sentinels[attr]
-            if value is None or _still_sentinel(module._buffers[attr], value):
-                module._buffers[attr] = metas[attr]
+        for kind, attr, name in entries:
+            table = module._buffers if kind == "buffer" else module._parameters
+            value = sentinels[kind, attr]
+            if value is None or _still_sentinel(table[attr], value):
+                table[attr] = metas[kind, attr]
                 failed.append(name)
     return failed
 

@@ -198,11 +198,22 @@ def collect(model, offload_buffers, keep_resident=()):
 def trainable_modules(model):
     """Names of the modules that own peft's trainable parameters (adapters, modules_to_save), which stay resident:
     swapio streams frozen weights only. Only for a peft model (one with a `peft_config`): elsewhere a mix of frozen
-    and trainable weights is common (frozen sinusoidal position embeddings) and says nothing about training."""
+    and trainable weights is common (frozen sinusoidal position embeddings) and says nothing about training.
+    peft's adapters stay resident frozen too (PeftModel.from_pretrained loads them frozen for inference): they are
+    the peft model's own weights, which the base model's checkpoint does not hold."""
     if not any(hasattr(m, "peft_config") for m in model.modules()):
         return []
-    return [name for name, module in model.named_modules()
-            if any(p is not None and p.requires_grad for p in module._parameters.values())]
+    names = [name for name, module in model.named_modules()
+             if any(p is not None and p.requires_grad for p in module._parameters.values())]
+    for name, module in model.named_modules():
+        for layer in getattr(module, "adapter_layer_names", ()):  # peft's tuner layers and modules_to_save
+            full = f"{name}.{layer}" if name else layer
+            try:
+                model.get_submodule(full)
+            except AttributeError:
+                continue
+            names.append(full)
+    return names
 
 
 def check_placeholders(slots):

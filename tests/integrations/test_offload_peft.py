@@ -163,3 +163,21 @@ def test_adapter_save_with_embedding_layers_refuses_the_base_embeddings(tmp_path
     saved = safetensors_torch.load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
     expected = peft.get_peft_model_state_dict(want, save_embedding_layers=False)
     assert sorted(saved) == sorted(expected) and all(torch.equal(saved[k], v) for k, v in expected.items())
+
+
+def test_resize_token_embeddings_of_an_offloaded_peft_model_says_what_to_do(tmp_path):
+    """peft forwards resize_token_embeddings to the transformers model it wraps, whose guard was installed only on
+    an offloaded transformers model: torch's "Tensor.item() cannot be called on meta tensors" instead of swapio's
+    error, before anything changed."""
+    model = add_lora(hf_tiny.resident("llama"), "llama")
+    disk_offload(model, offload_dir=tmp_path / "od", buffer_bytes=16 << 10)
+    with pytest.raises(RuntimeError, match=r"resize_token_embeddings of a model offloaded by swapio: its input "
+                                           r"embedding's weight is offloaded.*keep_resident"):
+        model.resize_token_embeddings(hf_tiny.VOCAB + 8)
+    assert_same(train_step(model), resident_step("llama"))
+    remove_offload(model)
+    assert "resize_token_embeddings" not in model.get_base_model().__dict__  # the guard went with the offload
+
+
+def resident_step(name):
+    return train_step(add_lora(hf_tiny.resident(name), name))
