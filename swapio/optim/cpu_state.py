@@ -39,6 +39,10 @@ class CpuState:
         st = self.state.get(p)
         return tuple(name for name in st if name != "step") if st else None
 
+    def unread_entries(self, p):
+        """Nothing: state[p] holds the state tensors themselves, read at each step as torch reads them."""
+        return []
+
     def state_misfit(self, p, t):
         """What p's state tensors hold where they do not fit a parameter like t (None where they all do)."""
         for name, x in self.state.get(p, {}).items():
@@ -64,6 +68,7 @@ class CpuState:
         for w in works:
             if not w.new:
                 self._check_codes(w)
+                self._adopt_layout(w.p)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
@@ -118,6 +123,15 @@ class CpuState:
                                "values (code 0 stands for about -1 x the block's scale, so zero_() does not zero "
                                "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
                                "moments, load_state_dict() a state dict with them in fp32")
+
+    def _adopt_layout(self, p):
+        """A state tensor the user put in state[p] that is not contiguous (`opt.state[p]["exp_avg"] = t`, t a
+        transposed or sliced tensor, which torch's step accepts) becomes a contiguous copy of it in state[p]: the
+        kernel walks the arrays as flat memory. Same values, so nothing is stepped differently."""
+        st = self.state.get(p, {})
+        for name, t in list(st.items()):
+            if name != "step" and torch.is_tensor(t) and not t.is_contiguous():
+                st[name] = t.contiguous()
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go
@@ -213,7 +227,7 @@ class CpuState:
         futures = []
         for p in params:
             st = self.state[p]
-            futures.extend(sink(p, 0, shard(p).numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
+            futures.extend(sink(p, 0, shard(p).numel(), {k: v.reshape(-1) for k, v in st.items() if k != "step"}) or ())
         finish_all(f.wait for f in futures)
 
     def fill(self, entries, source, placement, state, check, commit):

@@ -133,7 +133,8 @@ def _check_direct(path):
 
 class StepOnly(dict):
     """optimizer.state[p] in nvme mode: "step" alone, the arrays being in the swap file. Asking it for an array
-    (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so."""
+    (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so; setting
+    one (torch's way to reset a moment) is a RuntimeError, since the step would go on with the swap file's."""
 
     def __missing__(self, key):
         if key == "step":  # no state yet: as torch's
@@ -141,6 +142,33 @@ class StepOnly(dict):
         raise KeyError(f"{key!r}: in nvme mode optimizer.state[p] holds only 'step'; the optimizer's arrays are in "
                        "its swap file. Read a copy with opt.state_dict()['state'][index] (index: p's position in "
                        "the param groups); change them through load_state_dict()")
+
+    def __setitem__(self, key, value):
+        if key != "step":
+            raise RuntimeError(unread_entries_message([key]))
+        super().__setitem__(key, value)
+
+    # dict's own update, setdefault and |= do not go through __setitem__
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other):  # type: ignore[misc]  # (returns self, as dict's does)
+        self.update(other)
+        return self
+
+
+def unread_entries_message(keys, where="optimizer.state[p]"):
+    """Why state arrays set in an nvme optimizer's state entry cannot be honoured, and what to do instead."""
+    return (f"{where} was given {sorted(keys)}, which in nvme mode the optimizer never reads: its state arrays are "
+            "in its swap file, and stepping on with those while opt.state[p] shows others would differ from torch. "
+            "To change them, edit a copy from opt.state_dict() and load_state_dict() it; to start the parameter "
+            "afresh, del opt.state[p]")
 
 
 class NvmeState:
@@ -282,6 +310,11 @@ class NvmeState:
         """The state fields p's records hold (None: not placed yet)."""
         where = self.placed.get(p)
         return where[0] if where is not None else None
+
+    def unread_entries(self, p):
+        """The keys of state[p] beside "step": arrays put there (a whole entry replaced, `opt.state[p] = {...}`)
+        that this backend does not read."""
+        return sorted(k for k in self.state.get(p, ()) if k != "step")
 
     def state_misfit(self, p, t):
         """What p's placed state was made for where it does not fit a parameter like t (None where it does): its

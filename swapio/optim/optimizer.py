@@ -24,7 +24,7 @@ from .finish import finish_all
 from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
-from .nvme_state import NvmeState
+from .nvme_state import NvmeState, unread_entries_message
 from .offloaded import OffloadedParams
 from .options import BufferBudget, io_settings
 from .params import FP32, PARAM_DTYPES, shard
@@ -253,9 +253,13 @@ class OffloadOptimizer(Optimizer):
     def _check_fields(self):
         """RuntimeError where a group now asks for state its parameters do not hold: amsgrad turned on after their
         first step (torch's own step fails there with a KeyError, and its state has no running maximum to give).
-        Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export."""
+        Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export.
+        Also where an entry of optimizer.state holds arrays the backend does not read (_check_entry)."""
+        index = -1
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
+                index += 1
+                self._check_entry(p, index)
                 held = self._backend.held_fields(p) if self.state.get(p) else None
                 missing = [] if held is None else [f for f in self._rule.fields(p, group) if f not in held]
                 if missing:
@@ -264,6 +268,14 @@ class OffloadOptimizer(Optimizer):
                                        "(OffloadAdafactor: the parameter's number of dimensions changed). Set it "
                                        "back to False to step, export or save; a run with amsgrad needs it from the "
                                        "start")
+
+    def _check_entry(self, p, index):
+        """RuntimeError where state[p] holds arrays the backend never reads (nvme mode, `opt.state[p] = {...,
+        "exp_avg": t}`): stepping or exporting would use the swap file's arrays while opt.state[p] shows others."""
+        unread = self._backend.unread_entries(p)
+        if unread:
+            raise RuntimeError(f"parameter {index} of this {type(self).__name__}: "
+                               + unread_entries_message(unread, where="its entry in optimizer.state"))
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -426,6 +438,7 @@ class OffloadOptimizer(Optimizer):
                                        f"parameter of shape {tuple(t.shape)} on {t.device}")
                 st = self.state.get(p)
                 new = not st
+                self._check_entry(p, index)
                 misfit = None if new else self._backend.state_misfit(p, t)
                 if misfit:  # p.data replaced by another size: stepping would read and write state it does not own
                     raise ValueError(f"parameter {index} of this {type(self).__name__} (now of shape "

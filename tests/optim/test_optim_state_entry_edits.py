@@ -1,0 +1,101 @@
+"""Edits of optimizer.state[p] that torch's optimizers honour (a moment zeroed or replaced, a whole entry
+replaced): cpu mode reads them as torch does, nvme mode (whose arrays are in the swap file) refuses them loudly
+instead of stepping on with the old arrays while opt.state[p] shows the new ones."""
+import pytest
+import torch
+
+import swapio.optim as so
+from helpers.optim import SMALL_BUFFERS, one_thread  # noqa: F401
+
+SHAPE = (6, 7)
+
+
+def _grad(k):
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(100 + k))
+
+
+def _pair(mode, tmp_path, layout=lambda t: t):
+    """(ours, its parameter, torch's AdamW, its parameter): the same start and hyperparameters."""
+    start = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    p, q = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+    extra = {"swap_dir": tmp_path, **SMALL_BUFFERS} if mode == "nvme" else {}
+    ours = so.OffloadAdamW([p], lr=1e-2, weight_decay=0.1, offload=mode, **extra)
+    theirs = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1, foreach=False)
+    return ours, p, theirs, q
+
+
+def _step(opt, p, k):
+    p.grad = _grad(k)
+    opt.step()
+
+
+REPLACEMENTS = {
+    "zeros": lambda: torch.zeros(SHAPE),
+    "transposed": lambda: torch.full(SHAPE[::-1], 0.25).t(),  # non-contiguous, as torch accepts
+    "strided": lambda: torch.full((SHAPE[0], 2 * SHAPE[1]), 0.25)[:, ::2],
+}
+
+
+@pytest.mark.parametrize("make", REPLACEMENTS.values(), ids=REPLACEMENTS.keys())
+@pytest.mark.parametrize("field", ["exp_avg", "exp_avg_sq"])
+def test_cpu_mode_steps_a_replaced_moment_as_torch(field, make, tmp_path):
+    """A non-contiguous replacement raised an obscure view error from deep in the step."""
+    ours, p, theirs, q = _pair("cpu", tmp_path)
+    for k in range(4):
+        if k == 2:
+            ours.state[p][field] = make()
+            theirs.state[q][field] = make()
+        _step(ours, p, k)
+        _step(theirs, q, k)
+    close = dict(rtol=1e-6, atol=1e-7)  # (the kernel rounds a few ulps apart from torch's ops)
+    torch.testing.assert_close(p.detach(), q.detach(), **close)
+    sd, ref = ours.state_dict()["state"][0], theirs.state_dict()["state"][0]
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(sd[name], ref[name], **close, msg=name)
+    ours.close()
+
+
+@pytest.mark.parametrize("how", ["setitem", "update", "setdefault", "ior"])
+def test_nvme_mode_refuses_a_moment_set_in_the_state_entry(how, tmp_path):
+    """The assignment went into the entry, which the nvme backend never reads: the step went on with the swap
+    file's moments (torch's with the new ones), silently."""
+    ours, p, _, _ = _pair("nvme", tmp_path)
+    _step(ours, p, 0)
+    entry = ours.state[p]
+    value = torch.zeros(SHAPE)
+    with pytest.raises(RuntimeError, match=r"exp_avg.*nvme.*swap file.*load_state_dict"):
+        if how == "setitem":
+            entry["exp_avg"] = value
+        elif how == "update":
+            entry.update(exp_avg=value)
+        elif how == "setdefault":
+            entry.setdefault("exp_avg", value)
+        else:
+            entry |= {"exp_avg": value}
+    assert list(entry) == ["step"]
+    entry["step"] = torch.tensor(5.0)  # the count is the entry's own: setting it stays as with torch
+    _step(ours, p, 1)
+    assert float(ours.state[p]["step"]) == 6.0
+    ours.close()
+
+
+def test_nvme_mode_refuses_a_whole_entry_replaced_with_arrays(tmp_path):
+    """`opt.state[p] = {...}` with moments in it: step(), state_dict() and save() refuse it (they would use, or
+    export, the swap file's moments instead), naming the parameter; `del opt.state[p]` goes on as torch's reset."""
+    ours, p, theirs, q = _pair("nvme", tmp_path)
+    _step(ours, p, 0)
+    _step(theirs, q, 0)
+    before = p.detach().clone()
+    ours.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(SHAPE), "exp_avg_sq": torch.zeros(SHAPE)}
+    for call in (lambda: _step(ours, p, 1), ours.state_dict, lambda: ours.save(tmp_path / "ckpt")):
+        with pytest.raises(RuntimeError, match=r"parameter 0.*\['exp_avg', 'exp_avg_sq'\].*nvme"):
+            call()
+    assert torch.equal(p.detach(), before)
+    assert not (tmp_path / "ckpt").exists()
+    del ours.state[p]
+    del theirs.state[q]
+    for k in (1, 2):
+        _step(ours, p, k)
+        _step(theirs, q, k)
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    ours.close()
