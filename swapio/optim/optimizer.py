@@ -254,7 +254,9 @@ class OffloadOptimizer(Optimizer):
         """RuntimeError where a group now asks for state its parameters do not hold: amsgrad turned on after their
         first step (torch's own step fails there with a KeyError, and its state has no running maximum to give).
         Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export.
-        Also where an entry of optimizer.state holds arrays the backend does not read (_check_entry)."""
+        Also where an entry of optimizer.state holds arrays the backend does not read (_check_entry), and where a
+        parameter is listed twice (_check_listed_once)."""
+        self._check_listed_once()
         index = -1
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -268,6 +270,19 @@ class OffloadOptimizer(Optimizer):
                                        "(OffloadAdafactor: the parameter's number of dimensions changed). Set it "
                                        "back to False to step, export or save; a run with amsgrad needs it from the "
                                        "start")
+
+    def _check_listed_once(self):
+        """ValueError where a parameter is listed twice across the param groups: add_param_group refuses that, but
+        an edit of a group's list (`opt.param_groups[0]["params"].append(p)`) does not pass there. torch's
+        optimizers step such a parameter once per listing; the backends keep one state per parameter."""
+        seen = {}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                first = seen.setdefault(id(p), (i, j))
+                if first != (i, j):
+                    raise ValueError(f"param group {i} lists at position {j} a parameter already listed (group "
+                                     f"{first[0]}, position {first[1]}), after an edit of optimizer.param_groups: "
+                                     f"{type(self).__name__} steps each parameter once, so list each one once")
 
     def _check_entry(self, p, index):
         """RuntimeError where state[p] holds arrays the backend never reads (nvme mode, `opt.state[p] = {...,
@@ -410,6 +425,8 @@ class OffloadOptimizer(Optimizer):
     def _works(self, params, grad_of, data_of=None):
         """(a Work for each wanted parameter that has a gradient, in param-group order; the int8 non-finite
         counter or None). Checks every gradient before anything is stepped."""
+        if params is None:  # step(); the updates driven from backward hand each parameter over once
+            self._check_listed_once()
         rule, works, index = self._rule, [], -1
         wanted = None if params is None else {id(p) for p in params}
         nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.counts_nonfinite else None
