@@ -254,6 +254,8 @@ class NvmeState:
                 self.forget(p)
             new.append((p, fields, cuda))
         if not new:
+            if any(chunk.offset < 0 for chunk in self.chunks):
+                self._assign_offsets()  # a placement whose file growth failed (ENOSPC), retried
             return
         kinds = {}
         for p, fields, cuda in new:
@@ -296,13 +298,22 @@ class NvmeState:
         self._assign_offsets()
 
     def _assign_offsets(self):
+        """Gives the chunks not yet in the file their records at its end, and grows it. All or nothing: when the
+        growth fails (ENOSPC), those chunks get no offset, so the next placement (the step retried) assigns them
+        again; offsets kept past a failed growth would place the next parameters over them, and the file's
+        resize to that shorter end would cut off records already written."""
         end = self.file_bytes
-        for chunk in self.chunks:
-            if chunk.offset < 0:
-                chunk.offset = end
-                end += chunk.record_bytes
+        fresh = [chunk for chunk in self.chunks if chunk.offset < 0]
+        for chunk in fresh:
+            chunk.offset = end
+            end += chunk.record_bytes
         if end != self.file_bytes:
-            _swapdir.resize_private_file(self.path, self.identity, end)
+            try:
+                _swapdir.resize_private_file(self.path, self.identity, end)
+            except BaseException:
+                for chunk in fresh:
+                    chunk.offset = -1
+                raise
             self.file_bytes = end
         self._grow_slots()
 
