@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
-from . import checkpoint, reference, state_dict_hooks, timing
+from . import checkpoint, reference, state_dict_hooks, timing, validate
 from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
@@ -462,7 +462,9 @@ class OffloadOptimizer(Optimizer):
                                      f"{tuple(t.shape)}) no longer fits its state, which {misfit}: its `.data` was "
                                      "replaced by a tensor of another size after its first step; give the optimizer "
                                      "a new parameter instead, or load a checkpoint made for this shape")
-                step = 1 if new else int(st["step"].item()) + 1
+                # a count set by hand may be a number (older torch kept ints): read as loading reads it
+                step = 1 if new else int(validate.step_count(
+                    st["step"], f"optimizer.state[p]['step'] of parameter {index}").item()) + 1
                 works.append(Work(p, g, step, rule.fields(p, group), rule.update, hyper, new,
                                   edited=not new and data is None and self._edited_outside(p), seed=index,
                                   nonfinite=nonfinite, data=data))
@@ -481,7 +483,7 @@ class OffloadOptimizer(Optimizer):
                     self._torn.add(w.p)
                 continue
             st = self.state[w.p]
-            if "step" in st:
+            if torch.is_tensor(st.get("step")):
                 st["step"].fill_(float(w.step))
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)

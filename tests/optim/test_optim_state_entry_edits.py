@@ -99,3 +99,37 @@ def test_nvme_mode_refuses_a_whole_entry_replaced_with_arrays(tmp_path):
         _step(theirs, q, k)
     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     ours.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_a_step_count_set_as_a_number_steps_on_from_it(mode, tmp_path):
+    """`opt.state[p]["step"] = 5` (older torch kept counts as ints, and loading accepts them) failed in step() and
+    save() with "'int' object has no attribute 'item'". It is read as loading reads it: the run goes on as torch's
+    from a count of tensor(5.)."""
+    ours, p, theirs, q = _pair(mode, tmp_path)
+    _step(ours, p, 0)
+    _step(theirs, q, 0)
+    ours.state[p]["step"] = 5
+    theirs.state[q]["step"] = torch.tensor(5.0)
+    ours.save(tmp_path / "ckpt")
+    for k in (1, 2):
+        _step(ours, p, k)
+        _step(theirs, q, k)
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.is_tensor(ours.state[p]["step"]) and float(ours.state[p]["step"]) == 7.0
+    ours.load(tmp_path / "ckpt")
+    assert float(ours.state[p]["step"]) == 5.0
+    ours.close()
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), 2.5, "3"])
+def test_a_step_count_set_to_a_bad_value_is_refused_naming_it(bad, tmp_path):
+    ours, p, _, _ = _pair("cpu", tmp_path)
+    _step(ours, p, 0)
+    ours.state[p]["step"] = bad
+    before = p.detach().clone()
+    for call in (lambda: _step(ours, p, 1), lambda: ours.save(tmp_path / "ckpt")):
+        with pytest.raises(ValueError, match=r"optimizer.state\[p\]\['step'\] of parameter 0"):
+            call()
+    assert torch.equal(p.detach(), before)
+    ours.close()
