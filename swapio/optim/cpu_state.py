@@ -31,6 +31,9 @@ class CpuState:
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
         self._codes = {}  # p -> {field: (data_ptr, version)} of its int8 codes as this backend last left them
 
+    def check_process(self):
+        """Nothing: the state is in this process's memory (a forked child has its own copy)."""
+
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 

@@ -196,6 +196,7 @@ class NvmeState:
         _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
         owner = _swapdir.private_directory(swap_dir)  # mode 0700; removes those of processes that died
         self.directory = owner.directory
+        self.pid = owner.pid  # the process whose swap file this is (check_process)
         handles = []
         self._finalizer = weakref.finalize(self, _cleanup, handles, owner)
         try:
@@ -219,6 +220,17 @@ class NvmeState:
         self.written = set()  # chunks whose record the last run() wrote, each write waited and successful
         self.clock = IoClock()  # kernel time, I/O waits and bytes moved by run() (opt.step_report())
 
+    def check_process(self):
+        """RuntimeError in a child forked after this backend was made (os.fork, a DataLoader worker, a fork-started
+        multiprocessing pool): the swap file is the parent's, and the child's placements (resizes), writes and
+        loads (a new file renamed over it) would change the parent's state under it."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(f"this optimizer's swap file belongs to process {self.pid}, which made it; a child "
+                               "forked from it (os.fork, a DataLoader worker, a multiprocessing pool) cannot step, "
+                               "load or export it, as it would change the parent's state. Use the optimizer in "
+                               "the process that made it; in the child, build a new optimizer and load() a "
+                               "checkpoint that process saved")
+
     # ---- layout -------------------------------------------------------------------------------------------
     def capacity(self, fields, cuda):
         """The most elements, a multiple of 1024 (and so of the int8 block), of a chunk whose record and GPU
@@ -238,6 +250,7 @@ class NvmeState:
         (p, the rule's fields for p) pairs. group_of(p): parameters stepped together apart from the rest (an
         offloaded module's weights, stepped a record at a time) share no chunk with other groups, so stepping
         one group reads and writes no other group's state."""
+        self.check_process()
         new = []
         for p, fields in params_fields:
             cuda = on_gpu(p)
@@ -486,6 +499,7 @@ class NvmeState:
         written (a failed write leaves it torn, and the optimizer refuses it until a load);
         ctrl_c.poll() runs at chunk boundaries that no stepped parameter spans, after the writes before it are
         finished, where each parameter is fully stepped or untouched."""
+        self.check_process()
         state = self.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
@@ -547,6 +561,7 @@ class NvmeState:
     def dump(self, params, sink):
         """sink(p, first_element, end_element, {field: view of every stored field}) for each piece of each
         parameter in params, chunk by chunk; futures it returns are waited before the slot is reused."""
+        self.check_process()
         wanted = set(params)
         chunks = [c for c in self.chunks if any(seg.p in wanted for seg in c.segments)]
 
@@ -565,6 +580,7 @@ class NvmeState:
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap file's own handles."""
+        self.check_process()
         return self.rh, self.wh, False
 
     def fill(self, entries, source, placement, state, check, commit):
@@ -573,6 +589,7 @@ class NvmeState:
         makes `state` live. entries: {p: fields}; source(p, first_element, end_element, {field: view}) fills
         the views of a piece of p or returns futures that will. On failure the live file and layout are
         untouched and the new file is removed."""
+        self.check_process()
         self.wait_all()
         live = (self.chunks, self.placed, self.file_bytes, self.path, self.identity)
         new_path = self.path + ".load"

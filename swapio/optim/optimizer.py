@@ -243,6 +243,7 @@ class OffloadOptimizer(Optimizer):
         chunks, stopped between them): its state is neither the old nor the new, so stepping, exporting or
         saving it would spread the damage. load() or load_state_dict() of a checkpoint makes it whole again."""
         self._check_open()
+        self._backend.check_process()  # nvme: a forked child must not touch the parent's swap file
         if self._torn:
             index = {id(p): i for i, (p, _) in enumerate(self.param_fields())}
             torn = sorted(index.get(id(p), -1) for p in self._torn)
@@ -580,6 +581,7 @@ class OffloadOptimizer(Optimizer):
         A reference ({REFERENCE_KEY: directory}: what the Trainer integration leaves in optimizer.pt instead of
         the state) loads that streaming checkpoint with load()."""
         self._check_open()
+        self._backend.check_process()
         self._settle()
         path = reference.target(state_dict)
         if path is not None:
@@ -616,6 +618,7 @@ class OffloadOptimizer(Optimizer):
         streaming one chunk at a time.
         progress: a bar of the bytes read, as for save()."""
         self._check_open()
+        self._backend.check_process()
         self._settle()
         checkpoint.load(self, path, progress)
 
