@@ -2,6 +2,7 @@
 import torch
 
 from ..core._ranges import section
+from ..core._signals import DeferredSigint
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned, is_pinned
 from .cuda_staging import CudaStaging, StepCopies
@@ -247,9 +248,10 @@ class CpuState:
         finally:
             finish_all(f.wait for f in futures)
         check()
-        commit()
-        for p in entries:
-            self._codes.pop(p, None)  # the new codes are the load's
+        with DeferredSigint():  # commit() swaps the state dict's contents: a Ctrl-C halfway would empty it
+            commit()
+            for p in entries:
+                self._codes.pop(p, None)  # the new codes are the load's
 
     def memory(self):
         """The bytes of the state tensors in RAM; pinned: the GPU staging buffers ("state"), and as parts of their

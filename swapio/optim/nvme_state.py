@@ -595,20 +595,24 @@ class NvmeState:
         new_path = self.path + ".load"
         _durable.discard(new_path)  # a leftover of an interrupted load
         identity = _swapdir.create_private_file(new_path)
-        try:
-            self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
-            self.place(placement)
-            self._fill_records(entries, source)
-            check()
-            os.replace(new_path, live[3])
-        except BaseException:
-            self.chunks, self.placed, self.file_bytes = live[:3]
-            self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
-            _durable.discard(new_path)
-            raise
-        finally:
-            self.path = live[3]
-        commit()
+        # From the rename to the end of commit() a Ctrl-C waits: landing after the rename, it would put back the old
+        # layout and identity over the new file (the old one gone: every later read refused, ESTALE), or leave the
+        # new records under the old step counts and groups. It is raised once the load is whole.
+        with DeferredSigint():
+            try:
+                self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
+                self.place(placement)
+                self._fill_records(entries, source)
+                check()
+                os.replace(new_path, live[3])
+            except BaseException:
+                self.chunks, self.placed, self.file_bytes = live[:3]
+                self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
+                _durable.discard(new_path)
+                raise
+            finally:
+                self.path = live[3]
+            commit()
 
     def _fill_records(self, entries, source):
         chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]

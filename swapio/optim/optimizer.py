@@ -80,6 +80,7 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
         # each). The step is held weakly but for in_backward work in flight, as for GpuInBackward (worker.HeldStep):
@@ -549,6 +550,7 @@ class OffloadOptimizer(Optimizer):
         `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
 
         def commit():
+            self._installs += 1  # (load_state_dict: from here the backend holds the new state)
             self.__setstate__({"state": state, "param_groups": groups})
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
@@ -587,15 +589,19 @@ class OffloadOptimizer(Optimizer):
         if path is not None:
             reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
-        live_state, live_groups = dict(self.state), self.param_groups
+        live_state, live_groups, installs = dict(self.state), self.param_groups, self._installs
         try:
             super().load_state_dict(state_dict)
         except BaseException:
             # torch installs the new groups before our post-hook installs the state; the backend leaves its
             # storage as it was on failure, so putting the live groups and state back restores the optimizer.
-            self.state.clear()
-            self.state.update(live_state)
-            self.param_groups = live_groups
+            # Once the state is installed (a user's post-hook raised after ours, a Ctrl-C deferred to the end of
+            # the install), the backend holds the new arrays: the new counts and groups stay with them, as
+            # torch keeps the loaded state when a post-hook raises.
+            if self._installs == installs:
+                self.state.clear()
+                self.state.update(live_state)
+                self.param_groups = live_groups
             raise
         finally:
             state_dict_hooks.discard_taken(self)
