@@ -11,6 +11,7 @@ given parameters with the gradients grad_of(p) returns (step() passes every para
 same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import os
+import threading
 import warnings
 
 import torch
@@ -81,6 +82,13 @@ class OffloadOptimizer(Optimizer):
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
+        # One user of the state at a time: a step, an export, a save or a load. A thread that checkpoints
+        # (state_dict(), save()) while the training thread steps shares the nvme pipeline's slots and its record
+        # of the writes that finished, which would mark the step's parameters half-stepped, or write back a
+        # record holding the other's data; in cpu mode it would save a state half of the old step, half of the
+        # new. Held only around work on the state, never while waiting for the in_backward workers (which take
+        # it to step). Reentrant: load_state_dict() of a reference calls load().
+        self._state_lock = threading.RLock()
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
         # each). The step is held weakly but for in_backward work in flight, as for GpuInBackward (worker.HeldStep):
@@ -384,6 +392,10 @@ class OffloadOptimizer(Optimizer):
         are complete, gradients accumulated somewhere other than p.grad. data_of(p): for an offloaded weight, the
         CPU tensor that holds its current compute-dtype value and receives the new one (else None). copies: the
         StepCopies GPU parameters' copies go on when the caller ends it (cpu mode; else the step's own)."""
+        with self._state_lock:
+            self._step_params_locked(params, grad_of, data_of, copies)
+
+    def _step_params_locked(self, params, grad_of, data_of, copies):
         works, nonfinite = self._works(params, grad_of, data_of)
         if not works:
             return
@@ -572,9 +584,10 @@ class OffloadOptimizer(Optimizer):
         for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
         included); a post-hook of ours fills in the state from the backend first."""
         self._settle()
-        self._check_whole()
-        self._check_fields()
-        return super().state_dict()
+        with self._state_lock:
+            self._check_whole()
+            self._check_fields()
+            return super().state_dict()
 
     def load_state_dict(self, state_dict):
         """Loads torch's format (from this optimizer or its torch.optim counterpart), keeping the state in fp32 even
@@ -589,22 +602,23 @@ class OffloadOptimizer(Optimizer):
         if path is not None:
             reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
-        live_state, live_groups, installs = dict(self.state), self.param_groups, self._installs
-        try:
-            super().load_state_dict(state_dict)
-        except BaseException:
-            # torch installs the new groups before our post-hook installs the state; the backend leaves its
-            # storage as it was on failure, so putting the live groups and state back restores the optimizer.
-            # Once the state is installed (a user's post-hook raised after ours, a Ctrl-C deferred to the end of
-            # the install), the backend holds the new arrays: the new counts and groups stay with them, as
-            # torch keeps the loaded state when a post-hook raises.
-            if self._installs == installs:
-                self.state.clear()
-                self.state.update(live_state)
-                self.param_groups = live_groups
-            raise
-        finally:
-            state_dict_hooks.discard_taken(self)
+        with self._state_lock:
+            live_state, live_groups, installs = dict(self.state), self.param_groups, self._installs
+            try:
+                super().load_state_dict(state_dict)
+            except BaseException:
+                # torch installs the new groups before our post-hook installs the state; the backend leaves its
+                # storage as it was on failure, so putting the live groups and state back restores the optimizer.
+                # Once the state is installed (a user's post-hook raised after ours, a Ctrl-C deferred to the end
+                # of the install), the backend holds the new arrays: the new counts and groups stay with them, as
+                # torch keeps the loaded state when a post-hook raises.
+                if self._installs == installs:
+                    self.state.clear()
+                    self.state.update(live_state)
+                    self.param_groups = live_groups
+                raise
+            finally:
+                state_dict_hooks.discard_taken(self)
 
     def save(self, path, *, progress=None):
         """Writes the optimizer (param groups and all state) to the directory `path` as one safetensors file,
@@ -614,10 +628,11 @@ class OffloadOptimizer(Optimizer):
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._settle()
-        self._check_whole()
-        self._check_fields()
         self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
-        checkpoint.save(self, path, progress)
+        with self._state_lock:
+            self._check_whole()
+            self._check_fields()
+            checkpoint.save(self, path, progress)
 
     def load(self, path, *, progress=None):
         """Loads a checkpoint written by save() (from either offload mode, or an older swapio's format version 3),
@@ -626,7 +641,8 @@ class OffloadOptimizer(Optimizer):
         self._check_open()
         self._backend.check_process()
         self._settle()
-        checkpoint.load(self, path, progress)
+        with self._state_lock:
+            checkpoint.load(self, path, progress)
 
     def memory_report(self):
         """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
