@@ -43,6 +43,12 @@ class CpuState:
         st = self.state.get(p)
         return tuple(name for name in st if name != "step") if st else None
 
+    def note_entry(self, p, entry):
+        """Nothing: state[p] holds the arrays themselves, so putting back a copy of it restores them."""
+
+    def replaced_entry(self, p):
+        return None
+
     def unread_entries(self, p):
         """Nothing: state[p] holds the state tensors themselves, read at each step as torch reads them."""
         return []

@@ -163,6 +163,14 @@ class StepOnly(dict):
         return self
 
 
+def _count(entry):
+    step = entry.get("step") if entry else None
+    try:
+        return float(step)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def unread_entries_message(keys, where="optimizer.state[p]"):
     """Why state arrays set in an nvme optimizer's state entry cannot be honoured, and what to do instead."""
     return (f"{where} was given {sorted(keys)}, which in nvme mode the optimizer never reads: its state arrays are "
@@ -212,6 +220,7 @@ class NvmeState:
             raise
         self.chunks = []
         self.placed = {}   # p -> (fields, cuda, [(chunk, segment)])
+        self._entries = {}  # p -> (state[p] after its last step or load, its count then): replaced_entry()
         self.file_bytes = 0
         self._slots = None
         self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
@@ -334,6 +343,21 @@ class NvmeState:
         """The state fields p's records hold (None: not placed yet)."""
         where = self.placed.get(p)
         return where[0] if where is not None else None
+
+    def note_entry(self, p, entry):
+        """Records state[p], the entry whose count the swap file's arrays of p go with (after a step or a load)."""
+        self._entries[p] = (entry, _count(entry))
+
+    def replaced_entry(self, p):
+        """(the count the swap file's arrays of p go with, the count state[p] holds now) where state[p] is no
+        longer the entry recorded and counts otherwise (a copy of opt.state put back to roll back: the copy
+        holds only counts, the moments stayed in the file), else None. A count edited in the entry itself (as
+        torch's is) is not a replacement."""
+        recorded, entry = self._entries.get(p), self.state.get(p)
+        if recorded is None or not entry or entry is recorded[0]:
+            return None
+        now = _count(entry)
+        return None if now == recorded[1] else (recorded[1], now)
 
     def unread_entries(self, p):
         """The keys of state[p] beside "step": arrays put there (a whole entry replaced, `opt.state[p] = {...}`)

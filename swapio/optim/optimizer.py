@@ -296,11 +296,20 @@ class OffloadOptimizer(Optimizer):
 
     def _check_entry(self, p, index):
         """RuntimeError where state[p] holds arrays the backend never reads (nvme mode, `opt.state[p] = {...,
-        "exp_avg": t}`): stepping or exporting would use the swap file's arrays while opt.state[p] shows others."""
+        "exp_avg": t}`), or was replaced by an entry with another count (nvme mode, a copy of opt.state put back
+        to roll back): stepping or exporting would use the swap file's arrays while opt.state[p] implies others."""
         unread = self._backend.unread_entries(p)
         if unread:
             raise RuntimeError(f"parameter {index} of this {type(self).__name__}: "
                                + unread_entries_message(unread, where="its entry in optimizer.state"))
+        replaced = self._backend.replaced_entry(p)
+        if replaced:
+            raise RuntimeError(f"parameter {index} of this {type(self).__name__}: its entry in optimizer.state was "
+                               f"replaced by one counting {replaced[1]:g} steps, while its moments in the swap file "
+                               f"are those of step {replaced[0]:g}. In nvme mode optimizer.state holds only the "
+                               "counts, so putting back a copy of it does not restore the moments: roll back with "
+                               "load_state_dict() of a state_dict() (or load() of a save()) taken then, or "
+                               "del opt.state[p] to start the parameter afresh")
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -502,6 +511,7 @@ class OffloadOptimizer(Optimizer):
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
             st.update(w.created or {})
+            self._backend.note_entry(w.p, st)
             if w.master and not w.external:
                 self._written[w.p] = (w.t._version, w.t.data_ptr())
 
@@ -564,6 +574,8 @@ class OffloadOptimizer(Optimizer):
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
             self.__setstate__({"state": state, "param_groups": groups})
+            for p in entries:
+                self._backend.note_entry(p, self.state[p])
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 

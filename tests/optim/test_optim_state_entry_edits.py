@@ -133,3 +133,41 @@ def test_a_step_count_set_to_a_bad_value_is_refused_naming_it(bad, tmp_path):
             call()
     assert torch.equal(p.detach(), before)
     ours.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_rolling_back_by_putting_back_a_copy_of_the_state_is_as_torch_or_refused(mode, tmp_path):
+    """A rollback that keeps a copy of each entry (`saved = {p: copy.deepcopy(s) for p, s in opt.state.items()}`,
+    later `opt.state = saved`): torch's entries hold the moments, so it goes back to them; cpu mode likewise. In
+    nvme mode the entries hold only the counts, so the old counts went on with the swap file's newer moments,
+    silently. That is refused now (step(), state_dict(), save()), naming both counts; a count edited in the
+    entry itself is still honoured, as torch's is."""
+    import copy
+    ours, p, theirs, q = _pair(mode, tmp_path)
+    for k in (0, 1):
+        _step(ours, p, k)
+        _step(theirs, q, k)
+    saved = {x: copy.deepcopy(s) for x, s in ours.state.items()}
+    saved_ref = {x: copy.deepcopy(s) for x, s in theirs.state.items()}
+    weights = p.detach().clone()
+    for k in (2, 3):
+        _step(ours, p, k)
+        _step(theirs, q, k)
+    with torch.no_grad():
+        p.copy_(weights)
+        q.copy_(weights)
+    ours.state = saved
+    theirs.state = saved_ref
+    if mode == "nvme":
+        for call in (lambda: _step(ours, p, 4), ours.state_dict, lambda: ours.save(tmp_path / "ckpt")):
+            with pytest.raises(RuntimeError, match=r"parameter 0.*replaced by one counting 2 steps.*step 4"):
+                call()
+        assert torch.equal(p.detach(), weights)
+        ours.state[p]["step"] = torch.tensor(4.0)  # the entry now counts what the file holds: on as before
+        _step(ours, p, 4)
+        assert float(ours.state[p]["step"]) == 5.0
+    else:
+        _step(ours, p, 4)
+        _step(theirs, q, 4)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    ours.close()
