@@ -10,6 +10,7 @@ The step is split so that an update can be driven from outside step(): _step_par
 given parameters with the gradients grad_of(p) returns (step() passes every parameter and p.grad), with the
 same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
+import contextlib
 import os
 import threading
 import warnings
@@ -402,6 +403,7 @@ class OffloadOptimizer(Optimizer):
         CPU tensor that holds its current compute-dtype value and receives the new one (else None). copies: the
         StepCopies GPU parameters' copies go on when the caller ends it (cpu mode; else the step's own)."""
         with self._state_lock:
+            self._check_open()  # close() from another thread may have come first
             self._step_params_locked(params, grad_of, data_of, copies)
 
     def _step_params_locked(self, params, grad_of, data_of, copies):
@@ -615,6 +617,7 @@ class OffloadOptimizer(Optimizer):
             reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
         with self._state_lock:
+            self._check_open()
             live_state, live_groups, installs = dict(self.state), self.param_groups, self._installs
             try:
                 super().load_state_dict(state_dict)
@@ -654,6 +657,7 @@ class OffloadOptimizer(Optimizer):
         self._backend.check_process()
         self._settle()
         with self._state_lock:
+            self._check_open()
             checkpoint.load(self, path, progress)
 
     def memory_report(self):
@@ -706,7 +710,10 @@ class OffloadOptimizer(Optimizer):
 
     def close(self):
         """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
-        backend, self._backend = getattr(self, "_backend", None), None
+        # a step, export, save or load running on another thread ends first (the next one raises "closed"); the
+        # lock is not held while the parts below wait for their workers, which take it to step
+        with self.__dict__.get("_state_lock") or contextlib.nullcontext():
+            backend, self._backend = getattr(self, "_backend", None), None
         # each part closed even when one before it raised (a Ctrl-C while a worker is waited for is raised once
         # everything is released); the offloaded params before the backend's directory, which may hold their sums
         parts = (self.__dict__.get("_offloaded"), self.__dict__.get("_gpu_in_backward"),

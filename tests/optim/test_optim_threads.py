@@ -81,3 +81,31 @@ def test_a_checkpoint_taken_by_another_thread_during_a_step_is_whole_and_the_ste
     assert {float(st["step"]) for st in taken.values()} == {3.0}
     for o in (ref, opt):
         o.close()
+
+
+def test_close_from_another_thread_waits_for_the_step_in_progress(tmp_path, monkeypatch):
+    """close() on one thread while another was inside an nvme step() closed the swap file's handles under the
+    step, which failed with "the handle is closed" or an AttributeError. close() now waits for the step to end;
+    the next step says the optimizer is closed, and nothing is left in swap_dir."""
+    params = [torch.randn(N, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(3)]
+    opt = so.OffloadAdamW(params, lr=1e-2, offload="nvme", swap_dir=tmp_path, cpu_threads=1, **SMALL_BUFFERS)
+    for p in params:
+        p.grad = torch.ones(N)
+    opt.step()
+    real, closer = ops.adam_step_, []
+
+    def kernel(*args, **kwargs):
+        if not closer:
+            closer.append(threading.Thread(target=opt.close))
+            closer[0].start()
+            closer[0].join(1.0)  # it closes here, or waits for the step (a bound, not a check)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "adam_step_", kernel)
+    opt.step()  # whole, though close() was called during it
+    monkeypatch.undo()
+    closer[0].join()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    assert list(tmp_path.iterdir()) == []
