@@ -101,8 +101,8 @@ def test_a_group_edited_to_an_invalid_value_is_refused_at_step_naming_the_group_
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 @pytest.mark.parametrize("where", ["same group", "another group"])
 def test_a_parameter_listed_twice_by_editing_a_group_is_refused_before_any_change(where, mode, tmp_path):
-    """add_param_group refuses a parameter listed twice, but appending to a group's list bypassed it: torch steps
-    such a parameter once per listing, ours stepped it once (nvme mode: with its state placed twice), silently.
+    """add_param_group refuses a parameter listed twice, but appending to a group's list bypassed it: such a
+    parameter was updated once per listing but counted once a step (torch counts each), silently.
     step(), state_dict() and save() now refuse it, naming the positions, before anything is stepped."""
     params = [torch.randn(300, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(3)]
     extra = {"swap_dir": tmp_path, **SMALL_BUFFERS} if mode == "nvme" else {}
