@@ -345,18 +345,24 @@ class NvmeState:
         return where[0] if where is not None else None
 
     def note_entry(self, p, entry):
-        """Records state[p], the entry whose count the swap file's arrays of p go with (after a step or a load)."""
-        self._entries[p] = (entry, _count(entry))
+        """Records state[p], the entry whose count the swap file's arrays of p go with (after a step or a load;
+        None or empty: p has no state there)."""
+        if entry:
+            self._entries[p] = (entry, _count(entry))
+        else:
+            self._entries.pop(p, None)
 
     def replaced_entry(self, p):
-        """(the count the swap file's arrays of p go with, the count state[p] holds now) where state[p] is no
-        longer the entry recorded and counts otherwise (a copy of opt.state put back to roll back: the copy
-        holds only counts, the moments stayed in the file), else None. A count edited in the entry itself (as
-        torch's is) is not a replacement."""
+        """(the count the swap file's arrays of p go with, or None where it holds none; the count state[p] holds
+        now) where state[p] is not the entry recorded and counts otherwise (a copy of opt.state put back to roll
+        back: the copy holds only counts, the moments stayed in the file), else None. A count edited in the entry
+        itself (as torch's is) is not a replacement."""
         recorded, entry = self._entries.get(p), self.state.get(p)
-        if recorded is None or not entry or entry is recorded[0]:
+        if not entry or (recorded is not None and entry is recorded[0]):
             return None
         now = _count(entry)
+        if recorded is None:
+            return None, now
         return None if now == recorded[1] else (recorded[1], now)
 
     def unread_entries(self, p):

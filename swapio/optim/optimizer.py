@@ -305,12 +305,13 @@ class OffloadOptimizer(Optimizer):
                                + unread_entries_message(unread, where="its entry in optimizer.state"))
         replaced = self._backend.replaced_entry(p)
         if replaced:
+            held = (f"its moments in the swap file are those of step {replaced[0]:g}" if replaced[0] is not None
+                    else "the swap file holds no state for it")
             raise RuntimeError(f"parameter {index} of this {type(self).__name__}: its entry in optimizer.state was "
-                               f"replaced by one counting {replaced[1]:g} steps, while its moments in the swap file "
-                               f"are those of step {replaced[0]:g}. In nvme mode optimizer.state holds only the "
-                               "counts, so putting back a copy of it does not restore the moments: roll back with "
-                               "load_state_dict() of a state_dict() (or load() of a save()) taken then, or "
-                               "del opt.state[p] to start the parameter afresh")
+                               f"replaced by one counting {replaced[1]:g} steps, while {held}. In nvme mode "
+                               "optimizer.state holds only the counts, so putting back a copy of it does not "
+                               "restore the moments: roll back with load_state_dict() of a state_dict() (or load() "
+                               "of a save()) taken then, or del opt.state[p] to start the parameter afresh")
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -576,8 +577,8 @@ class OffloadOptimizer(Optimizer):
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
             self.__setstate__({"state": state, "param_groups": groups})
-            for p in entries:
-                self._backend.note_entry(p, self.state[p])
+            for p, _ in self.param_fields():  # (a parameter the loaded state leaves out holds none now)
+                self._backend.note_entry(p, self.state.get(p))
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 

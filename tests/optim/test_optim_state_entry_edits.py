@@ -171,3 +171,31 @@ def test_rolling_back_by_putting_back_a_copy_of_the_state_is_as_torch_or_refused
         _step(theirs, q, 4)
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     ours.close()
+
+
+def test_nvme_mode_refuses_an_entry_for_which_the_swap_file_holds_no_state(tmp_path):
+    """A parameter with no state in the swap file (never stepped, or left out of the state a load installed)
+    given an entry by hand that counts steps (`opt.state[p]["step"] = t`, or an old entry put back) stepped with
+    zero moments under that count, silently; torch's step refuses such an entry (KeyError 'exp_avg'). It is a
+    RuntimeError now; `del opt.state[p]` starts the parameter afresh."""
+    import copy
+    ours, p, _, _ = _pair("nvme", tmp_path)
+    other = torch.zeros(SHAPE, requires_grad=True)
+    ours.add_param_group({"params": [other]})
+    _step(ours, p, 0)
+    ours.state[other]["step"] = torch.tensor(3.0)
+    other.grad = torch.ones(SHAPE)
+    with pytest.raises(RuntimeError, match=r"parameter 1.*counting 3 steps.*holds no state for it"):
+        ours.step()
+    del ours.state[other]
+    ours.step()
+    assert float(ours.state[other]["step"]) == 1.0
+    # a load whose state leaves `other` out, then its old entry put back
+    old_entry = ours.state[other]
+    sd = copy.deepcopy(ours.state_dict())
+    del sd["state"][1]
+    ours.load_state_dict(sd)
+    ours.state[other] = old_entry
+    with pytest.raises(RuntimeError, match=r"parameter 1.*holds no state for it"):
+        ours.step()
+    ours.close()
