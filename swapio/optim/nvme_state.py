@@ -625,15 +625,17 @@ class NvmeState:
         new_path = self.path + ".load"
         _durable.discard(new_path)  # a leftover of an interrupted load
         identity = _swapdir.create_private_file(new_path)
-        # From the rename to the end of commit() a Ctrl-C waits: landing after the rename, it would put back the old
-        # layout and identity over the new file (the old one gone: every later read refused, ESTALE), or leave the
-        # new records under the old step counts and groups. It is raised once the load is whole.
-        with DeferredSigint():
+        # A Ctrl-C is raised between the records written to the new file (the load is then abandoned, the live file
+        # untouched) and not after check(): landing after the rename, it would put back the old layout and identity
+        # over the new file (the old one gone: every later read refused, ESTALE), or leave the new records under
+        # the old step counts and groups. From there it is raised once the load is whole.
+        with DeferredSigint() as ctrl_c:
             try:
                 self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
                 self.place(placement)
-                self._fill_records(entries, source)
+                self._fill_records(entries, source, ctrl_c)
                 check()
+                ctrl_c.poll()
                 os.replace(new_path, live[3])
             except BaseException:
                 self.chunks, self.placed, self.file_bytes = live[:3]
@@ -644,7 +646,7 @@ class NvmeState:
                 self.path = live[3]
             commit()
 
-    def _fill_records(self, entries, source):
+    def _fill_records(self, entries, source, ctrl_c):
         chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]
 
         def work(chunk, views, s):
@@ -656,7 +658,7 @@ class NvmeState:
             finally:  # the record is written after this returns; no read may outlive its slot
                 finish_all(f.wait for f in futures)
 
-        self.run(chunks, lambda c: False, work, True)
+        self.run(chunks, lambda c: False, work, True, lambda i: ctrl_c.poll())
 
     def memory(self):
         """The swap file's bytes, the pinned slots (now, and the most they hold for the state placed so far), and

@@ -115,3 +115,35 @@ def test_a_load_post_hook_that_raises_leaves_the_loaded_state_as_torch(mode, tmp
     for p, q in zip(params, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     opt.close()
+
+
+def test_ctrl_c_while_a_load_writes_its_records_abandons_it_and_keeps_the_live_state(tmp_path, monkeypatch):
+    """The other side: Ctrl-C while the load still writes the new swap file (a long load of a large state) stops
+    it at the next record, before the rename; the optimizer keeps its live state and the new file is removed."""
+    import swapio
+    opt, params = _opt(tmp_path, "swap")
+    _train(opt, params, [0, 1])
+    opt.save(tmp_path / "ckpt")
+    _train(opt, params, [2])
+    live = _copy(opt.state_dict())
+    real, writes = swapio.AioHandle.pwrite, []
+
+    def pwrite(self, tensor, path, offset=0, **kwargs):
+        if os.fspath(path).endswith(".load"):
+            writes.append(offset)
+            if len(writes) == 1:
+                signal.raise_signal(signal.SIGINT)
+        return real(self, tensor, path, offset, **kwargs)
+
+    monkeypatch.setattr(swapio.AioHandle, "pwrite", pwrite)
+    with pytest.raises(KeyboardInterrupt):
+        opt.load(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert writes
+    now = _copy(opt.state_dict())
+    for i in live:
+        for name, t in live[i].items():
+            assert torch.equal(now[i][name], t), (i, name)
+    assert sorted(os.listdir(opt.swap_path)) == [".swapio-owner", "state.swap"]
+    opt.load(tmp_path / "ckpt")  # and loads after
+    opt.close()
