@@ -89,10 +89,12 @@ class CpuState:
                     if missing:
                         # which fields a parameter keeps follows its group's options (Adam's amsgrad) and, for
                         # Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors)
-                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} has no {missing}: "
-                                           "its group's options (amsgrad) or its number of dimensions (p.data "
-                                           "replaced, for OffloadAdafactor) changed after its first step; give "
-                                           "the optimizer a new parameter instead")
+                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now "
+                                           f"{w.t.dtype} on {w.t.device}) has no {missing}: its dtype, device or "
+                                           "contiguity (model.to(torch.bfloat16), .half(): a parameter that is not "
+                                           "a contiguous fp32 CPU tensor keeps an fp32 master), its group's "
+                                           "amsgrad or, for OffloadAdafactor, its number of dimensions changed "
+                                           "after its first step; give the optimizer a new parameter instead")
                     stored = {name: st[name] for name in w.fields}
                 fields = {name: t.view(-1) for name, t in stored.items()}
                 if w.new:
