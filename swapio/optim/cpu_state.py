@@ -2,6 +2,7 @@
 import torch
 
 from ..core._ranges import section
+from ..core._signals import DeferredSigint
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned, is_pinned
 from .cuda_staging import CudaStaging, StepCopies
@@ -31,6 +32,9 @@ class CpuState:
         self.clock = IoClock()  # kernel time and waits for GPU copies (opt.step_report())
         self._codes = {}  # p -> {field: (data_ptr, version)} of its int8 codes as this backend last left them
 
+    def check_process(self):
+        """Nothing: the state is in this process's memory (a forked child has its own copy)."""
+
     def place(self, placement, group_of=None):
         """Nothing to place: a parameter's tensors are made at its first step."""
 
@@ -38,6 +42,16 @@ class CpuState:
         """The state fields p's tensors hold (None: no state yet)."""
         st = self.state.get(p)
         return tuple(name for name in st if name != "step") if st else None
+
+    def note_entry(self, p, entry):
+        """Nothing: state[p] holds the arrays themselves, so putting back a copy of it restores them."""
+
+    def replaced_entry(self, p):
+        return None
+
+    def unread_entries(self, p):
+        """Nothing: state[p] holds the state tensors themselves, read at each step as torch reads them."""
+        return []
 
     def state_misfit(self, p, t):
         """What p's state tensors hold where they do not fit a parameter like t (None where they all do)."""
@@ -64,6 +78,7 @@ class CpuState:
         for w in works:
             if not w.new:
                 self._check_codes(w)
+                self._adopt_layout(w.p)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
@@ -74,10 +89,12 @@ class CpuState:
                     if missing:
                         # which fields a parameter keeps follows its group's options (Adam's amsgrad) and, for
                         # Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors)
-                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} has no {missing}: "
-                                           "its group's options (amsgrad) or its number of dimensions (p.data "
-                                           "replaced, for OffloadAdafactor) changed after its first step; give "
-                                           "the optimizer a new parameter instead")
+                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now "
+                                           f"{w.t.dtype} on {w.t.device}) has no {missing}: its dtype, device or "
+                                           "contiguity (model.to(torch.bfloat16), .half(): a parameter that is not "
+                                           "a contiguous fp32 CPU tensor keeps an fp32 master), its group's "
+                                           "amsgrad or, for OffloadAdafactor, its number of dimensions changed "
+                                           "after its first step; give the optimizer a new parameter instead")
                     stored = {name: st[name] for name in w.fields}
                 fields = {name: t.view(-1) for name, t in stored.items()}
                 if w.new:
@@ -118,6 +135,15 @@ class CpuState:
                                "values (code 0 stands for about -1 x the block's scale, so zero_() does not zero "
                                "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
                                "moments, load_state_dict() a state dict with them in fp32")
+
+    def _adopt_layout(self, p):
+        """A state tensor the user put in state[p] that is not contiguous (`opt.state[p]["exp_avg"] = t`, t a
+        transposed or sliced tensor, which torch's step accepts) becomes a contiguous copy of it in state[p]: the
+        kernel walks the arrays as flat memory. Same values, so nothing is stepped differently."""
+        st = self.state.get(p, {})
+        for name, t in list(st.items()):
+            if name != "step" and torch.is_tensor(t) and not t.is_contiguous():
+                st[name] = t.contiguous()
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go
@@ -213,7 +239,7 @@ class CpuState:
         futures = []
         for p in params:
             st = self.state[p]
-            futures.extend(sink(p, 0, shard(p).numel(), {k: v.view(-1) for k, v in st.items() if k != "step"}) or ())
+            futures.extend(sink(p, 0, shard(p).numel(), {k: v.reshape(-1) for k, v in st.items() if k != "step"}) or ())
         finish_all(f.wait for f in futures)
 
     def fill(self, entries, source, placement, state, check, commit):
@@ -230,9 +256,10 @@ class CpuState:
         finally:
             finish_all(f.wait for f in futures)
         check()
-        commit()
-        for p in entries:
-            self._codes.pop(p, None)  # the new codes are the load's
+        with DeferredSigint():  # commit() swaps the state dict's contents: a Ctrl-C halfway would empty it
+            commit()
+            for p in entries:
+                self._codes.pop(p, None)  # the new codes are the load's
 
     def memory(self):
         """The bytes of the state tensors in RAM; pinned: the GPU staging buffers ("state"), and as parts of their

@@ -133,7 +133,8 @@ def _check_direct(path):
 
 class StepOnly(dict):
     """optimizer.state[p] in nvme mode: "step" alone, the arrays being in the swap file. Asking it for an array
-    (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so."""
+    (code written for torch, or for cpu mode, reading opt.state[p]["exp_avg"]) is a KeyError that says so; setting
+    one (torch's way to reset a moment) is a RuntimeError, since the step would go on with the swap file's."""
 
     def __missing__(self, key):
         if key == "step":  # no state yet: as torch's
@@ -141,6 +142,41 @@ class StepOnly(dict):
         raise KeyError(f"{key!r}: in nvme mode optimizer.state[p] holds only 'step'; the optimizer's arrays are in "
                        "its swap file. Read a copy with opt.state_dict()['state'][index] (index: p's position in "
                        "the param groups); change them through load_state_dict()")
+
+    def __setitem__(self, key, value):
+        if key != "step":
+            raise RuntimeError(unread_entries_message([key]))
+        super().__setitem__(key, value)
+
+    # dict's own update, setdefault and |= do not go through __setitem__
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def __ior__(self, other):  # type: ignore[misc]  # (returns self, as dict's does)
+        self.update(other)
+        return self
+
+
+def _count(entry):
+    step = entry.get("step") if entry else None
+    try:
+        return float(step)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def unread_entries_message(keys, where="optimizer.state[p]"):
+    """Why state arrays set in an nvme optimizer's state entry cannot be honoured, and what to do instead."""
+    return (f"{where} was given {sorted(keys)}, which in nvme mode the optimizer never reads: its state arrays are "
+            "in its swap file, and stepping on with those while opt.state[p] shows others would differ from torch. "
+            "To change them, edit a copy from opt.state_dict() and load_state_dict() it; to start the parameter "
+            "afresh, del opt.state[p]")
 
 
 class NvmeState:
@@ -168,6 +204,7 @@ class NvmeState:
         _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
         owner = _swapdir.private_directory(swap_dir)  # mode 0700; removes those of processes that died
         self.directory = owner.directory
+        self.pid = owner.pid  # the process whose swap file this is (check_process)
         handles = []
         self._finalizer = weakref.finalize(self, _cleanup, handles, owner)
         try:
@@ -183,6 +220,7 @@ class NvmeState:
             raise
         self.chunks = []
         self.placed = {}   # p -> (fields, cuda, [(chunk, segment)])
+        self._entries = {}  # p -> (state[p] after its last step or load, its count then): replaced_entry()
         self.file_bytes = 0
         self._slots = None
         self._pending = [[] for _ in range(buffer_count)]  # per slot: futures to finish before reuse
@@ -190,6 +228,17 @@ class NvmeState:
         self._events = [[] for _ in range(buffer_count)]   # per slot: CUDA events of copies out of it
         self.written = set()  # chunks whose record the last run() wrote, each write waited and successful
         self.clock = IoClock()  # kernel time, I/O waits and bytes moved by run() (opt.step_report())
+
+    def check_process(self):
+        """RuntimeError in a child forked after this backend was made (os.fork, a DataLoader worker, a fork-started
+        multiprocessing pool): the swap file is the parent's, and the child's placements (resizes), writes and
+        loads (a new file renamed over it) would change the parent's state under it."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(f"this optimizer's swap file belongs to process {self.pid}, which made it; a child "
+                               "forked from it (os.fork, a DataLoader worker, a multiprocessing pool) cannot step, "
+                               "load or export it, as it would change the parent's state. Use the optimizer in "
+                               "the process that made it; in the child, build a new optimizer and load() a "
+                               "checkpoint that process saved")
 
     # ---- layout -------------------------------------------------------------------------------------------
     def capacity(self, fields, cuda):
@@ -210,6 +259,7 @@ class NvmeState:
         (p, the rule's fields for p) pairs. group_of(p): parameters stepped together apart from the rest (an
         offloaded module's weights, stepped a record at a time) share no chunk with other groups, so stepping
         one group reads and writes no other group's state."""
+        self.check_process()
         new = []
         for p, fields in params_fields:
             cuda = on_gpu(p)
@@ -226,6 +276,8 @@ class NvmeState:
                 self.forget(p)
             new.append((p, fields, cuda))
         if not new:
+            if any(chunk.offset < 0 for chunk in self.chunks):
+                self._assign_offsets()  # a placement whose file growth failed (ENOSPC), retried
             return
         kinds = {}
         for p, fields, cuda in new:
@@ -268,13 +320,22 @@ class NvmeState:
         self._assign_offsets()
 
     def _assign_offsets(self):
+        """Gives the chunks not yet in the file their records at its end, and grows it. All or nothing: when the
+        growth fails (ENOSPC), those chunks get no offset, so the next placement (the step retried) assigns them
+        again; offsets kept past a failed growth would place the next parameters over them, and the file's
+        resize to that shorter end would cut off records already written."""
         end = self.file_bytes
-        for chunk in self.chunks:
-            if chunk.offset < 0:
-                chunk.offset = end
-                end += chunk.record_bytes
+        fresh = [chunk for chunk in self.chunks if chunk.offset < 0]
+        for chunk in fresh:
+            chunk.offset = end
+            end += chunk.record_bytes
         if end != self.file_bytes:
-            _swapdir.resize_private_file(self.path, self.identity, end)
+            try:
+                _swapdir.resize_private_file(self.path, self.identity, end)
+            except BaseException:
+                for chunk in fresh:
+                    chunk.offset = -1
+                raise
             self.file_bytes = end
         self._grow_slots()
 
@@ -282,6 +343,32 @@ class NvmeState:
         """The state fields p's records hold (None: not placed yet)."""
         where = self.placed.get(p)
         return where[0] if where is not None else None
+
+    def note_entry(self, p, entry):
+        """Records state[p], the entry whose count the swap file's arrays of p go with (after a step or a load;
+        None or empty: p has no state there)."""
+        if entry:
+            self._entries[p] = (entry, _count(entry))
+        else:
+            self._entries.pop(p, None)
+
+    def replaced_entry(self, p):
+        """(the count the swap file's arrays of p go with, or None where it holds none; the count state[p] holds
+        now) where state[p] is not the entry recorded and counts otherwise (a copy of opt.state put back to roll
+        back: the copy holds only counts, the moments stayed in the file), else None. A count edited in the entry
+        itself (as torch's is) is not a replacement."""
+        recorded, entry = self._entries.get(p), self.state.get(p)
+        if not entry or (recorded is not None and entry is recorded[0]):
+            return None
+        now = _count(entry)
+        if recorded is None:
+            return None, now
+        return None if now == recorded[1] else (recorded[1], now)
+
+    def unread_entries(self, p):
+        """The keys of state[p] beside "step": arrays put there (a whole entry replaced, `opt.state[p] = {...}`)
+        that this backend does not read."""
+        return sorted(k for k in self.state.get(p, ()) if k != "step")
 
     def state_misfit(self, p, t):
         """What p's placed state was made for where it does not fit a parameter like t (None where it does): its
@@ -442,6 +529,7 @@ class NvmeState:
         written (a failed write leaves it torn, and the optimizer refuses it until a load);
         ctrl_c.poll() runs at chunk boundaries that no stepped parameter spans, after the writes before it are
         finished, where each parameter is fully stepped or untouched."""
+        self.check_process()
         state = self.state
         by_param = {w.p: w for w in works}
         stateful = {p for p in self.placed if state.get(p) and not (p in by_param and by_param[p].new)}
@@ -503,6 +591,7 @@ class NvmeState:
     def dump(self, params, sink):
         """sink(p, first_element, end_element, {field: view of every stored field}) for each piece of each
         parameter in params, chunk by chunk; futures it returns are waited before the slot is reused."""
+        self.check_process()
         wanted = set(params)
         chunks = [c for c in self.chunks if any(seg.p in wanted for seg in c.segments)]
 
@@ -521,6 +610,7 @@ class NvmeState:
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap file's own handles."""
+        self.check_process()
         return self.rh, self.wh, False
 
     def fill(self, entries, source, placement, state, check, commit):
@@ -529,27 +619,34 @@ class NvmeState:
         makes `state` live. entries: {p: fields}; source(p, first_element, end_element, {field: view}) fills
         the views of a piece of p or returns futures that will. On failure the live file and layout are
         untouched and the new file is removed."""
+        self.check_process()
         self.wait_all()
         live = (self.chunks, self.placed, self.file_bytes, self.path, self.identity)
         new_path = self.path + ".load"
         _durable.discard(new_path)  # a leftover of an interrupted load
         identity = _swapdir.create_private_file(new_path)
-        try:
-            self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
-            self.place(placement)
-            self._fill_records(entries, source)
-            check()
-            os.replace(new_path, live[3])
-        except BaseException:
-            self.chunks, self.placed, self.file_bytes = live[:3]
-            self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
-            _durable.discard(new_path)
-            raise
-        finally:
-            self.path = live[3]
-        commit()
+        # A Ctrl-C is raised between the records written to the new file (the load is then abandoned, the live file
+        # untouched) and not after check(): landing after the rename, it would put back the old layout and identity
+        # over the new file (the old one gone: every later read refused, ESTALE), or leave the new records under
+        # the old step counts and groups. From there it is raised once the load is whole.
+        with DeferredSigint() as ctrl_c:
+            try:
+                self.chunks, self.placed, self.file_bytes, self.path, self.identity = [], {}, 0, new_path, identity
+                self.place(placement)
+                self._fill_records(entries, source, ctrl_c)
+                check()
+                ctrl_c.poll()
+                os.replace(new_path, live[3])
+            except BaseException:
+                self.chunks, self.placed, self.file_bytes = live[:3]
+                self.identity = live[4]  # on success the new file, renamed over the live path, keeps its identity
+                _durable.discard(new_path)
+                raise
+            finally:
+                self.path = live[3]
+            commit()
 
-    def _fill_records(self, entries, source):
+    def _fill_records(self, entries, source, ctrl_c):
         chunks = [c for c in self.chunks if any(seg.p in entries for seg in c.segments)]
 
         def work(chunk, views, s):
@@ -561,7 +658,7 @@ class NvmeState:
             finally:  # the record is written after this returns; no read may outlive its slot
                 finish_all(f.wait for f in futures)
 
-        self.run(chunks, lambda c: False, work, True)
+        self.run(chunks, lambda c: False, work, True, lambda i: ctrl_c.poll())
 
     def memory(self):
         """The swap file's bytes, the pinned slots (now, and the most they hold for the state placed so far), and

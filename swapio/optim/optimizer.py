@@ -10,7 +10,9 @@ The step is split so that an update can be driven from outside step(): _step_par
 given parameters with the gradients grad_of(p) returns (step() passes every parameter and p.grad), with the
 same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
+import contextlib
 import os
+import threading
 import warnings
 
 import torch
@@ -18,13 +20,13 @@ from torch.optim import Optimizer
 
 from ..core._errors import SwapioWarning, check_int
 from ..core._ranges import section
-from . import checkpoint, reference, state_dict_hooks, timing
+from . import checkpoint, reference, state_dict_hooks, timing, validate
 from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
-from .nvme_state import NvmeState
+from .nvme_state import NvmeState, unread_entries_message
 from .offloaded import OffloadedParams
 from .options import BufferBudget, io_settings
 from .params import FP32, PARAM_DTYPES, shard
@@ -80,6 +82,14 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
+        # One user of the state at a time: a step, an export, a save or a load. A thread that checkpoints
+        # (state_dict(), save()) while the training thread steps shares the nvme pipeline's slots and its record
+        # of the writes that finished, which would mark the step's parameters half-stepped, or write back a
+        # record holding the other's data; in cpu mode it would save a state half of the old step, half of the
+        # new. Held only around work on the state, never while waiting for the in_backward workers (which take
+        # it to step). Reentrant: load_state_dict() of a reference calls load().
+        self._state_lock = threading.RLock()
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
         # each). The step is held weakly but for in_backward work in flight, as for GpuInBackward (worker.HeldStep):
@@ -243,6 +253,7 @@ class OffloadOptimizer(Optimizer):
         chunks, stopped between them): its state is neither the old nor the new, so stepping, exporting or
         saving it would spread the damage. load() or load_state_dict() of a checkpoint makes it whole again."""
         self._check_open()
+        self._backend.check_process()  # nvme: a forked child must not touch the parent's swap file
         if self._torn:
             index = {id(p): i for i, (p, _) in enumerate(self.param_fields())}
             torn = sorted(index.get(id(p), -1) for p in self._torn)
@@ -253,9 +264,15 @@ class OffloadOptimizer(Optimizer):
     def _check_fields(self):
         """RuntimeError where a group now asks for state its parameters do not hold: amsgrad turned on after their
         first step (torch's own step fails there with a KeyError, and its state has no running maximum to give).
-        Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export."""
+        Raised by state_dict() and save() naming the way back, rather than a bare KeyError from the export.
+        Also where an entry of optimizer.state holds arrays the backend does not read (_check_entry), and where a
+        parameter is listed twice (_check_listed_once)."""
+        self._check_listed_once()
+        index = -1
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
+                index += 1
+                self._check_entry(p, index)
                 held = self._backend.held_fields(p) if self.state.get(p) else None
                 missing = [] if held is None else [f for f in self._rule.fields(p, group) if f not in held]
                 if missing:
@@ -264,6 +281,37 @@ class OffloadOptimizer(Optimizer):
                                        "(OffloadAdafactor: the parameter's number of dimensions changed). Set it "
                                        "back to False to step, export or save; a run with amsgrad needs it from the "
                                        "start")
+
+    def _check_listed_once(self):
+        """ValueError where a parameter is listed twice across the param groups: add_param_group refuses that, but
+        an edit of a group's list (`opt.param_groups[0]["params"].append(p)`) does not pass there. torch's
+        optimizers step such a parameter once per listing; the backends keep one state per parameter."""
+        seen = {}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                first = seen.setdefault(id(p), (i, j))
+                if first != (i, j):
+                    raise ValueError(f"param group {i} lists at position {j} a parameter already listed (group "
+                                     f"{first[0]}, position {first[1]}), after an edit of optimizer.param_groups: "
+                                     f"{type(self).__name__} steps each parameter once, so list each one once")
+
+    def _check_entry(self, p, index):
+        """RuntimeError where state[p] holds arrays the backend never reads (nvme mode, `opt.state[p] = {...,
+        "exp_avg": t}`), or was replaced by an entry with another count (nvme mode, a copy of opt.state put back
+        to roll back): stepping or exporting would use the swap file's arrays while opt.state[p] implies others."""
+        unread = self._backend.unread_entries(p)
+        if unread:
+            raise RuntimeError(f"parameter {index} of this {type(self).__name__}: "
+                               + unread_entries_message(unread, where="its entry in optimizer.state"))
+        replaced = self._backend.replaced_entry(p)
+        if replaced:
+            held = (f"its moments in the swap file are those of step {replaced[0]:g}" if replaced[0] is not None
+                    else "the swap file holds no state for it")
+            raise RuntimeError(f"parameter {index} of this {type(self).__name__}: its entry in optimizer.state was "
+                               f"replaced by one counting {replaced[1]:g} steps, while {held}. In nvme mode "
+                               "optimizer.state holds only the counts, so putting back a copy of it does not "
+                               "restore the moments: roll back with load_state_dict() of a state_dict() (or load() "
+                               "of a save()) taken then, or del opt.state[p] to start the parameter afresh")
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -355,6 +403,11 @@ class OffloadOptimizer(Optimizer):
         are complete, gradients accumulated somewhere other than p.grad. data_of(p): for an offloaded weight, the
         CPU tensor that holds its current compute-dtype value and receives the new one (else None). copies: the
         StepCopies GPU parameters' copies go on when the caller ends it (cpu mode; else the step's own)."""
+        with self._state_lock:
+            self._check_open()  # close() from another thread may have come first
+            self._step_params_locked(params, grad_of, data_of, copies)
+
+    def _step_params_locked(self, params, grad_of, data_of, copies):
         works, nonfinite = self._works(params, grad_of, data_of)
         if not works:
             return
@@ -398,6 +451,8 @@ class OffloadOptimizer(Optimizer):
     def _works(self, params, grad_of, data_of=None):
         """(a Work for each wanted parameter that has a gradient, in param-group order; the int8 non-finite
         counter or None). Checks every gradient before anything is stepped."""
+        if params is None:  # step(); the updates driven from backward hand each parameter over once
+            self._check_listed_once()
         rule, works, index = self._rule, [], -1
         wanted = None if params is None else {id(p) for p in params}
         nonfinite = torch.zeros((), dtype=torch.int64) if rule.format.counts_nonfinite else None
@@ -426,13 +481,16 @@ class OffloadOptimizer(Optimizer):
                                        f"parameter of shape {tuple(t.shape)} on {t.device}")
                 st = self.state.get(p)
                 new = not st
+                self._check_entry(p, index)
                 misfit = None if new else self._backend.state_misfit(p, t)
                 if misfit:  # p.data replaced by another size: stepping would read and write state it does not own
                     raise ValueError(f"parameter {index} of this {type(self).__name__} (now of shape "
                                      f"{tuple(t.shape)}) no longer fits its state, which {misfit}: its `.data` was "
                                      "replaced by a tensor of another size after its first step; give the optimizer "
                                      "a new parameter instead, or load a checkpoint made for this shape")
-                step = 1 if new else int(st["step"].item()) + 1
+                # a count set by hand may be a number (older torch kept ints): read as loading reads it
+                step = 1 if new else int(validate.step_count(
+                    st["step"], f"optimizer.state[p]['step'] of parameter {index}").item()) + 1
                 works.append(Work(p, g, step, rule.fields(p, group), rule.update, hyper, new,
                                   edited=not new and data is None and self._edited_outside(p), seed=index,
                                   nonfinite=nonfinite, data=data))
@@ -451,11 +509,12 @@ class OffloadOptimizer(Optimizer):
                     self._torn.add(w.p)
                 continue
             st = self.state[w.p]
-            if "step" in st:
+            if torch.is_tensor(st.get("step")):
                 st["step"].fill_(float(w.step))
             else:
                 st["step"] = torch.tensor(float(w.step), dtype=FP32)
             st.update(w.created or {})
+            self._backend.note_entry(w.p, st)
             if w.master and not w.external:
                 self._written[w.p] = (w.t._version, w.t.data_ptr())
 
@@ -516,7 +575,10 @@ class OffloadOptimizer(Optimizer):
         `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
 
         def commit():
+            self._installs += 1  # (load_state_dict: from here the backend holds the new state)
             self.__setstate__({"state": state, "param_groups": groups})
+            for p, _ in self.param_fields():  # (a parameter the loaded state leaves out holds none now)
+                self._backend.note_entry(p, self.state.get(p))
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 
@@ -537,9 +599,10 @@ class OffloadOptimizer(Optimizer):
         for states larger than RAM use save()/load(). torch's Optimizer.state_dict() builds it (its hooks
         included); a post-hook of ours fills in the state from the backend first."""
         self._settle()
-        self._check_whole()
-        self._check_fields()
-        return super().state_dict()
+        with self._state_lock:
+            self._check_whole()
+            self._check_fields()
+            return super().state_dict()
 
     def load_state_dict(self, state_dict):
         """Loads torch's format (from this optimizer or its torch.optim counterpart), keeping the state in fp32 even
@@ -548,23 +611,30 @@ class OffloadOptimizer(Optimizer):
         A reference ({REFERENCE_KEY: directory}: what the Trainer integration leaves in optimizer.pt instead of
         the state) loads that streaming checkpoint with load()."""
         self._check_open()
+        self._backend.check_process()
         self._settle()
         path = reference.target(state_dict)
         if path is not None:
             reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
-        live_state, live_groups = dict(self.state), self.param_groups
-        try:
-            super().load_state_dict(state_dict)
-        except BaseException:
-            # torch installs the new groups before our post-hook installs the state; the backend leaves its
-            # storage as it was on failure, so putting the live groups and state back restores the optimizer.
-            self.state.clear()
-            self.state.update(live_state)
-            self.param_groups = live_groups
-            raise
-        finally:
-            state_dict_hooks.discard_taken(self)
+        with self._state_lock:
+            self._check_open()
+            live_state, live_groups, installs = dict(self.state), self.param_groups, self._installs
+            try:
+                super().load_state_dict(state_dict)
+            except BaseException:
+                # torch installs the new groups before our post-hook installs the state; the backend leaves its
+                # storage as it was on failure, so putting the live groups and state back restores the optimizer.
+                # Once the state is installed (a user's post-hook raised after ours, a Ctrl-C deferred to the end
+                # of the install), the backend holds the new arrays: the new counts and groups stay with them, as
+                # torch keeps the loaded state when a post-hook raises.
+                if self._installs == installs:
+                    self.state.clear()
+                    self.state.update(live_state)
+                    self.param_groups = live_groups
+                raise
+            finally:
+                state_dict_hooks.discard_taken(self)
 
     def save(self, path, *, progress=None):
         """Writes the optimizer (param groups and all state) to the directory `path` as one safetensors file,
@@ -574,18 +644,22 @@ class OffloadOptimizer(Optimizer):
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
         self._settle()
-        self._check_whole()
-        self._check_fields()
         self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
-        checkpoint.save(self, path, progress)
+        with self._state_lock:
+            self._check_whole()
+            self._check_fields()
+            checkpoint.save(self, path, progress)
 
     def load(self, path, *, progress=None):
         """Loads a checkpoint written by save() (from either offload mode, or an older swapio's format version 3),
         streaming one chunk at a time.
         progress: a bar of the bytes read, as for save()."""
         self._check_open()
+        self._backend.check_process()
         self._settle()
-        checkpoint.load(self, path, progress)
+        with self._state_lock:
+            self._check_open()
+            checkpoint.load(self, path, progress)
 
     def memory_report(self):
         """Where the state lives and what it costs: {"offload", "state_dtype", "params" (elements with state),
@@ -637,7 +711,10 @@ class OffloadOptimizer(Optimizer):
 
     def close(self):
         """Releases the swap file, its directory and the I/O handles (nvme mode). Idempotent."""
-        backend, self._backend = getattr(self, "_backend", None), None
+        # a step, export, save or load running on another thread ends first (the next one raises "closed"); the
+        # lock is not held while the parts below wait for their workers, which take it to step
+        with self.__dict__.get("_state_lock") or contextlib.nullcontext():
+            backend, self._backend = getattr(self, "_backend", None), None
         # each part closed even when one before it raised (a Ctrl-C while a worker is waited for is raised once
         # everything is released); the offloaded params before the backend's directory, which may hold their sums
         parts = (self.__dict__.get("_offloaded"), self.__dict__.get("_gpu_in_backward"),

@@ -93,6 +93,7 @@ def _take_state(opt, state_dict):
         values[p] = {}
         for key, val in entry.items():
             if key in opt.state_keys:
+                validate.has_values(key, val, where)
                 val = policy(p, val, k, state_dict["param_groups"], key)  # a DTensor's local shard, fp32 CPU
                 shape = shard(p).shape
                 validate.state_tensor(key, val, opt.state_format.shape(key, shape), shape, where)

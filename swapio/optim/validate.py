@@ -21,9 +21,20 @@ def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def has_values(name, value, where):
+    """ValueError for a tensor on the meta device: it holds no values to load (a state dict read with
+    map_location="meta", or made under torch.device("meta") / init_empty_weights), and copying it fails with
+    torch's bare "Cannot copy out of meta tensor"."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise ValueError(f"{where}: {name!r} is on the meta device, which holds no values (a state dict loaded with "
+                         "map_location='meta', or made under torch.device('meta')): load one whose tensors hold "
+                         "the state")
+
+
 def step_count(value, where):
     """The fp32 0-d tensor of a step count given as a whole number from 0 to 2**24: a number (older torch wrote
     ints) or a one-element real tensor."""
+    has_values("step", value, where)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"{where}: 'step' must be a one-element real tensor, got {value.dtype} of shape "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import swapio
+import swapio.optim as so
 from swapio.optim import checkpoint
 from helpers.optim import one_thread  # noqa: F401
 from helpers.resume import assert_same, assert_trains_like_fresh, make_opt, snapshot, train
@@ -296,3 +297,25 @@ def test_a_file_system_without_flock_on_directories_saves_and_loads_unlocked(tmp
     other = make_opt("adamw", params, "cpu", tmp_path)
     other.load(tmp_path / "ckpt")
     assert_same(snapshot(other, params), before)
+
+
+@pytest.mark.parametrize("given", ["the checkpoint's file", "another file"])
+def test_save_and_load_given_a_file_say_they_take_the_directory(given, tmp_path):
+    """opt.load("ckpt/swapio-optim.safetensors") said "no swapio optimizer checkpoint directory" of a file that is
+    there, and opt.save() onto a file failed in makedirs with a bare "File exists"."""
+    p = torch.ones(8, requires_grad=True)
+    opt = so.OffloadAdamW([p])
+    p.grad = torch.ones(8)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "swapio-optim.safetensors"
+    if given == "another file":
+        path = tmp_path / "notes.txt"
+        path.write_text("x")
+    before = path.read_bytes()
+    for call in (opt.save, opt.load):
+        with pytest.raises(NotADirectoryError, match=r"takes a checkpoint directory.*this path is a file"):
+            call(path)
+    assert path.read_bytes() == before
+    opt.load(tmp_path / "ckpt")  # the directory still loads
+    opt.close()

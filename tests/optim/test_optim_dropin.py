@@ -152,3 +152,20 @@ def test_a_backward_through_weights_stepped_since_raises_as_with_torch(cls, dtyp
             warnings.simplefilter("error")  # its own writes are not taken for outside edits
             w.grad = torch.randn_like(w)
             opt.step()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_a_model_cast_to_bf16_after_its_first_step_is_refused_naming_the_dtype(mode, tmp_path):
+    """model.to(torch.bfloat16) after a step: an fp32 parameter (its own master) now needs a master its state
+    lacks. cpu mode blamed amsgrad or the number of dimensions; the error names the dtype change now."""
+    model = torch.nn.Linear(4, 4)
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    opt = so.OffloadAdamW(model.parameters(), offload=mode, **extra)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model.to(torch.bfloat16)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"(?s)changed.*dtype|dtype.*changed"):
+        opt.step()
+    opt.close()

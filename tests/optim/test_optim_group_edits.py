@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import swapio.optim as so
-from helpers.optim import masters, one_thread, rel_diff  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, masters, one_thread, rel_diff  # noqa: F401
 
 MODES = ["cpu", "nvme"]
 EDITS = [{}, {"lr": 3e-3}, {"betas": (0.5, 0.9)}, {"weight_decay": 0.3}, {"eps": 1e-3}, {"maximize": True},
@@ -96,3 +96,31 @@ def test_a_group_edited_to_an_invalid_value_is_refused_at_step_naming_the_group_
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert [float(ours.state[p]["step"]) for p in params] == steps
     ours.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+@pytest.mark.parametrize("where", ["same group", "another group"])
+def test_a_parameter_listed_twice_by_editing_a_group_is_refused_before_any_change(where, mode, tmp_path):
+    """add_param_group refuses a parameter listed twice, but appending to a group's list bypassed it: such a
+    parameter was updated once per listing but counted once a step (torch counts each), silently.
+    step(), state_dict() and save() now refuse it, naming the positions, before anything is stepped."""
+    params = [torch.randn(300, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(3)]
+    extra = {"swap_dir": tmp_path, **SMALL_BUFFERS} if mode == "nvme" else {}
+    opt = so.OffloadAdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], lr=1e-2, offload=mode,
+                          **extra)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    group = opt.param_groups[0 if where == "same group" else 1]
+    group["params"].append(params[0])
+    listed = 2 if where == "same group" else 1
+    for call in (opt.step, opt.state_dict, lambda: opt.save(tmp_path / "ckpt")):
+        with pytest.raises(ValueError, match=rf"position {listed} a parameter already listed \(group 0, position 0\)"):
+            call()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == [1.0] * 3
+    group["params"].pop()
+    opt.step()  # listed once again: on as before
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 3
+    opt.close()

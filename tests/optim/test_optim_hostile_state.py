@@ -9,6 +9,7 @@ import torch
 
 import swapio
 
+import swapio.optim as so
 from swapio.optim import checkpoint
 from helpers.optim import one_thread  # noqa: F401
 from helpers.resume import assert_same, assert_trains_like_fresh, make_opt, make_params, snapshot, train
@@ -237,3 +238,24 @@ def test_a_run_whose_moments_overflowed_resumes_like_torch(mode, via, tmp_path):
     ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=1e-3)
     ref.load_state_dict(sd)  # torch takes it as it is
     opt.close(); other.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+@pytest.mark.parametrize("field", ["exp_avg", "step"])
+def test_a_state_dict_on_the_meta_device_is_refused_naming_it_and_the_state_kept(field, mode, tmp_path):
+    """A state dict read with map_location="meta" (or made under torch.device("meta")) holds no values: loading
+    it failed with torch's bare "Cannot copy out of meta tensor; no data!" (or "item() cannot be called on meta
+    tensors")."""
+    p = torch.randn(4, 5, requires_grad=True)
+    extra = {"swap_dir": tmp_path} if mode == "nvme" else {}
+    opt = so.OffloadAdamW([p], offload=mode, **extra)
+    p.grad = torch.ones(4, 5)
+    opt.step()
+    before = {k: t.clone() for k, t in opt.state_dict()["state"][0].items()}
+    sd = opt.state_dict()
+    sd["state"][0] = {**sd["state"][0], field: torch.empty_like(sd["state"][0][field], device="meta")}
+    with pytest.raises(ValueError, match=rf"parameter 0: '{field}' is on the meta device, which holds no values"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], t) for k, t in before.items())
+    opt.close()

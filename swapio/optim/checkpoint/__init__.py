@@ -37,8 +37,17 @@ from .writer import write_file
 __all__ = ["FILE", "FORMAT", "LEGACY_META", "VERSION", "load", "read_meta", "save"]
 
 
+def _not_a_directory(path, what):
+    """NotADirectoryError where `path` is a file: opt.save()/opt.load() take the checkpoint's directory (a user
+    may pass the swapio-optim.safetensors inside it, or any file, by mistake)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"opt.{what}() takes a checkpoint directory (which holds {FILE}), "
+                                 "but this path is a file", path)
+
+
 def save(opt, path, progress=False):
     path = os.fspath(path)
+    _not_a_directory(path, "save")
     os.makedirs(path, exist_ok=True)
     with dir_lock.locked(path, exclusive=True):
         write_file(opt, path, progress)
@@ -51,6 +60,7 @@ def save(opt, path, progress=False):
 
 def load(opt, path, progress=False):
     path = os.fspath(path)
+    _not_a_directory(path, "load")
     if not os.path.isdir(path):
         raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
     with dir_lock.locked(path, exclusive=False):  # no save removes the files while they are read

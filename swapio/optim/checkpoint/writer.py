@@ -15,7 +15,7 @@ from ...checkpoint.format import plan_state
 from ...core import _checksum
 from ...safetensors.dtypes import dtype_name
 from ...safetensors.file_writer import FileWriter
-from .. import state_transfer
+from .. import state_transfer, validate
 from ..params import shard
 from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, VERSION
 
@@ -84,7 +84,8 @@ def _structure(opt):
                 continue
             stateful.append(p)
             t = shard(p)
-            state[k] = {"step": int(opt.state[p]["step"].item())}
+            state[k] = {"step": int(validate.step_count(opt.state[p]["step"], f"optimizer.state[p]['step'] of "
+                                                          f"parameter {k}").item())}
             for name in fields_of[p]:
                 shape = fmt.shape(name, t.shape)
                 state[k][name] = slots[k, name] = torch.empty(shape, dtype=fmt.dtype(name), device="meta")
