@@ -59,6 +59,7 @@ class SavedWeights:
         self._cache = {}  # slot -> weakref to its refetched tensor, shared by the nodes unpacking it meanwhile
         self.refetches = 0
         self.lower = _Lower()
+        self._host_records = None  # storage data_ptr -> the records whose host copies it holds (cpu_offload)
 
     def enter(self, entered):
         """Installs the hooks, recorded in `entered` first: a Ctrl-C landing anywhere in here leaves a record that
@@ -76,7 +77,7 @@ class SavedWeights:
         if token is not None:
             return token
         lower = self.lower.hooks
-        if lower is None:
+        if lower is None or self._host_records_of(t):  # a weight's host copy is no activation to offload
             return Kept(t)  # (checked for changes in place at unpack, as autograd does without hooks)
         return _Delegated(lower[1], lower[0](t))
 
@@ -102,11 +103,36 @@ class SavedWeights:
         if isinstance(saved, _Delegated):
             return saved.unpack(saved.packed)
         if isinstance(saved, Kept):
-            return saved.unpack()
+            try:
+                return saved.unpack()
+            except RuntimeError:
+                self._check_host_copy(saved.tensor)
+                raise
         if not isinstance(saved, _Token):
             return saved
         base = self._fetch(saved.slot, saved.unit)
         return torch.as_strided(base, saved.size, saved.stride, base.storage_offset() + saved.offset)
+
+    def _check_host_copy(self, t):
+        """A saved tensor changed in place: if it is in a record's host copy (cpu_offload computing on the CPU saves
+        the weights themselves), an in_backward update that rewrote it says so (a second backward), as the weights
+        fetched again do in _fetch, whichever of the two the update's progress lets the backward reach first."""
+        for record in self._host_records_of(t):
+            self.streamer.training.check_backward(record)
+
+    def _host_records_of(self, t):
+        """The records whose host copies share t's storage (several where they are views of one checkpoint mmap)."""
+        if self._host_records is None:
+            by_storage = {}
+            for record, host in (self.streamer.fetcher.hosts or {}).items():
+                by_storage.setdefault(host.untyped_storage().data_ptr(), []).append(record)
+            self._host_records = by_storage
+        if not self._host_records or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return ()
+        try:
+            return self._host_records.get(t.untyped_storage().data_ptr(), ())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return ()
 
     def _fetch(self, slot, unit):
         ref = self._cache.get(slot)

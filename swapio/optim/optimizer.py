@@ -12,13 +12,13 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import contextlib
 import os
-import threading
 import warnings
 
 import torch
 from torch.optim import Optimizer
 
 from ..core._errors import SwapioWarning, check_int
+from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from . import checkpoint, reference, state_dict_hooks, timing, validate
 from .cpu_state import CpuState
@@ -89,7 +89,7 @@ class OffloadOptimizer(Optimizer):
         # record holding the other's data; in cpu mode it would save a state half of the old step, half of the
         # new. Held only around work on the state, never while waiting for the in_backward workers (which take
         # it to step). Reentrant: load_state_dict() of a reference calls load().
-        self._state_lock = threading.RLock()
+        self._state_lock = ForkAwareLock(f"this {type(self).__name__}")  # (usable in a fork child)
         self._last_step = self._step_total = None  # step_report()
         # weights of swapio-offloaded models (offloaded.py), updated in batches (one pass of the state pipeline
         # each). The step is held weakly but for in_backward work in flight, as for GpuInBackward (worker.HeldStep):

@@ -67,3 +67,52 @@ def test_a_forked_child_cannot_use_the_parents_nvme_optimizer(use, tmp_path):
     for p, q in zip(params, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     ours.close()
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["another-thread-checkpointing", "idle"])
+def test_a_forked_child_of_a_cpu_optimizer_steps_or_says_why_not(busy, tmp_path):
+    """BUG: fork() while another thread was inside the optimizer (a checkpoint thread's state_dict(), here held in
+    a state_dict pre-hook) copied its lock as held, and a child that then stepped the cpu-mode optimizer hung for
+    good. The child now gets a RuntimeError naming the fork (its copy of the state may be half-changed); forked
+    while nobody used it, the child steps as torch does. The parent goes on as torch's AdamW either way."""
+    import threading
+    params = [torch.randn(N, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(2)]
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    ours = so.OffloadAdamW(params, lr=1e-2, offload="cpu")
+    theirs = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    _feed(params, ref, 0)
+    ours.step()
+    theirs.step()
+    inside, leave = threading.Event(), threading.Event()
+    ours.register_state_dict_pre_hook(lambda opt: (inside.set(), leave.wait(30)))
+    checkpointing = threading.Thread(target=ours.state_dict)
+    if busy:
+        checkpointing.start()
+        assert inside.wait(30)
+    _feed(params, ref, 1)
+
+    def child():
+        if busy:
+            with pytest.raises(RuntimeError, match=r"(?s)in use on another thread.*forked"):
+                ours.step()
+        else:
+            want = [q.detach().clone().requires_grad_(True) for q in ref]
+            torch_opt = torch.optim.AdamW(want, lr=1e-2, foreach=False)
+            torch_opt.load_state_dict(theirs.state_dict())
+            for w, q in zip(want, ref):
+                w.grad = q.grad.clone()
+            ours.step()
+            torch_opt.step()
+            for p, w in zip(params, want):
+                torch.testing.assert_close(p.detach(), w.detach(), rtol=1e-6, atol=1e-7)
+
+    try:
+        assert run_in_child(child) == 0
+    finally:
+        leave.set()
+        if busy:
+            checkpointing.join(30)
+    ours.step()
+    theirs.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
