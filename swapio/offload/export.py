@@ -36,6 +36,7 @@ from .hf_model import is_transformers_model
 from .registry import offloaded
 from .streamer import WeightStreamer
 from .units import check_unchanged
+from .wrappers import unwrap
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}(?:\.swapio-[0-9a-f]{8})?\.safetensors")  # with the tag of _publish
@@ -120,6 +121,8 @@ def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False
     transformers model a peft model wraps), its own tensors saved under its own names."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if unwrap(model) is not model:  # torch.compile's wrapper: the plain model's names, as save_pretrained
+        model, part = unwrap(model), True
     limit = None if max_shard_size is None else shard_size(max_shard_size)
     path = os.path.abspath(os.fspath(path))
     single = path.endswith(".safetensors") or (limit is None and not os.path.isdir(path))

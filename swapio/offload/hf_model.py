@@ -3,6 +3,7 @@ the per-model method overrides (hf_save.py, hf_resize.py) set in its instance __
 import weakref
 
 from .no_copy import refuse_copy
+from .wrappers import unwrap
 
 
 def is_transformers_model(model):
@@ -12,7 +13,8 @@ def is_transformers_model(model):
 
 def transformers_model_of(model):
     """The transformers model `model` is, or the one a peft model wraps (its get_base_model(), whose checkpoint
-    it reads: names.py); None for another model."""
+    it reads: names.py), inside torch.compile's wrapper (wrappers.py) if any; None for another model."""
+    model = unwrap(model)
     if is_transformers_model(model):
         return model
     get_base = getattr(model, "get_base_model", None)

@@ -23,10 +23,13 @@ then raises a ValueError naming the buffer and the ways out.
 import torch
 
 from .names import aliases, find
+from .wrappers import unwrap
 
 
 def _transformers_model(model):
-    """The transformers PreTrainedModel inside `model` (itself, or peft's base model), or None."""
+    """The transformers PreTrainedModel inside `model` (itself, or peft's base model, inside
+    torch.compile's wrapper if any), or None."""
+    model = unwrap(model)
     get_base = getattr(model, "get_base_model", None)
     root = get_base() if callable(get_base) else model
     return root if hasattr(root, "config") and hasattr(root, "_init_weights") else None

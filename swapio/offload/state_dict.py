@@ -1,16 +1,17 @@
 """cpu_offload(state_dict=...) (accelerate's argument): the weights to offload, given instead of the model's own.
 
-The model may be on meta. Every model tensor the dict holds (under any of its names, peft's included) is replaced
-by the dict's tensor before offloading, as load_state_dict(assign=True) would; a tied tensor gets the value of
-whichever of its names the dict has, and stays tied. Keys that name no tensor of the model, and shapes or dtypes
-that differ from the model's, are ValueErrors: a silently ignored key would leave the model's own (or meta)
-weights in place.
+The model may be on meta. Every model tensor the dict holds (under any of its names, peft's and torch.compile's
+included: wrappers.py) is replaced by the dict's tensor before offloading, as load_state_dict(assign=True)
+would; a tied tensor gets the value of whichever of its names the dict has, and stays tied. Keys that name no
+tensor of the model, and shapes or dtypes that differ from the model's, are ValueErrors: a silently ignored key
+would leave the model's own (or meta) weights in place.
 """
 from collections.abc import Mapping
 
 import torch
 
 from .names import aliases
+from .wrappers import keys_as_model_names
 
 
 def _tensors(model):
@@ -27,6 +28,7 @@ def _tensors(model):
 def assign_state_dict(model, state_dict):
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    state_dict = keys_as_model_names(model, state_dict)  # a compiled model, the plain one's dict
     entries = _tensors(model)
     value_of, used = {}, set()  # id(model tensor) -> the dict's tensor; keys that found a tensor
     for _, _, _, name, t in entries:
