@@ -73,6 +73,16 @@ def test_compiled_submodule_offloads_from_the_plain_models_weights(tmp_path, how
     _assert_equal_outputs(_outputs(model, MLP), want)
 
 
+def test_compiled_peft_model_reads_the_base_models_checkpoint(tmp_path):
+    """Both wrappers at once: `_orig_mod.base_model.model.b.base_layer.weight` is the checkpoint's `b.weight`."""
+    peft = pytest.importorskip("peft")
+    ref = make_model(MLP)
+    lora = peft.LoraConfig(target_modules=["b"], r=2)  # lora_B starts at zero: the base model's outputs
+    model = _compiled(peft.get_peft_model(make_model(MLP, seed=3), lora))
+    disk_offload(model, checkpoint=save_checkpoint_file(ref, tmp_path / "ref.safetensors"))
+    _assert_equal_outputs(_outputs(model, MLP), _outputs(ref, MLP))
+
+
 def test_the_wrapped_models_own_names_are_found_first(tmp_path):
     """A checkpoint of the compiled model's state_dict (torch's names, `_orig_mod.` included) reads as before."""
     ref = _compiled(make_model(MLP))
