@@ -27,8 +27,8 @@ def unwrap(model):
 
 
 def unwrapped_names(model):
-    """{name: the name without torch.compile's wrapper segments} of every parameter and buffer of `model` (tied ones under
-    each of their names) whose name has such a segment."""
+    """{name: the name without torch.compile's wrapper segments} of every parameter and buffer of `model` (tied
+    ones under each of their names) whose name has such a segment."""
     out = {}
     stack = [(model, "", "")]
     while stack:
@@ -63,7 +63,8 @@ def under_model_names(model, locations):
 def keys_as_model_names(model, state_dict):
     """A state_dict of the plain model with its keys as `model` (wrapped) names the tensors: each key that is a
     wrapped tensor's unwrapped name (or a peft alias of it) and no tensor's own name is renamed; others are kept
-    (assign_state_dict reports those naming no tensor, and a tensor given under both names). `state_dict` itself when the model has no wrapper."""
+    (assign_state_dict reports those naming no tensor, and a tensor given under both names). `state_dict` itself
+    when the model has no wrapper."""
     renamed = unwrapped_names(model)
     if not renamed:
         return state_dict
