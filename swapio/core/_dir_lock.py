@@ -23,9 +23,14 @@ def locked(path, exclusive, what="optimizer checkpoint directory"):
         try:
             fcntl.flock(owned.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OSError(errno.EBUSY, f"another live process is {'using' if exclusive else 'saving into'} this "
-                          f"{what}; a save there now would overwrite or delete its files: "
-                          "wait for it, or save elsewhere", path) from None
+            # (flock conflicts between two opens of the directory, so the holder may be this very process)
+            if exclusive:
+                message = (f"another live process (or another save or load of this one) is using this {what}; a "
+                           "save there now would overwrite or delete its files: wait for it, or save elsewhere")
+            else:
+                message = (f"another live process (or another save of this one) is saving into this {what}; a "
+                           "load now would read files it has not finished: wait for it")
+            raise OSError(errno.EBUSY, message, path) from None
         except OSError as exc:
             if exc.errno not in _UNSUPPORTED:
                 raise

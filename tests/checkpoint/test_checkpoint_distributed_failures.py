@@ -356,7 +356,8 @@ def test_a_rank_interrupted_mid_save_tells_the_others_which_raise_naming_it(fail
 def test_a_directory_another_job_is_saving_into_is_refused_on_every_rank_before_any_write(failures):
     _, seen = failures
     _ran(seen, "busy")
-    assert seen[0]["busy"].startswith("OSError: [Errno 16] another live process is using this distributed checkpoint")
+    assert seen[0]["busy"].startswith("OSError: [Errno 16] another live process (or another save or load of this one) "
+                                      "is using this distributed checkpoint")
     assert seen[1]["busy"].startswith("RuntimeError: swapio.checkpoint: rank 0 failed to start the save (OSError: "
                                       "[Errno 16]")
     _kept_previous(seen, "busy")
