@@ -45,17 +45,35 @@ def _not_a_directory(path, what):
                                  "but this path is a file", path)
 
 
+def _missing_directories(path):
+    """The directories of `path` that do not exist yet, deepest first."""
+    out, d = [], os.path.abspath(path)
+    while not os.path.lexists(d) and os.path.dirname(d) != d:
+        out.append(d)
+        d = os.path.dirname(d)
+    return out
+
+
 def save(opt, path, progress=False):
     path = os.fspath(path)
     _not_a_directory(path, "save")
+    made = _missing_directories(path)
     os.makedirs(path, exist_ok=True)
-    with dir_lock.locked(path, exclusive=True):
-        write_file(opt, path, progress)
-        # the files this checkpoint replaced: the previous one (unlinked by a helper thread), a version <= 3 one
-        commit.wait_for_unlinks()
-        _durable.discard(os.path.join(path, LEGACY_META))
-        for prefix, suffixes in LEGACY:
-            _durable.remove_others(path, prefix, suffixes, keep=None)
+    try:
+        with dir_lock.locked(path, exclusive=True):
+            write_file(opt, path, progress)
+            # the files this checkpoint replaced: the previous one (unlinked by a helper thread), a version <= 3 one
+            commit.wait_for_unlinks()
+            _durable.discard(os.path.join(path, LEGACY_META))
+            for prefix, suffixes in LEGACY:
+                _durable.remove_others(path, prefix, suffixes, keep=None)
+    except BaseException:
+        for directory in made:  # a failed first save leaves no empty directories (rmdir: only empty ones go)
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+        raise
 
 
 def load(opt, path, progress=False):
