@@ -63,3 +63,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def stepped_cpu_adamw(numel):
+    """A cpu-mode OffloadAdamW over one parameter of `numel` ones, stepped once (so that it has state to save)."""
+    p = torch.ones(numel, requires_grad=True)
+    opt = so.OffloadAdamW([p], lr=1e-2, offload="cpu")
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    return opt

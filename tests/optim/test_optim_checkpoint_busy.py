@@ -5,22 +5,13 @@ too, and a refused load says what a load would have read."""
 import errno
 
 import pytest
-import torch
 
-import swapio.optim as so
+from helpers.optim import stepped_cpu_adamw
 from swapio.core import _dir_lock
 
 
-def _stepped():
-    p = torch.ones(64, requires_grad=True)
-    opt = so.OffloadAdamW([p], lr=1e-2, offload="cpu")
-    p.grad = torch.full_like(p, 0.5)
-    opt.step()
-    return opt
-
-
 def test_a_save_while_this_process_saves_there_is_refused_naming_this_process(tmp_path):
-    opt = _stepped()
+    opt = stepped_cpu_adamw(64)
     ckpt = tmp_path / "ckpt"
     opt.save(ckpt)
     with _dir_lock.locked(str(ckpt), exclusive=True):  # another save of this process, in progress

@@ -11,14 +11,7 @@ import torch
 
 import swapio.optim as so
 from helpers.fork import run_in_child
-
-
-def _stepped():
-    p = torch.ones(100_000, requires_grad=True)
-    opt = so.OffloadAdamW([p], lr=1e-2, offload="cpu")
-    p.grad = torch.full_like(p, 0.5)
-    opt.step()
-    return opt
+from helpers.optim import stepped_cpu_adamw
 
 
 def _fails_for_its_size(save):
@@ -33,7 +26,7 @@ def _fails_for_its_size(save):
 
 
 def test_a_failed_first_save_leaves_no_directories(tmp_path):
-    opt = _stepped()
+    opt = stepped_cpu_adamw(100_000)
     target = tmp_path / "runs" / "step-1"
 
     def child():
@@ -50,7 +43,7 @@ def test_a_failed_save_into_an_existing_checkpoint_keeps_it(tmp_path):
     first.step()
     target = tmp_path / "ckpt"
     first.save(target)
-    opt = _stepped()
+    opt = stepped_cpu_adamw(100_000)
 
     def child():
         _fails_for_its_size(lambda: opt.save(target))
