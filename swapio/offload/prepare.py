@@ -23,21 +23,12 @@ then raises a ValueError naming the buffer and the ways out.
 import torch
 
 from .names import aliases, find
-from .wrappers import unwrap
-
-
-def _transformers_model(model):
-    """The transformers PreTrainedModel inside `model` (itself, or peft's base model, inside
-    torch.compile's wrapper if any), or None."""
-    model = unwrap(model)
-    get_base = getattr(model, "get_base_model", None)
-    root = get_base() if callable(get_base) else model
-    return root if hasattr(root, "config") and hasattr(root, "_init_weights") else None
+from .hf_model import transformers_model_of
 
 
 def retie(model, locations):
     """Ties transformers' tied weights again when the checkpoint holds one of the names only."""
-    root = _transformers_model(model)
+    root = transformers_model_of(model)
     if root is None or not callable(getattr(root, "tie_weights", None)):
         return
     missing = {n for n, _ in root.named_parameters(remove_duplicate=False) if find(locations, n) is None}
@@ -74,7 +65,7 @@ def compute_buffers(model, locations):
             name = f"{mname}.{attr}" if mname else attr
             if b is not None and b.device.type == "meta" and find(locations, name) is None:
                 pending.setdefault(module, []).append(("buffer", attr, name))
-    return _compute(_transformers_model(model), pending)
+    return _compute(transformers_model_of(model), pending)
 
 
 def computed_parameters(model, locations):
@@ -82,7 +73,7 @@ def computed_parameters(model, locations):
     model's _keys_to_ignore_on_save: Marian's sinusoidal position embeddings) where the checkpoint lacks them:
     they stay resident, computed first (as compute_buffers does) when on meta. ValueError for one it could not
     compute."""
-    root = _transformers_model(model)
+    root = transformers_model_of(model)
     ignored = set(getattr(root, "_keys_to_ignore_on_save", None) or ()) if root is not None else set()
     if not ignored:
         return []
