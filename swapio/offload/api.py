@@ -18,6 +18,7 @@ from .layout import group_records, pack, place_on_disk
 from .hf_checkpoint_names import as_model_names
 from .names import checkpoint_names, find
 from .wrappers import under_model_names
+from .data_parallel import refuse_wrapped
 from .prepare import buffer_owners_outside, compute_buffers, computed_parameters, retie
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
@@ -37,21 +38,6 @@ def _check_model(model):
         if hasattr(m, "_hf_hook"):
             raise ValueError("this model has accelerate hooks (_hf_hook); remove them "
                              "(accelerate.hooks.remove_hook_from_submodules) before offloading with swapio")
-
-
-def _check_no_data_parallel(model):
-    """DistributedDataParallel and DataParallel cannot wrap offloaded weights: DDP all-reduces gradients through
-    hooks on the parameters, which an offloaded module does not compute with (it fetches the weights), so each
-    process would train its own weights without a word; DataParallel would copy the meta placeholders to each
-    GPU. A ValueError naming the wrapper, before anything changes."""
-    for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            where = f"{name}.module" if name else "model.module"
-            raise ValueError(f"{type(m).__name__} over offloaded weights is not supported: its gradients would not "
-                             "be synchronized (an offloaded module computes with weights it fetches, not with the "
-                             f"parameters {type(m).__name__} hooks), so each process would train apart. Offload "
-                             f"the model it wraps ({where}) and run it without {type(m).__name__}: for inference it "
-                             "adds nothing, and training offloaded weights runs on one process")
 
 
 def _attach(model, streamer, original, preload_names=()):
@@ -214,7 +200,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     model's own (the model may be on meta). `preload_module_classes`: class names of modules that get all their
     submodules' weights at the start of their forward. Returns the model."""
     _check_model(model)
-    _check_no_data_parallel(model)
+    refuse_wrapped(model)
     prefetch = _check_common(prefetch, offload_buffers)
     preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
@@ -320,7 +306,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
                          "them from a safetensors checkpoint), or both (train weights read from a checkpoint: "
                          "offload_dir receives the trained ones)")
     _check_model(model)
-    _check_no_data_parallel(model)
+    refuse_wrapped(model)
     offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
     checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
     if progress is not None and not isinstance(progress, bool):

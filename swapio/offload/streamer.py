@@ -16,6 +16,7 @@ import torch
 from ..core._ranges import section
 from ..core._signals import DeferredSigint
 from . import compiled, conversions, loading, onload, saved_tensors, saving
+from .data_parallel import WrappedForwardCheck
 from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
@@ -91,6 +92,7 @@ class WeightStreamer:
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
         self.handles = []
+        self._check_wrapper = WrappedForwardCheck(model, slots)  # DDP around the model: data_parallel.py
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
@@ -123,9 +125,11 @@ class WeightStreamer:
             raise
 
     def _check_inputs(self, module, args, kwargs):
+        self._check_wrapper(module)
         refuse_meta_inputs(args, kwargs, self.device)  # (each offloaded module checks its own inputs too)
 
     def _move_inputs(self, module, args, kwargs):
+        self._check_wrapper(module)
         refuse_meta_inputs(args, kwargs, self.device)
         move = move_to(self.device)
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}

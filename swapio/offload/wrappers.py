@@ -6,7 +6,7 @@ checkpoint, saved from the plain model (save_pretrained and accelerate's save_mo
 accelerate's load_checkpoint_in_model reaches through it (the wrapper forwards attribute lookups), so swapio
 looks a compiled model's tensor up under its unwrapped name too, and saves the unwrapped names. The wrapper is
 recognised by its type, not by the name. (DistributedDataParallel and DataParallel over offloaded weights are
-refused instead: api.py.)
+refused instead: data_parallel.py.)
 """
 from .compiled import is_compile_wrapper
 from .names import aliases
