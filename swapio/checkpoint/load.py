@@ -211,6 +211,8 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
                 dest = t.detach()
                 direct.append((tg.loc, tg.byte_view(dest)))
                 tensors[name] = t
+                if not t.is_inference():  # the read writes t in place, as copy_ would: autograd and the
+                    torch.autograd.graph.increment_version(t)  # offloaded optimizers' adoption must see it
                 continue
             if t.is_contiguous():
                 dest = t.detach()

@@ -91,7 +91,9 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
         if name not in DISK_OFFLOAD_ARGUMENTS:
             raise TypeError(f"swapio.offload.from_pretrained() got an unexpected keyword argument {name!r} (it takes "
                             "dtype/torch_dtype, device_map, low_cpu_mem_usage and disk_offload's "
-                            f"{', '.join(DISK_OFFLOAD_ARGUMENTS)})")
+                            f"{', '.join(DISK_OFFLOAD_ARGUMENTS)}). Settings of the model's config, such as "
+                            "attn_implementation= or use_cache=, go in the config you pass instead of the class: "
+                            f"from_pretrained(AutoConfig.from_pretrained(checkpoint_dir, {name}=...), checkpoint_dir)")
     if torch_dtype is not None:
         if dtype is not None:
             raise TypeError("pass dtype= or torch_dtype= (its older name), not both")

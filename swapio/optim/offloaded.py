@@ -501,7 +501,7 @@ class OffloadedParams(TrainableOwner):
             for name, part in training.pinned().items():
                 add(name, part["bytes"], part["budget"])
             cuda = cuda or training.on_cuda
-        if self.grads is not None:
+        if self.grads is not None and self.entries:  # no offloaded weights: nothing to sum, nothing pinned for it
             accumulating = isinstance(self.grads, FileGrads) and not self.in_backward
             add("grads", self.grads.pinned_bytes(), 2 * max(self.batch_bytes, largest_grads) if accumulating else 0)
         staged = cuda_copy.staging_bytes()

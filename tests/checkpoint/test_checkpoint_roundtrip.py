@@ -214,6 +214,57 @@ def test_load_into_out_made_in_inference_mode_fills_every_layout_alike(tmp_path)
     assert back["w"] is dest_w and torch.equal(dest_w, w) and torch.equal(dest_b, b)
 
 
+@pytest.mark.parametrize("numel", [1000, 1 << 19])  # read through the staging windows / by its own request
+def test_load_into_out_counts_as_an_in_place_change_for_autograd(tmp_path, numel):
+    """A tensor big enough for its own O_DIRECT request was written without a bump of its version counter, so
+    autograd computed a backward with the values load(out=) put there, where torch's copy_ makes it raise."""
+    swapio.checkpoint.save({"x": torch.randn(numel)}, tmp_path / "x.safetensors")
+    for fill in ("copy_", "load"):
+        x, w = torch.randn(numel), torch.randn(numel, requires_grad=True)
+        y = (w * x).sum()  # saves x for backward
+        if fill == "copy_":
+            with torch.no_grad():
+                x.copy_(swapio.checkpoint.load(tmp_path / "x.safetensors")["x"])
+        else:
+            swapio.checkpoint.load(tmp_path / "x.safetensors", out={"x": x})
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    with torch.inference_mode():  # inference tensors have no version counter: filled all the same
+        x = torch.zeros(numel)
+    swapio.checkpoint.load(tmp_path / "x.safetensors", out={"x": x})
+    assert torch.equal(x, swapio.checkpoint.load(tmp_path / "x.safetensors")["x"])
+
+
+def test_load_into_a_model_is_seen_by_an_offloaded_optimizer_as_load_state_dict_is(tmp_path):
+    """OffloadAdamW adopts weights written outside it (its fp32 master takes them) by their version counters:
+    a bf16 weight restored with load(out=model.state_dict()) kept the master's values instead, and the next step
+    went on from the weights the load had replaced."""
+    def run(restore):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 512).bfloat16()  # a 1 MiB weight: its own O_DIRECT request
+        x = torch.randn(4, 1024).bfloat16()
+        opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2)
+
+        def step():
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        step()
+        swapio.checkpoint.save({"model": model.state_dict()}, tmp_path / f"{restore}.safetensors")
+        step()
+        step()
+        if restore == "load_state_dict":
+            model.load_state_dict(swapio.checkpoint.load(tmp_path / f"{restore}.safetensors")["model"])
+        else:
+            swapio.checkpoint.load(tmp_path / f"{restore}.safetensors", out={"model": model.state_dict()})
+        with pytest.warns(swapio.SwapioWarning, match="adopted"):
+            step()
+        opt.close()
+        return model.state_dict()
+    want, got = run("load_state_dict"), run("out")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_out_that_does_not_match_is_refused_and_left_unchanged(tmp_path):
     swapio.checkpoint.save({"a": torch.ones(4), "b": torch.ones(2)}, tmp_path / "x.safetensors")
     a, b = torch.zeros(4), torch.zeros(3)

@@ -118,6 +118,20 @@ def test_transformers_from_pretrained_arguments(saved):
         from_pretrained(cls, directory, trust_remote_code=True)
 
 
+def test_config_settings_go_through_a_config(saved):
+    """transformers' from_pretrained takes config settings as keywords (attn_implementation="eager"); ours refuses
+    them with a TypeError that shows the config route, and that route builds what transformers builds."""
+    directory, _ = saved("llama")
+    with pytest.raises(TypeError, match=r"attn_implementation.*AutoConfig\.from_pretrained\(checkpoint_dir, "
+                                        r"attn_implementation=\.\.\.\)"):
+        from_pretrained(transformers.AutoModelForCausalLM, directory, attn_implementation="eager")
+    config = transformers.AutoConfig.from_pretrained(directory, attn_implementation="eager")
+    model = from_pretrained(config, directory)
+    want = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    assert model.config._attn_implementation == want.config._attn_implementation == "eager"
+    assert_same(model, hf_tiny.run(want))
+
+
 def test_offload_dir_trains_like_resident_and_never_writes_the_checkpoint(saved, tmp_path):
     """from_pretrained(..., offload_dir=...): the weights an optimizer trains are written there (without it,
     building the optimizer is a ValueError); losses and weights as the resident model trained the same way."""

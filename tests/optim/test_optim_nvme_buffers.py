@@ -46,3 +46,14 @@ def test_large_state_uses_the_whole_budget(tmp_path):
     with so.OffloadAdamW([p], offload="nvme", swap_dir=tmp_path, buffer_bytes=4 << 16, buffer_count=4) as opt:
         _step(opt, [p])
         assert _slot_bytes(opt) == [64 << 10] * 4
+
+
+def test_memory_report_of_a_resident_model_states_only_the_state_slots(tmp_path):
+    # guide.md: buffer_bytes is all the host memory nvme mode uses for the state. The gradient-sum buffers
+    # belong to offloaded weights (docs/offload.md, "Host memory"); a resident model has none to pin.
+    p = torch.zeros(200_000, requires_grad=True)
+    with so.OffloadAdamW([p], offload="nvme", swap_dir=tmp_path, buffer_bytes=4 << 16, buffer_count=4) as opt:
+        _step(opt, [p])
+        report = opt.memory_report()
+        assert report["pinned_budget"] == sum(_slot_bytes(opt)) == 4 << 16, report
+        assert set(report["pinned_parts"]) == {"state"}, report
