@@ -39,7 +39,7 @@ class OffloadAdafactor(OffloadOptimizer):
     _historical_defaults = {"foreach": None, "maximize": False}
 
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 foreach=None, maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20,
+                 foreach=None, maximize=False, offload=None, swap_dir=None, buffer_bytes=256 << 20,
                  buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
                  **io_kwargs):
         theirs = sorted(k for k in io_kwargs if k in _TRANSFORMERS_ONLY)

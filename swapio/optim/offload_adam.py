@@ -20,6 +20,7 @@ class OffloadAdam(OffloadOptimizer):
 
     offload: "cpu" keeps master and moments in RAM; "nvme" keeps them in a swap file in a private directory
         (mkdtemp, mode 0700) under swap_dir, removed by close() or when the optimizer is garbage collected.
+        None (the default): "nvme" when swap_dir is given, else "cpu".
     buffer_bytes, buffer_count: pinned host memory for the nvme pipeline: buffer_count (>= 3) slots of
         buffer_bytes / buffer_count bytes in rotation (read of chunk i+1 || compute of chunk i || write of
         chunk i-1). Host memory used for the state stays within buffer_bytes whatever the model size. In cpu
@@ -40,7 +41,7 @@ class OffloadAdam(OffloadOptimizer):
     _historical_defaults = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": False}  # torch's Adam
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, decoupled_weight_decay=False, offload="cpu", swap_dir=None,
+                 maximize=False, decoupled_weight_decay=False, offload=None, swap_dir=None,
                  buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32",
                  in_backward=False, **io_kwargs):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
@@ -57,7 +58,7 @@ class OffloadAdamW(OffloadAdam):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
+                 maximize=False, offload=None, swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
                  **io_kwargs):
         if "decoupled_weight_decay" in io_kwargs:  # as torch.optim.AdamW, which does not take it either

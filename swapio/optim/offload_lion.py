@@ -21,7 +21,7 @@ class OffloadLion(OffloadOptimizer):
     _group_keys = ("lr", "betas", "weight_decay", "maximize")
     _historical_defaults = {"maximize": False}
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, offload="cpu",
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, offload=None,
                  swap_dir=None, buffer_bytes=256 << 20, buffer_count=4, cpu_threads=None, io_config=None,
                  state_dtype="fp32", in_backward=False,
                  **io_kwargs):

@@ -59,7 +59,7 @@ class OffloadOptimizer(Optimizer):
     _historical_defaults = {}
     _decoupled = False  # every group's decoupled_weight_decay is forced True (AdamW)
 
-    def __init__(self, params, defaults, *, offload="cpu", swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
+    def __init__(self, params, defaults, *, offload=None, swap_dir=None, buffer_bytes=256 << 20, buffer_count=4,
                  cpu_threads=None, io_config=None, state_dtype="fp32", io_kwargs=None, in_backward=False):
         if self._rule_type is None:
             raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW, OffloadLion and "
@@ -70,6 +70,8 @@ class OffloadOptimizer(Optimizer):
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
         if "betas" in defaults:
             defaults["betas"] = (hyper["beta1"], hyper["beta2"])
+        if offload is None:  # a swap_dir alone means the state goes there (it was ignored, the state kept in RAM)
+            offload = "cpu" if swap_dir is None else "nvme"
         if offload not in ("cpu", "nvme"):
             raise ValueError(f'offload must be "cpu" or "nvme", got {offload!r}')
         budget = BufferBudget(buffer_bytes, buffer_count)

@@ -665,3 +665,18 @@ def test_resetting_the_state_restarts_every_parameter_as_torch(reset, mode, tmp_
         assert rel_diff(mine, q) <= TOL
     assert [float(ours.state[p]["step"]) for p in params] == [2.0] * len(params)
     ours.close()
+
+
+@pytest.mark.parametrize("cls", [so.OffloadAdamW, so.OffloadAdam, so.OffloadLion, so.OffloadAdafactor],
+                         ids=["adamw", "adam", "lion", "adafactor"])
+def test_a_swap_dir_alone_puts_the_state_there(tmp_path, cls):
+    """OffloadAdamW(params, swap_dir=...) without offload= kept the state in RAM and never used the directory the
+    user named (the default was offload="cpu"). A swap_dir alone now means nvme mode; an explicit offload="cpu"
+    still keeps the state in RAM (config-driven code passes both), and no swap_dir still means cpu mode."""
+    alone = cls(_params(), swap_dir=tmp_path / "alone")
+    assert alone.offload == "nvme" and os.listdir(alone.swap_path)
+    assert os.path.dirname(alone.swap_path) == str(tmp_path / "alone")
+    alone.close()
+    explicit = cls(_params(), offload="cpu", swap_dir=tmp_path / "explicit")
+    assert explicit.offload == "cpu" and not os.path.exists(tmp_path / "explicit")
+    assert cls(_params()).offload == "cpu"
