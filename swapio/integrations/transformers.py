@@ -107,7 +107,8 @@ class StreamingCheckpointCallback(_SavesBeforeTrainer):
         _install(opt)  # here, not at on_init_end: an optimizer Trainer builds itself appears only in train()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", SUBDIR)
         opt.save(path)
-        getattr(opt, _PENDING)["ref"] = reference.make(path, os.path.join(path, optim_checkpoint.FILE))
+        getattr(opt, _PENDING)["ref"] = reference.make(path, os.path.join(path, optim_checkpoint.FILE),
+                                                       checksummed=True)
 
 
 
@@ -117,8 +118,8 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 def _load_optimizer_file(opt: Any, ref: Dict[str, Any]) -> None:
     from ..checkpoint import load
-    path = reference.target(ref)
-    reference.check(ref, path, f"opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/{OPTIMIZER_FILE}))")
+    path = reference.located(ref)
+    reference.check(ref, path, path, f"opt.load_state_dict(swapio.checkpoint.load(<checkpoint>/{OPTIMIZER_FILE}))")
     type(opt).load_state_dict(opt, load(path))
 
 
@@ -287,6 +288,11 @@ class OffloadedTrainerMixin:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        # a reference in optimizer.pt is looked for in this checkpoint first: a moved or copied one resumes
+        with reference.resuming_from(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         model = self.model if model is None else model

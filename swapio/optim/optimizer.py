@@ -615,9 +615,10 @@ class OffloadOptimizer(Optimizer):
         self._check_open()
         self._backend.check_process()
         self._settle()
-        path = reference.target(state_dict)
-        if path is not None:
-            reference.check(state_dict, os.path.join(path, checkpoint.FILE), "opt.load(<checkpoint>/swapio-optim)")
+        if reference.target(state_dict) is not None:
+            path = reference.located(state_dict)
+            reference.check(state_dict, path, os.path.join(path, checkpoint.FILE),
+                            "opt.load(<checkpoint>/swapio-optim)")
             return self.load(path)
         with self._state_lock:
             self._check_open()

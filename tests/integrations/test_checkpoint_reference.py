@@ -1,7 +1,10 @@
 """The reference Trainer's optimizer.pt holds instead of the state (swapio.optim.reference): it names the checkpoint
 by its absolute path, so a checkpoint directory copied elsewhere still loads the original. If another run has
-rewritten that one since, the reference must not load the other run's state (it did, silently): ValueError."""
+rewritten that one since, the reference must not load the other run's state (it did, silently): ValueError. A copy
+of the same save (opt.save's header holds every array's checksum) loads, and a resume that knows its checkpoint
+directory (reference.resuming_from, SwapioTrainer's) looks there first, confined to it."""
 import os
+import shutil
 
 import pytest
 import torch
@@ -79,3 +82,42 @@ def test_a_reference_without_identity_from_an_older_version_still_loads(tmp_path
     fresh, _ = _trained_offload(0, tmp_path)
     fresh.load_state_dict({"state": {}, "param_groups": [], reference.REFERENCE_KEY: str(path)})
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_copy_of_the_same_save_loads_and_a_rewritten_one_is_still_refused(tmp_path):
+    path = tmp_path / "checkpoint-3" / "swapio-optim"
+    opt, _ = _trained_offload(1, tmp_path)
+    opt.save(path)
+    ref = reference.make(str(path), str(path / optim_checkpoint.FILE), checksummed=True)
+    shutil.copytree(path, tmp_path / "copy")
+    shutil.rmtree(path)
+    shutil.copytree(tmp_path / "copy", path)  # a restored backup: another file, the same bytes
+    fresh, _ = _trained_offload(0, tmp_path)
+    fresh.load_state_dict(ref)
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+    other, _ = _trained_offload(2, tmp_path)
+    other.save(path)
+    with pytest.raises(ValueError, match="rewritten since this reference was saved"):
+        fresh.load_state_dict(ref)
+
+
+def test_resuming_from_a_directory_looks_there_first_and_only_there(tmp_path):
+    path = tmp_path / "run" / "checkpoint-3" / "swapio-optim"
+    opt, _ = _trained_offload(1, tmp_path)
+    opt.save(path)
+    ref = reference.make(str(path), str(path / optim_checkpoint.FILE), checksummed=True)
+    os.rename(tmp_path / "run", tmp_path / "moved")
+    fresh, _ = _trained_offload(0, tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        fresh.load_state_dict(ref)
+    with reference.resuming_from(tmp_path / "moved" / "checkpoint-3"):
+        fresh.load_state_dict(ref)
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+    # a crafted reference cannot reach out of the directory resumed (its name's last part only, never "..")
+    escape = dict(ref, **{reference.REFERENCE_KEY: str(tmp_path / "nowhere" / "..")})
+    with reference.resuming_from(tmp_path / "moved" / "checkpoint-3" / "swapio-optim"):
+        assert reference.located(escape) == escape[reference.REFERENCE_KEY]
+    with pytest.raises(TypeError, match="by a path"):
+        fresh.load_state_dict({"state": {}, "param_groups": [], reference.REFERENCE_KEY: 7})

@@ -1,6 +1,7 @@
 """Hugging Face Trainer with optimizers=(OffloadAdamW(...), scheduler): trains like torch.optim.AdamW, and a run
 resumed from a checkpoint ends bit-identical to an uninterrupted one, with the state in RAM or on disk."""
 import os
+import shutil
 
 import pytest
 import torch
@@ -9,12 +10,13 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup  # noqa: E402
 
 import swapio.optim as so  # noqa: E402
+from swapio.optim import reference  # noqa: E402
 from helpers.frameworks import TokenData, assert_params_equal, max_rel_diff, params_of, tiny_gpt2  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 
 
-def _train(out_dir, make_opt, resume=None, callbacks=None):
+def _train(out_dir, make_opt, resume=None, callbacks=None, trainer_cls=Trainer):
     """Trains the tiny GPT-2 for STEPS steps (checkpoint every SAVE_AT); returns (params, per-step losses)."""
     model = tiny_gpt2()
     opt = make_opt(model.parameters())
@@ -22,8 +24,8 @@ def _train(out_dir, make_opt, resume=None, callbacks=None):
     args = TrainingArguments(output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=SAVE_AT, logging_steps=1, report_to="none",
                              use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched),
-                      callbacks=callbacks)
+    trainer = trainer_cls(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, sched),
+                          callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     if hasattr(opt, "close"):
@@ -70,6 +72,8 @@ def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
     ref = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     identity = ref.pop("swapio_checkpoint_identity")  # of the file written: a rewritten one is refused on resume
     assert identity[1] == os.stat(checkpoint / "swapio-optim" / "swapio-optim.safetensors").st_ino
+    header = ref.pop("swapio_checkpoint_header")  # and of its content (a copy of it resumes)
+    assert header == reference.header_digest(checkpoint / "swapio-optim" / "swapio-optim.safetensors")
     assert ref == {"state": {}, "param_groups": [], "swapio_checkpoint": str(checkpoint / "swapio-optim")}
     assert (checkpoint / "swapio-optim" / "swapio-optim.safetensors").is_file()
     with pytest.raises(ValueError):  # another optimizer refuses the reference instead of loading nothing
@@ -81,6 +85,35 @@ def test_streaming_checkpoint_callback_resumes_bit_identically(tmp_path):
     assert all(resumed_losses[s] == losses[s] for s in range(SAVE_AT + 1, STEPS + 1))
     plain, _ = _train(tmp_path / "plain", _offload("nvme", swap_dir))  # the callback changes nothing else
     assert_params_equal(plain, full)
+
+
+@pytest.mark.slow
+def test_a_moved_or_copied_checkpoint_resumes_bit_identically(tmp_path):
+    """optimizer.pt names its swapio-optim/ by absolute path. A checkpoint directory moved elsewhere was a
+    FileNotFoundError on resume, and a copy put back at the old path (another machine, a restored backup) a
+    ValueError ("rewritten since"). SwapioTrainer now looks in the checkpoint it resumes first, and a copy of the
+    same save is recognised by its content; a directory rewritten by another run is still refused."""
+    from swapio.integrations.transformers import StreamingCheckpointCallback, SwapioTrainer
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    full, losses = _train(tmp_path / "full", _offload("nvme", swap_dir), callbacks=[StreamingCheckpointCallback()])
+    moved = tmp_path / "elsewhere"
+    os.rename(tmp_path / "full", moved)
+    checkpoint = moved / f"checkpoint-{SAVE_AT}"
+    with pytest.raises(FileNotFoundError, match="resume with SwapioTrainer"):  # plain Trainer cannot know where
+        _train(tmp_path / "plain", _offload("nvme", swap_dir), resume=str(checkpoint),
+               callbacks=[StreamingCheckpointCallback()])
+    resumed, resumed_losses = _train(tmp_path / "resumed", _offload("nvme", swap_dir), resume=str(checkpoint),
+                                     callbacks=[StreamingCheckpointCallback()], trainer_cls=SwapioTrainer)
+    assert_params_equal(resumed, full)
+    assert all(resumed_losses[s] == losses[s] for s in range(SAVE_AT + 1, STEPS + 1))
+
+    shutil.copytree(moved, tmp_path / "full")  # a copy at the recorded path: other files, the same content
+    again, again_losses = _train(tmp_path / "again", _offload("nvme", swap_dir),
+                                 resume=str(tmp_path / "full" / f"checkpoint-{SAVE_AT}"),
+                                 callbacks=[StreamingCheckpointCallback()])
+    assert_params_equal(again, full)
+    assert all(again_losses[s] == losses[s] for s in range(SAVE_AT + 1, STEPS + 1))
 
 
 class _CreatesOffloadAdamW(Trainer):
