@@ -82,6 +82,9 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        # in_backward: param group index -> the options (rule.hyper) each update run before step() used, so that
+        # step() can refuse options changed since (see _check_hyper_unchanged)
+        self._hyper_used = {}
         self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
         # One user of the state at a time: a step, an export, a save or a load. A thread that checkpoints
         # (state_dict(), save()) while the training thread steps shares the nvme pipeline's slots and its record
@@ -324,12 +327,41 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
-        offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
-        # GPU parameters updated during backward (in_backward) are skipped: their step is done
-        done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
-        self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
+        self._check_hyper_unchanged()
+        try:
+            self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
+            offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
+            # GPU parameters updated during backward (in_backward) are skipped: their step is done
+            done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
+            self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
+        finally:
+            self._hyper_used.clear()
         return loss
+
+    def _check_hyper_unchanged(self):
+        """RuntimeError, before step() steps anything more, where a group's options (lr, betas, weight decay...)
+        changed after in_backward=True's updates used them: torch's step() would use the new ones for every
+        parameter, but those updates ran during backward (or while backward's last updates were still running when
+        the options changed, some with each). Raised until the options are set back or zero_grad()."""
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.idle()  # the updates still running record theirs (the offloaded ones: wait() did)
+        for i, used in sorted(self._hyper_used.items()):
+            if i >= len(self.param_groups):
+                continue
+            try:
+                now = self._rule.hyper(self.param_groups[i])
+            except (TypeError, ValueError):
+                continue  # the step below raises it, naming the group
+            for old in used:
+                changed = [k for k in now if old.get(k) != now[k]]
+                if changed:
+                    what = ", ".join(f"{k} {old.get(k)!r} -> {now[k]!r}" for k in changed)
+                    raise RuntimeError(f"param group {i}'s options changed after in_backward=True updated its "
+                                       f"parameters with them during backward ({what}): torch's step() would use "
+                                       "the new values for every parameter, but those updates have run. Change "
+                                       "options before backward (call an lr scheduler's step() after opt.step()), "
+                                       "or build the optimizer with in_backward=False; set them back to step, or "
+                                       "zero_grad() to go on")
 
     def _step_offloaded(self, params, grad_of, data_of):
         """OffloadedParams' updates (in step(), or on its worker during backward): offloaded weights stepped into
@@ -348,6 +380,7 @@ class OffloadOptimizer(Optimizer):
         self._offloaded.zero_grad(set_to_none)
         if self._gpu_in_backward is not None:
             self._gpu_in_backward.forget()
+        self._hyper_used.clear()  # the updates of backward are history
         if self._grad_copies is not None:
             self._grad_copies.forget()
         super().zero_grad(set_to_none)
@@ -462,6 +495,8 @@ class OffloadOptimizer(Optimizer):
             except (TypeError, ValueError) as exc:  # before anything is stepped
                 raise type(exc)(f"param group {i}: {exc} (a group's values are checked at each step: this one was "
                                 "set by an lr scheduler or an edit of optimizer.param_groups)") from None
+            if params is not None and hyper not in self._hyper_used.get(i, ()):
+                self._hyper_used.setdefault(i, []).append(hyper)  # an update before step() (see step)
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:

@@ -274,6 +274,73 @@ def test_in_backward_backward_after_step_needs_cleared_grads(tmp_path, clear):
     finish(pairs)
 
 
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.parametrize("edit", ["lr", "betas", "scheduler_first"])
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
+def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_path, edit, storage, off):
+    """torch's step() uses a group's options as they are at step(); in_backward=True's updates ran during
+    backward with those of then. An lr (or betas) set between backward and step(), or an lr scheduler stepped
+    before opt.step(), used to be applied to whichever records the worker had not reached yet (the rest kept the
+    old value): training silently off torch's. Now step() raises, before stepping anything more (the resident
+    weights included); with the options set back it steps, and training goes on exactly as the resident model's
+    with the options never changed."""
+    data = batches(MLP, 3)
+    pairs = both(tmp_path, off, storage, keep=("c",), in_backward=True)
+    (ref, ref_opt), (model, opt) = pairs
+    with one_thread():
+        for m, o in pairs:
+            loss_of(m, data[0]).backward()
+        opt.param_value(model.a.weight)  # waits for the updates backward began: they have run
+        before = values(model, opt)
+        group = opt.param_groups[0]
+        old = dict(group)
+        if edit == "lr":
+            group["lr"] = 0.5
+        elif edit == "betas":
+            group["betas"] = (0.5, 0.9)
+        else:
+            torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1).step()
+        with pytest.raises(RuntimeError, match=r"(?s)options changed after in_backward=True.*in_backward=False"):
+            opt.step()
+        after = values(model, opt)
+        assert all(torch.equal(after[n], before[n]) for n in before)  # c (resident) not stepped either
+        group.update({k: old[k] for k in ("lr", "betas")})
+        opt.step()
+        ref_opt.step()
+        for m, o in pairs:
+            o.zero_grad()
+            for b in data[1:]:
+                loss_of(m, b).backward()
+                o.step()
+                o.zero_grad()
+    finish(pairs)
+
+
+def test_in_backward_options_changed_then_zero_grad_goes_on(tmp_path):
+    """zero_grad() after the refused step(): the updates of that backward are history, the next steps use the
+    new options, as a resident run that stepped with the old lr and then switched."""
+    data = batches(MLP, 3)
+    pairs = both(tmp_path, "cpu", in_backward=True)
+    (ref, ref_opt), (model, opt) = pairs
+    with one_thread():
+        for m, o in pairs:
+            loss_of(m, data[0]).backward()
+        opt.param_value(model.a.weight)
+        opt.param_groups[0]["lr"] = 0.05
+        with pytest.raises(RuntimeError, match="options changed"):
+            opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_opt.param_groups[0]["lr"] = 0.05
+        for m, o in pairs:
+            for b in data[1:]:
+                loss_of(m, b).backward()
+                o.step()
+                o.zero_grad()
+    finish(pairs)
+
+
 # ---- opt.clip_grad_norm_: twice, and bf16 weights ------------------------------------------------------------
 @pytest.mark.parametrize("storage,off,dtype,micro", [("disk", "nvme", torch.float32, 2),
                                                      ("cpu", "cpu", torch.float32, 1),
