@@ -77,6 +77,10 @@ class OffloadedParams(TrainableOwner):
         return entry[1].record if entry is not None else None
 
     # ---- setting up --------------------------------------------------------------------------------------------
+    def device_of(self, p):
+        """The device p's module computes on: where a resident p's gradient would be."""
+        return self.entries[p][0].streamer.device
+
     def adopt(self, p):
         """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
         found = lookup(p)

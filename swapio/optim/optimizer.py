@@ -16,6 +16,7 @@ import warnings
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..core._errors import SwapioWarning, check_int
 from ..core._fork_lock import ForkAwareLock
@@ -400,13 +401,21 @@ class OffloadOptimizer(Optimizer):
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
         params = [p for g in self.param_groups for p in g["params"]]
         offloaded = self._offloaded.norms()
-        resident = [p.grad for p in params if p not in self._offloaded.entries and p.grad is not None]
-        resident_norms = iter(n.to("cpu") for n in torch._foreach_norm(resident)) if resident else iter(())
-        # in parameter order, as torch stacks them (a reduction in another order may round differently)
-        norms = [offloaded[p] if p in self._offloaded.entries else next(resident_norms) for p in params
-                 if (p in offloaded) or (p not in self._offloaded.entries and p.grad is not None)]
-        if not norms:
+        entries = self._offloaded.entries
+        listed = [p for p in params if (p in offloaded) or (p not in entries and p.grad is not None)]
+        if not listed:
             return torch.tensor(0.0)
+        resident = [p.grad for p in listed if p not in entries]
+        # as torch: the gradients grouped by device and dtype (an offloaded weight's where a resident one's would
+        # be), each group's norms taken together, stacked group after group in the order of torch's grouping (not
+        # the parameters' order: a reduction in another order may round differently)
+        like = [torch.empty(0, dtype=offloaded[p].dtype, device=self._offloaded.device_of(p)) if p in entries
+                else p.grad for p in listed]
+        norms = []
+        for indices in (ix for _, (_, ix) in _group_tensors_by_device_and_dtype([like], with_indices=True).items()):
+            grads = [listed[i].grad for i in indices if listed[i] not in entries]
+            group_norms = iter(torch._foreach_norm(grads) if grads else ())
+            norms += [offloaded[listed[i]] if listed[i] in entries else next(group_norms).to("cpu") for i in indices]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "

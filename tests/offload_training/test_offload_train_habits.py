@@ -379,6 +379,58 @@ def test_clip_twice_and_low_precision_equal_torch_on_resident(tmp_path, storage,
     finish(pairs)
 
 
+def mixed_dtypes_mlp():
+    """MLP with a in bf16, norm and b in fp32, c in fp16: the parameters' order is not the order of torch's
+    grouping by dtype."""
+    model = make_model()
+    model.a.to(torch.bfloat16)
+    model.c.to(torch.float16)
+    return model
+
+
+def mixed_dtypes_loss(model, batch):
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.tanh(model.b(model.norm(torch.tanh(model.a(x)))))
+        out = model.c(h)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize("storage,off", [(None, "cpu"), (None, "nvme"), ("disk", "nvme"), ("cpu", "cpu")])
+def test_clip_of_mixed_dtypes_equals_torch_on_resident(tmp_path, storage, off):
+    """torch.nn.utils.clip_grad_norm_ groups the gradients by device and dtype and stacks their norms group by
+    group (fp16, fp32, bf16 here); opt.clip_grad_norm_ stacked them in parameter order, so with weights of several
+    dtypes (a model half in bf16, under autocast) its norm was 1 ulp off torch's, and the weights parted. Now the
+    norms, losses and weights equal torch's clipping of the resident model bit for bit, for a swapio optimizer
+    over the resident model too (storage None)."""
+    data = batches(MLP, 3)
+    ref = mixed_dtypes_mlp()
+    model = mixed_dtypes_mlp()
+    if storage is not None:
+        model = offload(model, storage, tmp_path)
+    results = []
+    for m, where in ((ref, "ref-swap"), (model, "swap")):
+        norms, losses = [], []
+        with build_opt("AdamW", m.parameters(), tmp_path / where, offload=off) as o, one_thread():
+            for b in data:
+                loss = mixed_dtypes_loss(m, b)
+                loss.backward()
+                losses.append(loss.detach())
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1) if m is ref
+                             else o.clip_grad_norm_(0.1))
+                o.step()
+                o.zero_grad()
+        results.append((norms, losses))
+    (want_norms, want_losses), (got_norms, got_losses) = results
+    assert all(float(w) > 0.1 for w in want_norms)  # each clip scales
+    for g, w in zip(got_norms, want_norms):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+    assert_same_losses(got_losses, want_losses)
+    if storage is not None:
+        remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
 # ---- two optimizers sharing a module's weights ----------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "cpu", True), ("disk", "nvme", True),
