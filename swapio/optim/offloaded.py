@@ -137,6 +137,12 @@ class OffloadedParams(TrainableOwner):
             self.parts.pop((backward, p), None)
             if self.in_backward:
                 self.failed_backwards.add(backward)
+        if self.in_backward:
+            # the updates the failed backward handed over end before its error reaches the caller, as torch's
+            # optimizer-in-backward hooks have: they use the options of then, not those the caller sets next
+            # (this runs in autograd's finalizer, where a second Ctrl-C could only be printed: it waits whole)
+            with DeferredSigint():
+                self.worker.idle()
 
     def _accept(self, p, slot, g, backward=None):
         """p's whole gradient of a backward: through the hooks registered on p, as torch runs a leaf's (its

@@ -13,6 +13,7 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 import contextlib
 import os
 import warnings
+import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -83,8 +84,9 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
-        # in_backward: param group index -> the options (rule.hyper) each update run before step() used, so that
-        # step() can refuse options changed since (see _check_hyper_unchanged)
+        # in_backward: param group index -> [(the options (rule.hyper) an update run before step() used, [(p, weak
+        # reference to the p.grad it stepped)])], so that step() can refuse options changed since
+        # (_check_hyper_unchanged)
         self._hyper_used = {}
         self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
         # One user of the state at a time: a step, an export, a save or a load. A thread that checkpoints
@@ -353,9 +355,10 @@ class OffloadOptimizer(Optimizer):
                 now = self._rule.hyper(self.param_groups[i])
             except (TypeError, ValueError):
                 continue  # the step below raises it, naming the group
-            for old in used:
+            for old, grads in used:
                 changed = [k for k in now if old.get(k) != now[k]]
-                if changed:
+                # updates whose p.grad is gone since (model.zero_grad() after a failed backward) are history
+                if changed and any(g() is not None and p.grad is g() for p, g in grads):
                     what = ", ".join(f"{k} {old.get(k)!r} -> {now[k]!r}" for k in changed)
                     raise RuntimeError(f"param group {i}'s options changed after in_backward=True updated its "
                                        f"parameters with them during backward ({what}): torch's step() would use "
@@ -504,8 +507,10 @@ class OffloadOptimizer(Optimizer):
             except (TypeError, ValueError) as exc:  # before anything is stepped
                 raise type(exc)(f"param group {i}: {exc} (a group's values are checked at each step: this one was "
                                 "set by an lr scheduler or an edit of optimizer.param_groups)") from None
-            if params is not None and hyper not in self._hyper_used.get(i, ()):
-                self._hyper_used.setdefault(i, []).append(hyper)  # an update before step() (see step)
+            given = [] if wanted is None else [p for p in group["params"] if id(p) in wanted]
+            if given:  # an update before step(): what it used, and the p.grad it stepped (_check_hyper_unchanged)
+                self._hyper_used.setdefault(i, []).append(
+                    (hyper, [(p, weakref.ref(p.grad)) for p in given if p.grad is not None]))
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:
