@@ -336,7 +336,8 @@ class OffloadedParams(TrainableOwner):
             training.abort(record)
             return
         kept = [self.entries[p][1] for p in params if id(p) not in stepped]  # not stepped: the old bytes
-        training.end(record, buf, keep=kept if kept and not need_current else ())
+        training.end(record, buf, keep=kept if kept and not need_current else (),
+                     changed=[self.entries[p][1] for p in params if id(p) in stepped])
 
     def _step_of(self, p):
         st = self.state.get(p)
@@ -480,7 +481,7 @@ class OffloadedParams(TrainableOwner):
                     except BaseException:
                         training.abort(record)  # the record keeps its bytes; a later load rewrites it
                         raise
-                    training.end(record, buf)
+                    training.end(record, buf, changed=[self.entries[p][1] for p in stateful])
             training.flush()
 
     def current(self, p):

@@ -431,6 +431,58 @@ def test_clip_of_mixed_dtypes_equals_torch_on_resident(tmp_path, storage, off):
     assert_same_weights(weights(model), weights(ref))
 
 
+# ---- a forward before step(), its backward after --------------------------------------------------------------
+def backward_after_step(model, opts, data, which):
+    """The forward of data[1] before opts[which].step() (of data[0]'s gradients), its backward after: "ok", or
+    "modified" for autograd's error about a saved tensor changed in place. Then a plain step on data[2]."""
+    with one_thread():
+        loss_of(model, data[0]).backward()
+        pending = loss_of(model, data[1])
+        opts[which].step()
+        for o in opts:
+            o.zero_grad()
+        try:
+            pending.backward()
+            outcome = "ok"
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), e
+            outcome = "modified"
+        for o in opts:
+            o.zero_grad()
+        loss_of(model, data[2]).backward()
+        for o in opts:
+            o.step()
+    return outcome
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["weights_stepped", "biases_stepped"])
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("disk", "cpu"), ("cpu", "cpu")])
+def test_backward_of_a_forward_made_before_a_step_is_refused_as_on_resident(tmp_path, storage, off, which):
+    """A graph built before step() and differentiated after it (a GAN's generator loss through a discriminator
+    stepped meanwhile): autograd refuses it on the resident model, since the step changed saved weights in place.
+    disk_offload fetched the weights again in backward, the new ones, and computed gradients of weights the forward
+    never used without a word. Now the same error where the stepped weights were saved (weights: Linear saves them),
+    none where they were not (biases), and training goes on exactly as the resident model's."""
+    data = batches(MLP, 3)
+
+    def opts(model, where):
+        named = list(model.named_parameters())
+        return [build_opt("AdamW", [p for n, p in named if n.endswith(suffix) and not n.startswith("norm")],
+                          tmp_path / where / suffix, offload=off) for suffix in ("weight", "bias")] + \
+               [build_opt("AdamW", model.norm.parameters(), tmp_path / where / "norm", offload=off)]
+    ref = make_model()
+    ref_opts = opts(ref, "ref")
+    model = offload(make_model(), storage, tmp_path)
+    model_opts = opts(model, "offloaded")
+    want = backward_after_step(ref, ref_opts, data, which)
+    assert backward_after_step(model, model_opts, data, which) == want
+    assert want == ("modified" if which == 0 else "ok")
+    for o in ref_opts + model_opts:
+        o.close()
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
 # ---- two optimizers sharing a module's weights ----------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "cpu", True), ("disk", "nvme", True),
