@@ -483,6 +483,35 @@ def test_backward_of_a_forward_made_before_a_step_is_refused_as_on_resident(tmp_
     assert_same_weights(weights(model), weights(ref))
 
 
+# ---- requires_grad_ toggled between forward and backward ---------------------------------------------------------
+@pytest.mark.parametrize("storage,off,in_backward", [("disk", "nvme", False), ("cpu", "cpu", False),
+                                                     ("disk", "cpu", True), ("cpu", "nvme", True)])
+def test_a_weight_frozen_between_forward_and_backward_gets_no_gradient_as_on_resident(tmp_path, storage, off,
+                                                                                     in_backward):
+    """autograd accumulates nothing into a parameter that no longer requires grad when backward reaches it
+    (p.requires_grad_(False) after the forward): .grad stays None and the step leaves it. The offloaded weight's
+    gradient went to the optimizer all the same (the forward's leaf of it still required grad), which stepped it.
+    Now p.grad stays None, and losses and weights equal the resident model's (the other weights of its module
+    included)."""
+    data = batches(MLP, 4)
+    pairs = both(tmp_path, off, storage, in_backward=in_backward)
+    grads = []
+    with one_thread():
+        for m, o in pairs:
+            seen = []
+            for i, b in enumerate(data):
+                loss = loss_of(m, b)
+                m.b.weight.requires_grad_(i != 1)
+                loss.backward()
+                seen.append(m.b.weight.grad is not None)
+                m.b.weight.requires_grad_(True)
+                o.step()
+                o.zero_grad()
+            grads.append(seen)
+    assert grads[0] == grads[1] == [True, False, True, True]
+    finish(pairs)
+
+
 # ---- two optimizers sharing a module's weights ----------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "cpu", True), ("disk", "nvme", True),
