@@ -177,7 +177,7 @@ def _write(streamer, changed):
                 except BaseException:
                     training.abort(record)
                     raise
-                training.end(record, buf)
+                training.end(record, buf, changed=[slot for slot in record.slots if slot in changed])
     except BaseException:
         training.return_loans()  # the streamer's memory back before it runs again
         raise

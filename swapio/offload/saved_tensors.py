@@ -14,14 +14,15 @@ import weakref
 import torch
 
 from .fetch import view
-from .kept import Kept
+from .kept import Kept, modified_in_place
 
 
 class _Token:
-    __slots__ = ("slot", "unit", "offset", "size", "stride")
+    __slots__ = ("slot", "unit", "offset", "size", "stride", "rewrites")
 
-    def __init__(self, slot, unit, offset, size, stride):
+    def __init__(self, slot, unit, offset, size, stride, rewrites):
         self.slot, self.unit, self.offset, self.size, self.stride = slot, unit, offset, size, stride
+        self.rewrites = rewrites  # the slot's rewrites when saved: one since (a step) changed the weight in place
 
 
 class _Delegated:
@@ -96,7 +97,8 @@ class SavedWeights:
             if start <= ptr < end or ptr == start:
                 if t.dtype != slot.dtype or (ptr - start) % t.element_size():
                     break
-                return _Token(slot, unit, (ptr - start) // t.element_size(), tuple(t.size()), tuple(t.stride()))
+                return _Token(slot, unit, (ptr - start) // t.element_size(), tuple(t.size()), tuple(t.stride()),
+                              self.streamer.training.rewrites.get(slot, 0))
         return t.clone()  # in a fetched region, but not a view we can rebuild: keep a private copy
 
     def unpack(self, saved):
@@ -110,6 +112,14 @@ class SavedWeights:
                 raise
         if not isinstance(saved, _Token):
             return saved
+        if self.streamer.training.rewrites.get(saved.slot, 0) != saved.rewrites:
+            # as autograd refuses a parameter a step changed in place after the forward that saved it: the weights
+            # fetched now would be the new ones, the activations saved with them came from the old. (An in_backward
+            # update of this very graph's first backward is a second backward: check_backward says so.)
+            self.streamer.training.check_backward(saved.slot.record)
+            raise modified_in_place(saved.slot.dtype, saved.size,
+                                    f"is a view of the offloaded weight {saved.slot.name!r}, which an optimizer "
+                                    "step (or a load) rewrote since the forward that saved it")
         base = self._fetch(saved.slot, saved.unit)
         return torch.as_strided(base, saved.size, saved.stride, base.storage_offset() + saved.offset)
 

@@ -67,6 +67,8 @@ class Training:
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
         self.heap = HeapTrim()  # gradients freed one after another in backward: the heap gives their pages back
+        self.rewrites = {}  # slot -> how many times a rewrite of its record changed it (end()): what the tokens of
+        # a backward check
 
     @property
     def streamer(self):
@@ -145,9 +147,12 @@ class Training:
         """The tensor of `slot` inside its record's memory from begin(), to write its new value into."""
         return slot.record.view(buf, slot, writable=True)
 
-    def end(self, record, buf, keep=()):
+    def end(self, record, buf, keep=(), changed=None):
         """Writes the record's new bytes (asynchronously: flush() waits). keep: slots whose bytes in buf were not
-        written (an update that failed before them) and must keep their old value."""
+        written (an update that failed before them) and must keep their old value. changed: the slots given new
+        values (None: all of them)."""
+        for slot in record.slots if changed is None else changed:
+            self.rewrites[slot] = self.rewrites.get(slot, 0) + 1
         self._store.end(record, buf, keep=keep)
 
     def abort(self, record):
@@ -229,6 +234,11 @@ class Training:
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
+        if not slot.placeholder.requires_grad:
+            # frozen (requires_grad_(False) on model.parameters()) since the forward made the leaf: autograd's
+            # AccumulateGrad drops the gradient of a parameter that no longer requires grad, so this one goes too
+            # (the slot then counts as incomplete: its record's other weights are stepped by step())
+            return
         task = torch._C._current_graph_task_id()
         with self.lock:
             seen = self.arrived.get(task)

@@ -77,6 +77,10 @@ class OffloadedParams(TrainableOwner):
         return entry[1].record if entry is not None else None
 
     # ---- setting up --------------------------------------------------------------------------------------------
+    def device_of(self, p):
+        """The device p's module computes on: where a resident p's gradient would be."""
+        return self.entries[p][0].streamer.device
+
     def adopt(self, p):
         """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
         found = lookup(p)
@@ -133,6 +137,12 @@ class OffloadedParams(TrainableOwner):
             self.parts.pop((backward, p), None)
             if self.in_backward:
                 self.failed_backwards.add(backward)
+        if self.in_backward:
+            # the updates the failed backward handed over end before its error reaches the caller, as torch's
+            # optimizer-in-backward hooks have: they use the options of then, not those the caller sets next
+            # (this runs in autograd's finalizer, where a second Ctrl-C could only be printed: it waits whole)
+            with DeferredSigint():
+                self.worker.idle()
 
     def _accept(self, p, slot, g, backward=None):
         """p's whole gradient of a backward: through the hooks registered on p, as torch runs a leaf's (its
@@ -326,7 +336,8 @@ class OffloadedParams(TrainableOwner):
             training.abort(record)
             return
         kept = [self.entries[p][1] for p in params if id(p) not in stepped]  # not stepped: the old bytes
-        training.end(record, buf, keep=kept if kept and not need_current else ())
+        training.end(record, buf, keep=kept if kept and not need_current else (),
+                     changed=[self.entries[p][1] for p in params if id(p) in stepped])
 
     def _step_of(self, p):
         st = self.state.get(p)
@@ -470,7 +481,7 @@ class OffloadedParams(TrainableOwner):
                     except BaseException:
                         training.abort(record)  # the record keeps its bytes; a later load rewrites it
                         raise
-                    training.end(record, buf)
+                    training.end(record, buf, changed=[self.entries[p][1] for p in stateful])
             training.flush()
 
     def current(self, p):

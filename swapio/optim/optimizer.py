@@ -13,9 +13,11 @@ same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 import contextlib
 import os
 import warnings
+import weakref
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..core._errors import SwapioWarning, check_int
 from ..core._fork_lock import ForkAwareLock
@@ -84,6 +86,10 @@ class OffloadOptimizer(Optimizer):
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
+        # in_backward: param group index -> [(the options (rule.hyper) an update run before step() used, [(p, weak
+        # reference to the p.grad it stepped)])], so that step() can refuse options changed since
+        # (_check_hyper_unchanged)
+        self._hyper_used = {}
         self._installs = 0  # states installed by loads (install_state), so that a failed load knows if it took
         # One user of the state at a time: a step, an export, a save or a load. A thread that checkpoints
         # (state_dict(), save()) while the training thread steps shares the nvme pipeline's slots and its record
@@ -326,12 +332,42 @@ class OffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
-        offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
-        # GPU parameters updated during backward (in_backward) are skipped: their step is done
-        done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
-        self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
+        self._check_hyper_unchanged()
+        try:
+            self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
+            offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
+            # GPU parameters updated during backward (in_backward) are skipped: their step is done
+            done = self._gpu_in_backward.finish() if self._gpu_in_backward is not None else ()
+            self._step_params(None, lambda p: None if p in offloaded or p in done else p.grad)
+        finally:
+            self._hyper_used.clear()
         return loss
+
+    def _check_hyper_unchanged(self):
+        """RuntimeError, before step() steps anything more, where a group's options (lr, betas, weight decay...)
+        changed after in_backward=True's updates used them: torch's step() would use the new ones for every
+        parameter, but those updates ran during backward (or while backward's last updates were still running when
+        the options changed, some with each). Raised until the options are set back or zero_grad()."""
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.idle()  # the updates still running record theirs (the offloaded ones: wait() did)
+        for i, used in sorted(self._hyper_used.items()):
+            if i >= len(self.param_groups):
+                continue
+            try:
+                now = self._rule.hyper(self.param_groups[i])
+            except (TypeError, ValueError):
+                continue  # the step below raises it, naming the group
+            for old, grads in used:
+                changed = [k for k in now if old.get(k) != now[k]]
+                # updates whose p.grad is gone since (model.zero_grad() after a failed backward) are history
+                if changed and any(g() is not None and p.grad is g() for p, g in grads):
+                    what = ", ".join(f"{k} {old.get(k)!r} -> {now[k]!r}" for k in changed)
+                    raise RuntimeError(f"param group {i}'s options changed after in_backward=True updated its "
+                                       f"parameters with them during backward ({what}): torch's step() would use "
+                                       "the new values for every parameter, but those updates have run. Change "
+                                       "options before backward (call an lr scheduler's step() after opt.step()), "
+                                       "or build the optimizer with in_backward=False; set them back to step, or "
+                                       "zero_grad() to go on")
 
     def _step_offloaded(self, params, grad_of, data_of):
         """OffloadedParams' updates (in step(), or on its worker during backward): offloaded weights stepped into
@@ -350,6 +386,7 @@ class OffloadOptimizer(Optimizer):
         self._offloaded.zero_grad(set_to_none)
         if self._gpu_in_backward is not None:
             self._gpu_in_backward.forget()
+        self._hyper_used.clear()  # the updates of backward are history
         if self._grad_copies is not None:
             self._grad_copies.forget()
         super().zero_grad(set_to_none)
@@ -369,13 +406,21 @@ class OffloadOptimizer(Optimizer):
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
         params = [p for g in self.param_groups for p in g["params"]]
         offloaded = self._offloaded.norms()
-        resident = [p.grad for p in params if p not in self._offloaded.entries and p.grad is not None]
-        resident_norms = iter(n.to("cpu") for n in torch._foreach_norm(resident)) if resident else iter(())
-        # in parameter order, as torch stacks them (a reduction in another order may round differently)
-        norms = [offloaded[p] if p in self._offloaded.entries else next(resident_norms) for p in params
-                 if (p in offloaded) or (p not in self._offloaded.entries and p.grad is not None)]
-        if not norms:
+        entries = self._offloaded.entries
+        listed = [p for p in params if (p in offloaded) or (p not in entries and p.grad is not None)]
+        if not listed:
             return torch.tensor(0.0)
+        resident = [p.grad for p in listed if p not in entries]
+        # as torch: the gradients grouped by device and dtype (an offloaded weight's where a resident one's would
+        # be), each group's norms taken together, stacked group after group in the order of torch's grouping (not
+        # the parameters' order: a reduction in another order may round differently)
+        like = [torch.empty(0, dtype=offloaded[p].dtype, device=self._offloaded.device_of(p)) if p in entries
+                else p.grad for p in listed]
+        norms = []
+        for indices in (ix for _, (_, ix) in _group_tensors_by_device_and_dtype([like], with_indices=True).items()):
+            grads = [listed[i].grad for i in indices if listed[i] not in entries]
+            group_norms = iter(torch._foreach_norm(grads) if grads else ())
+            norms += [offloaded[listed[i]] if listed[i] in entries else next(group_norms).to("cpu") for i in indices]
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
@@ -464,6 +509,10 @@ class OffloadOptimizer(Optimizer):
             except (TypeError, ValueError) as exc:  # before anything is stepped
                 raise type(exc)(f"param group {i}: {exc} (a group's values are checked at each step: this one was "
                                 "set by an lr scheduler or an edit of optimizer.param_groups)") from None
+            given = [] if wanted is None else [p for p in group["params"] if id(p) in wanted]
+            if given:  # an update before step(): what it used, and the p.grad it stepped (_check_hyper_unchanged)
+                self._hyper_used.setdefault(i, []).append(
+                    (hyper, [(p, weakref.ref(p.grad)) for p in given if p.grad is not None]))
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:

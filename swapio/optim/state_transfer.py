@@ -57,12 +57,23 @@ def check_loaded_fields(fmt, p, kept, have):
         raise ValueError(f"the loaded state of a parameter of shape {tuple(shard(p).shape)} lacks {missing}")
 
 
+# An offloaded weight's live master, written in place by swapio.checkpoint.load(out=), would change what the
+# optimizer steps from but not the weights the model computes with (load_state_dict() rewrites those)
+_OFFLOADED_MASTER = ("the live fp32 master of a weight offloaded by swapio.offload: loading into it would change the "
+                     "master but not the weights the model computes with. Load without out= and give the "
+                     "optimizer's part to opt.load_state_dict() (which rewrites the offloaded weights too), or use "
+                     "opt.save() / opt.load()")
+
+
 def exported_tensors(opt, params):
     """{p: {field: tensor}} of the exported fields of each parameter: the live tensors where they are stored as
     exported (fp32 state in RAM, as torch's state_dict() gives), else new fp32 tensors decoded from the stored
     state (the whole of it in RAM: save() streams instead); shaped like p, int8 scales flat."""
     live = opt.live_state_tensors(params)
     if live is not None:
+        for p, tensors in live.items():
+            if MASTER in tensors and opt.is_offloaded(p):
+                detached.mark(tensors[MASTER], _OFFLOADED_MASTER)
         return live
     fmt, exported = opt.state_format, opt.exported_fields()
     out = {p: {name: fmt.empty(name, p, FP32) for name in exported[p]} for p in params}

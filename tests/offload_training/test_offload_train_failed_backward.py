@@ -164,6 +164,25 @@ def test_in_backward_keeps_the_updates_the_failed_backward_made_as_optimizer_hoo
     check(model, ref, got, want)
 
 
+@pytest.mark.parametrize("who", ["opt", "model"])
+def test_in_backward_options_changed_after_a_failed_backward_and_zero_grad_are_used_from_then_on(tmp_path, who):
+    """An lr changed after a caught failed backward and zero_grad() (a scheduler stepped every iteration): the
+    failed backward's updates are history, so the next step() is no "options changed after the updates used
+    them" error (step() refuses those only while their gradients stand), and training equals the resident loop
+    that stepped the failed backward's gradients with the old lr and then switched."""
+    data = batches(MLP, 5)
+
+    def switch(o):
+        o.param_groups[0]["lr"] = 0.02
+    ref = make()
+    with build_opt("AdamW", ref.parameters(), tmp_path / "r") as opt:
+        want = run(ref, opt, data, lambda m, o: (o.step(), o.zero_grad(), switch(o)))
+    model = offload(make(), "disk", tmp_path, FailingMLP)
+    with build_opt("AdamW", model.parameters(), tmp_path / "s", in_backward=True) as opt:
+        got = run(model, opt, data, lambda m, o: ((o if who == "opt" else m).zero_grad(), switch(o)))
+    check(model, ref, got, want)
+
+
 def test_in_backward_without_zero_grad_after_a_failed_backward_says_what_to_do(tmp_path):
     """The failed backward's updates were applied, so its gradients cannot be summed into the next one: the next
     backward is a RuntimeError naming the caught error and zero_grad(), and zero_grad() lets training go on."""

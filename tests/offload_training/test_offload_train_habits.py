@@ -274,6 +274,73 @@ def test_in_backward_backward_after_step_needs_cleared_grads(tmp_path, clear):
     finish(pairs)
 
 
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.parametrize("edit", ["lr", "betas", "scheduler_first"])
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
+def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_path, edit, storage, off):
+    """torch's step() uses a group's options as they are at step(); in_backward=True's updates ran during
+    backward with those of then. An lr (or betas) set between backward and step(), or an lr scheduler stepped
+    before opt.step(), used to be applied to whichever records the worker had not reached yet (the rest kept the
+    old value): training silently off torch's. Now step() raises, before stepping anything more (the resident
+    weights included); with the options set back it steps, and training goes on exactly as the resident model's
+    with the options never changed."""
+    data = batches(MLP, 3)
+    pairs = both(tmp_path, off, storage, keep=("c",), in_backward=True)
+    (ref, ref_opt), (model, opt) = pairs
+    with one_thread():
+        for m, o in pairs:
+            loss_of(m, data[0]).backward()
+        opt.param_value(model.a.weight)  # waits for the updates backward began: they have run
+        before = values(model, opt)
+        group = opt.param_groups[0]
+        old = dict(group)
+        if edit == "lr":
+            group["lr"] = 0.5
+        elif edit == "betas":
+            group["betas"] = (0.5, 0.9)
+        else:
+            torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1).step()
+        with pytest.raises(RuntimeError, match=r"(?s)options changed after in_backward=True.*in_backward=False"):
+            opt.step()
+        after = values(model, opt)
+        assert all(torch.equal(after[n], before[n]) for n in before)  # c (resident) not stepped either
+        group.update({k: old[k] for k in ("lr", "betas")})
+        opt.step()
+        ref_opt.step()
+        for m, o in pairs:
+            o.zero_grad()
+            for b in data[1:]:
+                loss_of(m, b).backward()
+                o.step()
+                o.zero_grad()
+    finish(pairs)
+
+
+def test_in_backward_options_changed_then_zero_grad_goes_on(tmp_path):
+    """zero_grad() after the refused step(): the updates of that backward are history, the next steps use the
+    new options, as a resident run that stepped with the old lr and then switched."""
+    data = batches(MLP, 3)
+    pairs = both(tmp_path, "cpu", in_backward=True)
+    (ref, ref_opt), (model, opt) = pairs
+    with one_thread():
+        for m, o in pairs:
+            loss_of(m, data[0]).backward()
+        opt.param_value(model.a.weight)
+        opt.param_groups[0]["lr"] = 0.05
+        with pytest.raises(RuntimeError, match="options changed"):
+            opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_opt.param_groups[0]["lr"] = 0.05
+        for m, o in pairs:
+            for b in data[1:]:
+                loss_of(m, b).backward()
+                o.step()
+                o.zero_grad()
+    finish(pairs)
+
+
 # ---- opt.clip_grad_norm_: twice, and bf16 weights ------------------------------------------------------------
 @pytest.mark.parametrize("storage,off,dtype,micro", [("disk", "nvme", torch.float32, 2),
                                                      ("cpu", "cpu", torch.float32, 1),
@@ -309,6 +376,139 @@ def test_clip_twice_and_low_precision_equal_torch_on_resident(tmp_path, storage,
     for g, w in zip(got_norms, want_norms):
         assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
     assert all(float(w) > 0.05 for w in want_norms[1::2])  # the second clip clips too
+    finish(pairs)
+
+
+def mixed_dtypes_mlp():
+    """MLP with a in bf16, norm and b in fp32, c in fp16: the parameters' order is not the order of torch's
+    grouping by dtype."""
+    model = make_model()
+    model.a.to(torch.bfloat16)
+    model.c.to(torch.float16)
+    return model
+
+
+def mixed_dtypes_loss(model, batch):
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.tanh(model.b(model.norm(torch.tanh(model.a(x)))))
+        out = model.c(h)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize("storage,off", [(None, "cpu"), (None, "nvme"), ("disk", "nvme"), ("cpu", "cpu")])
+def test_clip_of_mixed_dtypes_equals_torch_on_resident(tmp_path, storage, off):
+    """torch.nn.utils.clip_grad_norm_ groups the gradients by device and dtype and stacks their norms group by
+    group (fp16, fp32, bf16 here); opt.clip_grad_norm_ stacked them in parameter order, so with weights of several
+    dtypes (a model half in bf16, under autocast) its norm was 1 ulp off torch's, and the weights parted. Now the
+    norms, losses and weights equal torch's clipping of the resident model bit for bit, for a swapio optimizer
+    over the resident model too (storage None)."""
+    data = batches(MLP, 3)
+    ref = mixed_dtypes_mlp()
+    model = mixed_dtypes_mlp()
+    if storage is not None:
+        model = offload(model, storage, tmp_path)
+    results = []
+    for m, where in ((ref, "ref-swap"), (model, "swap")):
+        norms, losses = [], []
+        with build_opt("AdamW", m.parameters(), tmp_path / where, offload=off) as o, one_thread():
+            for b in data:
+                loss = mixed_dtypes_loss(m, b)
+                loss.backward()
+                losses.append(loss.detach())
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1) if m is ref
+                             else o.clip_grad_norm_(0.1))
+                o.step()
+                o.zero_grad()
+        results.append((norms, losses))
+    (want_norms, want_losses), (got_norms, got_losses) = results
+    assert all(float(w) > 0.1 for w in want_norms)  # each clip scales
+    for g, w in zip(got_norms, want_norms):
+        assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+    assert_same_losses(got_losses, want_losses)
+    if storage is not None:
+        remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+# ---- a forward before step(), its backward after --------------------------------------------------------------
+def backward_after_step(model, opts, data, which):
+    """The forward of data[1] before opts[which].step() (of data[0]'s gradients), its backward after: "ok", or
+    "modified" for autograd's error about a saved tensor changed in place. Then a plain step on data[2]."""
+    with one_thread():
+        loss_of(model, data[0]).backward()
+        pending = loss_of(model, data[1])
+        opts[which].step()
+        for o in opts:
+            o.zero_grad()
+        try:
+            pending.backward()
+            outcome = "ok"
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), e
+            outcome = "modified"
+        for o in opts:
+            o.zero_grad()
+        loss_of(model, data[2]).backward()
+        for o in opts:
+            o.step()
+    return outcome
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["weights_stepped", "biases_stepped"])
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("disk", "cpu"), ("cpu", "cpu")])
+def test_backward_of_a_forward_made_before_a_step_is_refused_as_on_resident(tmp_path, storage, off, which):
+    """A graph built before step() and differentiated after it (a GAN's generator loss through a discriminator
+    stepped meanwhile): autograd refuses it on the resident model, since the step changed saved weights in place.
+    disk_offload fetched the weights again in backward, the new ones, and computed gradients of weights the forward
+    never used without a word. Now the same error where the stepped weights were saved (weights: Linear saves them),
+    none where they were not (biases), and training goes on exactly as the resident model's."""
+    data = batches(MLP, 3)
+
+    def opts(model, where):
+        named = list(model.named_parameters())
+        return [build_opt("AdamW", [p for n, p in named if n.endswith(suffix) and not n.startswith("norm")],
+                          tmp_path / where / suffix, offload=off) for suffix in ("weight", "bias")] + \
+               [build_opt("AdamW", model.norm.parameters(), tmp_path / where / "norm", offload=off)]
+    ref = make_model()
+    ref_opts = opts(ref, "ref")
+    model = offload(make_model(), storage, tmp_path)
+    model_opts = opts(model, "offloaded")
+    want = backward_after_step(ref, ref_opts, data, which)
+    assert backward_after_step(model, model_opts, data, which) == want
+    assert want == ("modified" if which == 0 else "ok")
+    for o in ref_opts + model_opts:
+        o.close()
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+# ---- requires_grad_ toggled between forward and backward ---------------------------------------------------------
+@pytest.mark.parametrize("storage,off,in_backward", [("disk", "nvme", False), ("cpu", "cpu", False),
+                                                     ("disk", "cpu", True), ("cpu", "nvme", True)])
+def test_a_weight_frozen_between_forward_and_backward_gets_no_gradient_as_on_resident(tmp_path, storage, off,
+                                                                                     in_backward):
+    """autograd accumulates nothing into a parameter that no longer requires grad when backward reaches it
+    (p.requires_grad_(False) after the forward): .grad stays None and the step leaves it. The offloaded weight's
+    gradient went to the optimizer all the same (the forward's leaf of it still required grad), which stepped it.
+    Now p.grad stays None, and losses and weights equal the resident model's (the other weights of its module
+    included)."""
+    data = batches(MLP, 4)
+    pairs = both(tmp_path, off, storage, in_backward=in_backward)
+    grads = []
+    with one_thread():
+        for m, o in pairs:
+            seen = []
+            for i, b in enumerate(data):
+                loss = loss_of(m, b)
+                m.b.weight.requires_grad_(i != 1)
+                loss.backward()
+                seen.append(m.b.weight.grad is not None)
+                m.b.weight.requires_grad_(True)
+                o.step()
+                o.zero_grad()
+            grads.append(seen)
+    assert grads[0] == grads[1] == [True, False, True, True]
     finish(pairs)
 
 

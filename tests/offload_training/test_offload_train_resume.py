@@ -294,6 +294,36 @@ def test_state_dict_of_offloaded_training_continues_resident(tmp_path):
     assert_same_weights(weights(model), weights(resident))
 
 
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_checkpoint_load_into_the_live_state_dict_of_offloaded_weights_is_refused(tmp_path, storage):
+    """In cpu mode with fp32 state, opt.state_dict() holds the live state tensors, also the fp32 master of each
+    offloaded weight. swapio.checkpoint.load(path, out={"optimizer": opt.state_dict()}) wrote the saved masters
+    into them but left the weights the model computes with as they were: the next forward used the newer
+    weights, the next step the older masters, neither torch's result (a resident model keeps its weights) nor
+    load_state_dict()'s (which rewrites the offloaded weights). Now a ValueError naming load_state_dict(),
+    before anything is written; loading as it says continues exactly as the run that never went past the save."""
+    import swapio.checkpoint as ckpt
+    data = batches(MLP, 5)
+    want_losses, want_weights = resident_run(MLP, torch.float32, "AdamW", data, tmp_path / "ref",
+                                             opt_kw=dict(offload="cpu"))
+    model = offload(make_model(), storage, tmp_path)
+    opt = build_opt("AdamW", model.parameters(), tmp_path, offload="cpu")
+    losses = train(model, opt, data[:2])
+    path = str(tmp_path / "state.safetensors")
+    ckpt.save({"optimizer": opt.state_dict(), "step": 2}, path)
+    train(model, opt, data[2:3])  # past the checkpoint
+    before = {n: opt.param_value(p).clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"(?s)master.*load_state_dict\(\)"):
+        ckpt.load(path, out={"optimizer": opt.state_dict(), "step": 0})
+    assert all(torch.equal(opt.param_value(p), before[n]) for n, p in model.named_parameters())
+    opt.load_state_dict(ckpt.load(path)["optimizer"])
+    losses += train(model, opt, data[2:])
+    assert_same_losses(losses, want_losses)
+    opt.close()
+    remove_offload(model)
+    assert_same_weights(weights(model), want_weights)
+
+
 def test_an_offload_dir_trained_from_another_checkpoint_is_refused(tmp_path):
     """offload_dir holds weights trained from one checkpoint; offloading from another with it would silently serve
     the first one's (trained and frozen records alike)."""

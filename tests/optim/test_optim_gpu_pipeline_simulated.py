@@ -339,6 +339,33 @@ def test_in_backward_refuses_a_second_backward_before_step(fake_gpu):
     opt.close()
 
 
+def test_in_backward_refuses_an_lr_changed_between_backward_and_step(fake_gpu):
+    # torch's step() uses the lr of step() time; the worker stepped the GPU parameters during backward with the lr
+    # of then. A scheduler stepped (or an lr set) between backward and step() used to be silently ignored for
+    # those, and used for whatever step() stepped itself. Now step() raises; with the lr set back it steps, equal
+    # to torch.optim.AdamW with the lr never changed.
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    _loss(model, 0).backward()
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.clone()
+    opt.state_dict()  # waits for the worker: its updates have run
+    opt.param_groups[0]["lr"] = 0.1
+    with pytest.raises(RuntimeError, match=r"(?s)lr 0\.01 -> 0\.1.*in_backward=False"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    ref_opt.step()
+    compute.run_until(len(compute.ops))
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    opt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("read", ["state_dict", "save", "memory_report"])
 def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker(fake_gpu, tmp_path, read):
