@@ -553,20 +553,29 @@ def test_in_backward_second_backward_of_one_graph_says_in_backward(tmp_path, mon
     """loss.backward(retain_graph=True) then loss.backward() with in_backward=True: the second backward needs
     weights the first one's update is still rewriting. disk_offload blamed "a forward running during step()";
     the error must say what happened (every backward is one step) whatever the worker's progress. The worker
-    is held inside its first rewrite until the second backward has failed."""
+    is held inside its first rewrite until the second backward has failed (and waits for the updates it handed
+    over, which then go on)."""
     from swapio.offload import weight_store
+    from swapio.optim.worker import UpdateWorker
     store = weight_store.DiskStore if storage == "disk" else weight_store.HostStore
-    release, original = threading.Event(), store.end
+    release, original, second, original_idle = threading.Event(), store.end, threading.Event(), UpdateWorker.idle
 
     def held_end(self, *args, **kwargs):
         release.wait(30)
         return original(self, *args, **kwargs)
 
+    def idle(self):
+        if second.is_set():  # the failed backward waits for the updates it handed over: let them go on
+            release.set()
+        return original_idle(self)
+
     monkeypatch.setattr(store, "end", held_end)
+    monkeypatch.setattr(UpdateWorker, "idle", idle)
     model = offload(make_model(), storage, tmp_path)
     with build_opt("AdamW", model.parameters(), tmp_path / "s", in_backward=True) as opt, one_thread():
         loss = loss_of(model, batches(MLP, 1)[0])
         loss.backward(retain_graph=True)
+        second.set()
         try:
             with pytest.raises(RuntimeError, match=r"(?s)second backward.*in_backward=True every backward is one"):
                 loss.backward()
