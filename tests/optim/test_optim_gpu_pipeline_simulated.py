@@ -111,6 +111,14 @@ def _model(dtype):
     return torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.Tanh(), torch.nn.Linear(384, 40)).to(dtype)
 
 
+def _on_fake_gpu_with_reference(gpu, dtype):
+    """_model(dtype) on the fake GPU, fp32 copies of its parameters and torch's AdamW over them (lr 1e-2)."""
+    model = _model(dtype)
+    gpu.update(p.detach() for p in model.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    return model, master, torch.optim.AdamW(master, lr=1e-2)
+
+
 def _loss(model, i):
     g = torch.Generator().manual_seed(i)
     x = torch.randn(8, 64, generator=g).to(next(model.parameters()).dtype)
@@ -239,11 +247,8 @@ def test_nvme_segments_sharing_a_chunk_do_not_overwrite_staging_a_copy_still_rea
     # A chunk of the swap file holds segments of several parameters (a weight's tail, a bias, the next weight's
     # head); each segment's new values go to the GPU from the slot's staging while the next segment computes.
     gpu, compute, sides, trace = fake_gpu
-    model = _model(dtype)
-    gpu.update(p.detach() for p in model.parameters())
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, dtype)
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="nvme", swap_dir=tmp_path)
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-2)
     for step in range(2):
         _loss(model, step).backward()
         for m, p in zip(master, model.parameters()):
@@ -345,11 +350,8 @@ def test_in_backward_refuses_an_lr_changed_between_backward_and_step(fake_gpu):
     # those, and used for whatever step() stepped itself. Now step() raises; with the lr set back it steps, equal
     # to torch.optim.AdamW with the lr never changed.
     gpu, compute, sides, trace = fake_gpu
-    model = _model(torch.float32)
-    gpu.update(p.detach() for p in model.parameters())
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, torch.float32)
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
-    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-2)
     _loss(model, 0).backward()
     for m, p in zip(master, model.parameters()):
         m.grad = p.grad.clone()
@@ -407,11 +409,8 @@ def test_an_error_in_the_in_backward_worker_leaves_the_parameters_it_stepped_ste
     # that batch it had stepped before the error are stepped; a step() after the error must not step them again.
     import threading
     gpu, compute, sides, trace = fake_gpu
-    model = _model(torch.float32)
-    gpu.update(p.detach() for p in model.parameters())
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, torch.float32)
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
-    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-2)
     release = threading.Event()
     real_step = opt._gpu_in_backward._step_params
     opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
@@ -457,10 +456,7 @@ def test_a_gpu_in_backward_optimizer_dropped_right_after_backward_lands_its_upda
     import gc
     import weakref
     gpu, compute, sides, trace = fake_gpu
-    model = _model(torch.float32)
-    gpu.update(p.detach() for p in model.parameters())
-    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, torch.float32)
     release = _gated_gpu_worker(monkeypatch)
     opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
     worker = opt._gpu_in_backward  # holds the optimizer weakly
@@ -491,10 +487,7 @@ def test_a_gpu_in_backward_optimizer_dropped_in_the_middle_of_backward_updates_e
     import gc
     import weakref
     gpu, compute, sides, trace = fake_gpu
-    model = _model(torch.float32)
-    gpu.update(p.detach() for p in model.parameters())
-    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, torch.float32)
     held = [swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)]
     worker, dropped = held[0]._gpu_in_backward, weakref.ref(held[0])
 
