@@ -234,7 +234,7 @@ class Training:
 
     def _arrived(self, slot, leaf):
         grad, leaf.grad = leaf.grad, None
-        if not slot.placeholder.requires_grad:
+        if not slot.requires_grad:
             # frozen (requires_grad_(False) on model.parameters()) since the forward made the leaf: autograd's
             # AccumulateGrad drops the gradient of a parameter that no longer requires grad, so this one goes too
             # (the slot then counts as incomplete: its record's other weights are stepped by step())

@@ -10,7 +10,7 @@ import torch
 
 from swapio.offload import offload_activations, remove_offload
 from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt, loss_of,
-                                      make_model, offload, one_thread, weights)
+                                      make_model, offload, one_thread, train, weights)
 
 pytest.importorskip("safetensors")
 
@@ -309,10 +309,7 @@ def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_p
         ref_opt.step()
         for m, o in pairs:
             o.zero_grad()
-            for b in data[1:]:
-                loss_of(m, b).backward()
-                o.step()
-                o.zero_grad()
+            train(m, o, data[1:])
     finish(pairs)
 
 
@@ -334,10 +331,7 @@ def test_in_backward_options_changed_then_zero_grad_goes_on(tmp_path):
         ref_opt.zero_grad()
         ref_opt.param_groups[0]["lr"] = 0.05
         for m, o in pairs:
-            for b in data[1:]:
-                loss_of(m, b).backward()
-                o.step()
-                o.zero_grad()
+            train(m, o, data[1:])
     finish(pairs)
 
 
