@@ -17,7 +17,7 @@ from .core.futures import Future
 from .core.handle import AioHandle
 from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
-from .core.tensors import check_dense, spans_whole_storage
+from .core.tensors import check_dense, mark_written, restoring, spans_whole_storage
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
@@ -98,6 +98,10 @@ class SwappedTensor:
                 if refill:
                     target.untyped_storage().resize_(0)
                 raise
+            if out is not None:
+                # a change in place, told to autograd now, as a copy_ into it would; a refill puts back the bytes
+                # autograd saw before the swap-out, so a graph that saved the source still runs
+                mark_written(out)
             if refill:
                 self._refill = future
         return future
@@ -113,7 +117,7 @@ class SwappedTensor:
                 raise OSError(errno.EIO, "checksum mismatch: the swap file's bytes are not the ones swapped out "
                               "(the file was modified or the disk returned corrupted data)", self.path)
             if staging is not None and not cuda:
-                with torch.no_grad():
+                with torch.no_grad(), restoring(target):
                     target.copy_(staging)
             if refill:
                 with self._lock:
@@ -127,9 +131,10 @@ class SwappedTensor:
                     self._refill = None
 
         staging = None
+        # The writes into target leave its version counter: swap_in tells autograd of a read into `out` itself
         if target.device.type == "cpu" and target.is_contiguous():
             read = self.store.handle.pread(target.detach().view(-1), self.path, 0, identity=self._file,
-                                           staged="auto")
+                                           staged="auto", restores=True)
         else:  # GPU or strided targets: read into pinned memory, then copy
             staging = empty_pinned(self.shape, self.dtype)
             read = self.store.handle.pread(staging.view(-1), self.path, 0, identity=self._file)
@@ -140,8 +145,11 @@ class SwappedTensor:
         # event recorded now), never for work queued later, and nothing synchronises a whole stream.
         before = torch.cuda.current_stream(target.device).record_event() if caller_owned else None
         stream = cuda_copy.copy_stream(target.device)
-        return cuda_copy.DeviceCopyFuture(
-            checked, lambda: cuda_copy.copy_async(target, staging, stream, wait_for=before), target)
+
+        def issue():
+            with restoring(target):
+                return cuda_copy.copy_async(target, staging, stream, wait_for=before)
+        return cuda_copy.DeviceCopyFuture(checked, issue, target)
 
     def __repr__(self):
         where = "resident" if self.is_resident else "on disk"

@@ -13,7 +13,7 @@ from ._closeable import Closeable
 from ._errors import StrPath, check_int, check_path, warn_once
 from .futures import Future
 from .pinned import is_pinned
-from .tensors import cpu_memory
+from .tensors import cpu_memory, mark_written
 
 _PRUNE_MIN = 64
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct", "submit_batch")
@@ -94,8 +94,13 @@ class AioHandle(Closeable):
         return self._submit("write", tensor, path, offset, identity=identity, staged=staged)
 
     def pread(self, tensor: torch.Tensor, path: StrPath, offset: int = 0, *,
-              identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:
+              identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False,
+              restores: bool = False) -> Future:
         """Fills tensor with tensor.nbytes bytes of path at offset; returns a Future of bytes read.
+        Autograd is told of the write when it is submitted, as by an in-place torch operation (the tensor's
+        version counter moves: a backward through a graph that saved its old values raises). restores=True:
+        the bytes are the ones the tensor held when autograd last saw it (a tensor swapped out and read back), so
+        its version counter stays.
         identity=(st_dev, st_ino[, birth_ns]): the file must still be that one (say, one the caller created; birth_ns,
         its statx birth time, tells it from a file made later with its inode number): it is opened
         without following a symlink (nor created, for pwrite) and checked on each descriptor the I/O uses,
@@ -106,7 +111,12 @@ class AioHandle(Closeable):
         virtio-blk (Firecracker) reads into it ran at 0.63-0.81x of reads into huge pages, staged at 0.92-1.0x;
         writes 0.77x, staged 0.95x. staged="auto": staged unless the memory is swapio pinned memory (huge pages
         already; what swapio's own checkpoints, swaps and offload use)."""
-        return self._submit("read", tensor, path, offset, identity=identity, staged=staged)
+        if not isinstance(restores, bool):
+            raise TypeError(f"restores must be True or False, got {type(restores).__name__}")
+        future = self._submit("read", tensor, path, offset, identity=identity, staged=staged)
+        if not restores:
+            mark_written(tensor)
+        return future
 
     def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
                 identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:

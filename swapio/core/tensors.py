@@ -1,5 +1,7 @@
-"""Checks that turn a tensor into (pointer, byte count) for the native core."""
-from typing import Tuple
+"""Checks that turn a tensor into (pointer, byte count) for the native core, and how its writes through that
+pointer are shown to autograd."""
+import contextlib
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -44,3 +46,40 @@ def spans_whole_storage(tensor: torch.Tensor) -> bool:
     """True if the tensor covers all of its storage (so releasing the storage releases nothing else)."""
     storage = tensor.untyped_storage()
     return bool(tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes())
+
+
+def mark_written(*tensors: Optional[torch.Tensor]) -> None:
+    """Tells autograd that native code wrote these tensors in place (None entries skipped), as an in-place torch
+    operation does: a backward through a graph that saved their old values then raises instead of using the new."""
+    torch.autograd.graph.increment_version([t for t in tensors if t is not None])
+
+
+_unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Sets the tensor's version counter (shared with its views); RuntimeError on a torch without the setter."""
+    if _unsafe_set_version is None:
+        raise RuntimeError("this torch cannot set a tensor's version counter")
+    try:
+        _unsafe_set_version((tensor,), (version,))
+    except TypeError:  # older torch: one tensor and one version
+        _unsafe_set_version(tensor, version)
+
+
+CAN_SET_VERSION = _unsafe_set_version is not None
+
+
+@contextlib.contextmanager
+def restoring(tensor: torch.Tensor) -> Iterator[None]:
+    """Writes inside put back bytes the tensor held before (a swapped-out tensor refilled): autograd is not told,
+    so a graph that saved the tensor before it was swapped out still uses it. Where torch cannot set the counter
+    back, the write counts as a change (a backward through such a graph raises; never silently wrong)."""
+    if tensor.is_inference() or not CAN_SET_VERSION:  # (inference tensors count no versions)
+        yield
+        return
+    version = tensor._version
+    try:
+        yield
+    finally:
+        set_version(tensor, version)

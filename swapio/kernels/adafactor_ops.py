@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _C
+from ..core.tensors import mark_written
 from ._args import GRAD_DTYPES, capability_arg, check_flat, check_tensor, out_code, ptr, threads_arg
 from ._hyper import check_adafactor_hyper, check_step
 
@@ -89,11 +90,15 @@ def adafactor_step_(param: torch.Tensor, grad: torch.Tensor, *, shape: Sequence[
     if n == 0:
         return param
     b, r, c = dims if dims is not None else (1, 1, n)
-    _C.adafactor_step(param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], ptr(row_var), ptr(col_var),
-                      ptr(variance), n, factored=dims is not None, batches=b, rows=r, cols=c, step=step, lr=lr,
-                      beta2_decay=beta2_decay, eps1=EPS1_DEFAULT if eps1 is None else eps1, eps2=eps2, d=d,
-                      weight_decay=weight_decay, maximize=bool(maximize), param_out=ptr(param_out),
-                      out_dtype=out_code(param_out), threads=threads, capability=capability)
+    try:
+        _C.adafactor_step(param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], ptr(row_var), ptr(col_var),
+                          ptr(variance), n, factored=dims is not None, batches=b, rows=r, cols=c, step=step, lr=lr,
+                          beta2_decay=beta2_decay, eps1=EPS1_DEFAULT if eps1 is None else eps1, eps2=eps2, d=d,
+                          weight_decay=weight_decay, maximize=bool(maximize), param_out=ptr(param_out),
+                          out_dtype=out_code(param_out), threads=threads, capability=capability)
+    finally:
+        # written through pointers: autograd is told, as by an in-place torch operation (swapio.ops.adam_step_)
+        mark_written(param, row_var, col_var, variance, param_out)
     return param
 
 

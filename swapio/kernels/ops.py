@@ -32,6 +32,7 @@ from ._args import (GRAD_DTYPES as _GRAD_DTYPES, OUT_DTYPES as _OUT_DTYPES, capa
                     check_flat as _check_flat, check_tensor as _check_tensor, out_code as _out_code, ptr as _ptr,
                     threads_arg as _threads)
 from ..core._errors import SwapioWarning
+from ..core.tensors import mark_written
 from ._hyper import check_adam_hyper, check_lion_hyper, check_step
 
 Number = Union[float, torch.Tensor]  # a hyperparameter: a Python number or a one-element tensor
@@ -154,21 +155,37 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     n = param.numel()
     if n == 0:
         return param
+    # the kernel writes through pointers: autograd is told, as by torch's own in-place steps (even if it fails
+    # partway, as some of the memory may be written)
+    written = (param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
+               max_exp_avg_sq if amsgrad else None)
+    try:
+        _adam_native(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq, param_out,
+                     n, state, nonfinite, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), amsgrad=bool(amsgrad),
+                     seed=seed, index_base=index_base, threads=threads, capability=capability)
+    finally:
+        mark_written(*written)
+    return param
+
+
+def _adam_native(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq, param_out, n,
+                 state, nonfinite, *, step, lr, beta1, beta2, eps, weight_decay, adamw, maximize, amsgrad, seed,
+                 index_base, threads, capability):
     if state != "fp32":
         found = _C.adam_step_state(
             param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale),
             exp_avg_sq.data_ptr(), _ptr(exp_avg_sq_scale), n, state=_C.STATE_CODES[state], seed=seed,
             index_base=index_base, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw=bool(adamw), maximize=bool(maximize), param_out=_ptr(param_out),
+            weight_decay=weight_decay, adamw=adamw, maximize=maximize, param_out=_ptr(param_out),
             out_dtype=_out_code(param_out), threads=threads, capability=capability)
         _count(nonfinite, found)
-        return param
+        return
     _C.adam_step(
         param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=bool(adamw),
-        maximize=bool(maximize), amsgrad=bool(amsgrad), max_exp_avg_sq=_ptr(max_exp_avg_sq) if amsgrad else 0,
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+        maximize=maximize, amsgrad=amsgrad, max_exp_avg_sq=_ptr(max_exp_avg_sq) if amsgrad else 0,
         param_out=_ptr(param_out), out_dtype=_out_code(param_out), threads=threads, capability=capability)
-    return param
 
 
 def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: Number, beta1: Number = 0.9,
@@ -192,11 +209,14 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     n = param.numel()
     if n == 0:
         return param
-    found = _C.lion_step(
-        param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale), n,
-        state=_C.STATE_CODES[state], seed=seed, index_base=index_base, step=step, lr=lr,
-        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
-        out_dtype=_out_code(param_out), threads=threads, capability=capability)
+    try:
+        found = _C.lion_step(
+            param.data_ptr(), grad.data_ptr(), _GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(), _ptr(exp_avg_scale), n,
+            state=_C.STATE_CODES[state], seed=seed, index_base=index_base, step=step, lr=lr,
+            beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=bool(maximize), param_out=_ptr(param_out),
+            out_dtype=_out_code(param_out), threads=threads, capability=capability)
+    finally:
+        mark_written(param, exp_avg, exp_avg_scale, param_out)  # as for adam_step_
     _count(nonfinite, found)
     return param
 

@@ -33,6 +33,7 @@ from ..core._owned_fd import OwnedFd
 from ..core._signals import DeferredSigint
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
 from ..core.futures import Future
+from ..core.tensors import CAN_SET_VERSION, set_version
 from .kept import Kept, modified_in_place
 
 
@@ -112,24 +113,13 @@ def counts_with(owner, tensor):
     if owner is None:
         return False
     version = tensor._version
-    if owner._version != version or _set_version is None:  # (no way to tell: a copy of its own)
+    if owner._version != version or not CAN_SET_VERSION:  # (no way to tell: a copy of its own)
         return False
-    _set_version(tensor, version + 1)
+    set_version(tensor, version + 1)
     try:
         return owner._version == version + 1
     finally:
-        _set_version(tensor, version)
-
-
-def _set_version_now(tensor, version):
-    try:
-        _unsafe_set_version((tensor,), (version,))
-    except TypeError:  # older torch: one tensor and one version
-        _unsafe_set_version(tensor, version)
-
-
-_unsafe_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-_set_version = None if _unsafe_set_version is None else _set_version_now
+        set_version(tensor, version)
 
 
 def byte_view(storage, device, nbytes):
