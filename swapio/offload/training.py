@@ -10,7 +10,7 @@ Gradients: each forward with grad enabled makes a fresh leaf Parameter of every 
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
 of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` holds, per slot, the
-leaves forwards made since the last step, `arrived` per backward (autograd graph task) the leaves it brought a
+leaves forwards made (while their graphs live), `arrived` per backward (autograd graph task) the leaves it brought a
 gradient of. When the running backward will reach no other leaf of the slot (autograd says which it will: not
 those of a forward whose loss this is not, nor a checkpoint's recomputation), the slot's gradient of this backward
 is complete, which is when an optimizer stepping in backward may update it; an incomplete one ends at the
@@ -61,7 +61,7 @@ class Training:
         self._streamer = weakref.ref(streamer)
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
-        self.made = {}      # slot -> weakrefs to the leaves forwards made since the last step() / zero_grad()
+        self.made = {}      # slot -> weakrefs to the leaves forwards made (while their graphs live)
         self.arrived = {}   # graph task (a backward) -> {slot: [ids of the leaves it brought a gradient of, complete]}
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
@@ -294,9 +294,14 @@ class Training:
             return entry[1] if entry is not None else not self.made.get(slot)
 
     def reset(self):
-        """step() / zero_grad(): leaves of forwards whose backward never ran no longer count."""
+        """step() / zero_grad(): the gradients of backward passes that did not end are dropped. The leaves of
+        forwards stay while their graphs live: a forward made before step() (a GAN's generator loss) may have its
+        backward after it, and its weights' gradients are complete only once every leaf it made got one."""
         with self.lock:
-            self.made.clear()
+            for slot, refs in list(self.made.items()):
+                refs[:] = [r for r in refs if r() is not None]
+                if not refs:
+                    del self.made[slot]
             self.arrived.clear()
 
 

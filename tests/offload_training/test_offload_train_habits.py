@@ -477,6 +477,38 @@ def test_backward_of_a_forward_made_before_a_step_is_refused_as_on_resident(tmp_
     assert_same_weights(weights(model), weights(ref))
 
 
+@pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("disk", "cpu"), ("cpu", "cpu")])
+def test_in_backward_forward_before_step_and_its_backward_after_trains_as_torch(tmp_path, storage, off):
+    """With in_backward=True the update is part of backward: a forward made after a backward (before step()) sees
+    the updated weights, as with torch's optimizer-in-backward hooks, so its backward after step() is a next step.
+    step() forgot the leaves of forwards made before it: the first gradient of a module (its bias) then found none
+    of its weight and updated the module without it, and the weight's gradient was a "second backward"
+    RuntimeError (disk_offload). Now the losses and weights equal a resident run that steps after each backward."""
+    data = batches(MLP, 3)
+    (ref, ref_opt), (model, opt) = both(tmp_path, off, storage, in_backward=True)
+    with one_thread():
+        ref_losses = []
+        for b in data:
+            loss = loss_of(ref, b)
+            ref_losses.append(loss.item())
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        first = loss_of(model, data[0])
+        first.backward()
+        pending = loss_of(model, data[1])  # after backward's updates, before step()
+        opt.step()
+        opt.zero_grad()
+        pending.backward()
+        opt.step()
+        opt.zero_grad()
+        last = loss_of(model, data[2])
+        last.backward()
+        opt.step()
+    assert [first.item(), pending.item(), last.item()] == ref_losses
+    finish(((ref, ref_opt), (model, opt)))
+
+
 # ---- requires_grad_ toggled between forward and backward ---------------------------------------------------------
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "nvme", False), ("cpu", "cpu", False),
                                                      ("disk", "cpu", True), ("cpu", "nvme", True)])
