@@ -15,12 +15,13 @@ import inspect
 import os
 import threading
 import types
+import warnings
 import weakref
 
 import torch
 
 from ..core import _swapdir
-from ..core._errors import check_int
+from ..core._errors import SwapioWarning, check_int
 from ..core._signals import DeferredSigint
 from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
 from ..core.pinned import PinnedPool, size_class
@@ -53,6 +54,7 @@ class _Resources:
         self.sessions = set()
         self.sessions_made = 0
         self.excluded = frozenset()
+        self.cpu_kept = self.warned_cpu = False  # to="cpu" kept CPU tensors; said so
         self.stats = dict.fromkeys(("tensors", "bytes", "shared_views", "read_bytes", "unpack_misses",
                                     "peak_staged_bytes", "forward_wait_s", "backward_wait_s"), 0)
         self.owner = self.handle = self.directory = None
@@ -89,7 +91,7 @@ class _Resources:
                 or t.is_neg()):  # (a strided nested tensor has no sizes to rebuild it from)
             return False
         kind = t.device.type
-        if not (kind == "cuda" or (kind == "cpu" and self.to == "nvme")):
+        if kind not in ("cuda", "cpu"):
             return False
         base = t._base
         if base is None and t.requires_grad and t.is_leaf:  # a parameter in all but name
@@ -101,7 +103,22 @@ class _Resources:
         except (RuntimeError, NotImplementedError):
             return False
         nbytes = storage.nbytes()
-        return nbytes > 0 and nbytes >= self.min_bytes and storage.data_ptr() not in self.excluded
+        if not (nbytes > 0 and nbytes >= self.min_bytes and storage.data_ptr() not in self.excluded):
+            return False
+        if kind == "cpu" and self.to == "cpu":  # in RAM already: stays
+            self.cpu_kept = True
+            return False
+        return True
+
+    def warn_if_nothing_moved(self):
+        """Once, after a forward: to="cpu" has moved nothing (a model that computes on the CPU, whose activations
+        are in RAM already) though it kept CPU tensors it would otherwise have taken. Silently doing nothing would
+        let a user believe RAM was saved."""
+        if self.cpu_kept and not self.warned_cpu and self.stats["tensors"] == 0:
+            self.warned_cpu = True
+            warnings.warn('offload_activations(to="cpu") leaves CPU tensors where they are (in RAM already), so this '
+                          "forward on the CPU offloaded nothing; to take activations out of RAM, use to=\"nvme\" "
+                          "with a swap_dir on a disk", SwapioWarning, stacklevel=4)
 
     def close(self):
         with DeferredSigint():  # every session and then the finalizer (which runs once), whole; then a Ctrl-C
@@ -225,6 +242,7 @@ class ActivationOffload:
             session.abort()
             return
         session.close_forward()
+        self._res.warn_if_nothing_moved()
         if not on_top:  # torch can only pop the top: ours stay under the others (a later save there raises)
             raise RuntimeError(
                 "offload_activations' `with` block ended while saved-tensor hooks pushed inside it (a "

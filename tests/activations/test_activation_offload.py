@@ -3,6 +3,7 @@ offloaded and what never is, a second backward, checkpointing and autocast."""
 import contextlib
 import gc
 import os
+import warnings
 import weakref
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from helpers.activations import (Stack, assert_same_grads, batch, grads_of, hooks_installed, make_stack, settle,
                                  swap_files)
+from swapio import SwapioWarning
 from swapio.offload import ActivationOffload, offload_activations
 from swapio.offload import activation_store
 
@@ -118,8 +120,13 @@ def test_min_bytes_keeps_small_storages_and_cpu_mode_keeps_cpu_tensors(tmp_path,
     assert seen and act.stats()["bytes"] == big * len(seen)
     seen.clear()
     act = offload_activations(to="cpu", min_bytes=0)  # a CPU model: nothing to move to the CPU
-    assert_same_grads(grads_of(model, x, act), want)
+    with pytest.warns(SwapioWarning, match=r'(?s)offloaded nothing.*to="nvme"'):  # not silently
+        assert_same_grads(grads_of(model, x, act), want)
     assert seen == [] and act.stats()["pinned_bytes"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per offloader; nor from to="nvme", which moves CPU tensors
+        grads_of(model, x, act)
+        grads_of(model, x, nvme(tmp_path, min_bytes=0))
 
 
 def test_second_backward_with_retain_graph_reads_again(tmp_path):
