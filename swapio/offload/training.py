@@ -16,7 +16,7 @@ those of a forward whose loss this is not, nor a checkpoint's recomputation), th
 is complete, which is when an optimizer stepping in backward may update it; an incomplete one ends at the
 backward's end. Each backward is one gradient, as torch's .grad gets one per backward (gradient hooks run once per
 backward on it), and backwards that overlap (two threads, a reentrant checkpoint's inside another) are kept apart.
-A backward that raised gets no end: autograd frees its final callback uncalled (_BackwardEnd), and the uses it
+A backward that raised gets no end: autograd frees its final callback uncalled (core/backward_end.py), and the uses it
 brought of an incomplete gradient are dropped, as autograd drops a leaf's inputs it had not yet accumulated.
 A trainable weight with no owner is a ValueError at its first gradient: a torch optimizer would step the
 placeholder, a silent no-op.
@@ -26,11 +26,13 @@ handed to the update worker) -> the owner's update: begin(record) -> the optimiz
 values into view(buf, slot) -> end(record, buf) -> the weight store writes the record (weight_store.py) -> the
 next forward fetches it (fetch.py).
 """
+import functools
 import threading
 import weakref
 
 import torch
 
+from ..core.backward_end import on_backward_end
 from ..core.heap import HeapTrim
 from .trainable import TrainableOwner
 from .weight_store import current_value
@@ -252,7 +254,7 @@ class Training:
         if complete:
             entry[1] = True
         if new and task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
+            on_backward_end(functools.partial(_backward_end, weakref.ref(self), task))
         owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
@@ -314,22 +316,8 @@ def _will_reach(leaf):
     return torch._C._will_engine_execute_node(node)
 
 
-class _BackwardEnd:
-    """The final callback of a backward that brought gradients: autograd calls it when the backward ended, and
-    frees it uncalled when the backward raised (before the error reaches the caller)."""
-
-    def __init__(self, training, task):
-        self.training, self.task, self.ran = weakref.ref(training), task, False
-
-    def _end(self, ended):
-        training = self.training()
-        if training is not None:
-            training._backward_ended(self.task, ended)
-
-    def __call__(self):
-        self.ran = True
-        self._end(True)
-
-    def __del__(self):
-        if not self.ran:
-            self._end(False)
+def _backward_end(training_ref, task, ended):
+    """The end of a backward that brought gradients (ended), or its failure."""
+    training = training_ref()
+    if training is not None:
+        training._backward_ended(task, ended)

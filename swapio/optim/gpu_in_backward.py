@@ -17,10 +17,16 @@ a backward, it still updates every parameter that backward handed it; once freed
 those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
 raise it).
 """
+import functools
 import threading
 import warnings
+import weakref
+
+import torch
 
 from ..core._errors import SwapioWarning
+from ..core._signals import DeferredSigint
+from ..core.backward_end import on_backward_end
 from .cuda_staging import StepCopies
 from .params import shard
 from .worker import HeldStep, UpdateWorker, second_backward_error
@@ -38,6 +44,7 @@ class GpuInBackward:
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
         self.worker = UpdateWorker(self.lock, "swapio-gpu-in-backward")
+        self.backwards = set()  # graph tasks of the backwards running that handed gradients
 
     def check_fresh(self, p):
         """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
@@ -51,10 +58,26 @@ class GpuInBackward:
         """From GradCopies' hook (the backward thread)."""
         self._step.hold_for_backward()  # its updates are part of this backward: dropping the optimizer stops none
         self.raise_error()
+        task = torch._C._current_graph_task_id()
         with self.lock:
+            first = task >= 0 and task not in self.backwards
+            if first:
+                self.backwards.add(task)
             self.handed.add(p)
             self.ready.append(p)
             self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
+        if first:
+            on_backward_end(functools.partial(_backward_end, weakref.ref(self), task))
+
+    def backward_ended(self, task, ended):
+        """A backward that handed gradients ended, or raised: then the updates it handed over end before its error
+        reaches the caller, as torch's optimizer-in-backward hooks have (they use the options of then, not those
+        the caller sets next), and as for offloaded weights (OffloadedParams.backward_abandoned)."""
+        with self.lock:
+            self.backwards.discard(task)
+        if not ended:
+            with DeferredSigint():  # (in autograd's finalizer, where a second Ctrl-C could only be printed)
+                self.worker.idle()
 
     def _work(self):
         while True:
@@ -129,3 +152,9 @@ class GpuInBackward:
             self.worker.close()
         finally:  # (as OffloadedParams.close)
             self.copies.end()
+
+
+def _backward_end(owner_ref, task, ended):
+    owner = owner_ref()
+    if owner is not None:
+        owner.backward_ended(task, ended)

@@ -220,6 +220,57 @@ def test_in_backward_updates_gpu_parameters_during_backward_like_torch(fake_gpu)
     opt.close()
 
 
+class _FailsInBackward(torch.autograd.Function):
+    """Identity; its backward raises (a backward that fails partway: the layers after it got their gradients)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("simulated failure in backward")
+
+
+def test_in_backward_a_failed_backward_ends_its_gpu_updates_before_its_error_reaches_the_caller(fake_gpu):
+    # A backward that raised had handed the last layer's gradients to the worker; its error reached the caller
+    # while the worker still had to run them, so an lr set right after the catch (before zero_grad()) reached
+    # those updates. As torch's optimizer-in-backward hooks (and offloaded weights) have it, they end before the
+    # error does, with the options of then: equal to torch's AdamW stepping the last layer with lr 0.01.
+    import threading
+    gpu, compute, sides, trace = fake_gpu
+    model, master, ref_opt = _on_fake_gpu_with_reference(gpu, torch.float32)
+    first, _, last = model
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    release = threading.Event()
+    real_step = opt._gpu_in_backward._step_params
+    opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+    loss = last(torch.tanh(_FailsInBackward.apply(first(x)))).square().mean()
+    threading.Timer(0.3, release.set).start()  # the worker runs late
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loss.backward()
+    opt.param_groups[0]["lr"] = 0.1  # right after the catch
+    opt.zero_grad()
+    # the reference: the same backward without the failure, the first layer's gradients dropped
+    ref_loss = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, master[0], master[1])),
+                                          master[2], master[3]).square().mean()
+    ref_loss.backward()
+    master[0].grad = master[1].grad = None
+    ref_opt.step()
+    ref_opt.zero_grad()
+    ref_opt.param_groups[0]["lr"] = 0.1
+    _loss(model, 1).backward()
+    for m, p in zip(master, model.parameters()):
+        m.grad = p.grad.clone()
+    opt.step()
+    ref_opt.step()
+    compute.run_until(len(compute.ops))
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    opt.close()
+
+
 def test_a_late_gpu_reads_each_step_values_not_the_next_ones(fake_gpu):
     # The GPU may run the copies of step k only after the host has started step k+1: the kernel must not write a
     # pinned master that a copy still reads (the forward queued after step k would see step k+1 values). Two
