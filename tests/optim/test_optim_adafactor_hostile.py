@@ -165,6 +165,64 @@ def test_transformers_adafactor_arguments_are_named_as_not_offered():
         so.OffloadAdafactor([p], lr=None, relative_step=True, scale_parameter=True)
 
 
+@pytest.mark.parametrize("key, value, equivalent", [
+    ("relative_step", True, r"relative_step: .*lr=1e-2"), ("scale_parameter", False, r"scale_parameter: .*RMS"),
+    ("warmup_init", True, r"warmup_init: lr=1e-6 with .*LambdaLR"), ("clip_threshold", 1.0, r"clip_threshold: d"),
+    ("decay_rate", -0.8, r"decay_rate: beta2_decay"), ("beta1", None, r"beta1: .*no first moment")])
+def test_a_transformers_adafactor_argument_is_refused_naming_its_torch_equivalent(key, value, equivalent):
+    """transformers.Adafactor's arguments, given to the constructor or in a param group (the constructor's list
+    or add_param_group; torch keeps unknown group keys, so they would be silently ignored): a TypeError naming
+    each with its nearest torch.optim.Adafactor setting, and no group added."""
+    p, q = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        so.OffloadAdafactor([p], **{key: value})
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        so.OffloadAdafactor([{"params": [p], key: value}])
+    opt = so.OffloadAdafactor([p])
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        opt.add_param_group({"params": [q], key: value})
+    assert len(opt.param_groups) == 1
+    opt.close()
+
+
+def test_lr_none_is_refused_naming_torchs_relative_step():
+    """lr=None is transformers.Adafactor's default (its relative step); torch's lr is a number, the cap of the
+    relative step min(lr, 1/sqrt(t)): the message says which number gives transformers' default."""
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"lr=None .*relative step.*lr=1e-2"):
+        so.OffloadAdafactor([p], lr=None)
+    opt = so.OffloadAdafactor([p])
+    with pytest.raises(TypeError, match=r"lr=None .*relative step.*lr=1e-2"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": None})
+    opt.close()
+
+
+@pytest.mark.parametrize("warmup_init", [False, True])
+def test_the_named_equivalent_of_transformers_relative_step_matches_transformers(warmup_init):
+    """What the refusal above says, checked against transformers.Adafactor itself: its default relative step (and
+    warmup_init) is OffloadAdafactor with lr=1e-2 (lr=1e-6 under LambdaLR(opt, lambda e: e + 1)); the eps1 rules
+    differ (transformers adds eps1 to g^2, torch clamps), which random gradients do not meet."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in [(5,), (6, 8)]]
+    theirs, ours = ([t.clone().requires_grad_(True) for t in start] for _ in range(2))
+    hf = transformers.optimization.Adafactor(theirs, lr=None, relative_step=True, scale_parameter=True,
+                                             warmup_init=warmup_init)
+    opt = so.OffloadAdafactor(ours, lr=1e-6 if warmup_init else 1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: e + 1) if warmup_init else None
+    for _ in range(20):
+        for a, b in zip(theirs, ours):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        hf.step()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    for a, b, s in zip(theirs, ours, start):
+        assert (a.detach() - b.detach()).abs().max() <= 1e-4 * (a.detach() - s).abs().max()
+    opt.close()
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 @pytest.mark.parametrize("old, new, error, message", [
     ((24,), (4, 6), RuntimeError, r"number of dimensions.*give the optimizer a new parameter"),
