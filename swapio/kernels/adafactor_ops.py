@@ -12,8 +12,9 @@ kernel computes in its own order: the sums of squares (16 lanes, fixed blocks, a
 of a factored parameter, g / max(sqrt(row_var / max(mean, eps1)) * sqrt(col_var), sqrt(e)) with the square roots
 taken per row and per column and e = float32(eps1 * eps1) (torch: rsqrt(max(row_var * col_var / max(mean, eps1),
 e)) * g, per element; the same value, NaN and inf included, rounded differently: where eps1 * eps1 underflows
-float32, eps1 below about 2.6e-23, e is 0 and a row of zero gradients gives NaN, in torch and here). Parameters agree with torch.optim.Adafactor to
-float32 rounding, and the kernel is bit-identical at every SIMD level and thread count.
+float32, eps1 below about 2.6e-23, e is 0 and a row or column of zero gradients gives NaN, in torch and here).
+Parameters agree with torch.optim.Adafactor to float32 rounding, and the kernel is bit-identical at every SIMD
+level and thread count.
 """
 import math
 from typing import Optional, Sequence, Tuple, Union
