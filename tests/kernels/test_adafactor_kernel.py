@@ -149,3 +149,19 @@ def test_edge_values_go_as_with_torch(case):
     assert torch.equal(torch.isinf(p), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(p[finite], want[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(6, 20), (30,)])
+def test_infinite_lr_and_d_go_as_with_torch(shape):
+    """d=inf (no update clipping) and lr=inf (rho = 1/sqrt(t) uncapped), which torch takes: its step, not a
+    refusal."""
+    gen = torch.Generator().manual_seed(6)
+    p0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) * 100 for _ in range(3)]
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.Adafactor([ref], lr=float("inf"), d=float("inf"))
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    p, _ = run_native(p0, shape, grads, dict(lr=float("inf"), d=float("inf")))
+    torch.testing.assert_close(p.view(shape), ref.detach(), rtol=1e-5, atol=1e-5)

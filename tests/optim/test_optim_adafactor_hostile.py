@@ -153,10 +153,43 @@ def test_slots_larger_than_the_available_ram_are_refused_before_any_allocation(t
 
 
 def test_an_infinite_hyperparameter_is_refused_saying_it_must_be_finite():
+    """eps1, eps2 or weight_decay infinite only make the parameters inf or NaN (in torch too): refused."""
     p = torch.nn.Parameter(torch.randn(3, 3))
-    for kwargs in ({"lr": float("inf")}, {"d": float("inf")}, {"eps": (None, float("inf"))}):
+    for kwargs in ({"eps": (None, float("inf"))}, {"eps": (float("inf"), 1e-3)}, {"weight_decay": float("inf")}):
         with pytest.raises(ValueError, match="and finite but is: inf"):
             so.OffloadAdafactor([p], **kwargs)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_infinite_d_and_lr_step_as_torch(offload, tmp_path):
+    """torch takes d=inf (no update clipping) and lr=inf (the relative step 1/sqrt(t) uncapped), and its step is
+    well defined with them; they were refused as if the kernel could not compute them. They step as torch's, in a
+    param group, after add_param_group and through save()/load()."""
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.randn(s, generator=gen).requires_grad_(True) for s in [(4, 6), (7,), (3, 5)]]
+    refs = [p.detach().clone().requires_grad_(True) for p in ours]
+    inf = float("inf")
+    opt = so.OffloadAdafactor([{"params": ours[:2], "lr": inf}], d=inf, offload=offload, swap_dir=tmp_path / "a")
+    ref = torch.optim.Adafactor([{"params": refs[:2], "lr": inf}], d=inf)
+    opt.add_param_group({"params": ours[2:], "d": inf, "lr": 0.05})
+    ref.add_param_group({"params": refs[2:], "d": inf, "lr": 0.05})
+    for step in range(6):
+        if step == 3:
+            opt.save(tmp_path / "ckpt")
+            resumed = so.OffloadAdafactor([{"params": ours[:2]}, {"params": ours[2:]}], offload=offload,
+                                          swap_dir=tmp_path / "b")
+            resumed.load(tmp_path / "ckpt")
+            assert resumed.param_groups[0]["lr"] == inf and resumed.param_groups[1]["d"] == inf
+            opt.close()
+            opt = resumed
+        for p, r in zip(ours, refs):
+            p.grad = torch.randn(p.shape, generator=gen) * 50
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, r in zip(ours, refs):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-5)
+    opt.close()
 
 
 def test_transformers_adafactor_arguments_are_named_as_not_offered():
