@@ -2,7 +2,7 @@
 RAM or on NVMe (OffloadOptimizer's machinery), stepping with swapio.ops.adafactor_step_."""
 from .optimizer import OffloadOptimizer
 from .rules import AdafactorRule
-from .transformers_adafactor import refuse_transformers_args
+from .transformers_adafactor import refuse_transformers_args, refuse_transformers_state
 
 
 class OffloadAdafactor(OffloadOptimizer):
@@ -45,3 +45,7 @@ class OffloadAdafactor(OffloadOptimizer):
         super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
                          state_dtype=state_dtype, io_kwargs=io_kwargs, in_backward=in_backward)
+
+    def check_group(self, group):
+        refuse_transformers_state(group)  # transformers.Adafactor's: say whose, not only which torch keys it lacks
+        super().check_group(group)

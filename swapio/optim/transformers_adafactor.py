@@ -34,3 +34,14 @@ def refuse_lr_none(lr):
         raise TypeError("lr=None is transformers.Adafactor's relative step; torch.optim.Adafactor's lr is a number, "
                         "the cap of its relative step min(lr, 1/sqrt(t)): lr=1e-2 (the default) is transformers' "
                         "relative_step=True with scale_parameter=True" + _TAIL)
+
+
+def refuse_transformers_state(group):
+    """ValueError for a param group of transformers.Adafactor's state dict (its arguments, none of torch's): its
+    state is another algorithm's, which no key-by-key check would name."""
+    theirs = sorted(k for k in EQUIVALENTS if k in group)
+    if theirs and not ("beta2_decay" in group or "d" in group):
+        raise ValueError(f"a state dict of transformers.Adafactor (its param group holds {theirs}): its moments "
+                         "(exp_avg_sq_row / exp_avg_sq_col, with eps1 added to g^2) are not torch.optim.Adafactor's "
+                         "row_var / col_var, so it does not load into OffloadAdafactor. Finish that run with "
+                         "transformers.Adafactor, or start OffloadAdafactor's state afresh from the model's weights")

@@ -280,3 +280,30 @@ def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(o
     after = opt.state_dict()["state"][0]
     assert all(torch.equal(after[k], v) for k, v in before.items())
     opt.close()
+
+
+def test_a_transformers_adafactor_state_dict_is_refused_saying_whose_it_is():
+    """A transformers.Adafactor user switching mid-run: its state dict (exp_avg_sq_row/_col with eps1 added, RMS)
+    is not torch's. Refused naming transformers.Adafactor, not only the torch keys its groups lack; the optimizer
+    is left as it was."""
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    # what transformers.Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False).state_dict() holds
+    # after a step (written out: importing transformers takes seconds)
+    hf_state_dict = {
+        "state": {0: {"step": 1, "exp_avg_sq_row": torch.rand(3), "exp_avg_sq_col": torch.rand(4),
+                      "RMS": torch.tensor(1.0)},
+                  1: {"step": 1, "exp_avg_sq": torch.rand(5), "RMS": torch.tensor(1.0)}},
+        "param_groups": [{"lr": 1e-3, "eps": (1e-30, 1e-3), "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": None,
+                          "weight_decay": 0.0, "scale_parameter": False, "relative_step": False,
+                          "warmup_init": False, "params": [0, 1]}]}
+    with so.OffloadAdafactor(params) as opt:
+        opt.step()
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match=r"param group 0: a state dict of transformers.Adafactor .*not "
+                                             r"torch.optim.Adafactor's"):
+            opt.load_state_dict(hf_state_dict)
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        assert all(torch.equal(after["state"][0][k], before["state"][0][k]) for k in before["state"][0])
