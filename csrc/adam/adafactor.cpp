@@ -96,8 +96,11 @@ void adafactor_step(float* param, const void* grad, DType grad_dtype, float* row
   a.w = static_cast<float>(one_minus_beta2);
   a.w_minus_1 = a.w - 1.0f;
   a.w_small = std::fabs(a.w) < 0.5f;
-  a.eps1 = static_cast<float>(h.eps1);
   a.eps1_sq = static_cast<float>(h.eps1 * h.eps1);
+  // torch clamps the factored estimate with float(eps1 * eps1), whose square root is the bound here: where eps1^2
+  // underflows float32 (eps1 < ~2.6e-23, transformers' 1e-30) it is 0 and a zero row gives torch's 0 / 0 = NaN,
+  // where it overflows inf and the update 0, and a subnormal keeps its few bits, all as in torch
+  a.eps1 = static_cast<float>(std::sqrt(static_cast<double>(a.eps1_sq)));
   a.decayed = h.weight_decay != 0.0;
   a.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
 

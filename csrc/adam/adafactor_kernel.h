@@ -43,7 +43,7 @@ struct AdafactorArgs {
   float w;                  // vector: lerp weight float(step ** beta2_decay)
   float w_minus_1;
   bool w_small;             // |w| < 0.5 (ATen's lerp)
-  float eps1;               // float(eps1): factored, u = g / max(row_scale * col_var, eps1)
+  float eps1;               // sqrt(eps1_sq): factored, u = g / max(row_scale * col_var, eps1)
   float eps1_sq;            // float(eps1 * eps1): vector, u = g / sqrt(max(variance, eps1^2))
   float decay;              // float(1 - lr * weight_decay)
   bool decayed;             // weight_decay != 0

@@ -89,8 +89,9 @@ struct Loops {
       V::store(col + k * W, V::fma(g, g, V::load(col + k * W)));
     }
   }
-  // u = g / max(sqrt(row factor) * sqrt(col factor), eps1): the square roots per row and per column, not per
-  // element (sqrt(max(v, eps1^2)) = max(sqrt(v), eps1)); NaN and inf go as with torch's rsqrt(max(v, eps1^2)) * g
+  // u = g / max(sqrt(row factor) * sqrt(col factor), a.eps1): the square roots per row and per column, not per
+  // element (sqrt(max(v, e)) = max(sqrt(v), sqrt(e)), a.eps1 = sqrt(float(eps1^2))); NaN and inf go as with
+  // torch's rsqrt(max(v, eps1^2)) * g
   static SWAPIO_INLINE void factor_u(const AdafactorArgs& a, const Tile& t, F scale, F* u) {
     for (int k = 0; k < K; ++k) {
       F g = grad(a, static_cast<const char*>(t.g) + k * W * gs);

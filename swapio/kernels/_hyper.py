@@ -82,11 +82,12 @@ def check_lion_hyper(lr, beta1, beta2, weight_decay) -> Tuple[float, float, floa
     return lr, beta1, beta2, weight_decay
 
 
-def _at_least(name, value, low, says):
-    """value as a float if low <= value < inf, else ValueError: torch's message (`says` the rule), and where the
-    value is infinite, that it must be finite (torch takes inf; the kernel's arithmetic does not)."""
+def _at_least(name, value, low, says, infinite=False):
+    """value as a float if low <= value (< inf unless `infinite`), else ValueError: torch's message (`says` the
+    rule), and where the value is infinite, that it must be finite (torch takes inf, but for eps1, eps2 and
+    weight_decay it only makes the parameters inf or NaN)."""
     value = scalar(name, value)
-    if not low <= value < math.inf:
+    if not (low <= value <= math.inf if infinite else low <= value < math.inf):
         raise ValueError(f"{says}{' and finite' if value == math.inf else ''} but is: {value}")
     return value
 
@@ -95,7 +96,7 @@ def check_adafactor_hyper(lr, beta2_decay, eps, d, weight_decay):
     """Adafactor's hyperparameters as torch.optim.Adafactor checks them (its messages, ValueError): returns
     (lr, beta2_decay, eps1, eps2, d, weight_decay) as Python floats, eps1 None where eps[0] is None (machine
     epsilon of float32, the dtype the step computes in)."""
-    lr = _at_least("lr", lr, 0.0, "Learning rate should be >= 0")
+    lr = _at_least("lr", lr, 0.0, "Learning rate should be >= 0", infinite=True)  # inf: rho = 1/sqrt(t) uncapped
     beta2_decay = scalar("beta2_decay", beta2_decay)
     if not beta2_decay <= 0.0:
         raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
@@ -103,6 +104,6 @@ def check_adafactor_hyper(lr, beta2_decay, eps, d, weight_decay):
     if eps1 is not None:
         eps1 = _at_least("eps1", eps1, 0.0, "epsilon1 should be >= 0")
     eps2 = _at_least("eps2", eps2, 0.0, "epsilon2 should be >= 0")
-    d = _at_least("d", d, 1.0, "Clipping threshold d should be >= 1")
+    d = _at_least("d", d, 1.0, "Clipping threshold d should be >= 1", infinite=True)  # inf: no update clipping
     weight_decay = _at_least("weight_decay", weight_decay, 0.0, "weight_decay should be >= 0")
     return lr, beta2_decay, eps1, eps2, d, weight_decay

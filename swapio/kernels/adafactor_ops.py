@@ -9,10 +9,12 @@ shape of the right numel); `shape` is the parameter's.
 
 Numerics: the formula and its float32 order are torch's _single_tensor_adafactor, but for two places where the
 kernel computes in its own order: the sums of squares (16 lanes, fixed blocks, added in double), and the update
-of a factored parameter, g / max(sqrt(row_var / max(mean, eps1)) * sqrt(col_var), eps1) with the square roots
-taken per row and per column (torch: rsqrt(max(row_var * col_var / max(mean, eps1), eps1^2)) * g, per element;
-the same value, NaN and inf included, rounded differently). Parameters agree with torch.optim.Adafactor to
-float32 rounding, and the kernel is bit-identical at every SIMD level and thread count.
+of a factored parameter, g / max(sqrt(row_var / max(mean, eps1)) * sqrt(col_var), sqrt(e)) with the square roots
+taken per row and per column and e = float32(eps1 * eps1) (torch: rsqrt(max(row_var * col_var / max(mean, eps1),
+e)) * g, per element; the same value, NaN and inf included, rounded differently: where eps1 * eps1 underflows
+float32, eps1 below about 2.6e-23, e is 0 and a row or column of zero gradients gives NaN, in torch and here).
+Parameters agree with torch.optim.Adafactor to float32 rounding, and the kernel is bit-identical at every SIMD
+level and thread count.
 """
 import math
 from typing import Optional, Sequence, Tuple, Union

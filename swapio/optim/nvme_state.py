@@ -78,6 +78,16 @@ class _Chunk:
     def record_bytes(self):
         return self.regions()[1]
 
+    def bytes_with(self, off, numel, shape):
+        """record_bytes + stage_bytes once a whole parameter of `shape` (numel elements) is added at element off:
+        its factors count as they are, which for a 1 x 1 convolution is two numbers per element, not none."""
+        n, at = off + numel, 0
+        for name in self.fields:
+            count = self.factor_n[name] + self.fmt.count(name, numel, shape) if name in self.factor_n else \
+                self.fmt.count(name, n)
+            at += round_up(count * self.fmt.dtype(name).itemsize)
+        return at + (2 * round_up(n * 4) if self.cuda else 0)
+
     @property
     def stage_bytes(self):
         """Pinned staging behind the record for a GPU chunk: gradients in and parameters out, 4 bytes each."""
@@ -299,7 +309,10 @@ class NvmeState:
                 a, numel = 0, shard(p).numel()
                 if self.whole:  # one segment: in the current chunk if it fits, else in a new one
                     off = -(-chunk.n // align) * align if chunk is not None else cap
-                    if chunk is None or off + numel > cap:
+                    # fits: in elements, and in bytes with its factors (cap counts none); alone, it may exceed a
+                    # slot, which then grows to its record
+                    if chunk is None or off + numel > cap or (
+                            chunk.n and chunk.bytes_with(off, numel, shard(p).shape) > self.slot_bytes):
                         chunk, off = _Chunk(fields, cuda, self.format), 0
                         self.chunks.append(chunk)
                     seg = _Segment(p, 0, numel, off)

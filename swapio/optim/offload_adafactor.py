@@ -2,11 +2,7 @@
 RAM or on NVMe (OffloadOptimizer's machinery), stepping with swapio.ops.adafactor_step_."""
 from .optimizer import OffloadOptimizer
 from .rules import AdafactorRule
-
-
-# transformers.Adafactor's own arguments, which torch's algorithm has no place for
-_TRANSFORMERS_ONLY = frozenset({"relative_step", "scale_parameter", "warmup_init", "clip_threshold", "decay_rate",
-                                "beta1"})
+from .transformers_adafactor import refuse_transformers_args, refuse_transformers_state
 
 
 class OffloadAdafactor(OffloadOptimizer):
@@ -28,8 +24,9 @@ class OffloadAdafactor(OffloadOptimizer):
     The step needs each parameter whole (its norm and its update's are reductions over all of it), so a
     parameter is never split: in nvme mode a pipeline slot holds at least the largest parameter's record (its
     master, 4 bytes an element, for bf16/fp16 or GPU parameters), beyond buffer_bytes / buffer_count if need be.
-    transformers' relative_step / scale_parameter / warmup_init / clip_threshold mode is not offered (torch's
-    algorithm differs from it in the lr and eps1 rules): use transformers.Adafactor resident for that.
+    transformers.Adafactor's arguments (relative_step, scale_parameter, warmup_init, clip_threshold, decay_rate,
+    beta1, lr=None) raise a TypeError naming the nearest torch setting, here or in a param group (torch's
+    algorithm differs from transformers' in the eps1 rule): use transformers.Adafactor resident for its own.
     foreach is accepted for torch's signature and has no effect. Not with state_dtype other than "fp32". The
     other arguments are OffloadAdam's.
     """
@@ -42,13 +39,13 @@ class OffloadAdafactor(OffloadOptimizer):
                  foreach=None, maximize=False, offload=None, swap_dir=None, buffer_bytes=256 << 20,
                  buffer_count=4, cpu_threads=None, io_config=None, state_dtype="fp32", in_backward=False,
                  **io_kwargs):
-        theirs = sorted(k for k in io_kwargs if k in _TRANSFORMERS_ONLY)
-        if theirs:
-            raise TypeError(f"OffloadAdafactor follows torch.optim.Adafactor; transformers.Adafactor's {theirs} are "
-                            "not offered (docs/optim.md, \"Adafactor\"): give lr (no relative step), beta2_decay, "
-                            "eps and d (the update clipping threshold) as torch.optim.Adafactor takes them")
+        refuse_transformers_args(io_kwargs)  # before the generic unknown-keyword error: name torch's equivalents
         defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": tuple(eps) if isinstance(eps, list) else eps,
                     "d": d, "weight_decay": weight_decay, "foreach": foreach, "maximize": maximize}
         super().__init__(params, defaults, offload=offload, swap_dir=swap_dir, buffer_bytes=buffer_bytes,
                          buffer_count=buffer_count, cpu_threads=cpu_threads, io_config=io_config,
                          state_dtype=state_dtype, io_kwargs=io_kwargs, in_backward=in_backward)
+
+    def check_group(self, group):
+        refuse_transformers_state(group)  # transformers.Adafactor's: say whose, not only which torch keys it lacks
+        super().check_group(group)

@@ -204,6 +204,9 @@ class OffloadOptimizer(Optimizer):
                 problem = f"layout {p.layout} (only dense parameters)"
             if problem is not None:
                 self.param_groups.pop()
+                if not p.requires_grad:  # torch's optimizers take a frozen one (model.parameters()), never stepped
+                    problem += ("; it is frozen (requires_grad=False), which torch's optimizers take and never step: "
+                                "pass the trainable parameters, [p for p in model.parameters() if p.requires_grad]")
                 raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
         try:
             self._fill_group(group)

@@ -25,6 +25,7 @@ from ..kernels._hyper import check_adafactor_hyper, check_adam_hyper, check_lion
 from .functional import adafactor, adam, lion
 from .params import LOW_PRECISION, MASTER, needs_master, shard
 from .state_format import StateFormat
+from .transformers_adafactor import refuse_lr_none, refuse_transformers_args
 
 
 class Rule:
@@ -122,6 +123,8 @@ class AdafactorRule(Rule):
         return self.moments_of(p) + ((MASTER,) if master else ())
 
     def hyper(self, group):
+        refuse_transformers_args(group)  # torch would keep them in the group unread
+        refuse_lr_none(group["lr"])
         lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(
             group["lr"], group["beta2_decay"], group["eps"], group["d"], group["weight_decay"])
         return {"lr": lr, "beta2_decay": beta2_decay, "eps1": eps1, "eps2": eps2, "d": d,

@@ -118,10 +118,13 @@ def test_bad_input_raises_value_error(bad):
         ops.adafactor_step_(args.pop("param"), args.pop("grad"), **args)
 
 
-@pytest.mark.parametrize("case", ["inf", "zero_row", "zero_grad_eps1_0"])
+@pytest.mark.parametrize("case", ["inf", "zero_row", "zero_grad_eps1_0", "zero_row_eps1_1e-30",
+                                  "zero_row_eps1_1e-21", "zero_row_eps1_1e-20"])
 def test_edge_values_go_as_with_torch(case):
     """Non-finite and zero factors: the kernel's per-row and per-column square roots give torch's NaN, inf and
-    finite values where they appear."""
+    finite values where they appear. torch clamps the second moment with eps1 * eps1 in float32: for eps1 below
+    about 2.6e-23 (transformers' 1e-30) that is 0, and a row of zero gradients becomes 0 * inf = NaN; just above,
+    a subnormal with few bits (1e-21), or a normal float (1e-20)."""
     shape = (6, 20)
     gen = torch.Generator().manual_seed(5)
     p0, g = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
@@ -131,6 +134,9 @@ def test_edge_values_go_as_with_torch(case):
     elif case == "zero_row":
         g[3] = 0.0
         g[:, 4] = 0.0
+    elif case.startswith("zero_row_eps1_"):
+        g[3] = 0.0
+        hyper = dict(eps1=float(case[len("zero_row_eps1_"):]), eps2=1e-3)
     else:
         g[1] = 0.0
         hyper = dict(eps1=0.0, eps2=1e-3)
@@ -143,3 +149,19 @@ def test_edge_values_go_as_with_torch(case):
     assert torch.equal(torch.isinf(p), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(p[finite], want[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(6, 20), (30,)])
+def test_infinite_lr_and_d_go_as_with_torch(shape):
+    """d=inf (no update clipping) and lr=inf (rho = 1/sqrt(t) uncapped), which torch takes: its step, not a
+    refusal."""
+    gen = torch.Generator().manual_seed(6)
+    p0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) * 100 for _ in range(3)]
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.Adafactor([ref], lr=float("inf"), d=float("inf"))
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    p, _ = run_native(p0, shape, grads, dict(lr=float("inf"), d=float("inf")))
+    torch.testing.assert_close(p.view(shape), ref.detach(), rtol=1e-5, atol=1e-5)

@@ -97,3 +97,25 @@ def test_clip_grad_norm_zeroed_gradients_and_a_group_added_mid_run_match_torch(o
             ref.step()
     assert_same_as_torch(ours, ours_params, ref, ref_params)
     ours.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_transformers_eps_on_an_embedding_with_unused_tokens_goes_as_torch(offload, tmp_path):
+    """eps=(1e-30, 1e-3), transformers.Adafactor's default, kept by a user moving to torch's API: torch clamps the
+    second moment with 1e-30 ** 2, 0 in float32, so the rows of tokens missing from the first batch become NaN.
+    Ours did not (the kernel clamped the square roots with 1e-30 itself): a switch to or from torch mid-run changed
+    the numbers. The same NaN rows, the same finite rest."""
+    ours_params, ref_params = pair([(10, 6)])
+    ours = build(ours_params, offload, tmp_path, eps=(1e-30, 1e-3))
+    ref = torch.optim.Adafactor(ref_params, eps=(1e-30, 1e-3))
+    grad = torch.randn(10, 6, generator=torch.Generator().manual_seed(4))
+    grad[[2, 7]] = 0.0  # tokens 2 and 7 not in the batch
+    feed(ours_params, ref_params, [grad])
+    ours.step()
+    ref.step()
+    mine, theirs = ours_params[0].detach(), ref_params[0].detach()
+    assert torch.isnan(theirs[[2, 7]]).all()
+    assert torch.equal(torch.isnan(mine), torch.isnan(theirs))
+    finite = ~torch.isnan(theirs)
+    torch.testing.assert_close(mine[finite], theirs[finite], rtol=1e-5, atol=1e-6)
+    ours.close()

@@ -153,16 +153,107 @@ def test_slots_larger_than_the_available_ram_are_refused_before_any_allocation(t
 
 
 def test_an_infinite_hyperparameter_is_refused_saying_it_must_be_finite():
+    """eps1, eps2 or weight_decay infinite only make the parameters inf or NaN (in torch too): refused."""
     p = torch.nn.Parameter(torch.randn(3, 3))
-    for kwargs in ({"lr": float("inf")}, {"d": float("inf")}, {"eps": (None, float("inf"))}):
+    for kwargs in ({"eps": (None, float("inf"))}, {"eps": (float("inf"), 1e-3)}, {"weight_decay": float("inf")}):
         with pytest.raises(ValueError, match="and finite but is: inf"):
             so.OffloadAdafactor([p], **kwargs)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_infinite_d_and_lr_step_as_torch(offload, tmp_path):
+    """torch takes d=inf (no update clipping) and lr=inf (the relative step 1/sqrt(t) uncapped), and its step is
+    well defined with them; they were refused as if the kernel could not compute them. They step as torch's, in a
+    param group, after add_param_group and through save()/load()."""
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.randn(s, generator=gen).requires_grad_(True) for s in [(4, 6), (7,), (3, 5)]]
+    refs = [p.detach().clone().requires_grad_(True) for p in ours]
+    inf = float("inf")
+    opt = so.OffloadAdafactor([{"params": ours[:2], "lr": inf}], d=inf, offload=offload, swap_dir=tmp_path / "a")
+    ref = torch.optim.Adafactor([{"params": refs[:2], "lr": inf}], d=inf)
+    opt.add_param_group({"params": ours[2:], "d": inf, "lr": 0.05})
+    ref.add_param_group({"params": refs[2:], "d": inf, "lr": 0.05})
+    for step in range(6):
+        if step == 3:
+            opt.save(tmp_path / "ckpt")
+            resumed = so.OffloadAdafactor([{"params": ours[:2]}, {"params": ours[2:]}], offload=offload,
+                                          swap_dir=tmp_path / "b")
+            resumed.load(tmp_path / "ckpt")
+            assert resumed.param_groups[0]["lr"] == inf and resumed.param_groups[1]["d"] == inf
+            opt.close()
+            opt = resumed
+        for p, r in zip(ours, refs):
+            p.grad = torch.randn(p.shape, generator=gen) * 50
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, r in zip(ours, refs):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-5)
+    opt.close()
 
 
 def test_transformers_adafactor_arguments_are_named_as_not_offered():
     p = torch.nn.Parameter(torch.randn(3, 3))
     with pytest.raises(TypeError, match=r"transformers.Adafactor's \['relative_step', 'scale_parameter'\]"):
         so.OffloadAdafactor([p], lr=None, relative_step=True, scale_parameter=True)
+
+
+@pytest.mark.parametrize("key, value, equivalent", [
+    ("relative_step", True, r"relative_step: .*lr=1e-2"), ("scale_parameter", False, r"scale_parameter: .*RMS"),
+    ("warmup_init", True, r"warmup_init: lr=1e-6 with .*LambdaLR"), ("clip_threshold", 1.0, r"clip_threshold: d"),
+    ("decay_rate", -0.8, r"decay_rate: beta2_decay"), ("beta1", None, r"beta1: .*no first moment")])
+def test_a_transformers_adafactor_argument_is_refused_naming_its_torch_equivalent(key, value, equivalent):
+    """transformers.Adafactor's arguments, given to the constructor or in a param group (the constructor's list
+    or add_param_group; torch keeps unknown group keys, so they would be silently ignored): a TypeError naming
+    each with its nearest torch.optim.Adafactor setting, and no group added."""
+    p, q = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        so.OffloadAdafactor([p], **{key: value})
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        so.OffloadAdafactor([{"params": [p], key: value}])
+    opt = so.OffloadAdafactor([p])
+    with pytest.raises(TypeError, match=f"transformers.Adafactor's \\['{key}'\\].*{equivalent}"):
+        opt.add_param_group({"params": [q], key: value})
+    assert len(opt.param_groups) == 1
+    opt.close()
+
+
+def test_lr_none_is_refused_naming_torchs_relative_step():
+    """lr=None is transformers.Adafactor's default (its relative step); torch's lr is a number, the cap of the
+    relative step min(lr, 1/sqrt(t)): the message says which number gives transformers' default."""
+    p = torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"lr=None .*relative step.*lr=1e-2"):
+        so.OffloadAdafactor([p], lr=None)
+    opt = so.OffloadAdafactor([p])
+    with pytest.raises(TypeError, match=r"lr=None .*relative step.*lr=1e-2"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": None})
+    opt.close()
+
+
+@pytest.mark.parametrize("warmup_init", [False, True])
+def test_the_named_equivalent_of_transformers_relative_step_matches_transformers(warmup_init):
+    """What the refusal above says, checked against transformers.Adafactor itself: its default relative step (and
+    warmup_init) is OffloadAdafactor with lr=1e-2 (lr=1e-6 under LambdaLR(opt, lambda e: e + 1)); the eps1 rules
+    differ (transformers adds eps1 to g^2, torch clamps), which random gradients do not meet."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in [(5,), (6, 8)]]
+    theirs, ours = ([t.clone().requires_grad_(True) for t in start] for _ in range(2))
+    hf = transformers.optimization.Adafactor(theirs, lr=None, relative_step=True, scale_parameter=True,
+                                             warmup_init=warmup_init)
+    opt = so.OffloadAdafactor(ours, lr=1e-6 if warmup_init else 1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: e + 1) if warmup_init else None
+    for _ in range(20):
+        for a, b in zip(theirs, ours):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        hf.step()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    for a, b, s in zip(theirs, ours, start):
+        assert (a.detach() - b.detach()).abs().max() <= 1e-4 * (a.detach() - s).abs().max()
+    opt.close()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
@@ -189,3 +280,43 @@ def test_a_parameter_whose_number_of_dimensions_changed_is_refused_naming_that(o
     after = opt.state_dict()["state"][0]
     assert all(torch.equal(after[k], v) for k, v in before.items())
     opt.close()
+
+
+def test_a_transformers_adafactor_state_dict_is_refused_saying_whose_it_is():
+    """A transformers.Adafactor user switching mid-run: its state dict (exp_avg_sq_row/_col with eps1 added, RMS)
+    is not torch's. Refused naming transformers.Adafactor, not only the torch keys its groups lack; the optimizer
+    is left as it was."""
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    # what transformers.Adafactor(params, lr=1e-3, relative_step=False, scale_parameter=False).state_dict() holds
+    # after a step (written out: importing transformers takes seconds)
+    hf_state_dict = {
+        "state": {0: {"step": 1, "exp_avg_sq_row": torch.rand(3), "exp_avg_sq_col": torch.rand(4),
+                      "RMS": torch.tensor(1.0)},
+                  1: {"step": 1, "exp_avg_sq": torch.rand(5), "RMS": torch.tensor(1.0)}},
+        "param_groups": [{"lr": 1e-3, "eps": (1e-30, 1e-3), "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": None,
+                          "weight_decay": 0.0, "scale_parameter": False, "relative_step": False,
+                          "warmup_init": False, "params": [0, 1]}]}
+    with so.OffloadAdafactor(params) as opt:
+        opt.step()
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match=r"param group 0: a state dict of transformers.Adafactor .*not "
+                                             r"torch.optim.Adafactor's"):
+            opt.load_state_dict(hf_state_dict)
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        assert all(torch.equal(after["state"][0][k], before["state"][0][k]) for k in before["state"][0])
+
+
+@pytest.mark.parametrize("cls", [so.OffloadAdafactor, so.OffloadAdamW])
+def test_a_frozen_parameter_of_another_dtype_is_refused_saying_to_pass_trainable_ones(cls):
+    """torch's optimizers take model.parameters() with frozen int8 (bitsandbytes) or float64 weights in it and never
+    step them; ours refuse those dtypes, and the message now says how to get on: pass the trainable parameters."""
+    frozen = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.int8), requires_grad=False)
+    trainable = torch.nn.Parameter(torch.randn(3))
+    torch.optim.Adafactor([frozen, trainable])  # torch: taken
+    with pytest.raises(ValueError, match=r"torch.int8 .*frozen .*p.requires_grad"):
+        cls([frozen, trainable])
+    with pytest.raises(ValueError, match=r"torch.float64 \(supported: float32, bfloat16, float16\)$"):
+        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.float64)), trainable])  # trainable: no hint

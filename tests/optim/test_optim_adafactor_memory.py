@@ -80,3 +80,28 @@ def test_nvme_slots_hold_whole_parameters_and_small_ones_share_a_record(tmp_path
     assert largest > SMALL_BUFFERS["buffer_bytes"] // SMALL_BUFFERS["buffer_count"]
     assert report["pinned_parts"]["state"]["budget"] == SMALL_BUFFERS["buffer_count"] * largest
     opt.close()
+
+
+@pytest.mark.parametrize("shape", [(32, 128, 1, 1), (1, 4096), (4096, 1)])
+def test_nvme_records_stay_within_a_slot_when_the_factors_are_as_large_as_the_parameter(shape, tmp_path):
+    """A 1 x 1 convolution's factors hold two numbers per weight (torch's state too), a 1 x n head's one: a
+    chunk packed by element count alone (as if factors were next to nothing) held 4 such fp32 weights in a record
+    of twice the 64 KiB slot, and the slots grew past buffer_bytes with no parameter needing it. Each record now
+    fits the slot; the steps still match torch.optim.Adafactor."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=gen).requires_grad_(True) for _ in range(16)]
+    refs = [p.detach().clone().requires_grad_(True) for p in params]
+    opt = so.OffloadAdafactor(params, offload="nvme", swap_dir=tmp_path, **SMALL_BUFFERS)
+    ref = torch.optim.Adafactor(refs)
+    for _ in range(2):
+        for p, r in zip(params, refs):
+            p.grad = torch.randn(shape, generator=gen)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    slot = SMALL_BUFFERS["buffer_bytes"] // SMALL_BUFFERS["buffer_count"]
+    assert max(c.record_bytes for c in opt._backend.chunks) <= slot
+    assert opt.memory_report()["pinned_bytes"] <= SMALL_BUFFERS["buffer_bytes"]
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()
