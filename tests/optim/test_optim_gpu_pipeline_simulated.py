@@ -119,6 +119,12 @@ def _on_fake_gpu_with_reference(gpu, dtype):
     return model, master, torch.optim.AdamW(master, lr=1e-2)
 
 
+def _assert_matches(model, master):
+    """The fake GPU's parameters equal torch's AdamW over the fp32 copies (to float32 rounding)."""
+    for p, m in zip(model.parameters(), master):
+        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+
+
 def _loss(model, i):
     g = torch.Generator().manual_seed(i)
     x = torch.randn(8, 64, generator=g).to(next(model.parameters()).dtype)
@@ -202,15 +208,13 @@ def test_in_backward_updates_gpu_parameters_during_backward_like_torch(fake_gpu)
         assert compute.ops[-1][1] == "wait"  # the next forward waits for the copies (on the GPU)
         compute.run_until(len(compute.ops))
         ref_opt.step()
-        for p, m in zip(model.parameters(), master):
-            torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+        _assert_matches(model, master)
         if step == 2:  # a second step() before zero_grad() steps again with the same gradients, as torch does
             opt.step()
             ref_opt.step()
             compute.run_until(len(compute.ops))
             assert all(int(opt.state[p]["step"]) == 4 for p in model.parameters())
-            for p, m in zip(model.parameters(), master):
-                torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+            _assert_matches(model, master)
         opt.zero_grad()
         ref_opt.zero_grad()
     _loss(model, 9).backward()
@@ -266,8 +270,7 @@ def test_in_backward_a_failed_backward_ends_its_gpu_updates_before_its_error_rea
     opt.step()
     ref_opt.step()
     compute.run_until(len(compute.ops))
-    for p, m in zip(model.parameters(), master):
-        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    _assert_matches(model, master)
     opt.close()
 
 
@@ -414,8 +417,7 @@ def test_in_backward_refuses_an_lr_changed_between_backward_and_step(fake_gpu):
     opt.step()
     ref_opt.step()
     compute.run_until(len(compute.ops))
-    for p, m in zip(model.parameters(), master):
-        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    _assert_matches(model, master)
     opt.close()
 
 
@@ -485,8 +487,7 @@ def test_an_error_in_the_in_backward_worker_leaves_the_parameters_it_stepped_ste
     ref_opt.step()
     compute.run_until(len(compute.ops))
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
-    for p, m in zip(model.parameters(), master):
-        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    _assert_matches(model, master)
     opt.close()
 
 
@@ -529,8 +530,7 @@ def test_a_gpu_in_backward_optimizer_dropped_right_after_backward_lands_its_upda
     assert compute.ops[-1][1] == "wait"  # the next forward waits for the copies (on the GPU)
     compute.run_until(len(compute.ops))
     ref_opt.step()
-    for p, m in zip(model.parameters(), master):
-        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    _assert_matches(model, master)
 
 
 def test_a_gpu_in_backward_optimizer_dropped_in_the_middle_of_backward_updates_every_parameter(fake_gpu):
@@ -561,8 +561,7 @@ def test_a_gpu_in_backward_optimizer_dropped_in_the_middle_of_backward_updates_e
         gc.enable()
     compute.run_until(len(compute.ops))
     ref_opt.step()
-    for p, m in zip(model.parameters(), master):
-        torch.testing.assert_close(p, m, rtol=0, atol=1e-6)
+    _assert_matches(model, master)
 
 
 def test_a_failed_update_of_a_dropped_gpu_in_backward_optimizer_is_a_warning(fake_gpu, monkeypatch):
