@@ -287,11 +287,13 @@ def _check_directory(path, what):
 
 
 def _check_output_path(path, what="--output"):
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{what} {path}: directory {directory} does not exist")
     if os.path.isdir(path):
         raise UsageError(f"{what} {path} is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):
+        return  # /dev/null, /dev/stdout, a FIFO: written in place (report.write_text_atomic)
+    directory = os.path.dirname(os.path.realpath(path))  # a symlink's target is what gets written
+    if not os.path.isdir(directory):
+        raise UsageError(f"{what} {path}: directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"{what} {path}: directory {directory} is not writable")
 

@@ -6,6 +6,7 @@ says which: MiB/s (2^20 B/s) and GB/s (10^9 B/s).
 import math
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -35,7 +36,20 @@ def parse_size(text):
 
 
 def write_text_atomic(path, text):
-    """Writes text to path through a temporary name and a rename: readers see the old file or the new one."""
+    """Writes text to path through a temporary name and a rename: readers see the old file or the new one.
+
+    A symlink is followed (its target gets the text, the link stays), and a path that exists but is not a
+    regular file (/dev/null, /dev/stdout, a FIFO) is written in place: renaming over it would replace the
+    device or pipe with a plain file (as root, /dev/null itself)."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        regular = True  # a new file (or a dangling link's target, which realpath names)
+    if not regular:
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    path = os.path.realpath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
