@@ -86,6 +86,9 @@ class TuneConfig:
                 raise TuneUsageError(f"unknown engine {e!r} (choose from {', '.join(status)})")
             if status[e] != "ok":
                 raise TuneUsageError(f"engine {e} is unavailable here: {status[e]}")
+            if e not in _C.DATA_ENGINES:  # its figures would become the disk's config: writes that go nowhere
+                raise TuneUsageError(f"engine {e} moves no data, so there is no disk to tune with it (swapio bench "
+                                     f"--engine {e} measures swapio's own overhead)")
         for name, values, lo in (("--bs", self.block_sizes, 1), ("--iodepth", self.depths, 1),
                                  ("--threads", self.threads, 1)):
             if not values or min(values) < lo:

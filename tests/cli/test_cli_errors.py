@@ -163,6 +163,9 @@ BAD_TUNE = [
     (["--point-time", "0"], "--point-time"),
     (["--size", "0"], "--size"),
     (["--threads", "0"], "--threads"),
+    # null moves no data: its figures would become the disk's config (from_config: writes that go nowhere)
+    (["--engines", "null", "--size", "1M", "--point-time", "10ms", "--warmup", "0"], "engine null moves no data"),
+    (["--engines", "uring,null", "--size", "1M", "--point-time", "10ms", "--warmup", "0"], "engine null"),
 ]
 
 
