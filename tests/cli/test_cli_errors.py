@@ -138,6 +138,23 @@ def test_plan_on_ramfs_says_its_free_space_is_unknown_not_too_small(capsys, tmp_
         assert rc == 0 and json.loads(out)["capacity"]["disk_free"] is None
 
 
+def test_plan_on_a_disk_too_small_to_measure_still_plans(capsys, tmp_path):
+    # 2 MiB free: the 256 MiB bandwidth measurement cannot run there, and the plan is what was asked for (it failed
+    # with "not enough free space ... use a smaller --size", an option plan does not have)
+    with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
+        rc, out, err = run_cli(capsys, "plan", "--params", "1B", "--gpu-mem", "80G", "--ram", "1T", "--disk", str(d))
+        assert rc == 0, err
+        assert "--size" not in out + err
+        assert f"nvme step time: not measured: {d} has 2.0 MiB free" in out
+        rows = [line for line in out.splitlines() if "(state on disk)" in line]
+        assert rows and all(line.endswith("no: disk too small") for line in rows), out
+        rc, out, _ = run_cli(capsys, "plan", "--params", "1B", "--disk", str(d), "--json")
+        doc = json.loads(out)
+        assert rc == 0 and doc["nvme_step_seconds"] is None and doc["disk"]["read_bytes_per_s"] is None
+        assert doc["disk"]["bandwidth_from"].startswith("not measured")
+        assert leftovers(d) == []
+
+
 def test_directory_not_writable(capsys, tmp_path):
     if os.geteuid() != 0:
         d = tmp_path / "ro"
