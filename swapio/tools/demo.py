@@ -23,7 +23,7 @@ import torch
 
 from .. import _progress
 from ..optim import OffloadAdafactor, OffloadAdamW, OffloadOptimizer
-from . import demo_model
+from . import demo_model, hostmem
 
 RUNS = ("torch AdamW", 'offload="cpu"', 'offload="nvme"')  # the columns (runs_of); the first is torch's
 # --optimizer: (torch's class and its extra arguments, swapio's class, name)
@@ -68,6 +68,18 @@ class DemoConfig:
         corpus = demo_model.corpus_bytes().numel()  # checked here, before a model of that context is built
         if self.context >= corpus - 1:
             raise ValueError(f"--context must be below {corpus - 1} (the corpus is {corpus} bytes), got {self.context}")
+        hostmem.require(memory_bytes(self), f"a demo of --layers {self.layers} --width {self.width} --batch "
+                        f"{self.batch} --context {self.context}", "use smaller ones")
+
+
+def memory_bytes(cfg):
+    """A lower bound of the host memory a demo takes: four copies of the model (the base and three trained) with
+    three sets of gradients and two optimizers' fp32 moments (torch's, offload="cpu"), and what one forward saves
+    for backward: per token and layer about 18 x width numbers, and the logits over the 256 bytes (fp32)."""
+    w, vocab = cfg.width, demo_model.VOCAB
+    params = vocab * w + cfg.context * w + cfg.layers * (12 * w * w + 13 * w) + 2 * w
+    tokens = cfg.batch * cfg.context
+    return 4 * (11 * params + tokens * (18 * w * cfg.layers + 4 * vocab))
 
 
 @dataclasses.dataclass
