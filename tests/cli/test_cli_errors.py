@@ -115,6 +115,30 @@ def test_not_enough_space(capsys, tmp_path):
         assert leftovers(d) == []
 
 
+def test_file_through_a_dangling_symlink_creates_its_target(capsys, tmp_path):
+    # it failed with "File exists" (creating the link's name, exclusively), exit 1; a shell's > creates the target
+    (tmp_path / "data").mkdir()
+    link = tmp_path / "bench.bin"
+    link.symlink_to(tmp_path / "data" / "f.bin")
+    rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "write", "--file", str(link), "--size", "1M", "--bs", "256K")
+    assert rc == 0, err
+    assert link.is_symlink() and (tmp_path / "data" / "f.bin").stat().st_size == 1 << 20
+
+
+def test_file_through_a_symlink_is_checked_on_its_targets_disk(capsys, tmp_path):
+    # the free space was that of the link's directory: the run started and failed on ENOSPC halfway, exit 1,
+    # having overwritten the first MiB of the file
+    with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
+        target = d / "f.bin"
+        target.write_bytes(b"x" * 4096)
+        link = tmp_path / "bench.bin"
+        link.symlink_to(target)
+        rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "write", "--file", str(link), "--size", "8M")
+        assert_one_line_error(rc, err, f"not enough free space in {d}")
+        assert rc == 1
+        assert target.read_bytes() == b"x" * 4096 and link.is_symlink()
+
+
 def test_bench_runs_on_ramfs_which_reports_no_free_space(capsys, tmp_path):
     # ramfs keeps no block count (statvfs says 0 blocks, 0 free): that is no limit, not a full disk
     with _mount_tmpfs(tmp_path / "ram", "mode=0755", fstype="ramfs") as d:
