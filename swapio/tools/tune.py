@@ -71,6 +71,10 @@ class TuneConfig:
     progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
+        # a direction or engine named twice is swept once (twice would pool two sweeps' runs into each point)
+        self.ops = tuple(dict.fromkeys(self.ops))
+        if self.engines is not None:
+            self.engines = tuple(dict.fromkeys(self.engines))
         for op in self.ops:
             if op not in ("read", "write"):
                 raise TuneUsageError(f"--rw takes read and/or write, got {op!r}")
