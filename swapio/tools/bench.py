@@ -283,9 +283,11 @@ def run_bench(cfg, *, after_phase=None, log=None):
         if not target.created and reads_first and have < cfg.size:
             raise BenchUsageError(f"--file {cfg.file} holds {have} bytes, fewer than --size {cfg.size}; use a "
                              "smaller --size, or a write run first")
-        # A new file is written out before the measured phases when they read it, when random writes with
-        # --verify need the pattern everywhere, and for --compare-fio (fio then runs on the same, written file).
-        needs_layout = target.created and (reads_first or cfg.compare_fio or (cfg.verify and cfg.rw == "randwrite"))
+        # A new file is written out before the measured phases when they read it and for --compare-fio (fio then
+        # runs on the same, written file); any file, with the pattern, when --verify checks every piece after
+        # writes that may leave some unwritten: random ones, or a time-based run that ends before a whole pass.
+        partial_writes = writes and (cfg.rw == "randwrite" or cfg.runtime is not None)
+        needs_layout = (target.created and (reads_first or cfg.compare_fio)) or (cfg.verify and partial_writes)
         if writes or needs_layout:
             target.check_free_space(cfg.size)
         try:
