@@ -57,7 +57,7 @@ _count = _arg_type(memplan.parse_count)
 
 def _int(text):
     try:
-        return int(text, 0)
+        return int(text, 10)  # decimal, as sizes are: "010" is ten, "0x10" refused
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 

@@ -59,3 +59,17 @@ def test_tune_lists():
                                                 "uring,psync", "--threads", "1,2", "--rw", "read"])
     assert a.block_sizes == [64 << 10, 1 << 20] and a.depths == [1, 8] and a.threads == [1, 2]
     assert a.engines == ["uring", "psync"] and a.rw == ["read"]
+
+
+@pytest.mark.parametrize("text, value", [("8", 8), ("08", 8), ("010", 10), (" 32 ", 32), ("+4", 4)])
+def test_counts_are_decimal_leading_zeros_included(text, value):
+    # "--iodepth 010" was refused as "not a whole number" (Python's base-0 parsing takes no leading zero), and
+    # "0x10" taken as 16 where sizes refuse hex
+    assert _bench_args("--iodepth", text).iodepth == value
+
+
+@pytest.mark.parametrize("text", ["0x10", "1.5", "eight", ""])
+def test_counts_refuse_anything_but_a_decimal_whole_number(capsys, text):
+    rc = cli.main(["bench", "--iodepth", text])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{text!r} is not a whole number" in err
