@@ -6,6 +6,7 @@ Errors are one line on stderr and a non-zero exit status (2: bad usage, a missin
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,6 +20,12 @@ EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "-1M", "-2s" are values (refused for their sign), not unknown options: argparse took only "-1" and "-.5"
+        # as numbers, so `--size -1M` failed with "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
 

@@ -27,6 +27,8 @@ def pct_key(p):
 def parse_size(text):
     """'4096', '4k', '128K', '1M', '1MiB', '2G', '1.5G' -> bytes (binary units); ValueError otherwise."""
     m = _SIZE_RE.fullmatch(str(text))
+    if not m and str(text).strip().startswith("-"):
+        raise ValueError(f"{text!r}: a size cannot be negative")
     if not m:
         raise ValueError(f"cannot parse {text!r} as a size (a number with an optional K, M, G or T suffix)")
     value = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
@@ -63,6 +65,8 @@ def write_text_atomic(path, text):
 def parse_duration(text):
     """'10', '10s', '500ms', '2m' -> seconds (float); ValueError otherwise."""
     m = _TIME_RE.fullmatch(str(text))
+    if not m and str(text).strip().startswith("-"):
+        raise ValueError(f"{text!r}: a duration cannot be negative")
     if not m:
         raise ValueError(f"cannot parse {text!r} as a duration (seconds, or with a ms, s, m or h suffix)")
     return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]

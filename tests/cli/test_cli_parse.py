@@ -73,3 +73,15 @@ def test_counts_refuse_anything_but_a_decimal_whole_number(capsys, text):
     rc = cli.main(["bench", "--iodepth", text])
     err = capsys.readouterr().err
     assert rc == 2 and f"{text!r} is not a whole number" in err
+
+
+@pytest.mark.parametrize("argv, needle", [(["bench", "--size", "-1M"], "--size: '-1M': a size cannot be negative"),
+                                          (["bench", "--bs", "-4K"], "--bs: '-4K': a size cannot be negative"),
+                                          (["bench", "--runtime", "-2s"], "a duration cannot be negative"),
+                                          (["bench", "--iodepth", "-3"], "--iodepth must be between 1 and"),
+                                          (["plan", "--params", "7B", "--ram", "-64G"], "cannot be negative")])
+def test_negative_values_are_named_as_such(capsys, argv, needle):
+    # `--size -1M` read "-1M" as an unknown option: "argument --size: expected one argument"
+    rc = cli.main([*argv, "-q"] if argv[0] == "bench" else argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
