@@ -61,8 +61,8 @@ class DemoConfig:
             raise ValueError(f"--width {self.width} must be a multiple of --heads {self.heads}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"--lr must be positive and finite, got {self.lr}")
         if self.buffer_bytes < 4 * (64 << 10):
             raise ValueError(f"--buffer must be at least 256K (4 pinned slots of 64 KiB), got {self.buffer_bytes}")
         corpus = demo_model.corpus_bytes().numel()  # checked here, before a model of that context is built
