@@ -32,6 +32,8 @@ def parse_size(text):
     if not m:
         raise ValueError(f"cannot parse {text!r} as a size (a number with an optional K, M, G or T suffix)")
     value = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    if not math.isfinite(value):  # hundreds of digits: float() gives inf, which no int holds
+        raise ValueError(f"{text!r} is too large a size")
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
     return int(value)
@@ -69,7 +71,10 @@ def parse_duration(text):
         raise ValueError(f"{text!r}: a duration cannot be negative")
     if not m:
         raise ValueError(f"cannot parse {text!r} as a duration (seconds, or with a ms, s, m or h suffix)")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is too long a duration")
+    return seconds
 
 
 def fmt_size(n):

@@ -85,3 +85,14 @@ def test_negative_values_are_named_as_such(capsys, argv, needle):
     rc = cli.main([*argv, "-q"] if argv[0] == "bench" else argv)
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, needle", [(["plan", "--params", "1e400"], "too large a parameter count"),
+                                          (["bench", "--size", "9" * 400 + "P"], "too large a size"),
+                                          (["bench", "--runtime", "9" * 400], "too long a duration")])
+def test_numbers_beyond_a_float_are_usage_errors(capsys, argv, needle):
+    # float() made them inf: "internal error: OverflowError" (exit 1) for --params and --size, and a --runtime
+    # of inf seconds that never ended
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "internal error" not in err, err
