@@ -294,6 +294,8 @@ def _check_directory(path, what):
 
 
 def _check_output_path(path, what="--output"):
+    if not path.strip():
+        raise UsageError(f"{what} is empty: name a file")
     if os.path.isdir(path):
         raise UsageError(f"{what} {path} is a directory")
     if os.path.exists(path) and not os.path.isfile(path):
@@ -316,7 +318,7 @@ def _emit(text, output):
 # --- commands
 def _run_bench(args):
     from . import bench
-    if args.output:
+    if args.output is not None:
         _check_output_path(args.output)
     cfg = bench.BenchConfig(rw=args.rw, bs=args.bs, iodepth=args.iodepth, threads=args.threads, size=args.size,
                             engine=args.engine, direct=args.direct, file=args.file, directory=args.directory,
@@ -335,7 +337,7 @@ def _run_tune(args):
     if args.directory is not None:
         _check_directory(args.directory, "--dir")
     _check_output_path(args.output)
-    if args.plot:
+    if args.plot is not None:
         _check_output_path(args.plot, "--plot")
         tune_report.require_matplotlib()
     cfg = tune.TuneConfig(directory=args.directory, size=args.size, ops=tuple(args.rw),
@@ -360,7 +362,7 @@ def _run_tune(args):
 def _run_demo(args):
     from . import demo
     _check_directory(args.directory, "--dir")
-    if args.plot:
+    if args.plot is not None:
         _check_output_path(args.plot, "--plot")
         from .tune_report import require_matplotlib
         require_matplotlib()

@@ -70,3 +70,13 @@ def test_output_to_a_fifo_is_written_into_the_pipe(capsys, tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # still the pipe, not a file put in its place
     assert json.loads(received[0])["jobs"][0]["swapio"]["engine"] == "null"
     assert leftovers(tmp_path) == ["pipe"]
+
+
+@pytest.mark.parametrize("argv", [["tune", "-o", ""], ["tune", "--plot", " "], ["bench", "--output", ""],
+                                  ["demo", "--plot", ""]])
+def test_an_empty_output_path_is_a_usage_error(capsys, tmp_path, argv):
+    # tune -o "" swept for seconds, then failed renaming its temporary file over the working directory (exit 1);
+    # bench --output "" printed to stdout as if no --output had been given
+    rc, _, err = run_cli(capsys, *argv, "-q", "--size", "1M") if argv[0] != "demo" else run_cli(capsys, *argv, "-q")
+    assert rc == 2 and "is empty: name a file" in err, err
+    assert leftovers(tmp_path) == []
