@@ -194,7 +194,8 @@ def _plan_parser(sub):
                    help="storage of the moments (default fp32); the master weights stay fp32")
     p.add_argument("--gpu-mem", type=_arg_type(_memory_size),
                    help="GPU memory, e.g. 24G (default: the first CUDA device's, if any)")
-    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's)")
+    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's, or "
+                   "its container's memory limit where lower)")
     p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")
     p.add_argument("--buffer-bytes", type=_arg_type(_positive_size), default=fmt(memplan.DEFAULT_BUFFER_BYTES),
@@ -404,8 +405,9 @@ def _run_plan(args):
     gpu_mem, ram = args.gpu_mem, args.ram
     if gpu_mem is None:
         gpu_mem = plan.gpu_memory()
-    if ram is None:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if ram is None:  # a container's memory limit, where lower than the machine's RAM, is what there is
+        from .hostmem import total_bytes
+        ram = total_bytes()
     result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
                            args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)),
                            ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0,

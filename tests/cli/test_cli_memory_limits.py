@@ -2,6 +2,9 @@
 left. (`swapio demo --batch 100000000` ground for ten minutes before the OOM killer ended it, exit 137, leaving its
 swap directory; `swapio bench --bs 1G --iodepth 32` asked for 32 GiB of pinned buffers.) The tests shrink the
 memory the tools see as available rather than asking for more than this machine has."""
+import json
+import os
+
 import pytest
 
 from swapio.tools import demo, demo_model, hostmem
@@ -62,3 +65,18 @@ def test_demo_memory_estimate_counts_every_parameter_of_its_model():
         params = sum(p.numel() for p in model.parameters())
         activations = 4 * cfg.batch * cfg.context * 256  # the logits, at least
         assert demo.memory_bytes(cfg) >= 44 * params + activations
+
+
+def test_plan_counts_a_containers_memory_limit_as_its_ram(capsys, tmp_path, monkeypatch):
+    # plan took the machine's RAM: in a container limited to 1 GiB on a large host, "RAM ... yes" and then the OOM
+    (tmp_path / "cgroup").mkdir()
+    (tmp_path / "cgroup" / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "cgroup" / "memory.current").write_text(f"{100 << 20}\n")
+    monkeypatch.setattr(hostmem, "CGROUP", str(tmp_path / "cgroup"))
+    rc, out, err = run_cli(capsys, "plan", "--params", "1B", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["capacity"]["ram"] == 1 << 30
+    assert hostmem.available_bytes() <= (1 << 30) - (100 << 20)
+    (tmp_path / "cgroup" / "memory.max").write_text("max\n")  # no limit: the machine's RAM
+    rc, out, _ = run_cli(capsys, "plan", "--params", "1B", "--json")
+    assert json.loads(out)["capacity"]["ram"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
