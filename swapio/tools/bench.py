@@ -14,7 +14,7 @@ import numpy as np
 from .. import _C
 from .._version import __version__
 from ..core.handle import AioHandle
-from . import fiocompare, loadgen, report
+from . import fiocompare, hostmem, loadgen, report
 from .errors import ToolError, UsageError, VerifyError  # noqa: F401  (VerifyError: what --verify raises)
 from .pattern import Pattern
 from .testfile import TestFile, no_interrupts
@@ -181,29 +181,44 @@ def _seq_chunk(cfg, size):
     return min(chunk, size)
 
 
+def _per_request(cfg):
+    """(pieces per random request, pieces in all or None when time-based)."""
+    # enough pieces per request to fill every queue, ~16 MiB when pieces are small
+    per_request = max(cfg.iodepth * cfg.threads, min(1 << 16, _RAND_REQUEST // cfg.bs))
+    total = None if cfg.runtime else cfg.loops * (cfg.size // cfg.bs)
+    return (per_request if total is None else min(per_request, total)), total
+
+
+def _buffer_sizes(cfg, random, with_pattern):
+    """The pinned buffers of a phase: with a pattern each outstanding request has its own, so its bytes can be
+    checked; else the requests share one (fio's memory use, not its contents, matters here)."""
+    if random:
+        per_request, _ = _per_request(cfg)
+        if with_pattern:
+            return [per_request * cfg.bs] * loadgen.OUTSTANDING
+        return [max(1, min(per_request, cfg.iodepth * cfg.threads)) * cfg.bs]
+    return [_seq_chunk(cfg, cfg.size)] * (loadgen.OUTSTANDING if with_pattern else 1)
+
+
+def _require_memory(cfg):
+    """Refuses up front (before any file is laid out) settings whose buffers this machine cannot hold."""
+    need = max(sum(_buffer_sizes(cfg, random, cfg.verify)) for _, _, random in RW_PHASES[cfg.rw])
+    hostmem.require(need, f"--bs {report.fmt_size(cfg.bs)} x --iodepth {cfg.iodepth} x --threads {cfg.threads}"
+                    + (" with --verify" if cfg.verify else ""), "use a smaller --bs, --iodepth or --threads")
+
+
 def run_phase(handle, path, cfg, label, direction, random, *, pattern=None, progress=False):
     """One measured phase on `path` with `handle`; returns a Phase."""
     size = cfg.size
     loadgen.drop_cache(path)
+    buffers = [loadgen.pinned_buffer(n, direction == "write" and pattern is None)
+               for n in _buffer_sizes(cfg, random, pattern is not None)]
+    per_request, total = _per_request(cfg)
+    chunk = _seq_chunk(cfg, size)
     if random:
-        # enough pieces per request to fill every queue, ~16 MiB when pieces are small
-        per_request = max(cfg.iodepth * cfg.threads, min(1 << 16, _RAND_REQUEST // cfg.bs))
-        total = None if cfg.runtime else cfg.loops * (size // cfg.bs)
-        if total is not None:
-            per_request = min(per_request, total)
-        if pattern is not None:  # every piece its own slot: the bytes can be checked after the request
-            buffers = [loadgen.pinned_buffer(per_request * cfg.bs, False) for _ in range(loadgen.OUTSTANDING)]
-        else:
-            slots = max(1, min(per_request, cfg.iodepth * cfg.threads))
-            buffers = [loadgen.pinned_buffer(slots * cfg.bs, direction == "write")]
         submit = loadgen.random_submitter(handle, direction, path, size, per_request, buffers, pattern, total)
         count = None if total is None else -(-total // per_request)
     else:
-        chunk = _seq_chunk(cfg, size)
-        if pattern is not None:
-            buffers = [loadgen.pinned_buffer(chunk, False) for _ in range(loadgen.OUTSTANDING)]
-        else:  # the outstanding requests share one buffer: fio's memory use, not its contents, matters here
-            buffers = [loadgen.pinned_buffer(chunk, direction == "write")]
         submit = loadgen.sequential_submitter(handle, direction, path, size, chunk, buffers, pattern)
         count = None if cfg.runtime else cfg.loops * (-(-size // chunk))
     bar = loadgen.Progress(progress, label, total_bytes=None if cfg.runtime else cfg.loops * size,
@@ -252,6 +267,7 @@ def run_bench(cfg, *, after_phase=None, log=None):
     after_phase(label, path) runs after each measured phase (tests corrupt the file there).
     log(message) receives notes (e.g. the buffered fallback)."""
     cfg.validate()
+    _require_memory(cfg)
     phases_spec = RW_PHASES[cfg.rw]
     writes = any(d == "write" for _, d, _ in phases_spec)
     fio = fiocompare.find_fio() if cfg.compare_fio else None
@@ -267,9 +283,11 @@ def run_bench(cfg, *, after_phase=None, log=None):
         if not target.created and reads_first and have < cfg.size:
             raise BenchUsageError(f"--file {cfg.file} holds {have} bytes, fewer than --size {cfg.size}; use a "
                              "smaller --size, or a write run first")
-        # A new file is written out before the measured phases when they read it, when random writes with
-        # --verify need the pattern everywhere, and for --compare-fio (fio then runs on the same, written file).
-        needs_layout = target.created and (reads_first or cfg.compare_fio or (cfg.verify and cfg.rw == "randwrite"))
+        # A new file is written out before the measured phases when they read it and for --compare-fio (fio then
+        # runs on the same, written file); any file, with the pattern, when --verify checks every piece after
+        # writes that may leave some unwritten: random ones, or a time-based run that ends before a whole pass.
+        partial_writes = writes and (cfg.rw == "randwrite" or cfg.runtime is not None)
+        needs_layout = (target.created and (reads_first or cfg.compare_fio)) or (cfg.verify and partial_writes)
         if writes or needs_layout:
             target.check_free_space(cfg.size)
         try:

@@ -6,6 +6,7 @@ Errors are one line on stderr and a non-zero exit status (2: bad usage, a missin
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,6 +20,12 @@ EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # "-1M", "-2s" are values (refused for their sign), not unknown options: argparse took only "-1" and "-.5"
+        # as numbers, so `--size -1M` failed with "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, no usage dump
         raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
 
@@ -57,7 +64,7 @@ _count = _arg_type(memplan.parse_count)
 
 def _int(text):
     try:
-        return int(text, 0)
+        return int(text, 10)  # decimal, as sizes are: "010" is ten, "0x10" refused
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
@@ -187,7 +194,8 @@ def _plan_parser(sub):
                    help="storage of the moments (default fp32); the master weights stay fp32")
     p.add_argument("--gpu-mem", type=_arg_type(_memory_size),
                    help="GPU memory, e.g. 24G (default: the first CUDA device's, if any)")
-    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's)")
+    p.add_argument("--ram", type=_arg_type(_memory_size), help="host RAM, e.g. 64G (default: this machine's, or "
+                   "its container's memory limit where lower)")
     p.add_argument("--disk", metavar="DIR", help="directory on the disk that would hold the swap file: its free "
                    "space, and its bandwidth from a `swapio tune` config there or a short measurement")
     p.add_argument("--buffer-bytes", type=_arg_type(_positive_size), default=fmt(memplan.DEFAULT_BUFFER_BYTES),
@@ -287,11 +295,15 @@ def _check_directory(path, what):
 
 
 def _check_output_path(path, what="--output"):
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{what} {path}: directory {directory} does not exist")
+    if not path.strip():
+        raise UsageError(f"{what} is empty: name a file")
     if os.path.isdir(path):
         raise UsageError(f"{what} {path} is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):
+        return  # /dev/null, /dev/stdout, a FIFO: written in place (report.write_text_atomic)
+    directory = os.path.dirname(os.path.realpath(path))  # a symlink's target is what gets written
+    if not os.path.isdir(directory):
+        raise UsageError(f"{what} {path}: directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"{what} {path}: directory {directory} is not writable")
 
@@ -307,7 +319,7 @@ def _emit(text, output):
 # --- commands
 def _run_bench(args):
     from . import bench
-    if args.output:
+    if args.output is not None:
         _check_output_path(args.output)
     cfg = bench.BenchConfig(rw=args.rw, bs=args.bs, iodepth=args.iodepth, threads=args.threads, size=args.size,
                             engine=args.engine, direct=args.direct, file=args.file, directory=args.directory,
@@ -326,7 +338,7 @@ def _run_tune(args):
     if args.directory is not None:
         _check_directory(args.directory, "--dir")
     _check_output_path(args.output)
-    if args.plot:
+    if args.plot is not None:
         _check_output_path(args.plot, "--plot")
         tune_report.require_matplotlib()
     cfg = tune.TuneConfig(directory=args.directory, size=args.size, ops=tuple(args.rw),
@@ -351,7 +363,7 @@ def _run_tune(args):
 def _run_demo(args):
     from . import demo
     _check_directory(args.directory, "--dir")
-    if args.plot:
+    if args.plot is not None:
         _check_output_path(args.plot, "--plot")
         from .tune_report import require_matplotlib
         require_matplotlib()
@@ -393,8 +405,9 @@ def _run_plan(args):
     gpu_mem, ram = args.gpu_mem, args.ram
     if gpu_mem is None:
         gpu_mem = plan.gpu_memory()
-    if ram is None:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if ram is None:  # a container's memory limit, where lower than the machine's RAM, is what there is
+        from .hostmem import total_bytes
+        ram = total_bytes()
     result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
                            args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)),
                            ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0,

@@ -23,7 +23,7 @@ import torch
 
 from .. import _progress
 from ..optim import OffloadAdafactor, OffloadAdamW, OffloadOptimizer
-from . import demo_model
+from . import demo_model, hostmem
 
 RUNS = ("torch AdamW", 'offload="cpu"', 'offload="nvme"')  # the columns (runs_of); the first is torch's
 # --optimizer: (torch's class and its extra arguments, swapio's class, name)
@@ -61,13 +61,25 @@ class DemoConfig:
             raise ValueError(f"--width {self.width} must be a multiple of --heads {self.heads}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"--lr must be positive and finite, got {self.lr}")
         if self.buffer_bytes < 4 * (64 << 10):
             raise ValueError(f"--buffer must be at least 256K (4 pinned slots of 64 KiB), got {self.buffer_bytes}")
         corpus = demo_model.corpus_bytes().numel()  # checked here, before a model of that context is built
         if self.context >= corpus - 1:
             raise ValueError(f"--context must be below {corpus - 1} (the corpus is {corpus} bytes), got {self.context}")
+        hostmem.require(memory_bytes(self), f"a demo of --layers {self.layers} --width {self.width} --batch "
+                        f"{self.batch} --context {self.context}", "use smaller ones")
+
+
+def memory_bytes(cfg):
+    """A lower bound of the host memory a demo takes: four copies of the model (the base and three trained) with
+    three sets of gradients and two optimizers' fp32 moments (torch's, offload="cpu"), and what one forward saves
+    for backward: per token and layer about 18 x width numbers, and the logits over the 256 bytes (fp32)."""
+    w, vocab = cfg.width, demo_model.VOCAB
+    params = vocab * w + cfg.context * w + cfg.layers * (12 * w * w + 13 * w) + 2 * w
+    tokens = cfg.batch * cfg.context
+    return 4 * (11 * params + tokens * (18 * w * cfg.layers + 4 * vocab))
 
 
 @dataclasses.dataclass
@@ -128,6 +140,7 @@ def run_demo(cfg, log=print):
         opts[runs[1]] = ours(models[runs[1]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, offload="cpu")
         opts[runs[2]] = ours(models[runs[2]].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                              offload="nvme", swap_dir=swap_root, buffer_bytes=cfg.buffer_bytes)
+        _warm_up(cfg, swap_root)
         losses = {run: [] for run in runs}
         seconds = {run: [] for run in runs}
         state_ram = {}
@@ -164,6 +177,27 @@ def run_demo(cfg, log=print):
     return DemoResult(cfg, n_params, data.numel(), losses, seconds, state_ram, state_disk, 8 * n_params)
 
 
+def _warm_up(cfg, swap_root):
+    """One step of each optimizer on a throwaway parameter, so that what the process sets up once, on first use,
+    (the I/O engine's rings and worker threads, torch's fused kernel) is not counted as the first optimizer's
+    state: it came to ~0.5 MiB and showed nvme mode holding more than the --buffer the report bounds it by."""
+    torch_cls, torch_kw, ours, _ = OPTIMIZERS[cfg.optimizer]
+    scratch = os.path.join(swap_root, "warm-up")
+    os.mkdir(scratch)
+    makers = (lambda ps: torch_cls(ps, lr=cfg.lr, **torch_kw), lambda ps: ours(ps, lr=cfg.lr, offload="cpu"),
+              lambda ps: ours(ps, lr=cfg.lr, offload="nvme", swap_dir=scratch, buffer_bytes=cfg.buffer_bytes))
+    for make in makers:
+        p = torch.nn.Parameter(torch.zeros(4, 64))
+        p.grad = torch.ones_like(p)
+        opt = make([p])
+        try:
+            opt.step()
+        finally:
+            if isinstance(opt, OffloadOptimizer):
+                opt.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _progress_bar(cfg):
     return _progress.bar(cfg.progress, total=cfg.steps, desc="swapio demo", unit="step", leave=False)
 
@@ -192,7 +226,8 @@ def report(result):
               f"{'host RAM held by state':28}" + "".join(f"{_mib(result.state_ram[run]):>16}" for run in runs),
               f"{'state on disk':28}" + f"{'-':>16}{'-':>16}{_mib(result.state_disk):>16}",
               "",
-              "Host RAM is measured: the growth of resident memory over the step that creates the state"
+              "Host RAM is measured: the growth of resident memory over the step that creates the state, after a "
+              "warm-up step on a throwaway parameter has paid the process's one-time setup"
               + (f" (torch's {'AdamW' if c.optimizer == 'adamw' else 'Adam'}'s fp32 moments are "
                  f"{_mib(result.state_bytes)})" if c.optimizer != "adafactor" else "")
               + ". In nvme mode it is the pinned pipeline, at most "
@@ -200,7 +235,7 @@ def report(result):
                  if c.optimizer != "adafactor" else
                  f"--buffer ({_mib(c.buffer_bytes)}) or buffer_count x the largest parameter's record, whichever is "
                  "larger (Adafactor steps whole parameters)")
-              + "; the state itself is on disk."]
+              + ", plus a little bookkeeping per parameter tensor; the state itself is on disk."]
     return "\n".join(lines)
 
 

@@ -1,6 +1,9 @@
 """Runs fio with the settings of a `swapio bench` phase, on the same file (`swapio bench --compare-fio`)."""
+import contextlib
 import json
+import os
 import shlex
+import signal
 import shutil
 import subprocess
 
@@ -54,17 +57,25 @@ def fio_command(fio, *, path, rw, bs, iodepth, threads, size, engine, direct, ru
 
 
 def run_fio(cmd, timeout=None):
-    """Runs fio; returns its jobs[0] (the group-reported job). FioError on any failure."""
+    """Runs fio; returns its jobs[0] (the group-reported job). FioError on any failure.
+
+    fio runs in a process group of its own, killed whole if the run ends early (time limit, Ctrl-C, SIGTERM):
+    fio forks a process per job, which outlive a kill of the main one alone."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise FioError(f"fio did not finish within {timeout:.0f} s") from None
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     except OSError as e:
         raise FioError(f"cannot run fio: {e}") from None
-    out = proc.stdout
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as e:
+        _kill_group(proc)
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise FioError(f"fio did not finish within {timeout:.0f} s") from None
+        raise
     start = out.find("{")
     if proc.returncode != 0 or start < 0:
-        detail = (proc.stderr.strip() or out.strip() or f"exit status {proc.returncode}").splitlines()
+        detail = (err.strip() or out.strip() or f"exit status {proc.returncode}").splitlines()
         raise FioError(f"fio failed: {detail[-1] if detail else proc.returncode}")
     try:
         doc = json.loads(out[start:])
@@ -74,6 +85,12 @@ def run_fio(cmd, timeout=None):
     if job.get("error"):
         raise FioError(f"fio reported error {job['error']}")
     return job
+
+
+def _kill_group(proc):
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()  # reaps fio, closes the pipes
 
 
 def format_command(cmd):

@@ -14,6 +14,7 @@ Activations (what autograd saves for backward) depend on the batch: counted only
 batch and model shape are given (activations()).
 """
 import dataclasses
+import math
 import re
 
 from ..kernels.quant import state_bytes_per_element
@@ -36,7 +37,10 @@ def parse_count(text):
     if not m:
         raise ValueError(f"cannot parse {text!r} as a parameter count (a number with an optional K, M, B or T "
                          "suffix, e.g. 7B)")
-    value = round(float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()])
+    value = float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()]
+    if not math.isfinite(value):  # 1e400: float() gives inf, which round() cannot make an int
+        raise ValueError(f"{text!r} is too large a parameter count")
+    value = round(value)
     if value <= 0:
         raise ValueError(f"the parameter count must be positive, got {text!r}")
     return value

@@ -53,8 +53,13 @@ def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_b
     disk_free = read = write = source = None
     if disk is not None:
         disk_free = free_bytes(disk)  # None: no block count (ramfs)
-        found = tune_config_bandwidth(disk) or measured_bandwidth(disk, log=log)
-        read, write, source = found
+        found = tune_config_bandwidth(disk)
+        if found is None and disk_free is not None and disk_free < MEASURE_SIZE:
+            # the plan (which already shows the disk too small) beats an error about a measurement nobody asked for
+            source = (f"not measured: {disk} has {_gb(disk_free)} free, less than the {MEASURE_SIZE >> 20} MiB the "
+                      "bandwidth measurement writes")
+        else:
+            read, write, source = found or measured_bandwidth(disk, log=log)
     out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write,
                        ring_bytes, largest_module)
     out["activations"] = None if activations is None else memplan.activations(**activations)
@@ -142,6 +147,8 @@ def plan_text(p):
         lines.append(f"weights offloaded too (disk_offload + offload=\"nvme\"): weights read twice and written once, "
                      f"the state read and written, the fp32 gradient sums written and read: {o['accumulate']:.1f} s "
                      f"per step; with in_backward=True (no gradient sums) {o['in_backward']:.1f} s, I/O only.")
+    elif disk is not None:
+        lines.append(f"nvme step time: {disk['bandwidth_from']}.")
     else:
         lines.append("nvme step time: give --disk DIR (the disk that would hold the swap file) to estimate it.")
     pinned = p["offloaded_pinned"]

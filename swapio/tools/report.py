@@ -6,6 +6,7 @@ says which: MiB/s (2^20 B/s) and GB/s (10^9 B/s).
 import math
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -26,16 +27,33 @@ def pct_key(p):
 def parse_size(text):
     """'4096', '4k', '128K', '1M', '1MiB', '2G', '1.5G' -> bytes (binary units); ValueError otherwise."""
     m = _SIZE_RE.fullmatch(str(text))
+    if not m and str(text).strip().startswith("-"):
+        raise ValueError(f"{text!r}: a size cannot be negative")
     if not m:
         raise ValueError(f"cannot parse {text!r} as a size (a number with an optional K, M, G or T suffix)")
     value = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    if not math.isfinite(value):  # hundreds of digits: float() gives inf, which no int holds
+        raise ValueError(f"{text!r} is too large a size")
     if value != int(value):
         raise ValueError(f"{text!r} is not a whole number of bytes")
     return int(value)
 
 
 def write_text_atomic(path, text):
-    """Writes text to path through a temporary name and a rename: readers see the old file or the new one."""
+    """Writes text to path through a temporary name and a rename: readers see the old file or the new one.
+
+    A symlink is followed (its target gets the text, the link stays), and a path that exists but is not a
+    regular file (/dev/null, /dev/stdout, a FIFO) is written in place: renaming over it would replace the
+    device or pipe with a plain file (as root, /dev/null itself)."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        regular = True  # a new file (or a dangling link's target, which realpath names)
+    if not regular:
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    path = os.path.realpath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -49,9 +67,14 @@ def write_text_atomic(path, text):
 def parse_duration(text):
     """'10', '10s', '500ms', '2m' -> seconds (float); ValueError otherwise."""
     m = _TIME_RE.fullmatch(str(text))
+    if not m and str(text).strip().startswith("-"):
+        raise ValueError(f"{text!r}: a duration cannot be negative")
     if not m:
         raise ValueError(f"cannot parse {text!r} as a duration (seconds, or with a ms, s, m or h suffix)")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is too long a duration")
+    return seconds
 
 
 def fmt_size(n):

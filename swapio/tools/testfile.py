@@ -27,7 +27,8 @@ class TestFile:
             os.close(fd)
             self.created = True
         else:
-            self.path = os.path.abspath(file)
+            # a symlink's target: its directory is checked, its disk's free space counted, the target created
+            self.path = os.path.realpath(file)
             check_directory(os.path.dirname(self.path), "--file's directory")
             if os.path.exists(self.path):
                 if not os.path.isfile(self.path):

@@ -71,6 +71,10 @@ class TuneConfig:
     progress: Optional[bool] = None  # True: show a bar, False: none, None: on a terminal (swapio._progress)
 
     def validate(self):
+        # a direction or engine named twice is swept once (twice would pool two sweeps' runs into each point)
+        self.ops = tuple(dict.fromkeys(self.ops))
+        if self.engines is not None:
+            self.engines = tuple(dict.fromkeys(self.engines))
         for op in self.ops:
             if op not in ("read", "write"):
                 raise TuneUsageError(f"--rw takes read and/or write, got {op!r}")
@@ -86,6 +90,9 @@ class TuneConfig:
                 raise TuneUsageError(f"unknown engine {e!r} (choose from {', '.join(status)})")
             if status[e] != "ok":
                 raise TuneUsageError(f"engine {e} is unavailable here: {status[e]}")
+            if e not in _C.DATA_ENGINES:  # its figures would become the disk's config: writes that go nowhere
+                raise TuneUsageError(f"engine {e} moves no data, so there is no disk to tune with it (swapio bench "
+                                     f"--engine {e} measures swapio's own overhead)")
         for name, values, lo in (("--bs", self.block_sizes, 1), ("--iodepth", self.depths, 1),
                                  ("--threads", self.threads, 1)):
             if not values or min(values) < lo:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import swapio
-from swapio.tools import bench, pattern
+from swapio.tools import bench, loadgen, pattern
 from swapio.tools.report import FIO_PERCENTILES, pct_key
 
 from helpers.cli import assert_one_line_error, leftovers, run_cli
@@ -158,6 +158,31 @@ def test_random_verify_passes(capsys, tmp_path, rw):
                            "--size", "2M", "--runtime", "0.2", "-q")
     assert rc == 0, err
     assert "verify: passed" in out
+
+
+def test_random_write_verify_on_an_existing_file_lays_the_pattern_out_first(capsys, tmp_path):
+    # random writes touch some pieces, and the check reads the whole file back: on a --file that held anything but
+    # the pattern it reported "verify failed" at the first piece the run had not written, a corruption that was not
+    f = tmp_path / "existing.bin"
+    f.write_bytes(b"\xff" * (2 * MiB))
+    for _ in range(2):  # and again on the file the first run left
+        rc, out, err = run_cli(capsys, "bench", "--rw", "randwrite", "--verify", "--file", str(f), "--bs", "4K",
+                               "--iodepth", "8", "--size", "2M", "--loops", "1", "-q")
+        assert rc == 0, err
+        assert "verify: passed (2 MiB checked)" in out
+    bench.verify_file(str(f), 2 * MiB)
+
+
+@pytest.mark.parametrize("rw", ["write", "rw"])
+def test_time_based_write_verify_ending_before_a_whole_pass(capsys, tmp_path, monkeypatch, rw):
+    # 1 MiB requests (64K x 4 in flight) over 32 MiB, for 1 ms: the run writes a few MiB, and the check read the
+    # rest, never written, and reported "verify failed" (rw: its read pass could read past what was written)
+    monkeypatch.setattr(loadgen, "SEQ_REQUEST", MiB)
+    rc, out, err = run_cli(capsys, "bench", "--rw", rw, "--verify", "--size", "32M", "--bs", "64K", "--iodepth", "4",
+                           "--runtime", "1ms", "-q")
+    assert rc == 0, err
+    assert "verify: passed (32 MiB checked)" in out
+    assert leftovers(tmp_path) == []
 
 
 def test_random_offsets_match_the_native_core(tmp_path):

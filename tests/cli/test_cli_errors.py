@@ -115,6 +115,30 @@ def test_not_enough_space(capsys, tmp_path):
         assert leftovers(d) == []
 
 
+def test_file_through_a_dangling_symlink_creates_its_target(capsys, tmp_path):
+    # it failed with "File exists" (creating the link's name, exclusively), exit 1; a shell's > creates the target
+    (tmp_path / "data").mkdir()
+    link = tmp_path / "bench.bin"
+    link.symlink_to(tmp_path / "data" / "f.bin")
+    rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "write", "--file", str(link), "--size", "1M", "--bs", "256K")
+    assert rc == 0, err
+    assert link.is_symlink() and (tmp_path / "data" / "f.bin").stat().st_size == 1 << 20
+
+
+def test_file_through_a_symlink_is_checked_on_its_targets_disk(capsys, tmp_path):
+    # the free space was that of the link's directory: the run started and failed on ENOSPC halfway, exit 1,
+    # having overwritten the first MiB of the file
+    with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
+        target = d / "f.bin"
+        target.write_bytes(b"x" * 4096)
+        link = tmp_path / "bench.bin"
+        link.symlink_to(target)
+        rc, _, err = run_cli(capsys, "bench", "-q", "--rw", "write", "--file", str(link), "--size", "8M")
+        assert_one_line_error(rc, err, f"not enough free space in {d}")
+        assert rc == 1
+        assert target.read_bytes() == b"x" * 4096 and link.is_symlink()
+
+
 def test_bench_runs_on_ramfs_which_reports_no_free_space(capsys, tmp_path):
     # ramfs keeps no block count (statvfs says 0 blocks, 0 free): that is no limit, not a full disk
     with _mount_tmpfs(tmp_path / "ram", "mode=0755", fstype="ramfs") as d:
@@ -136,6 +160,23 @@ def test_plan_on_ramfs_says_its_free_space_is_unknown_not_too_small(capsys, tmp_
         assert "too small" not in out
         rc, out, _ = run_cli(capsys, "plan", "--params", "1B", "--disk", str(d), "--json")
         assert rc == 0 and json.loads(out)["capacity"]["disk_free"] is None
+
+
+def test_plan_on_a_disk_too_small_to_measure_still_plans(capsys, tmp_path):
+    # 2 MiB free: the 256 MiB bandwidth measurement cannot run there, and the plan is what was asked for (it failed
+    # with "not enough free space ... use a smaller --size", an option plan does not have)
+    with _mount_tmpfs(tmp_path / "small", "size=2M") as d:
+        rc, out, err = run_cli(capsys, "plan", "--params", "1B", "--gpu-mem", "80G", "--ram", "1T", "--disk", str(d))
+        assert rc == 0, err
+        assert "--size" not in out + err
+        assert f"nvme step time: not measured: {d} has 2.0 MiB free" in out
+        rows = [line for line in out.splitlines() if "(state on disk)" in line]
+        assert rows and all(line.endswith("no: disk too small") for line in rows), out
+        rc, out, _ = run_cli(capsys, "plan", "--params", "1B", "--disk", str(d), "--json")
+        doc = json.loads(out)
+        assert rc == 0 and doc["nvme_step_seconds"] is None and doc["disk"]["read_bytes_per_s"] is None
+        assert doc["disk"]["bandwidth_from"].startswith("not measured")
+        assert leftovers(d) == []
 
 
 def test_directory_not_writable(capsys, tmp_path):
@@ -163,6 +204,9 @@ BAD_TUNE = [
     (["--point-time", "0"], "--point-time"),
     (["--size", "0"], "--size"),
     (["--threads", "0"], "--threads"),
+    # null moves no data: its figures would become the disk's config (from_config: writes that go nowhere)
+    (["--engines", "null", "--size", "1M", "--point-time", "10ms", "--warmup", "0"], "engine null moves no data"),
+    (["--engines", "uring,null", "--size", "1M", "--point-time", "10ms", "--warmup", "0"], "engine null"),
 ]
 
 

@@ -59,3 +59,40 @@ def test_tune_lists():
                                                 "uring,psync", "--threads", "1,2", "--rw", "read"])
     assert a.block_sizes == [64 << 10, 1 << 20] and a.depths == [1, 8] and a.threads == [1, 2]
     assert a.engines == ["uring", "psync"] and a.rw == ["read"]
+
+
+@pytest.mark.parametrize("text, value", [("8", 8), ("08", 8), ("010", 10), (" 32 ", 32), ("+4", 4)])
+def test_counts_are_decimal_leading_zeros_included(text, value):
+    # "--iodepth 010" was refused as "not a whole number" (Python's base-0 parsing takes no leading zero), and
+    # "0x10" taken as 16 where sizes refuse hex
+    assert _bench_args("--iodepth", text).iodepth == value
+
+
+@pytest.mark.parametrize("text", ["0x10", "1.5", "eight", ""])
+def test_counts_refuse_anything_but_a_decimal_whole_number(capsys, text):
+    rc = cli.main(["bench", "--iodepth", text])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{text!r} is not a whole number" in err
+
+
+@pytest.mark.parametrize("argv, needle", [(["bench", "--size", "-1M"], "--size: '-1M': a size cannot be negative"),
+                                          (["bench", "--bs", "-4K"], "--bs: '-4K': a size cannot be negative"),
+                                          (["bench", "--runtime", "-2s"], "a duration cannot be negative"),
+                                          (["bench", "--iodepth", "-3"], "--iodepth must be between 1 and"),
+                                          (["plan", "--params", "7B", "--ram", "-64G"], "cannot be negative")])
+def test_negative_values_are_named_as_such(capsys, argv, needle):
+    # `--size -1M` read "-1M" as an unknown option: "argument --size: expected one argument"
+    rc = cli.main([*argv, "-q"] if argv[0] == "bench" else argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, needle", [(["plan", "--params", "1e400"], "too large a parameter count"),
+                                          (["bench", "--size", "9" * 400 + "P"], "too large a size"),
+                                          (["bench", "--runtime", "9" * 400], "too long a duration")])
+def test_numbers_beyond_a_float_are_usage_errors(capsys, argv, needle):
+    # float() made them inf: "internal error: OverflowError" (exit 1) for --params and --size, and a --runtime
+    # of inf seconds that never ended
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "internal error" not in err, err

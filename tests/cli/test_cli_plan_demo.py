@@ -132,6 +132,15 @@ def test_demo_rejects_bad_sizes(capsys):
     assert_one_line_error(rc, err, "multiple of --heads")
 
 
+@pytest.mark.parametrize("lr", ["0", "-1", "nan", "inf"])
+def test_demo_rejects_a_learning_rate_that_is_not_positive_and_finite(capsys, lr):
+    # inf passed the check and reached torch's AdamW: "Invalid learning rate: inf", exit 1 as if the run had failed
+    rc, _, err = run_cli(capsys, "demo", "--lr", lr, "--steps", "1", "--layers", "1", "--width", "16", "--heads", "2",
+                         "--context", "8", "--batch", "1")
+    assert_one_line_error(rc, err, "--lr must be positive and finite")
+    assert rc == 2
+
+
 def test_demo_rejects_a_context_longer_than_its_corpus(capsys):
     # It used to build the model first and fail allocating it: an "internal error", exit 1.
     rc, _, err = run_cli(capsys, "demo", "--context", "100000000", "--steps", "1")

@@ -64,3 +64,20 @@ def test_tune_summary_prints_best_for_read_write_and_both(capsys, tmp_path):
     for word in ("read ", "write ", "both ", "from_config"):
         assert word in out
     assert leftovers(tmp_path) == ["c.json"]
+
+
+def test_tune_takes_a_repeated_direction_or_engine_once(capsys, tmp_path):
+    # `--rw read,read --engines psync,psync` swept everything twice into the same points and printed the read row
+    # twice, a "read GB/s" column twice and a "both" row for one direction
+    cfg = tmp_path / "c.json"
+    rc, out, err = run_cli(capsys, "tune", "--dir", str(tmp_path), "--size", "2M", "--bs", "128K", "--iodepth", "2",
+                           "--threads", "1", "--engines", "psync,psync", "--rw", "read,read", "--point-time",
+                           "0.02", "--warmup", "0", "-o", str(cfg), "-q")
+    assert rc == 0, err
+    rows = [line.split()[0] for line in out.splitlines()[3:] if line.strip() and not line.startswith(("GB/s", "wrote"))]
+    assert rows == ["read"], out
+    assert out.count("read GB/s") == 1 and "engines psync)" in out
+    doc = json.loads(cfg.read_text())
+    assert set(doc) == {"handle", "read", "measured"}
+    (point,) = doc["measured"]["sweep"]
+    assert len(point["gb_s"]) == 1 + 2  # coarse once, then the final round's two measurements
