@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <new>
@@ -23,6 +24,8 @@ namespace adam {
 namespace {
 
 constexpr int kMaxWorkers = 255;
+// How long a worker that finished a job watches for the next before it sleeps (see Pool::linger)
+constexpr int kLingerUs = 250;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -94,6 +97,7 @@ class Pool {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &job;
       ++generation_;
+      published_.store(generation_, std::memory_order_release);
     }
     cv_.notify_all();
     job.work();
@@ -136,8 +140,10 @@ class Pool {
   }
 
   void worker_main(int id, uint64_t seen) {
+    bool worked = false;
     for (;;) {
       Job* job;
+      if (worked) linger(seen);
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
@@ -149,6 +155,19 @@ class Pool {
       }
       job->work();
       job->users.fetch_sub(1, std::memory_order_release);
+      worked = true;
+    }
+  }
+
+  // After a job, a worker watches for the next one for a short while before it sleeps on the condition
+  // variable: an optimizer step calls the kernel once per parameter (or chunk), and waking a sleeping thread
+  // costs more than a whole call of a few MiB on a virtual machine, whose idle vCPU the host has to schedule
+  // again (0.4 ms and more measured: benchmarks/RESULTS.md, "The kernel's thread pool").
+  void linger(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kLingerUs);
+    for (int i = 1; published_.load(std::memory_order_acquire) == seen; ++i) {
+      cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return;
     }
   }
 
@@ -156,6 +175,7 @@ class Pool {
   std::mutex mu_;      // guards the fields below
   std::condition_variable cv_;
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> published_{0};  // generation_, for lingering workers to watch without the lock
   Job* job_ = nullptr;
   bool stop_ = false;
   std::vector<std::thread> threads_;
