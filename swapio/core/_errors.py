@@ -1,6 +1,8 @@
 """Warnings and argument checks shared by the Python layer."""
 import numbers
 import os
+import sys
+import types
 import warnings
 from typing import Hashable, Optional, Set, Union
 
@@ -18,6 +20,16 @@ def warn_once(key: Hashable, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, SwapioWarning, stacklevel=3)
+
+
+def caller_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the function calling this one, of the first frame outside swapio and torch:
+    the caller's line, whatever wrappers lie between (torch.compile's around swapio's boundaries come and go)."""
+    level = 1
+    frame: Optional[types.FrameType] = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("swapio", "torch"):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def check_int(name: str, value: object, minimum: Optional[int] = None,

@@ -74,8 +74,14 @@ CAN_SET_VERSION = _unsafe_set_version is not None
 def restoring(tensor: torch.Tensor) -> Iterator[None]:
     """Writes inside put back bytes the tensor held before (a swapped-out tensor refilled): autograd is not told,
     so a graph that saved the tensor before it was swapped out still uses it. Where torch cannot set the counter
-    back, the write counts as a change (a backward through such a graph raises; never silently wrong)."""
-    if tensor.is_inference() or not CAN_SET_VERSION:  # (inference tensors count no versions)
+    back, the write counts as a change (a backward through such a graph raises; never silently wrong). An inference
+    tensor counts no versions, and torch refuses writes into it outside inference mode: this one puts its own
+    bytes back, so it runs in inference mode."""
+    if tensor.is_inference():
+        with torch.inference_mode():
+            yield
+        return
+    if not CAN_SET_VERSION:
         yield
         return
     version = tensor._version

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from ..core import _swapdir
-from ..core._errors import SwapioWarning, check_int
+from ..core._errors import SwapioWarning, caller_stacklevel, check_int
 from ..core._signals import DeferredSigint
 from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
 from ..core.pinned import PinnedPool, size_class
@@ -118,7 +118,7 @@ class _Resources:
             self.warned_cpu = True
             warnings.warn('offload_activations(to="cpu") leaves CPU tensors where they are (in RAM already), so this '
                           "forward on the CPU offloaded nothing; to take activations out of RAM, use to=\"nvme\" "
-                          "with a swap_dir on a disk", SwapioWarning, stacklevel=4)
+                          "with a swap_dir on a disk", SwapioWarning, stacklevel=caller_stacklevel())
 
     def close(self):
         with DeferredSigint():  # every session and then the finalizer (which runs once), whole; then a Ctrl-C

@@ -120,8 +120,10 @@ def test_min_bytes_keeps_small_storages_and_cpu_mode_keeps_cpu_tensors(tmp_path,
     assert seen and act.stats()["bytes"] == big * len(seen)
     seen.clear()
     act = offload_activations(to="cpu", min_bytes=0)  # a CPU model: nothing to move to the CPU
-    with pytest.warns(SwapioWarning, match=r'(?s)offloaded nothing.*to="nvme"'):  # not silently
+    with pytest.warns(SwapioWarning, match=r'(?s)offloaded nothing.*to="nvme"') as said:  # not silently
         assert_same_grads(grads_of(model, x, act), want)
+    # it names the caller's line that left the block (grads_of's `with`), not torch.compile's wrapper of __exit__
+    assert [w.filename for w in said if issubclass(w.category, SwapioWarning)] == [grads_of.__code__.co_filename]
     assert seen == [] and act.stats()["pinned_bytes"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per offloader; nor from to="nvme", which moves CPU tensors

@@ -81,3 +81,17 @@ def test_a_refilled_tensor_keeps_its_version_so_a_graph_that_saved_it_runs(store
     assert w._version == version and torch.equal(w, expected)
     loss.backward()
     assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_an_inference_tensor_is_refilled_outside_inference_mode(store, layout):
+    """A tensor made under torch.inference_mode(), swapped out and refilled after it: the refill puts its bytes back
+    in every route (a strided one was refilled by a copy_ that torch refuses on an inference tensor outside
+    inference mode: the read failed and the tensor stayed released). Reference: the tensor before the swap-out."""
+    with torch.inference_mode():
+        w = torch.randn(64, 32) if layout == "contiguous" else torch.randn(32, 64).t()
+    expected = w.clone()
+    store.swap_out(w, name="w").wait(timeout=TIMEOUT)
+    assert w.untyped_storage().nbytes() == 0
+    store["w"].swap_in().wait(timeout=TIMEOUT)
+    assert w.is_inference() and torch.equal(w, expected)

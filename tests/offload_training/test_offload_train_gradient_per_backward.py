@@ -2,7 +2,8 @@
 (p.register_hook, the documented stand-in for clip_grad_value_) run once per backward on that backward's whole
 gradient. Two bugs counted uses by the leaves forwards made instead: two forwards then two backwards merged the
 two backwards' gradients (hooks ran once, on their sum), and a second backward of one graph (retain_graph=True)
-split a tied weight's gradient (hooks ran on each use's part, and the sum was added in another order)."""
+split a tied weight's gradient (hooks ran on each use's part, and the sum was added in another order), as did
+opt.zero_grad() between a forward and its backward (it forgot the leaves that forward made)."""
 import pytest
 import torch
 
@@ -25,6 +26,14 @@ def run(model, opt, pattern, cls):
                 first, second = loss_of(model, data[k]), loss_of(model, data[k + 1])
                 first.backward()
                 second.backward()
+            elif pattern == "forward, zero_grad, backward":  # opt.zero_grad() between a forward and its backward
+                first = loss_of(model, data[k])
+                opt.zero_grad()
+                first.backward()
+                opt.step()
+                second = loss_of(model, data[k + 1])
+                opt.zero_grad()
+                second.backward()
             else:  # a second backward of one graph
                 first = second = loss_of(model, data[k])
                 first.backward(retain_graph=True)
@@ -35,7 +44,8 @@ def run(model, opt, pattern, cls):
     return calls, losses
 
 
-@pytest.mark.parametrize("pattern", ["forward, forward, backward, backward", "retain_graph"])
+@pytest.mark.parametrize("pattern", ["forward, forward, backward, backward", "retain_graph",
+                                     "forward, zero_grad, backward"])
 @pytest.mark.parametrize("cls", [MLP, Tied])
 @pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
 def test_hooks_and_sums_are_per_backward_as_on_resident(tmp_path, pattern, cls, storage, off):
