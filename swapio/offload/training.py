@@ -10,7 +10,8 @@ Gradients: each forward with grad enabled makes a fresh leaf Parameter of every 
 (watch()). Once autograd has accumulated that leaf's gradient (a post-accumulate-grad hook, so the leaf's .grad
 never outlives the call), the gradient is handed to the slot's owner and the leaf's .grad dropped; every 64 MiB
 of gradients handed over, the C heap gives its free pages back (core/heap.py). `made` holds, per slot, the
-leaves forwards made (while their graphs live), `arrived` per backward (autograd graph task) the leaves it brought a
+leaves forwards made since the last step() and those of the step before still alive (a forward before step()
+may have its backward after it), `arrived` per backward (autograd graph task) the leaves it brought a
 gradient of. When the running backward will reach no other leaf of the slot (autograd says which it will: not
 those of a forward whose loss this is not, nor a checkpoint's recomputation), the slot's gradient of this backward
 is complete, which is when an optimizer stepping in backward may update it; an incomplete one ends at the
@@ -63,7 +64,8 @@ class Training:
         self._streamer = weakref.ref(streamer)
         self._store = store  # WeightStore: where the compute-dtype copies are rewritten
         self.owners = {}    # slot -> weakref to the TrainableOwner that owns it
-        self.made = {}      # slot -> weakrefs to the leaves forwards made (while their graphs live)
+        self.made = {}      # slot -> weakrefs to the leaves forwards made since the last step()
+        self.made_before = {}  # slot -> those of the forwards before it still alive at that step()
         self.arrived = {}   # graph task (a backward) -> {slot: [ids of the leaves it brought a gradient of, complete]}
         self.lock = threading.Lock()
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
@@ -249,7 +251,7 @@ class Training:
                 seen = self.arrived[task] = {}
             entry = seen.setdefault(slot, [set(), False])
             entry[0].add(id(leaf))
-            others = [o for o in (r() for r in self.made.get(slot, ())) if o is not None and id(o) not in entry[0]]
+            others = [o for o in (r() for r in self._leaves(slot)) if o is not None and id(o) not in entry[0]]
         complete = not any(_will_reach(o) for o in others)
         if complete:
             entry[1] = True
@@ -293,17 +295,24 @@ class Training:
         """Every leaf of the slot got its gradient in the backward `task` (the one gradient() was given)."""
         with self.lock:
             entry = self.arrived.get(task, {}).get(slot)
-            return entry[1] if entry is not None else not self.made.get(slot)
+            return entry[1] if entry is not None else not (self.made.get(slot) or self.made_before.get(slot))
 
-    def reset(self):
-        """step() / zero_grad(): the gradients of backward passes that did not end are dropped. The leaves of
-        forwards stay while their graphs live: a forward made before step() (a GAN's generator loss) may have its
-        backward after it, and its weights' gradients are complete only once every leaf it made got one."""
+    def _leaves(self, slot):
+        return self.made.get(slot, []) + self.made_before.get(slot, [])
+
+    def reset(self, stepped):
+        """step() (stepped) / zero_grad(): the gradients of backward passes that did not end are dropped. The leaves
+        of forwards made before a step() stay while their graphs live, until the next step(): a forward made before
+        step() (a GAN's generator loss) may have its backward after it, and its weights' gradients are complete
+        only once every leaf it made got one. Older ones are let go, so that graphs a program keeps (losses
+        summed or appended without .item()) cost no time in each later backward."""
         with self.lock:
             for slot, refs in list(self.made.items()):
                 refs[:] = [r for r in refs if r() is not None]
                 if not refs:
                     del self.made[slot]
+            if stepped:
+                self.made_before, self.made = self.made, {}
             self.arrived.clear()
 
 

@@ -411,7 +411,7 @@ class OffloadedParams(TrainableOwner):
         finally:
             for training in self._records():
                 training.return_loans()  # after an error: the streamer's memory back before the next forward
-                training.reset()
+                training.reset(stepped=True)
             self.queued.clear()
             self.failed_backwards.clear()
             self.partial.clear()
@@ -456,7 +456,7 @@ class OffloadedParams(TrainableOwner):
         self.fresh.clear()
         self.failed = False
         for training in self._records():
-            training.reset()
+            training.reset(stepped=False)
 
     def rewrite_from_master(self, read_state):
         """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest
