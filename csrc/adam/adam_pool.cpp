@@ -15,6 +15,9 @@
 #include <pthread.h>
 #define SWAPIO_HAVE_ATFORK 1
 #endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // _mm_pause (SSE2, baseline on x86-64)
 #endif
@@ -26,6 +29,15 @@ namespace {
 constexpr int kMaxWorkers = 255;
 // How long a worker that finished a job watches for the next before it sleeps (see Pool::linger)
 constexpr int kLingerUs = 250;
+
+// CPUs this process may run on now (its affinity mask), at least 1.
+int usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -86,6 +98,8 @@ class Pool {
       fn(ctx, 0, n);
       return;
     }
+    // more threads than CPUs: a lingering worker would spin on a CPU the others need
+    linger_.store(helpers + 1 <= usable_cpus(), std::memory_order_relaxed);
     Job job;
     job.fn = fn;
     job.ctx = ctx;
@@ -143,14 +157,17 @@ class Pool {
     bool worked = false;
     for (;;) {
       Job* job;
-      if (worked) linger(seen);
+      if (worked && linger_.load(std::memory_order_relaxed)) linger(seen);
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
         job = job_;
-        if (job == nullptr || id >= job->helpers) continue;
+        if (job == nullptr || id >= job->helpers) {
+          worked = false;  // not one of this job's threads: nothing to linger after
+          continue;
+        }
         job->users.fetch_add(1, std::memory_order_relaxed);
       }
       job->work();
@@ -176,6 +193,7 @@ class Pool {
   std::condition_variable cv_;
   uint64_t generation_ = 0;
   std::atomic<uint64_t> published_{0};  // generation_, for lingering workers to watch without the lock
+  std::atomic<bool> linger_{false};     // the last job had no more threads than CPUs: its workers may linger
   Job* job_ = nullptr;
   bool stop_ = false;
   std::vector<std::thread> threads_;
