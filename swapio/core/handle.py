@@ -113,13 +113,11 @@ class AioHandle(Closeable):
         already; what swapio's own checkpoints, swaps and offload use)."""
         if not isinstance(restores, bool):
             raise TypeError(f"restores must be True or False, got {type(restores).__name__}")
-        future = self._submit("read", tensor, path, offset, identity=identity, staged=staged)
-        if not restores:
-            mark_written(tensor)
-        return future
+        return self._submit("read", tensor, path, offset, identity=identity, staged=staged, changes=not restores)
 
     def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
-                identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False) -> Future:
+                identity: Optional[Tuple[int, ...]] = None, staged: Union[bool, str] = False,
+                changes: bool = False) -> Future:
         ptr, nbytes = cpu_memory(tensor)
         path = check_path("path", path)
         offset = check_int("offset", offset, 0)
@@ -136,6 +134,10 @@ class AioHandle(Closeable):
         elif not isinstance(staged, bool):
             raise TypeError(f"staged must be True, False or 'auto', got {type(staged).__name__}")
         existed = op != "write" or os.path.lexists(path)
+        if changes:
+            # before the read starts: an interrupt after it must not leave autograd untold (a read that then fails
+            # leaves the counter moved, so a graph that saved the tensor raises rather than runs on silently)
+            mark_written(tensor)
         try:
             request = self._native.submit(op, ptr, nbytes, path, offset, record_latency, identity, staged)
         except BaseException:
