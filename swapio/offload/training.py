@@ -27,7 +27,6 @@ handed to the update worker) -> the owner's update: begin(record) -> the optimiz
 values into view(buf, slot) -> end(record, buf) -> the weight store writes the record (weight_store.py) -> the
 next forward fetches it (fetch.py).
 """
-import functools
 import threading
 import weakref
 
@@ -256,7 +255,7 @@ class Training:
         if complete:
             entry[1] = True
         if new and task >= 0:
-            on_backward_end(functools.partial(_backward_end, weakref.ref(self), task))
+            on_backward_end(self._backward_ended, task)
         owner = self._owner_of(slot)
         if owner is None:
             raise ValueError(f"a gradient reached the offloaded weight {slot.name!r}, which requires grad, but no "
@@ -324,9 +323,3 @@ def _will_reach(leaf):
         node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
     return torch._C._will_engine_execute_node(node)
 
-
-def _backward_end(training_ref, task, ended):
-    """The end of a backward that brought gradients (ended), or its failure."""
-    training = training_ref()
-    if training is not None:
-        training._backward_ended(task, ended)

@@ -17,10 +17,8 @@ a backward, it still updates every parameter that backward handed it; once freed
 those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
 raise it).
 """
-import functools
 import threading
 import warnings
-import weakref
 
 import torch
 
@@ -67,7 +65,7 @@ class GpuInBackward:
             self.ready.append(p)
             self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
         if first:
-            on_backward_end(functools.partial(_backward_end, weakref.ref(self), task))
+            on_backward_end(self.backward_ended, task)
 
     def backward_ended(self, task, ended):
         """A backward that handed gradients ended, or raised: then the updates it handed over end before its error
@@ -152,9 +150,3 @@ class GpuInBackward:
             self.worker.close()
         finally:  # (as OffloadedParams.close)
             self.copies.end()
-
-
-def _backward_end(owner_ref, task, ended):
-    owner = owner_ref()
-    if owner is not None:
-        owner.backward_ended(task, ended)
