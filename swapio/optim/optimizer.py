@@ -35,6 +35,17 @@ from .params import FP32, PARAM_DTYPES, shard
 from .work import Work
 
 
+def _unsupported(p):
+    """Why a parameter cannot be stepped (its dtype, device or layout), or None."""
+    if p.dtype not in PARAM_DTYPES:
+        return f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
+    if p.device.type not in ("cpu", "cuda"):
+        return f"device {p.device} (supported: cpu, cuda, and weights offloaded by swapio.offload)"
+    if p.layout != torch.strided:
+        return f"layout {p.layout} (only dense parameters)"
+    return None
+
+
 def _check_betas_kind(betas):
     """torch's rule: betas are both numbers or both tensors."""
     try:
@@ -185,7 +196,6 @@ class OffloadOptimizer(Optimizer):
             raise ValueError(f"a param group lists a parameter more than once (at positions {twice}); "
                              f"{type(self).__name__} steps each parameter once: list each one once")
         for p in group["params"]:
-            problem = None
             if p.device.type == "meta" and self._offloaded.adopt(p):
                 continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
             local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
@@ -195,19 +205,12 @@ class OffloadOptimizer(Optimizer):
                                  "are over all of it), but a DTensor parameter (FSDP2, tensor parallelism) holds "
                                  "only its shard here: the update would differ from torch's. Give it the full "
                                  "parameters (no fully_shard), or use OffloadAdamW, which is element-wise")
-            p = local
-            if p.dtype not in PARAM_DTYPES:
-                problem = f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
-            elif p.device.type not in ("cpu", "cuda"):
-                problem = f"device {p.device} (supported: cpu, cuda, and weights offloaded by swapio.offload)"
-            elif p.layout != torch.strided:
-                problem = f"layout {p.layout} (only dense parameters)"
-            if problem is not None:
+            problem = _unsupported(local)
+            if problem is not None and p.requires_grad:
                 self.param_groups.pop()
-                if not p.requires_grad:  # torch's optimizers take a frozen one (model.parameters()), never stepped
-                    problem += ("; it is frozen (requires_grad=False), which torch's optimizers take and never step: "
-                                "pass the trainable parameters, [p for p in model.parameters() if p.requires_grad]")
                 raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
+            # a frozen one is taken, as torch's optimizers take it (model.parameters() with a bitsandbytes int8 or
+            # a float64 weight in it), and never stepped; step() refuses it if it gets a gradient
         try:
             self._fill_group(group)
         except BaseException:
@@ -523,6 +526,11 @@ class OffloadOptimizer(Optimizer):
                 g = grad_of(p)
                 if g is None:
                     continue
+                problem = _unsupported(shard(p)) if data_of is None else None
+                if problem is not None:  # taken frozen (add_param_group), given a gradient since
+                    raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was "
+                                     f"taken frozen and cannot be stepped: it has {problem}. Leave it frozen, or "
+                                     "give the optimizer parameters it can step")
                 if g.is_sparse or g.layout != torch.strided:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
                                        "consider torch.optim.SparseAdam instead")

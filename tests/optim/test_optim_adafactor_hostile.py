@@ -307,16 +307,3 @@ def test_a_transformers_adafactor_state_dict_is_refused_saying_whose_it_is():
         after = opt.state_dict()
         assert after["param_groups"] == before["param_groups"]
         assert all(torch.equal(after["state"][0][k], before["state"][0][k]) for k in before["state"][0])
-
-
-@pytest.mark.parametrize("cls", [so.OffloadAdafactor, so.OffloadAdamW])
-def test_a_frozen_parameter_of_another_dtype_is_refused_saying_to_pass_trainable_ones(cls):
-    """torch's optimizers take model.parameters() with frozen int8 (bitsandbytes) or float64 weights in it and never
-    step them; ours refuse those dtypes, and the message now says how to get on: pass the trainable parameters."""
-    frozen = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.int8), requires_grad=False)
-    trainable = torch.nn.Parameter(torch.randn(3))
-    torch.optim.Adafactor([frozen, trainable])  # torch: taken
-    with pytest.raises(ValueError, match=r"torch.int8 .*frozen .*p.requires_grad"):
-        cls([frozen, trainable])
-    with pytest.raises(ValueError, match=r"torch.float64 \(supported: float32, bfloat16, float16\)$"):
-        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.float64)), trainable])  # trainable: no hint
