@@ -10,7 +10,8 @@ around each offloaded module, which runs as without compile (numbers equal eager
 with the reason below. The wrapping happens at the first offload, not at import, because
 torch.compiler.disable imports dynamo (about a second). The boundary classes name themselves (@runs_eagerly), so
 this module imports none of theirs. Activation offload's bookkeeping (its `with`, its saved-tensor hooks) runs
-eagerly the same way (@methods_run_eagerly).
+eagerly the same way (@methods_run_eagerly), and so does the offloaded optimizers' step (swapio.optim, marked at
+the first optimizer).
 """
 import sys
 

@@ -26,6 +26,7 @@ from . import checkpoint, reference, state_dict_hooks, timing, validate
 from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
+from ..offload.compiled import leave_out_of_graphs, methods_run_eagerly
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState, unread_entries_message
@@ -59,6 +60,14 @@ def _check_betas_kind(betas):
 from .reference import REFERENCE_KEY  # noqa: E402,F401  (where the Trainer integration and older code import it)
 
 
+# torch.compile(opt.step), or a compiled training step that calls it: dynamo traced into the step's Python, broke
+# the graph at each native call and recompiled at each new step count (13-18 s for 20 steps of a tiny model, with
+# a page of warnings) to run it as eagerly in the end. It runs eagerly from the start; fullgraph=True says why.
+_EAGER_STEP = ("an offloaded optimizer's step runs eagerly: it updates its state in native code on the CPU, in RAM "
+               "or in swap files, which a graph cannot hold; compile without fullgraph=True (the numbers equal eager)")
+
+
+@methods_run_eagerly("step", reason=_EAGER_STEP)
 class OffloadOptimizer(Optimizer):
     """The base of OffloadAdam, OffloadAdamW and OffloadLion (see OffloadAdam for the arguments): optimizer state
     off the GPU, in RAM (offload="cpu") or in a swap file (offload="nvme"), stepped on the CPU.
@@ -77,6 +86,7 @@ class OffloadOptimizer(Optimizer):
         if self._rule_type is None:
             raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW, OffloadLion and "
                             "OffloadAdafactor: build one of those (or a subclass that sets _rule_type)")
+        leave_out_of_graphs()  # (before torch's __init__ wraps step for its hooks: it must wrap the eager one)
         self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
         if "betas" in defaults:
             _check_betas_kind(defaults["betas"])

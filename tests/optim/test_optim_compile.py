@@ -1,0 +1,82 @@
+"""torch.compile around an offloaded optimizer's step (PyTorch's "compiled optimizer" habit): the step runs eagerly,
+outside the graphs, with the numbers of the eager step; fullgraph=True fails saying why."""
+
+import pytest
+import torch
+
+import swapio.optim as so
+
+
+def model_and_opt(cls, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return model, getattr(so, cls)(model.parameters(), lr=1e-2, **kw)
+
+
+def loss_of(model, i):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+    return model(x).square().mean()
+
+
+def recording_backend(graphs):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("cls, kw", [("OffloadAdamW", {}), ("OffloadAdamW", {"state_dtype": "int8"}),
+                                     ("OffloadLion", {}), ("OffloadAdafactor", {})])
+def test_a_compiled_step_runs_eagerly_with_the_eager_numbers(cls, kw):
+    torch._dynamo.reset()
+    model, opt = model_and_opt(cls, **kw)
+    twin, ref = model_and_opt(cls, **kw)
+    graphs = []
+    step = torch.compile(opt.step, backend=recording_backend(graphs))
+    with opt, ref:
+        for i in range(12):  # past dynamo's recompile limit (8), which the step count's changes used to hit
+            loss_of(model, i).backward()
+            step()
+            opt.zero_grad()
+            loss_of(twin, i).backward()
+            ref.step()
+            ref.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert graphs == []  # nothing of the step was traced into a graph
+
+
+def test_a_compiled_training_step_calling_the_optimizer_matches_eager():
+    torch._dynamo.reset()
+    model, opt = model_and_opt("OffloadAdamW")
+    twin, ref = model_and_opt("OffloadAdamW")
+
+    @torch.compile(backend="eager")
+    def train_step(i):
+        loss = loss_of(model, i)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with opt, ref:
+        for i in range(4):
+            ours = train_step(i)
+            theirs = loss_of(twin, i)
+            theirs.backward()
+            ref.step()
+            ref.zero_grad()
+            assert torch.equal(ours, theirs)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_fullgraph_says_the_step_runs_eagerly():
+    torch._dynamo.reset()
+    model, opt = model_and_opt("OffloadAdamW")
+    with opt:
+        loss_of(model, 0).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(Exception, match="offloaded optimizer's step runs eagerly"):
+            torch.compile(opt.step, backend="eager", fullgraph=True)()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+        opt.step()  # and the optimizer goes on
+        assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
