@@ -3,8 +3,10 @@ weights, gradients and optimizer state, and where they sit with and without swap
 
 Per parameter, with weights and gradients in `dtype`:
   weights, gradients   4 (fp32) or 2 (bf16/fp16) bytes each
-  master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); 0 for fp32, which
-                       is its own master
+  master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); for fp32 0 where the
+                       parameters are on the CPU (each is its own master), but 4 where they are on a GPU or
+                       offloaded (swapio.offload): the optimizer steps an fp32 copy in RAM or on disk
+                       (PerParam.placed; the "with a GPU" and "weights offloaded" layouts, *_gpu totals)
   moments              adam/adamw: 2 (exp_avg, exp_avg_sq); lion: 1 (exp_avg); each 4 bytes (fp32), 2 (bf16)
                        or 1 byte + one fp32 scale per 256 elements (int8); adafactor: 0 from a parameter count
                        alone (an LLM's matrices keep rows + cols fp32 numbers, well under 0.01 bytes a parameter;
@@ -30,6 +32,7 @@ MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": 0}  # adafactor: 
 STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", "int8")}  # the kernels' own figures
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 DEFAULT_BUFFER_COUNT = 4          # its slots
+MASTER_BYTES = 4  # the fp32 master of a parameter that needs one
 WHOLE = {"adafactor"}  # optimizers that step each parameter whole: an nvme slot holds the largest one's record
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -73,6 +76,12 @@ class PerParam:
     def total(self):
         return self.weights + self.grads + self.state
 
+    @property
+    def placed(self):
+        """The same for parameters on a GPU or offloaded: the optimizer keeps an fp32 master of each of them
+        (only a contiguous fp32 CPU parameter is its own; swapio.optim.params.needs_master)."""
+        return dataclasses.replace(self, master=MASTER_BYTES)
+
 
 def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32", shapes=None):
     """Bytes per parameter. shapes: the parameters' shapes, whose moments are then counted tensor by tensor
@@ -87,7 +96,7 @@ def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32", shapes=None):
     if shapes is not None:
         shapes = check_shapes(shapes)
         per_moments = moment_bytes(shapes, optimizer, state_dtype) / sum(math.prod(s) for s in shapes)
-    return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else 4, moments=per_moments)
+    return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else MASTER_BYTES, moments=per_moments)
 
 
 def check_shapes(shapes):
@@ -191,24 +200,28 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     in RAM the budget of offloaded_training_ram: the weights' ring (`ring_bytes`, default buffer_bytes), the
     state pipeline, gradient buffers and the weight store's pool, each sized by buffer_bytes or by the largest
     module (`largest_module` bytes; 0: not counted); an optimizer stepping whole parameters pins at least
-    DEFAULT_BUFFER_COUNT x `record` (largest_record) for its state. Not counted: activations."""
+    DEFAULT_BUFFER_COUNT x `record` (largest_record of per.placed) for its state. Parameters on a GPU or offloaded
+    keep an fp32 master whatever their dtype (per.placed), CPU ones only when not fp32 (per). Not counted:
+    activations."""
     weights_and_grads = round(params * (per.weights + per.grads))
-    state = round(params * per.state)
-    pipeline = state_pipeline(state, buffer_bytes, record)
+    state = round(params * per.state)  # CPU parameters (no GPU)
+    placed = round(params * per.placed.state)  # parameters on a GPU or offloaded
+    pipeline = state_pipeline(placed, buffer_bytes, record)
+    cpu_pipeline = state_pipeline(state, buffer_bytes, record if per.master else 0)
     weights, grad_sums = round(params * per.weights), params * 4  # offloaded weights' gradients sum in fp32
     ring = buffer_bytes if ring_bytes is None else ring_bytes
 
     def offloaded_ram(in_backward):
-        return offloaded_training_ram(weights, state, buffer_bytes, ring, largest_module, per.weights, in_backward,
+        return offloaded_training_ram(weights, placed, buffer_bytes, ring, largest_module, per.weights, in_backward,
                                       record)
     ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
-            ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
-            ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
+            ('offload="cpu" (state in RAM)', weights_and_grads, placed, 0),
+            ('offload="nvme" (state on disk)', weights_and_grads, pipeline, placed),
             ('no GPU, offload="cpu" (all in RAM)', 0, weights_and_grads + state, 0),
-            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state),
-            ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + state, 0),
-            ('weights offloaded, "nvme" (all on disk)', 0, offloaded_ram(False), weights + grad_sums + state),
-            ('  the same, in_backward=True', 0, offloaded_ram(True), weights + state)]
+            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + cpu_pipeline, state),
+            ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + placed, 0),
+            ('weights offloaded, "nvme" (all on disk)', 0, offloaded_ram(False), weights + grad_sums + placed),
+            ('  the same, in_backward=True', 0, offloaded_ram(True), weights + placed)]
     have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
     return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
                                    if need})
@@ -247,30 +260,33 @@ def plan(params=None, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_m
     elif params is None:
         raise ValueError("give the parameter count (params) or the parameters' shapes (shapes)")
     per = per_param(dtype, optimizer, state_dtype, shapes)
-    record = largest_record(optimizer, per, largest_module)
+    record = largest_record(optimizer, per.placed, largest_module)
+    # *_gpu: parameters on a GPU or offloaded, which keep an fp32 master whatever their dtype
     totals = {"weights": round(params * per.weights), "grads": round(params * per.grads),
               "master": round(params * per.master), "moments": round(params * per.moments),
-              "optimizer_state": round(params * per.state), "total": round(params * per.total)}
+              "optimizer_state": round(params * per.state), "total": round(params * per.total),
+              "optimizer_state_gpu": round(params * per.placed.state)}
     out = {"params": params, "dtype": dtype, "optimizer": optimizer, "state_dtype": state_dtype,
            "tensors": None if shapes is None else len(shapes),  # None: moments from the count alone
            "bytes_per_param": {"weights": per.weights, "grads": per.grads, "master": per.master,
-                               "moments": per.moments, "optimizer_state": per.state, "total": per.total},
+                               "moments": per.moments, "optimizer_state": per.state, "total": per.total,
+                               "optimizer_state_gpu": per.placed.state},
            "totals": totals,
            "capacity": {"gpu": gpu_mem, "ram": ram, "disk_free": disk_free},
            "buffer_bytes": buffer_bytes, "ring_bytes": buffer_bytes if ring_bytes is None else ring_bytes,
            "largest_module": largest_module,
            "offloaded_pinned": offloaded_training_pinned(
-               totals["weights"], totals["optimizer_state"], buffer_bytes,
+               totals["weights"], totals["optimizer_state_gpu"], buffer_bytes,
                buffer_bytes if ring_bytes is None else ring_bytes, largest_module, per.weights, record=record),
            "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes,
                                                                ring_bytes, largest_module, record)],
            "nvme_step_seconds": None, "offloaded_step_seconds": None}
     if read_bytes_per_s and write_bytes_per_s:
         out["offloaded_step_seconds"] = {
-            mode: offloaded_step_seconds(totals["weights"], params, totals["optimizer_state"], read_bytes_per_s,
+            mode: offloaded_step_seconds(totals["weights"], params, totals["optimizer_state_gpu"], read_bytes_per_s,
                                          write_bytes_per_s, in_backward=mode == "in_backward")
             for mode in ("accumulate", "in_backward")}
-        out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state"], read_bytes_per_s,
+        out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state_gpu"], read_bytes_per_s,
                                                      write_bytes_per_s)
     return out
 

@@ -89,7 +89,8 @@ def _b(x):
 
 
 def _whole(p):
-    return p["optimizer"] in memplan.WHOLE and p["bytes_per_param"]["master"]
+    # the nvme rows printed are a GPU's, whose parameters all keep an fp32 master
+    return p["optimizer"] in memplan.WHOLE
 
 
 def _pipeline_rule(p):
@@ -115,6 +116,14 @@ _ADAFACTOR_COUNT_ONLY = (
     "FILE (a JSON list of its parameters' shapes).")
 
 
+def _placed_note(per):
+    """fp32 parameters are their own master on the CPU only: on a GPU or offloaded the optimizer keeps one."""
+    if per["optimizer_state_gpu"] == per["optimizer_state"]:
+        return []
+    return [f"on a GPU or offloaded, fp32 parameters keep an fp32 master too: optimizer state "
+            f"{per['optimizer_state_gpu']:.4g} a parameter (the rows with a GPU and with the weights offloaded)"]
+
+
 def plan_text(p):
     per, tot, cap = p["bytes_per_param"], p["totals"], p["capacity"]
     n_mom = memplan.MOMENT_COUNT[p["optimizer"]]
@@ -130,6 +139,7 @@ def plan_text(p):
              "bytes per parameter: "
              f"weights {_b(per['weights'])} + gradients {_b(per['grads'])} + optimizer state "
              f"{_b(per['optimizer_state'])} (fp32 master {_b(per['master'])}, {moments}) = {_b(per['total'])}",
+             *_placed_note(per),
              f"totals: weights {_gb(tot['weights'])}, gradients {_gb(tot['grads'])}, optimizer state "
              f"{_gb(tot['optimizer_state'])}, all {_gb(tot['total'])}", ""]
     have = [f"{k} {_gb(v)}" for k, v in (("GPU", cap["gpu"]), ("RAM", cap["ram"]), ("disk free", cap["disk_free"]))
@@ -153,7 +163,7 @@ def plan_text(p):
         lines += [_ADAFACTOR_COUNT_ONLY, ""]
     disk = p.get("disk")
     if p["nvme_step_seconds"] is not None:
-        s = tot["optimizer_state"]
+        s = tot["optimizer_state_gpu"]
         lines.append(f"nvme step: the state is read and written once per step: {_gb(s)} at "
                      f"{_rate(disk['read_bytes_per_s'])} read + at {_rate(disk['write_bytes_per_s'])} write = "
                      f"{p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam compute runs "
