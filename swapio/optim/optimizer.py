@@ -57,6 +57,16 @@ def _check_betas_kind(betas):
         raise ValueError("betas must be either both floats or both Tensors")
 
 
+def _betas_kept(betas, hyper):
+    """The betas a param group keeps: tensors as given (a 1-element one as a 0-dimensional view, as torch keeps
+    them), since the step reads them at each step and torch follows an in-place change (betas[0].fill_(0.95));
+    numbers as Python floats."""
+    beta1, beta2 = betas
+    if isinstance(beta1, torch.Tensor):  # both are (_check_betas_kind)
+        return tuple(b.squeeze() if b.dim() else b for b in (beta1, beta2))
+    return hyper["beta1"], hyper["beta2"]
+
+
 from .reference import REFERENCE_KEY  # noqa: E402,F401  (where the Trainer integration and older code import it)
 
 
@@ -92,7 +102,7 @@ class OffloadOptimizer(Optimizer):
             _check_betas_kind(defaults["betas"])
         hyper = self._rule.hyper(defaults)  # validates, as torch's constructors do
         if "betas" in defaults:
-            defaults["betas"] = (hyper["beta1"], hyper["beta2"])
+            defaults["betas"] = _betas_kept(defaults["betas"], hyper)
         if offload is None:  # a swap_dir alone means the state goes there (it was ignored, the state kept in RAM)
             offload = "cpu" if swap_dir is None else "nvme"
         if offload not in ("cpu", "nvme"):

@@ -186,7 +186,11 @@ def _plan_parser(sub):
                                    "--ram 64G is 64 GiB (2^30 bytes) and prints as 64.0 GiB; --gpu-mem and --ram "
                                    "need a unit (K, M, G, T). Parameter counts are decimal (7B = 7e9).",
                        allow_abbrev=False)
-    p.add_argument("--params", required=True, type=_count, help="parameter count, e.g. 7B, 125M, 7e9")
+    p.add_argument("--params", type=_count, help="parameter count, e.g. 7B, 125M, 7e9 (or --shapes)")
+    p.add_argument("--shapes", metavar="FILE", help="a JSON list of the parameters' shapes, or a dict of name: "
+                   "shape (json.dump([list(p.shape) for p in model.parameters()], f)), instead of --params: the "
+                   "moments are counted tensor by tensor, as the optimizer allocates them (adafactor's factors "
+                   "of convolutions, int8's scales of small tensors)")
     p.add_argument("--dtype", default="bf16", choices=list(memplan.WEIGHT_BYTES),
                    help="weights and gradients (default bf16)")
     p.add_argument("--optimizer", default="adamw", choices=list(memplan.MOMENT_COUNT), help="(default adamw)")
@@ -383,8 +387,33 @@ def _run_demo(args):
     return 0
 
 
+def _load_shapes(path):
+    """The shapes in a --shapes FILE: a JSON list of shapes, or a dict of name: shape."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise PathError(f"--shapes {path} does not exist") from None
+    except IsADirectoryError:
+        raise PathError(f"--shapes {path} is a directory, not a JSON file") from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise UsageError(f"--shapes {path}: cannot read it as JSON ({e})", prog="swapio plan") from None
+    shapes = list(doc.values()) if isinstance(doc, dict) else doc
+    if not isinstance(shapes, list):
+        raise UsageError(f"--shapes {path} must hold a list of shapes or a dict of name: shape, got a "
+                         f"{type(doc).__name__}", prog="swapio plan")
+    try:
+        return memplan.check_shapes(shapes)
+    except ValueError as e:
+        raise UsageError(f"--shapes {path}: {e}", prog="swapio plan") from None
+
+
 def _run_plan(args):
     from . import plan
+    if (args.params is None) == (args.shapes is None):
+        raise UsageError("give one of --params (a count) and --shapes (a file of the parameters' shapes)",
+                         prog="swapio plan")
+    shapes = None if args.shapes is None else _load_shapes(args.shapes)
     if args.disk is not None:
         _check_directory(args.disk, "--disk")
     shape = {k: getattr(args, k) for k in ("seq", "batch", "hidden", "layers")}
@@ -411,7 +440,7 @@ def _run_plan(args):
     result = plan.run_plan(args.params, args.dtype, args.optimizer, args.state_dtype, gpu_mem, ram, args.disk,
                            args.buffer_bytes, log=_note(argparse.Namespace(quiet=args.json)),
                            ring_bytes=args.ring_bytes, largest_module=args.largest_module or 0,
-                           activations=activations)
+                           activations=activations, shapes=shapes)
     print(json.dumps(result, indent=2) if args.json else plan.plan_text(result))
     return 0
 

@@ -3,13 +3,20 @@ weights, gradients and optimizer state, and where they sit with and without swap
 
 Per parameter, with weights and gradients in `dtype`:
   weights, gradients   4 (fp32) or 2 (bf16/fp16) bytes each
-  master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); 0 for fp32, which
-                       is its own master
+  master weights       4 bytes when the weights are bf16/fp16 (swapio keeps an fp32 master); for fp32 0 where the
+                       parameters are on the CPU (each is its own master), but 4 where they are on a GPU or
+                       offloaded (swapio.offload): the optimizer steps an fp32 copy in RAM or on disk
+                       (PerParam.placed; the "with a GPU" and "weights offloaded" layouts, *_gpu totals)
   moments              adam/adamw: 2 (exp_avg, exp_avg_sq); lion: 1 (exp_avg); each 4 bytes (fp32), 2 (bf16)
-                       or 1 byte + one fp32 scale per 256 elements (int8); adafactor: 0 (a matrix keeps rows +
-                       cols fp32 numbers, 1-D tensors 4 bytes an element: well under 0.01 bytes a parameter for
-                       an LLM's matrices and its small share of biases and norms; fp32 state only)
+                       or 1 byte + one fp32 scale per 256 elements (int8); adafactor: 0 from a parameter count
+                       alone (an LLM's matrices keep rows + cols fp32 numbers, well under 0.01 bytes a parameter;
+                       fp32 state only)
 So Adam on fp16 weights with fp32 master and moments is 2 + 2 + 4 + 8 = 16 bytes a parameter, 12 of them state.
+From the parameters' shapes (plan(shapes=...), `swapio plan --shapes`) the moments are counted tensor by tensor,
+as the optimizers allocate them: Adafactor factors the last two dimensions, so a tensor of two or more keeps
+numel / shape[-1] + numel / shape[-2] fp32 numbers (a 1 x 1 convolution's [out, in, 1, 1] weight two an element,
+8 bytes a parameter, as much as Adam's moments; a 3 x 3 one's 2/3 of one) and any other one numel; int8 state
+rounds each tensor's scales up to whole blocks of 256 elements.
 Activations (what autograd saves for backward) depend on the batch: counted only when the sequence length,
 batch and model shape are given (activations()).
 """
@@ -17,7 +24,7 @@ import dataclasses
 import math
 import re
 
-from ..kernels.quant import state_bytes_per_element
+from ..kernels.quant import num_blocks, state_bytes_per_element
 from ..optim.options import offloaded_batch_bytes
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -25,6 +32,7 @@ MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": 0}  # adafactor: 
 STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", "int8")}  # the kernels' own figures
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 DEFAULT_BUFFER_COUNT = 4          # its slots
+MASTER_BYTES = 4  # the fp32 master of a parameter that needs one
 WHOLE = {"adafactor"}  # optimizers that step each parameter whole: an nvme slot holds the largest one's record
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -68,15 +76,64 @@ class PerParam:
     def total(self):
         return self.weights + self.grads + self.state
 
+    @property
+    def placed(self):
+        """The same for parameters on a GPU or offloaded: the optimizer keeps an fp32 master of each of them
+        (only a contiguous fp32 CPU parameter is its own; swapio.optim.params.needs_master)."""
+        return dataclasses.replace(self, master=MASTER_BYTES)
 
-def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32"):
+
+def per_param(dtype="bf16", optimizer="adamw", state_dtype="fp32", shapes=None):
+    """Bytes per parameter. shapes: the parameters' shapes, whose moments are then counted tensor by tensor
+    (moment_bytes) and averaged; None: from the per-element figures (adafactor's moments counted as 0)."""
     w = WEIGHT_BYTES[_choice("dtype", dtype, WEIGHT_BYTES)]
     moments = MOMENT_COUNT[_choice("optimizer", optimizer, MOMENT_COUNT)]
     state = STATE_BYTES[_choice("state_dtype", state_dtype, STATE_BYTES)]
     if optimizer == "adafactor" and state_dtype != "fp32":
         raise ValueError(f"adafactor keeps fp32 state only (its factored moments are already next to nothing), "
                          f"got state_dtype {state_dtype!r}")
-    return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else 4, moments=moments * state)
+    per_moments = moments * state
+    if shapes is not None:
+        shapes = check_shapes(shapes)
+        per_moments = moment_bytes(shapes, optimizer, state_dtype) / sum(math.prod(s) for s in shapes)
+    return PerParam(weights=w, grads=w, master=0 if dtype == "fp32" else MASTER_BYTES, moments=per_moments)
+
+
+def check_shapes(shapes):
+    """The parameters' shapes as tuples of ints; ValueError for none, or for a shape that is not a sequence of
+    positive whole numbers (a 0-element parameter keeps no state, and its shape is most likely a mistake)."""
+    out = []
+    for shape in shapes:
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise ValueError(f"a shape must be a sequence of dimensions, e.g. [4096, 4096], got {shape!r}")
+        dims = tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+            raise ValueError(f"a shape's dimensions must be positive whole numbers, got {list(dims)}")
+        out.append(dims)
+    if not out:
+        raise ValueError("no shapes given: at least one parameter's shape is needed")
+    return out
+
+
+def moment_bytes(shapes, optimizer="adamw", state_dtype="fp32"):
+    """Bytes of the moments an optimizer keeps for parameters of these shapes (a 0-dimensional one counts as one
+    element): adafactor factors the last two dimensions of a tensor of two or more, keeping
+    numel / shape[-1] (row_var) + numel / shape[-2] (col_var) fp32 numbers, and numel ("variance") for one of
+    fewer; adam/adamw and lion keep MOMENT_COUNT moments of numel elements each, with int8 state plus one fp32
+    scale per started block of 256 elements of each tensor."""
+    moments = MOMENT_COUNT[_choice("optimizer", optimizer, MOMENT_COUNT)]
+    _choice("state_dtype", state_dtype, STATE_BYTES)
+    total = 0
+    for shape in check_shapes(shapes):
+        numel = math.prod(shape)
+        if optimizer == "adafactor":
+            factored = len(shape) >= 2
+            total += 4 * (numel // shape[-1] + numel // shape[-2] if factored else numel)
+        elif state_dtype == "int8":
+            total += moments * (numel + 4 * num_blocks(numel))
+        else:
+            total += moments * numel * int(STATE_BYTES[state_dtype])
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,24 +200,28 @@ def layouts(params, per, gpu_mem=None, ram=None, disk_free=None, buffer_bytes=DE
     in RAM the budget of offloaded_training_ram: the weights' ring (`ring_bytes`, default buffer_bytes), the
     state pipeline, gradient buffers and the weight store's pool, each sized by buffer_bytes or by the largest
     module (`largest_module` bytes; 0: not counted); an optimizer stepping whole parameters pins at least
-    DEFAULT_BUFFER_COUNT x `record` (largest_record) for its state. Not counted: activations."""
+    DEFAULT_BUFFER_COUNT x `record` (largest_record of per.placed) for its state. Parameters on a GPU or offloaded
+    keep an fp32 master whatever their dtype (per.placed), CPU ones only when not fp32 (per). Not counted:
+    activations."""
     weights_and_grads = round(params * (per.weights + per.grads))
-    state = round(params * per.state)
-    pipeline = state_pipeline(state, buffer_bytes, record)
+    state = round(params * per.state)  # CPU parameters (no GPU)
+    placed = round(params * per.placed.state)  # parameters on a GPU or offloaded
+    pipeline = state_pipeline(placed, buffer_bytes, record)
+    cpu_pipeline = state_pipeline(state, buffer_bytes, record if per.master else 0)
     weights, grad_sums = round(params * per.weights), params * 4  # offloaded weights' gradients sum in fp32
     ring = buffer_bytes if ring_bytes is None else ring_bytes
 
     def offloaded_ram(in_backward):
-        return offloaded_training_ram(weights, state, buffer_bytes, ring, largest_module, per.weights, in_backward,
+        return offloaded_training_ram(weights, placed, buffer_bytes, ring, largest_module, per.weights, in_backward,
                                       record)
     ways = [("no offload (state on the GPU)", weights_and_grads + state, 0, 0),
-            ('offload="cpu" (state in RAM)', weights_and_grads, state, 0),
-            ('offload="nvme" (state on disk)', weights_and_grads, pipeline, state),
+            ('offload="cpu" (state in RAM)', weights_and_grads, placed, 0),
+            ('offload="nvme" (state on disk)', weights_and_grads, pipeline, placed),
             ('no GPU, offload="cpu" (all in RAM)', 0, weights_and_grads + state, 0),
-            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + pipeline, state),
-            ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + state, 0),
-            ('weights offloaded, "nvme" (all on disk)', 0, offloaded_ram(False), weights + grad_sums + state),
-            ('  the same, in_backward=True', 0, offloaded_ram(True), weights + state)]
+            ('no GPU, offload="nvme" (state on disk)', 0, weights_and_grads + cpu_pipeline, state),
+            ('weights offloaded, "cpu" (all in RAM)', 0, weights + grad_sums + placed, 0),
+            ('weights offloaded, "nvme" (all on disk)', 0, offloaded_ram(False), weights + grad_sums + placed),
+            ('  the same, in_backward=True', 0, offloaded_ram(True), weights + placed)]
     have = {"gpu": gpu_mem, "ram": ram, "disk": disk_free}
     return [Layout(name, g, r, d, {k: _fits(need, have[k]) for k, need in (("gpu", g), ("ram", r), ("disk", d))
                                    if need})
@@ -184,34 +245,48 @@ def nvme_step_seconds(state_bytes, read_bytes_per_s, write_bytes_per_s):
     return state_bytes / read_bytes_per_s + state_bytes / write_bytes_per_s
 
 
-def plan(params, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=None, ram=None, disk_free=None,
+def plan(params=None, dtype="bf16", optimizer="adamw", state_dtype="fp32", gpu_mem=None, ram=None, disk_free=None,
          buffer_bytes=DEFAULT_BUFFER_BYTES, read_bytes_per_s=None, write_bytes_per_s=None, ring_bytes=None,
-         largest_module=0):
-    """Everything `swapio plan` prints, as a JSON-ready dict."""
-    per = per_param(dtype, optimizer, state_dtype)
-    record = largest_record(optimizer, per, largest_module)
+         largest_module=0, shapes=None):
+    """Everything `swapio plan` prints, as a JSON-ready dict. shapes: the parameters' shapes (e.g.
+    [tuple(p.shape) for p in model.parameters()]), whose moments are then counted as the optimizer allocates them
+    (adafactor's factors of convolutions, int8's scales per tensor); params is then their element count, or None."""
+    if shapes is not None:
+        shapes = check_shapes(shapes)
+        count = sum(math.prod(s) for s in shapes)
+        if params is not None and params != count:
+            raise ValueError(f"params ({params}) is not the element count of the shapes given ({count}): give one")
+        params = count
+    elif params is None:
+        raise ValueError("give the parameter count (params) or the parameters' shapes (shapes)")
+    per = per_param(dtype, optimizer, state_dtype, shapes)
+    record = largest_record(optimizer, per.placed, largest_module)
+    # *_gpu: parameters on a GPU or offloaded, which keep an fp32 master whatever their dtype
     totals = {"weights": round(params * per.weights), "grads": round(params * per.grads),
               "master": round(params * per.master), "moments": round(params * per.moments),
-              "optimizer_state": round(params * per.state), "total": round(params * per.total)}
+              "optimizer_state": round(params * per.state), "total": round(params * per.total),
+              "optimizer_state_gpu": round(params * per.placed.state)}
     out = {"params": params, "dtype": dtype, "optimizer": optimizer, "state_dtype": state_dtype,
+           "tensors": None if shapes is None else len(shapes),  # None: moments from the count alone
            "bytes_per_param": {"weights": per.weights, "grads": per.grads, "master": per.master,
-                               "moments": per.moments, "optimizer_state": per.state, "total": per.total},
+                               "moments": per.moments, "optimizer_state": per.state, "total": per.total,
+                               "optimizer_state_gpu": per.placed.state},
            "totals": totals,
            "capacity": {"gpu": gpu_mem, "ram": ram, "disk_free": disk_free},
            "buffer_bytes": buffer_bytes, "ring_bytes": buffer_bytes if ring_bytes is None else ring_bytes,
            "largest_module": largest_module,
            "offloaded_pinned": offloaded_training_pinned(
-               totals["weights"], totals["optimizer_state"], buffer_bytes,
+               totals["weights"], totals["optimizer_state_gpu"], buffer_bytes,
                buffer_bytes if ring_bytes is None else ring_bytes, largest_module, per.weights, record=record),
            "layouts": [dataclasses.asdict(x) for x in layouts(params, per, gpu_mem, ram, disk_free, buffer_bytes,
                                                                ring_bytes, largest_module, record)],
            "nvme_step_seconds": None, "offloaded_step_seconds": None}
     if read_bytes_per_s and write_bytes_per_s:
         out["offloaded_step_seconds"] = {
-            mode: offloaded_step_seconds(totals["weights"], params, totals["optimizer_state"], read_bytes_per_s,
+            mode: offloaded_step_seconds(totals["weights"], params, totals["optimizer_state_gpu"], read_bytes_per_s,
                                          write_bytes_per_s, in_backward=mode == "in_backward")
             for mode in ("accumulate", "in_backward")}
-        out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state"], read_bytes_per_s,
+        out["nvme_step_seconds"] = nvme_step_seconds(totals["optimizer_state_gpu"], read_bytes_per_s,
                                                      write_bytes_per_s)
     return out
 

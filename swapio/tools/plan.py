@@ -49,7 +49,7 @@ def measured_bandwidth(directory, size=None, log=None):
 
 
 def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_bytes, log=None, ring_bytes=None,
-             largest_module=0, activations=None):
+             largest_module=0, activations=None, shapes=None):
     disk_free = read = write = source = None
     if disk is not None:
         disk_free = free_bytes(disk)  # None: no block count (ramfs)
@@ -61,7 +61,7 @@ def run_plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk, buffer_b
         else:
             read, write, source = found or measured_bandwidth(disk, log=log)
     out = memplan.plan(params, dtype, optimizer, state_dtype, gpu_mem, ram, disk_free, buffer_bytes, read, write,
-                       ring_bytes, largest_module)
+                       ring_bytes, largest_module, shapes)
     out["activations"] = None if activations is None else memplan.activations(**activations)
     out["disk"] = None if disk is None else {"directory": os.path.abspath(disk), "read_bytes_per_s": read,
                                              "write_bytes_per_s": write, "bandwidth_from": source}
@@ -89,7 +89,8 @@ def _b(x):
 
 
 def _whole(p):
-    return p["optimizer"] in memplan.WHOLE and p["bytes_per_param"]["master"]
+    # the nvme rows printed are a GPU's, whose parameters all keep an fp32 master
+    return p["optimizer"] in memplan.WHOLE
 
 
 def _pipeline_rule(p):
@@ -107,16 +108,38 @@ def _whole_note(p):
     return ""
 
 
+# what the count alone cannot see: a convolution's factors are not small (docs/cli.md, "swapio plan")
+_ADAFACTOR_COUNT_ONLY = (
+    "adafactor's moments, from the count alone, are an LLM's: matrices with both last dimensions large. Adafactor "
+    "factors the last two dimensions, so a 1 x 1 convolution's [out, in, 1, 1] weight keeps two fp32 numbers an "
+    "element (8 bytes a parameter) and a 3 x 3 one's 2/3 of one: for a model with convolutions give --shapes "
+    "FILE (a JSON list of its parameters' shapes).")
+
+
+def _placed_note(per):
+    """fp32 parameters are their own master on the CPU only: on a GPU or offloaded the optimizer keeps one."""
+    if per["optimizer_state_gpu"] == per["optimizer_state"]:
+        return []
+    return [f"on a GPU or offloaded, fp32 parameters keep an fp32 master too: optimizer state "
+            f"{per['optimizer_state_gpu']:.4g} a parameter (the rows with a GPU and with the weights offloaded)"]
+
+
 def plan_text(p):
     per, tot, cap = p["bytes_per_param"], p["totals"], p["capacity"]
     n_mom = memplan.MOMENT_COUNT[p["optimizer"]]
-    moments = (f"{n_mom} moment{'s' if n_mom > 1 else ''} {_b(per['moments'])}" if n_mom else
-               "factored moments ~0: rows + cols numbers a matrix")
+    if p.get("tensors") is not None:
+        kind = f"{n_mom} moment{'s' if n_mom > 1 else ''}" if n_mom else "factored moments"
+        moments = f"{kind} {per['moments']:.4g}, counted over {p['tensors']} tensors' shapes"
+    elif n_mom:
+        moments = f"{n_mom} moment{'s' if n_mom > 1 else ''} {_b(per['moments'])}"
+    else:
+        moments = "factored moments ~0: rows + cols numbers a matrix"
     lines = [f"swapio plan: {_count(p['params'])} parameters, {p['dtype']} weights and gradients, "
              f"{p['optimizer']} with {p['state_dtype']} moments", "",
              "bytes per parameter: "
              f"weights {_b(per['weights'])} + gradients {_b(per['grads'])} + optimizer state "
              f"{_b(per['optimizer_state'])} (fp32 master {_b(per['master'])}, {moments}) = {_b(per['total'])}",
+             *_placed_note(per),
              f"totals: weights {_gb(tot['weights'])}, gradients {_gb(tot['grads'])}, optimizer state "
              f"{_gb(tot['optimizer_state'])}, all {_gb(tot['total'])}", ""]
     have = [f"{k} {_gb(v)}" for k, v in (("GPU", cap["gpu"]), ("RAM", cap["ram"]), ("disk free", cap["disk_free"]))
@@ -136,9 +159,11 @@ def plan_text(p):
                      f"{_gb(lay['ram']) if lay['ram'] else '-':>11}{_gb(lay['disk']) if lay['disk'] else '-':>11}"
                      f"   {verdict}")
     lines.append("")
+    if p["optimizer"] == "adafactor" and p.get("tensors") is None:
+        lines += [_ADAFACTOR_COUNT_ONLY, ""]
     disk = p.get("disk")
     if p["nvme_step_seconds"] is not None:
-        s = tot["optimizer_state"]
+        s = tot["optimizer_state_gpu"]
         lines.append(f"nvme step: the state is read and written once per step: {_gb(s)} at "
                      f"{_rate(disk['read_bytes_per_s'])} read + at {_rate(disk['write_bytes_per_s'])} write = "
                      f"{p['nvme_step_seconds']:.1f} s per step ({disk['bandwidth_from']}); the Adam compute runs "

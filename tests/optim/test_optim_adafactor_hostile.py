@@ -307,3 +307,40 @@ def test_a_transformers_adafactor_state_dict_is_refused_saying_whose_it_is():
         after = opt.state_dict()
         assert after["param_groups"] == before["param_groups"]
         assert all(torch.equal(after["state"][0][k], before["state"][0][k]) for k in before["state"][0])
+
+
+def test_a_group_of_transformers_keys_beside_torchs_is_refused_at_load(tmp_path):
+    """What the development code before the refusal of transformers.Adafactor's group keys wrote for a group given
+    them: torch's keys and theirs, kept unread. Never released (0.1.0 has no OffloadAdafactor), so refused at load,
+    state dict or save() directory, naming the keys, the optimizer left as it was (docs/optim.md, "Adafactor").
+    The state dict with the keys dropped loads and steps as torch.optim.Adafactor does from the same state dict."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    with so.OffloadAdafactor(params) as writer:
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        writer.step()
+        writer.param_groups[0].update(relative_step=False, scale_parameter=False)  # what that code kept
+        old = writer.state_dict()
+        writer.save(tmp_path / "old")
+    assert old["param_groups"][0]["relative_step"] is False
+    with so.OffloadAdafactor(params) as opt:
+        for load, source in ((opt.load_state_dict, old), (opt.load, tmp_path / "old")):
+            with pytest.raises(ValueError, match=r"param group 0: .*\['relative_step', 'scale_parameter'\] have no "
+                                                 r"place in it"):
+                load(source)
+            assert opt.state_dict()["state"] == {}
+        for group in old["param_groups"]:
+            group.pop("relative_step")
+            group.pop("scale_parameter")
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        torch_opt = torch.optim.Adafactor(reference)
+        torch_opt.load_state_dict(old)
+        opt.load_state_dict(old)
+        grads = [torch.randn(p.shape) for p in params]
+        for p, q, g in zip(params, reference, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+        for p, q in zip(params, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
