@@ -13,10 +13,11 @@ import threading
 import warnings
 
 from .. import _C
+from .._interrupt import interrupted
 from . import memplan, report
 from .errors import PathError, UsageError
 
-EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
+EXIT_FAILURE, EXIT_USAGE, EXIT_TERMINATED = 1, 2, 143  # EXIT_INTERRUPTED: 130 (swapio._interrupt)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -473,8 +474,7 @@ def main(argv=None):
         print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
     except _Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
         return EXIT_TERMINATED
