@@ -8,22 +8,32 @@ output that nobody watches live gets none unless asked for.
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, Optional, TextIO
+import warnings
+from typing import Any, Iterator, Optional, Set, TextIO
+
+from .core._errors import SwapioWarning, caller_stacklevel
 
 ENV = "SWAPIO_PROGRESS"
 _YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_warned: Set[str] = set()  # values already warned about: one warning per value per process, not one per bar
 
 
 def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> bool:
     """Whether to draw a progress bar: `progress` if it is True or False; else SWAPIO_PROGRESS if set (1/0,
-    true/false, yes/no, on/off); else whether `stream` (default: sys.stderr) is a terminal."""
+    true/false, yes/no, on/off; any other value warns once and is ignored); else whether `stream` (default:
+    sys.stderr) is a terminal."""
     if progress is not None:
         return bool(progress)
-    env = os.environ.get(ENV, "").strip().lower()
+    raw = os.environ.get(ENV, "")
+    env = raw.strip().lower()
     if env in _YES:
         return True
     if env in _NO:
         return False
+    if env and raw not in _warned:  # as SWAPIO_CPU_CAPABILITY: a preference it cannot honor warns, then the default
+        _warned.add(raw)
+        warnings.warn(f"{ENV}={raw!r} is not one of {', '.join(_YES)} (a bar) or {', '.join(_NO)} (none); ignored: "
+                      "a bar only when stderr is a terminal", SwapioWarning, stacklevel=caller_stacklevel())
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty is not None and isatty())
