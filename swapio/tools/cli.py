@@ -305,8 +305,10 @@ def _check_output_path(path, what="--output"):
     directory = os.path.dirname(os.path.realpath(path))  # a symlink's target is what gets written
     if not os.path.isdir(directory):
         raise UsageError(f"{what} {path}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise UsageError(f"{what} {path}: directory {directory} is not writable")
+    from .testfile import creation_refused
+    refused = creation_refused(directory)  # the output is written to a temporary file there, then renamed
+    if refused:
+        raise UsageError(f"{what} {path}: directory {directory} is not writable ({refused})")
 
 
 def _emit(text, output):
@@ -420,14 +422,24 @@ def _run_plan(args):
 def _run_info(args):
     from .. import info
     from .info_text import info_text
-    if args.path is not None and not os.path.exists(args.path):
-        raise PathError(f"--path {args.path} does not exist")
-    if args.path is not None and os.path.isdir(args.path) and not os.access(args.path, os.W_OK | os.X_OK):
-        # the O_DIRECT probe of a directory creates a temporary file in it
-        raise PathError(f"--path {args.path} is a directory that is not writable; name a file in it instead")
+    if args.path is not None:
+        _check_info_path(args.path)
     data = info(args.path)
     print(json.dumps(data, indent=2) if args.json else info_text(data))
     return 0
+
+
+def _check_info_path(path):
+    from .testfile import creation_refused
+    if not os.path.exists(path):
+        raise PathError(f"--path {path} does not exist")
+    if os.path.isfile(path):
+        return  # probed in place, read only
+    if not os.path.isdir(path):  # the probe would open a FIFO (and wait) or describe the directory holding a device
+        raise PathError(f"--path {path} is neither a regular file nor a directory")
+    refused = creation_refused(path)  # the O_DIRECT probe of a directory creates a temporary file in it
+    if refused:
+        raise PathError(f"--path {path} is a directory that is not writable ({refused}); name a file in it instead")
 
 
 def _one_line(exc):
