@@ -6,16 +6,12 @@ terminal. A bar redraws itself with carriage returns, which turn a log file or a
 output that nobody watches live gets none unless asked for.
 """
 import contextlib
-import os
 import sys
-import warnings
-from typing import Any, Iterator, Optional, Set, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
-from .core._errors import SwapioWarning, caller_stacklevel
+from . import _env
 
 ENV = "SWAPIO_PROGRESS"
-_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_warned: Set[str] = set()  # values already warned about: one warning per value per process, not one per bar
 
 
 def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> bool:
@@ -24,16 +20,9 @@ def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> 
     sys.stderr) is a terminal."""
     if progress is not None:
         return bool(progress)
-    raw = os.environ.get(ENV, "")
-    env = raw.strip().lower()
-    if env in _YES:
-        return True
-    if env in _NO:
-        return False
-    if env and raw not in _warned:  # as SWAPIO_CPU_CAPABILITY: a preference it cannot honor warns, then the default
-        _warned.add(raw)
-        warnings.warn(f"{ENV}={raw!r} is not one of {', '.join(_YES)} (a bar) or {', '.join(_NO)} (none); ignored: "
-                      "a bar only when stderr is a terminal", SwapioWarning, stacklevel=caller_stacklevel())
+    env = _env.switch(ENV, "a bar only when stderr is a terminal")
+    if env is not None:
+        return env
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty is not None and isatty())

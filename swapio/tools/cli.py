@@ -12,7 +12,7 @@ import sys
 import threading
 import warnings
 
-from .. import _C
+from .. import _C, _env
 from .._interrupt import interrupted
 from . import memplan, report
 from .errors import PathError, UsageError
@@ -463,13 +463,14 @@ class _Terminated(BaseException):
 def main(argv=None):
     """Entry point of the `swapio` script; returns the exit status."""
     prog = "swapio"
-    debug = bool(os.environ.get("SWAPIO_DEBUG"))
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         print(f"swapio: warning: {message}", file=sys.stderr)
 
     old_showwarning, old_term = warnings.showwarning, None
     warnings.showwarning = showwarning
+    # 1/true/yes/on; "0" turned tracebacks on too (any non-empty value did), a value unread warns here
+    debug = bool(_env.switch("SWAPIO_DEBUG", "one-line errors, no tracebacks"))
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup runs on `kill` as on Ctrl-C
     try:

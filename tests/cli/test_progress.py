@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from swapio import SwapioWarning, _progress
+from swapio import SwapioWarning, _env, _progress
 from helpers.cli import run_cli
 
 
@@ -64,7 +64,7 @@ def test_every_command_takes_progress_and_quiet_but_not_both(capsys, command):
 def test_an_unknown_env_value_warns_naming_it_and_the_accepted_ones(monkeypatch, value):
     """SWAPIO_PROGRESS=maybe used to be ignored without a word; it warns (as SWAPIO_CPU_CAPABILITY does), once per
     value, and the default rule applies."""
-    monkeypatch.setattr(_progress, "_warned", set())
+    monkeypatch.setattr(_env, "_warned", set())
     monkeypatch.setenv(_progress.ENV, value)
     with pytest.warns(SwapioWarning) as caught:
         assert _progress.wanted(stream=_Terminal()) is True
@@ -79,7 +79,7 @@ def test_an_unknown_env_value_warns_naming_it_and_the_accepted_ones(monkeypatch,
 
 @pytest.mark.parametrize("value", ["", " ON ", "No"])
 def test_accepted_and_empty_env_values_do_not_warn(monkeypatch, value):
-    monkeypatch.setattr(_progress, "_warned", set())
+    monkeypatch.setattr(_env, "_warned", set())
     monkeypatch.setenv(_progress.ENV, value)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -87,7 +87,7 @@ def test_accepted_and_empty_env_values_do_not_warn(monkeypatch, value):
 
 
 def test_the_command_says_once_that_it_ignores_an_unknown_env_value(capsys, monkeypatch):
-    monkeypatch.setattr(_progress, "_warned", set())
+    monkeypatch.setattr(_env, "_warned", set())
     monkeypatch.setenv(_progress.ENV, "sometimes")
     err = _tiny_demo(capsys)
     warned = [line for line in err.splitlines() if "SWAPIO_PROGRESS" in line]
