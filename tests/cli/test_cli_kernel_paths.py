@@ -2,7 +2,8 @@
 before any work. Whether a file can be created in a directory used to be asked of os.access, which says yes to
 root everywhere: `swapio info --path /sys`, `bench --dir /sys`, `plan --disk /proc`, `bench --output /sys/x`
 (after the whole run) failed with status 1 and a bare "Permission denied: /sys/.swapio-probe-...".
-These run as root in CI; as another user os.access already said no."""
+These run as root in CI; as another user os.access already said no. An output path under a regular file was
+said to be under a directory that does not exist."""
 import os
 
 import pytest
@@ -42,3 +43,15 @@ def test_a_kernel_file_system_or_a_device_is_a_usage_error(capsys, tmp_path, mon
     assert_one_line_error(rc, err, needle)
     assert rc == 2
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["bench", "-q", "--size", "1M", "--output"], ["tune", "-q", "-o"],
+                                  ["tune", "-q", "--plot"], ["demo", "-q", "--plot"]])
+def test_an_output_under_a_file_names_the_file_as_no_directory(capsys, tmp_path, monkeypatch, argv):
+    # it said "directory .../notes.txt does not exist" of a file that does
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    rc, _, err = run_cli(capsys, *argv, str(tmp_path / "notes.txt" / "out"))
+    assert_one_line_error(rc, err, f"{tmp_path / 'notes.txt'} is not a directory")
+    assert rc == 2
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
