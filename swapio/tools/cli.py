@@ -471,7 +471,7 @@ def main(argv=None):
 
     old_showwarning, old_term = warnings.showwarning, None
     warnings.showwarning = showwarning
-    # 1/true/yes/on; "0" turned tracebacks on too (any non-empty value did), a value unread warns here
+    # 1/true/yes/on: tracebacks; 0/false/no/off or unset: one-line errors; another value: a warning, then those
     debug = bool(_env.switch("SWAPIO_DEBUG", "one-line errors, no tracebacks"))
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup runs on `kill` as on Ctrl-C

@@ -78,8 +78,8 @@ def check_directory(directory, what):
 
 def creation_refused(directory):
     """Why no file can be created in `directory` (e.g. "Permission denied"), or None when one can. Tried, not
-    asked of os.access, which says yes to root everywhere: on /sys, /proc and read-only mounts the run failed only
-    when it came to create its file (exit status 1, after the work), or wrote into a kernel file (--file)."""
+    asked of os.access, which says yes to root everywhere: on /sys and /proc the run failed only when it came to
+    create its file (exit status 1, after the work), or wrote into a kernel file (--file)."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".swapio-probe-", dir=directory)
     except OSError as e:
