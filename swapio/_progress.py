@@ -6,24 +6,23 @@ terminal. A bar redraws itself with carriage returns, which turn a log file or a
 output that nobody watches live gets none unless asked for.
 """
 import contextlib
-import os
 import sys
 from typing import Any, Iterator, Optional, TextIO
 
+from . import _env
+
 ENV = "SWAPIO_PROGRESS"
-_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> bool:
     """Whether to draw a progress bar: `progress` if it is True or False; else SWAPIO_PROGRESS if set (1/0,
-    true/false, yes/no, on/off); else whether `stream` (default: sys.stderr) is a terminal."""
+    true/false, yes/no, on/off; any other value warns once and is ignored); else whether `stream` (default:
+    sys.stderr) is a terminal."""
     if progress is not None:
         return bool(progress)
-    env = os.environ.get(ENV, "").strip().lower()
-    if env in _YES:
-        return True
-    if env in _NO:
-        return False
+    env = _env.switch(ENV, "a bar only when stderr is a terminal")
+    if env is not None:
+        return env
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty is not None and isatty())

@@ -12,11 +12,12 @@ import sys
 import threading
 import warnings
 
-from .. import _C
+from .. import _C, _env
+from .._interrupt import interrupted
 from . import memplan, report
 from .errors import PathError, UsageError
 
-EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
+EXIT_FAILURE, EXIT_USAGE, EXIT_TERMINATED = 1, 2, 143  # EXIT_INTERRUPTED: 130 (swapio._interrupt)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -306,10 +307,14 @@ def _check_output_path(path, what="--output"):
     if os.path.exists(path) and not os.path.isfile(path):
         return  # /dev/null, /dev/stdout, a FIFO: written in place (report.write_text_atomic)
     directory = os.path.dirname(os.path.realpath(path))  # a symlink's target is what gets written
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"{what} {path}: {directory} is not a directory")
     if not os.path.isdir(directory):
         raise UsageError(f"{what} {path}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise UsageError(f"{what} {path}: directory {directory} is not writable")
+    from .testfile import creation_refused
+    refused = creation_refused(directory)  # the output is written to a temporary file there, then renamed
+    if refused:
+        raise UsageError(f"{what} {path}: directory {directory} is not writable ({refused})")
 
 
 def _emit(text, output):
@@ -448,14 +453,24 @@ def _run_plan(args):
 def _run_info(args):
     from .. import info
     from .info_text import info_text
-    if args.path is not None and not os.path.exists(args.path):
-        raise PathError(f"--path {args.path} does not exist")
-    if args.path is not None and os.path.isdir(args.path) and not os.access(args.path, os.W_OK | os.X_OK):
-        # the O_DIRECT probe of a directory creates a temporary file in it
-        raise PathError(f"--path {args.path} is a directory that is not writable; name a file in it instead")
+    if args.path is not None:
+        _check_info_path(args.path)
     data = info(args.path)
     print(json.dumps(data, indent=2) if args.json else info_text(data))
     return 0
+
+
+def _check_info_path(path):
+    from .testfile import creation_refused
+    if not os.path.exists(path):
+        raise PathError(f"--path {path} does not exist")
+    if os.path.isfile(path):
+        return  # probed in place, read only
+    if not os.path.isdir(path):  # the probe would open a FIFO (and wait) or describe the directory holding a device
+        raise PathError(f"--path {path} is neither a regular file nor a directory")
+    refused = creation_refused(path)  # the O_DIRECT probe of a directory creates a temporary file in it
+    if refused:
+        raise PathError(f"--path {path} is a directory that is not writable ({refused}); name a file in it instead")
 
 
 def _one_line(exc):
@@ -479,13 +494,14 @@ class _Terminated(BaseException):
 def main(argv=None):
     """Entry point of the `swapio` script; returns the exit status."""
     prog = "swapio"
-    debug = bool(os.environ.get("SWAPIO_DEBUG"))
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         print(f"swapio: warning: {message}", file=sys.stderr)
 
     old_showwarning, old_term = warnings.showwarning, None
     warnings.showwarning = showwarning
+    # 1/true/yes/on: tracebacks; 0/false/no/off or unset: one-line errors; another value: a warning, then those
+    debug = bool(_env.switch("SWAPIO_DEBUG", "one-line errors, no tracebacks"))
     if threading.current_thread() is threading.main_thread():
         old_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup runs on `kill` as on Ctrl-C
     try:
@@ -502,8 +518,7 @@ def main(argv=None):
         print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(prog)
     except _Terminated:
         print(f"{prog}: terminated", file=sys.stderr)
         return EXIT_TERMINATED

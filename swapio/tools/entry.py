@@ -5,6 +5,8 @@ import importlib.util
 import sys
 from typing import List, Optional
 
+from .._interrupt import interrupted
+
 CLI_EXTRAS = ("numpy", "tqdm")  # pyproject.toml's [cli] extra
 
 
@@ -13,10 +15,13 @@ def missing_extras() -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    missing = missing_extras()
-    if missing:
-        print(f"swapio: the swapio command needs {', '.join(missing)}, which the library alone does not install: "
-              "pip install 'swapio[cli]'", file=sys.stderr)
-        return 1
-    from .cli import main as cli_main
-    return cli_main(argv)
+    try:  # Ctrl-C while the command's modules (numpy among them) load, or one cli.main lets out: one line
+        missing = missing_extras()
+        if missing:
+            print(f"swapio: the swapio command needs {', '.join(missing)}, which the library alone does not "
+                  "install: pip install 'swapio[cli]'", file=sys.stderr)
+            return 1
+        from .cli import main as cli_main
+        return cli_main(argv)
+    except KeyboardInterrupt:
+        return interrupted()

@@ -3,6 +3,7 @@
 Sizes are binary, as in fio (kb_base=1024): 4K = 4096 bytes, 1M = 2^20. Bandwidth is printed both ways and
 says which: MiB/s (2^20 B/s) and GB/s (10^9 B/s).
 """
+import contextlib
 import math
 import os
 import re
@@ -46,22 +47,38 @@ def write_text_atomic(path, text):
     regular file (/dev/null, /dev/stdout, a FIFO) is written in place: renaming over it would replace the
     device or pipe with a plain file (as root, /dev/null itself)."""
     try:
-        regular = stat.S_ISREG(os.stat(path).st_mode)
+        old = os.stat(path)
     except FileNotFoundError:
-        regular = True  # a new file (or a dangling link's target, which realpath names)
-    if not regular:
+        old = None  # a new file (or a dangling link's target, which realpath names): the umask's default mode
+    if old is not None and not stat.S_ISREG(old.st_mode):
         with open(path, "w") as f:
             f.write(text)
         return
     path = os.path.realpath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if old is None else _kept_mode(old))
+        with open(fd, "w") as f:
+            if old is not None:
+                _keep_owner_and_mode(fd, old)
             f.write(text)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _kept_mode(st):
+    return stat.S_IMODE(st.st_mode) & 0o777  # the set-id bits go, as on any write to a file
+
+
+def _keep_owner_and_mode(fd, st):
+    """The file replaced keeps its permissions, and its owner and group where this process may give them, as
+    `cp` over a file and editors keep them (a 0600 config became 0644 at the next `swapio tune`). The new file
+    was created no wider than the old one, so it is never readable by more while it is written."""
+    with contextlib.suppress(PermissionError):  # another user's file, a group we are not in: ours
+        os.fchown(fd, st.st_uid, st.st_gid)
+    os.fchmod(fd, _kept_mode(st))  # after fchown, which may clear bits; back what the umask took off
 
 
 def parse_duration(text):

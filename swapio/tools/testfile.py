@@ -71,8 +71,22 @@ def check_directory(directory, what):
         raise PathError(f"{what} {directory} does not exist")
     if not os.path.isdir(directory):
         raise PathError(f"{what} {directory} is not a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise PathError(f"{what} {directory} is not writable")
+    refused = creation_refused(directory)
+    if refused:
+        raise PathError(f"{what} {directory} is not writable ({refused})")
+
+
+def creation_refused(directory):
+    """Why no file can be created in `directory` (e.g. "Permission denied"), or None when one can. Tried, not
+    asked of os.access, which says yes to root everywhere: on /sys and /proc the run failed only when it came to
+    create its file (exit status 1, after the work), or wrote into a kernel file (--file)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".swapio-probe-", dir=directory)
+    except OSError as e:
+        return f"creating a file there: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 @contextlib.contextmanager

@@ -61,6 +61,30 @@ def test_info_auto_engine_follows_swapio_engine_variable(monkeypatch):
     assert swapio.info()["auto_engine"] == "psync"
 
 
+@pytest.mark.parametrize("value", ["bogus", "io_uring", "URING"])
+def test_an_unknown_swapio_engine_is_named_as_the_variable(monkeypatch, value):
+    """SWAPIO_ENGINE=bogus failed as "unknown engine 'bogus'", pointing at an engine= nobody passed, and info()
+    reported 'bogus' as auto's pick. An engine passed by name does not read the variable."""
+    monkeypatch.setenv("SWAPIO_ENGINE", value)
+    expected = rf"SWAPIO_ENGINE='{value}' names no engine \(set it to one of uring, aio, psync, null, or unset it\)"
+    with pytest.raises(ValueError, match=expected):
+        swapio.AioHandle()
+    with pytest.raises(ValueError, match=expected):
+        swapio.info()
+    with swapio.AioHandle(engine="psync") as h:
+        assert h.engine == "psync"
+
+
+@pytest.mark.parametrize("value", ["", "auto"])
+def test_an_empty_or_auto_swapio_engine_lets_auto_choose(monkeypatch, value):
+    monkeypatch.delenv("SWAPIO_ENGINE", raising=False)
+    unset = swapio.info()["auto_engine"]
+    monkeypatch.setenv("SWAPIO_ENGINE", value)
+    assert swapio.info()["auto_engine"] == unset
+    with swapio.AioHandle() as h:
+        assert h.engine == unset
+
+
 def test_public_names_exist():
     for name in ("AioHandle", "Future", "SwapStore", "SwappedTensor", "SwapioWarning", "empty_pinned", "info",
                  "is_pinned", "__version__"):
