@@ -238,7 +238,7 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
         try:
             # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
             for loc, view in direct:
-                futures.append(h.pread(view, loc.path, loc.offset, staged="auto"))
+                futures.append(h.pread(view, loc.io_path, loc.offset, identity=loc.identity, staged="auto"))
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
                     span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset

@@ -8,6 +8,7 @@ shard names must stay inside its directory. Every defect is a ValueError naming 
 import os
 import struct
 
+from ..core._swapdir import identity_of
 from .header import MAX_HEADER, strict_json
 
 SINGLE = "model.safetensors"
@@ -15,10 +16,13 @@ INDEX = "model.safetensors.index.json"
 
 
 def raw_header(path):
-    """(the header's JSON bytes, the file's size) of one .safetensors file; ValueError naming it if it cannot
-    hold a header."""
-    size = os.path.getsize(path)
+    """(the header's JSON bytes, the file's size, its source: (path with links resolved, identity_of the file read))
+    of one .safetensors file; ValueError naming it if it cannot hold a header. The size and identity are those of
+    the file the header was read from, whatever replaces it at its name meanwhile."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        # the links resolved, and checked by the identity at each read (pread opens it without following a link)
+        source = (os.path.realpath(path), identity_of(f.fileno()))
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
@@ -29,7 +33,7 @@ def raw_header(path):
         raw = f.read(n)
     if len(raw) < n:
         raise ValueError(f"{path}: the file shrank while its header was read ({len(raw)} of {n} bytes)")
-    return raw, size
+    return raw, size, source
 
 
 def _confined(base, shard, index_path):

@@ -68,7 +68,8 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
         for path, items in by_file.items():
             items.sort(key=lambda x: x[1].offset)
             first = items[0][1].offset // ALIGN * ALIGN
-            last = read_end(max(loc.offset + loc.nbytes for _, loc in items), os.path.getsize(path))
+            io_path, identity = items[0][1].io_path, items[0][1].identity
+            last = read_end(max(loc.offset + loc.nbytes for _, loc in items), os.path.getsize(io_path))
             starts = list(range(first, last, window))
 
             def submit(k):
@@ -76,7 +77,7 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
                     events[k % 2].synchronize()  # the copies out of this buffer have finished
                     events[k % 2] = None
                 n = min(window, last - starts[k])
-                return handle.pread(buffers[k % 2][:n], path, starts[k])
+                return handle.pread(buffers[k % 2][:n], io_path, starts[k], identity=identity)
 
             pending = submit(0)
             for k, start in enumerate(starts):
