@@ -16,7 +16,7 @@ from itertools import chain
 
 import torch
 
-from . import state_transfer, validate
+from . import state_transfer, unstepped_weights, validate
 from .params import shard
 from .state_format import SCALE
 
@@ -56,6 +56,9 @@ def _export_state(opt, state_dict):
             packed[index[id(p)]] = {"step": opt.state[p]["step"], **tensors[p]}
         else:  # an empty entry (torch packs those too)
             del packed[index[id(p)]]
+    unstepped = unstepped_weights.checksums(opt, index, {index[id(p)] for p in tensors})
+    if unstepped:  # (absent otherwise: such state dicts are as before)
+        state_dict[unstepped_weights.STATE_DICT_KEY] = {k: f"{c:016x}" for k, c in unstepped.items()}
 
 
 def _take_state(opt, state_dict):
@@ -74,6 +77,7 @@ def _take_state(opt, state_dict):
     if len(saved_params) != len(params):
         return None  # torch raises its own error about the groups
     id_map = dict(zip(saved_params, params))
+    unstepped_weights.check(opt, id_map, unstepped_weights.recorded(state_dict), "the loaded state dict")
     saved_group = {k: g for g in state_dict["param_groups"] for k in g["params"]}
     policy = opt._process_value_according_to_param_policy
     steps, values, rest = {}, {}, {}

@@ -106,3 +106,20 @@ def test_a_weight_without_state_left_as_it_was_resumes_exactly(tmp_path):
     assert_same(resume(tmp_path, net, opt), want)
     opt.close()
     remove_offload(net)
+
+
+def test_the_same_through_state_dict_and_load_state_dict(tmp_path):
+    """accelerate's save_state / load_state and Trainer's optimizer.pt go through torch's state dicts."""
+    net, opt = offloaded(build(), tmp_path / "od")
+    for i in range(SAVED_AT):
+        step(net, opt, i)
+    saved = opt.state_dict()
+    torch.save(saved, tmp_path / "optimizer.pt")
+    opt.load_state_dict(torch.load(tmp_path / "optimizer.pt"))  # the weight as it was: loads
+    for i in range(SAVED_AT, STEPS):
+        step(net, opt, i)
+    with pytest.raises(ValueError, match=r"parameter 2\b.*no optimizer state.*changed"):
+        opt.load_state_dict(torch.load(tmp_path / "optimizer.pt"))
+    assert opt.state[net[2].weight]["step"] == STEPS - UNFREEZE  # nothing loaded
+    opt.close()
+    remove_offload(net)

@@ -9,7 +9,6 @@ from ...core._owned_fd import file_kind
 FILE = "swapio-optim.safetensors"
 FORMAT = "swapio.optim.checkpoint"
 VERSION = 4  # 2: checksums; 3: state_dtype (bf16/int8 arrays); 4: one safetensors file
-UNSTEPPED = "unstepped_weights"  # {index: checksum} of offloaded weights without state (writer._unstepped_weights)
 MAX_GROUP_TENSOR_BYTES = 4096  # a tensor a param group holds (lr=torch.tensor(...), as torch allows; a small value
 #                               of the user's): what save() writes and load() reads back, a bound on what a file may
 #                               make load() read outside the state

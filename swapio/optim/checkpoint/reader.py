@@ -10,7 +10,8 @@ import torch
 from ...checkpoint.load import locate
 from ...safetensors.header import Location
 from ..state_format import StateFormat, shape_of_factors
-from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, UNSTEPPED
+from ..unstepped_weights import KEY as UNSTEPPED
+from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES
 
 
 def read_meta_v4(file):

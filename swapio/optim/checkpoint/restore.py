@@ -10,10 +10,10 @@ import torch
 
 from ... import _progress
 from ...core import _checksum
-from .. import state_transfer, validate
+from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
 from ..state_format import SCALE, StateFormat
-from .files import UNSTEPPED, regular
+from .files import regular
 
 
 def restore(opt, meta, path, progress=False):
@@ -33,7 +33,7 @@ def restore(opt, meta, path, progress=False):
         raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
     _check_same_parameters(opt.param_groups, meta["param_groups"], file)
     _check_groups(opt, new_groups, file, meta.get("optimizer"))
-    _check_unstepped_weights(opt, id_map, meta.get(UNSTEPPED, {}), file)
+    unstepped_weights.check(opt, id_map, meta.get(unstepped_weights.KEY, {}), file)
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map[k]
@@ -104,24 +104,6 @@ def restore(opt, meta, path, progress=False):
             if file in str(exc) or data_path in str(exc):
                 raise
             raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from exc
-
-
-def _check_unstepped_weights(opt, id_map, unstepped, file):
-    """ValueError where an offloaded weight that had no state when the checkpoint was saved has another value in
-    the offload storage now: the checkpoint holds no master to rewrite it from (load() rewrites the others), so
-    the run would resume with that weight as a later step (or another model) left it."""
-    for k, want in unstepped.items():
-        p = id_map[k]
-        if not opt.is_offloaded(p):
-            continue  # a resident parameter: its value is the model's to restore, as with torch
-        got = _checksum.digest(opt.param_value(p).contiguous())
-        if got != want:
-            raise ValueError(f"{file}: parameter {k} is an offloaded weight that had no optimizer state when this "
-                             "checkpoint was saved, so the checkpoint does not hold its value, and its value in the "
-                             "offload storage has changed since (trained after the checkpoint was taken?): loading "
-                             "would resume with it as a later step left it. Offload the model again from the weights "
-                             "saved with this checkpoint (disk_offload(model, checkpoint=<its save_checkpoint>, "
-                             "offload_dir=<a new directory>)), then load")
 
 
 def _saved_by(opt, saved):

@@ -15,9 +15,9 @@ from ...checkpoint.format import plan_state
 from ...core import _checksum
 from ...safetensors.dtypes import dtype_name
 from ...safetensors.file_writer import FileWriter
-from .. import state_transfer, validate
+from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
-from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, UNSTEPPED, VERSION
+from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, VERSION
 
 _UNSET = "0" * 16  # a checksum's place in the header while the arrays stream: as long as any, so the header
 #                    keeps its size (and the arrays their offsets) when the checksums are filled in
@@ -93,23 +93,10 @@ def _structure(opt):
     structure = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
                  "checksum": _checksum.ALGORITHM, "param_groups": groups, "state": state, "param_dtypes": dtypes,
                  "checksums": sums}
-    unstepped = _unstepped_weights(opt, index, state)
+    unstepped = unstepped_weights.checksums(opt, index, state)
     if unstepped:  # (absent otherwise: such files are as before)
-        structure[UNSTEPPED] = unstepped
+        structure[unstepped_weights.KEY] = {k: f"{c:016x}" for k, c in unstepped.items()}
     return structure, slots, stateful, index
-
-
-def _unstepped_weights(opt, index, state):
-    """{index: checksum of its value} of the offloaded weights without state. load() rewrites an offloaded weight
-    from the master its state holds; these have none, so load() can only check that the offload storage still
-    holds the value they have now (a weight trained after this save would resume from a later step)."""
-    out = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            k = index[id(p)]
-            if k not in state and k not in out and opt.is_offloaded(p):
-                out[k] = f"{_checksum.digest(opt.param_value(p).contiguous()):016x}"
-    return out
 
 
 def _finish_header(plan, structure, streams):
