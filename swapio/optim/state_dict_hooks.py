@@ -17,6 +17,7 @@ from itertools import chain
 import torch
 
 from . import state_transfer, unstepped_weights, validate
+from .checkpoint import files as checkpoint_files
 from .params import shard
 from .state_format import SCALE
 
@@ -67,6 +68,10 @@ def _take_state(opt, state_dict):
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state_dict["param_groups"])):
         raise ValueError("a state dict must be a dict with a dict 'state' and a list 'param_groups' of dicts, each "
                          "with a list 'params'")
+    if state_dict.get("format") == checkpoint_files.FORMAT and state_dict.get("state_dtype") == "int8":
+        raise ValueError("this state dict is an int8 optimizer checkpoint's arrays as stored (what "
+                         "swapio.checkpoint.load reads from swapio-optim.safetensors): its moments are 8-bit codes, "
+                         "not values. Load the checkpoint's directory with opt.load(dir)")
     for i, g in enumerate(state_dict["param_groups"]):  # as saved: torch fills missing keys as it installs them
         try:
             opt.check_group(g)
