@@ -370,7 +370,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
-        sources = {loc.path: loc.source for loc in (by_name or {}).values() if loc.source is not None}
+        sources = {loc.path: (loc.io_path, loc.identity) for loc in (by_name or {}).values()
+                   if loc.source is not None}
         fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes, sources=sources)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,

@@ -21,9 +21,10 @@ INT64_MAX = 2**63 - 1
 
 class Location:
     """Where one tensor's bytes are: file, absolute offset, byte count, and what the file says it is. source: the
-    file whose header said so, as (its path with links resolved, its identity: st_dev, st_ino, birth ns), or None.
-    Readers pass it to pread (io_path, identity), so a file replaced at its name since its header was read (a save
-    committed meanwhile) is refused instead of read at the old header's offsets."""
+    file whose header said so, as (its path with links resolved, its identity: st_dev, st_ino, birth ns, its
+    (size, mtime ns) then), or None. Readers pass it to pread (io_path, identity), so a file replaced at its name
+    since its header was read (a save committed meanwhile) is refused instead of read at the old header's offsets;
+    files.check_unchanged tells one written in place meanwhile."""
 
     __slots__ = ("path", "offset", "nbytes", "dtype", "shape", "source")
 

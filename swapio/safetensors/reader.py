@@ -15,6 +15,7 @@ from ..core import cuda_copy
 from ..core._align import ALIGN, round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
+from .files import check_unchanged
 from .opened import open_checkpoint
 
 
@@ -44,6 +45,7 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
             out.append(torch.empty(locations[name].shape, dtype=locations[name].dtype, device=device))
     read_into([(locations[name], t) for name, t in zip(names, out)], device, handle=handle,
               staging_bytes=staging_bytes)
+    check_unchanged(locations.values())
     return dict(zip(names, out))
 
 

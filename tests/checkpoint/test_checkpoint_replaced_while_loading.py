@@ -75,3 +75,28 @@ def test_a_checkpoint_behind_a_link_loads(tmp_path):
     back = swapio.checkpoint.load(tmp_path / "latest")
     for k, v in OLD.items():
         assert torch.equal(back[k], v), k
+
+
+def _rewrite_in_place_after_header(monkeypatch, path, tmp_path):
+    """load() parses the header, then another program rewrites the file in place with the other layout (same file,
+    truncated and written again, as `cp new latest.safetensors` does)."""
+    swapio.checkpoint.save(NEW, tmp_path / "new.safetensors")
+    parse = checkpoint_api.open_checkpoint
+
+    def parse_then_rewrite(p):
+        opened = parse(p)
+        with open(path, "r+b") as f:
+            f.truncate(0)
+            f.write((tmp_path / "new.safetensors").read_bytes())
+        return opened
+    monkeypatch.setattr(checkpoint_api, "open_checkpoint", parse_then_rewrite)
+
+
+def test_a_file_written_in_place_while_loading_is_a_value_error(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    swapio.checkpoint.save(OLD, path)
+    ino = os.stat(path).st_ino
+    _rewrite_in_place_after_header(monkeypatch, path, tmp_path)
+    with pytest.raises(ValueError, match="written while it was being loaded"):
+        swapio.checkpoint.load(path)
+    assert os.stat(path).st_ino == ino  # (in place indeed: the identity alone cannot tell)
