@@ -123,3 +123,30 @@ def test_the_same_through_state_dict_and_load_state_dict(tmp_path):
     assert opt.state[net[2].weight]["step"] == STEPS - UNFREEZE  # nothing loaded
     opt.close()
     remove_offload(net)
+
+
+@pytest.mark.parametrize("forged", [["not", "a", "dict"], {2: "xyz"}, {0: "0" * 16}, {99: "0" * 16}])
+def test_a_forged_record_is_a_value_error_naming_the_file(tmp_path, forged):
+    """The record comes from outside like the rest of the file: a malformed one, one naming a parameter with state
+    (0) or none of the checkpoint's (99), is refused before anything changes."""
+    import json
+    run(tmp_path, after_checkpoint=0)
+    path = tmp_path / "opt" / "swapio-optim.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    skeleton = json.loads(header["__metadata__"]["structure"])
+    record = next(item for item in skeleton["D"] if item[0] == "unstepped_weights")
+    record[1] = {"L": [{"V": v} for v in forged]} if isinstance(forged, list) else \
+        {"D": [[k, {"V": v}] for k, v in forged.items()]}
+    header["__metadata__"]["structure"] = json.dumps(skeleton)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with torch.device("meta"):
+        net = build()
+    net, opt = offloaded(net, tmp_path / "od")
+    with pytest.raises(ValueError, match="swapio-optim.safetensors"):
+        opt.load(tmp_path / "opt")
+    assert not opt.state
+    opt.close()
+    remove_offload(net)
