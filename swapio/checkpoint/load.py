@@ -25,6 +25,7 @@ from ..core.tensors import storage_bytes_needed
 from ..safetensors import buffers, layout
 from ..safetensors.bytes_of import copyable
 from ..safetensors.dtypes import dtype_from_name
+from ..safetensors.files import check_unchanged
 from ..safetensors.opened import open_checkpoint
 from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
@@ -238,7 +239,7 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
         try:
             # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
             for loc, view in direct:
-                futures.append(h.pread(view, loc.path, loc.offset, staged="auto"))
+                futures.append(h.pread(view, loc.io_path, loc.offset, identity=loc.identity, staged="auto"))
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
                     span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset
@@ -250,6 +251,7 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
         error = wait_all(futures)
         if error is not None:
             raise error
+    check_unchanged(tg.loc for tg in targets.values())  # (before the copies into strided out= tensors)
     with torch.no_grad():
         for t, dest in after:
             # an inference tensor (a model built under inference_mode) takes the copy as the direct reads above

@@ -129,7 +129,8 @@ def _current(units):
 def _read_tensor(handle, loc, device):
     t = torch.empty(loc.shape, dtype=loc.dtype)
     if loc.nbytes:
-        handle.pread(t.view(-1).view(torch.uint8), loc.path, loc.offset, staged="auto").wait()
+        handle.pread(t.view(-1).view(torch.uint8), loc.io_path, loc.offset, identity=loc.identity,
+                     staged="auto").wait()
     return t.to(device)
 
 
@@ -369,7 +370,9 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
-        fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes)
+        sources = {loc.path: (loc.io_path, loc.identity) for loc in (by_name or {}).values()
+                   if loc.source is not None}
+        fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes, sources=sources)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,
                                   dressings=(hf_save, hf_resize))

@@ -72,9 +72,13 @@ class Fetcher:
     """Fetches records for one offloaded model. `hosts`: record -> host tensor (cpu_offload), else disk reads
     through `handle` into a ring of `buffer_bytes`."""
 
-    def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0):
+    def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0, sources=None):
         self.device, self.cuda = device, device.type == "cuda"
         self.handle, self.hosts = handle, hosts
+        # a checkpoint file's path -> (its path with links resolved, the identity of the file whose header gave the
+        # offsets; swapio.safetensors.Location.source): a file replaced at that name since is refused by the reads
+        # (OSError ESTALE), never read at the old header's offsets. swapio's own data files are not listed.
+        self.sources = dict(sources or {})
         total = sum(r.nbytes for r in records)  # a ring larger than all the weights would only waste memory
         self.ring = PinnedRing(min(buffer_bytes, total)) if hosts is None else None
         self.spare_bytes = max((r.nbytes for r in records), default=0)
@@ -88,6 +92,10 @@ class Fetcher:
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = threading.RLock()
         self.stats = dict(ZERO_STATS)
+
+    def io_of(self, path):
+        """(the path to read, the identity the file there must have: None for swapio's own files) of a span's path."""
+        return self.sources.get(path, (path, None))
 
     def prepare(self, records):
         """Allocates the ring now (at offload time) rather than inside the first forward, and the spare too when
@@ -205,8 +213,9 @@ class Fetcher:
                     return None
                 fetch = Fetch(record, got[1], got[0], copy)
                 for path, offset, length, region_offset in record.spans:
-                    fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length], path,
-                                                         offset))
+                    io_path, identity = self.io_of(path)
+                    fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length], io_path,
+                                                         offset, identity=identity))
                     self.stats["reads"] += 1
                     self.stats["bytes_read"] += length
             self.fetches[record] = fetch

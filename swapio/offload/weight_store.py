@@ -150,7 +150,8 @@ class DiskStore(RecordTurns):
             path, offset, nbytes = old[slot]
             t = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
-                self.handle.pread(t, path, offset, staged="auto").wait()
+                io_path, identity = self.fetcher.io_of(path)  # a checkpoint's file: still the one it was
+                self.handle.pread(t, io_path, offset, identity=identity, staged="auto").wait()
             return t
 
         saved = {r: (dict(r.offsets), r.nbytes, list(r.spans)) for r in keep}

@@ -16,7 +16,8 @@ from itertools import chain
 
 import torch
 
-from . import state_transfer, validate
+from . import state_transfer, unstepped_weights, validate
+from .checkpoint import files as checkpoint_files
 from .params import shard
 from .state_format import SCALE
 
@@ -56,6 +57,9 @@ def _export_state(opt, state_dict):
             packed[index[id(p)]] = {"step": opt.state[p]["step"], **tensors[p]}
         else:  # an empty entry (torch packs those too)
             del packed[index[id(p)]]
+    unstepped = unstepped_weights.checksums(opt, index, {index[id(p)] for p in tensors})
+    if unstepped:  # (absent otherwise: such state dicts are as before)
+        state_dict[unstepped_weights.STATE_DICT_KEY] = {k: f"{c:016x}" for k, c in unstepped.items()}
 
 
 def _take_state(opt, state_dict):
@@ -64,6 +68,10 @@ def _take_state(opt, state_dict):
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in state_dict["param_groups"])):
         raise ValueError("a state dict must be a dict with a dict 'state' and a list 'param_groups' of dicts, each "
                          "with a list 'params'")
+    if state_dict.get("format") == checkpoint_files.FORMAT and state_dict.get("state_dtype") == "int8":
+        raise ValueError("this state dict is an int8 optimizer checkpoint's arrays as stored (what "
+                         "swapio.checkpoint.load reads from swapio-optim.safetensors): its moments are 8-bit codes, "
+                         "not values. Load the checkpoint's directory with opt.load(dir)")
     for i, g in enumerate(state_dict["param_groups"]):  # as saved: torch fills missing keys as it installs them
         try:
             opt.check_group(g)
@@ -74,6 +82,7 @@ def _take_state(opt, state_dict):
     if len(saved_params) != len(params):
         return None  # torch raises its own error about the groups
     id_map = dict(zip(saved_params, params))
+    unstepped_weights.check(opt, id_map, unstepped_weights.recorded(state_dict), "the loaded state dict")
     saved_group = {k: g for g in state_dict["param_groups"] for k in g["params"]}
     policy = opt._process_value_according_to_param_policy
     steps, values, rest = {}, {}, {}

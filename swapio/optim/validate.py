@@ -158,3 +158,7 @@ def checkpoint_meta(meta, path, version, checksum_algorithm):
     for (_, end, k1, n1), (start, _, k2, n2) in zip(spans, spans[1:]):
         _require(start >= end, path, f"field {n1!r} of parameter {k1} and field {n2!r} of parameter {k2} overlap "
                  "in the data file")
+    unstepped = meta.get("unstepped_weights", {})  # (swapio.optim.unstepped_weights.KEY)
+    _require(isinstance(unstepped, dict) and all(
+        is_int(k) and k in ids and k not in state and is_int(c) and 0 <= c < 2 ** 64 for k, c in unstepped.items()),
+        path, "'unstepped_weights' must map parameters without state to 64-bit unsigned integers")

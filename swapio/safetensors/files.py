@@ -8,6 +8,7 @@ shard names must stay inside its directory. Every defect is a ValueError naming 
 import os
 import struct
 
+from ..core._swapdir import identity_of
 from .header import MAX_HEADER, strict_json
 
 SINGLE = "model.safetensors"
@@ -15,10 +16,14 @@ INDEX = "model.safetensors.index.json"
 
 
 def raw_header(path):
-    """(the header's JSON bytes, the file's size) of one .safetensors file; ValueError naming it if it cannot
-    hold a header."""
-    size = os.path.getsize(path)
+    """(the header's JSON bytes, the file's size, its source: (path with links resolved, identity_of the file read,
+    its (size, mtime ns))) of one .safetensors file; ValueError naming it if it cannot hold a header. The size and identity are those of
+    the file the header was read from, whatever replaces it at its name meanwhile."""
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        # the links resolved, and checked by the identity at each read (pread opens it without following a link)
+        source = (os.path.realpath(path), identity_of(f.fileno()), (st.st_size, st.st_mtime_ns))
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
@@ -29,7 +34,24 @@ def raw_header(path):
         raw = f.read(n)
     if len(raw) < n:
         raise ValueError(f"{path}: the file shrank while its header was read ({len(raw)} of {n} bytes)")
-    return raw, size
+    return raw, size, source
+
+
+def check_unchanged(locations):
+    """ValueError naming the file where one the Locations were read from was written in place since its header was
+    read (same file, another size or modification time: a program that rewrites it without a rename, such as
+    safetensors' save_file): what was read may mix its old and new bytes. A file replaced by another at its name is
+    not: the reads were tied to the old one (Location)."""
+    for loc in {loc.path: loc for loc in locations if loc.source is not None}.values():
+        real, identity, (size, mtime_ns) = loc.source
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            continue  # replaced or removed since: the reads, tied to the file, read it whole
+        if (st.st_dev, st.st_ino) == tuple(identity[:2]) and (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+            raise ValueError(f"{loc.path}: the file was written while it was being loaded (another program "
+                             "rewriting it in place?), so the tensors read may mix its old and new bytes: load it "
+                             "again once it is written")
 
 
 def _confined(base, shard, index_path):

@@ -20,12 +20,25 @@ INT64_MAX = 2**63 - 1
 
 
 class Location:
-    """Where one tensor's bytes are: file, absolute offset, byte count, and what the file says it is."""
+    """Where one tensor's bytes are: file, absolute offset, byte count, and what the file says it is. source: the
+    file whose header said so, as (its path with links resolved, its identity: st_dev, st_ino, birth ns, its
+    (size, mtime ns) then), or None. Readers pass it to pread (io_path, identity), so a file replaced at its name
+    since its header was read (a save committed meanwhile) is refused instead of read at the old header's offsets;
+    files.check_unchanged tells one written in place meanwhile."""
 
-    __slots__ = ("path", "offset", "nbytes", "dtype", "shape")
+    __slots__ = ("path", "offset", "nbytes", "dtype", "shape", "source")
 
-    def __init__(self, path, offset, nbytes, dtype, shape):
+    def __init__(self, path, offset, nbytes, dtype, shape, source=None):
         self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+        self.source = source
+
+    @property
+    def io_path(self):
+        return self.path if self.source is None else self.source[0]
+
+    @property
+    def identity(self):
+        return None if self.source is None else self.source[1]
 
     def as_tuple(self):
         return self.path, self.offset, self.nbytes
@@ -116,9 +129,9 @@ def _ints(value):
     return tuple(value)
 
 
-def parse_header(path, raw, file_size):
+def parse_header(path, raw, file_size, source=None):
     """({name: Location}, __metadata__ ({str: str}, empty when absent)) from the header bytes `raw` of the file at
-    path, which has file_size bytes."""
+    path, which has file_size bytes (source: that file's, for the Locations; see Location)."""
     header = strict_json(raw, path)
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the safetensors header is not a JSON object")
@@ -154,7 +167,7 @@ def parse_header(path, raw, file_size):
             raise ValueError(f"{path}: tensor {name!r} has shape {list(shape)}, whose storage size overflows 64 "
                              "bits")
         spans.append((begin, end, name))
-        out[name] = Location(path, data_start + begin, nbytes, dtype, shape)
+        out[name] = Location(path, data_start + begin, nbytes, dtype, shape, source)
     _check_tiling(path, spans, file_size - data_start)
     return out, metadata
 

@@ -46,7 +46,8 @@ def open_checkpoint(checkpoint):
     files, weight_map = checkpoint_files(checkpoint)
     locations, metadata = {}, {}
     for path in files:
-        found, metadata = parse_header(path, *raw_header(path))
+        raw, size, source = raw_header(path)
+        found, metadata = parse_header(path, raw, size, source)
         locations.update(found)
     if weight_map is not None:
         for name, path in weight_map.items():

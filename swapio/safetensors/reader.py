@@ -15,6 +15,7 @@ from ..core import cuda_copy
 from ..core._align import ALIGN, round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
+from .files import check_unchanged
 from .opened import open_checkpoint
 
 
@@ -44,6 +45,7 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
             out.append(torch.empty(locations[name].shape, dtype=locations[name].dtype, device=device))
     read_into([(locations[name], t) for name, t in zip(names, out)], device, handle=handle,
               staging_bytes=staging_bytes)
+    check_unchanged(locations.values())
     return dict(zip(names, out))
 
 
@@ -68,7 +70,8 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
         for path, items in by_file.items():
             items.sort(key=lambda x: x[1].offset)
             first = items[0][1].offset // ALIGN * ALIGN
-            last = read_end(max(loc.offset + loc.nbytes for _, loc in items), os.path.getsize(path))
+            io_path, identity = items[0][1].io_path, items[0][1].identity
+            last = read_end(max(loc.offset + loc.nbytes for _, loc in items), os.path.getsize(io_path))
             starts = list(range(first, last, window))
 
             def submit(k):
@@ -76,7 +79,7 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
                     events[k % 2].synchronize()  # the copies out of this buffer have finished
                     events[k % 2] = None
                 n = min(window, last - starts[k])
-                return handle.pread(buffers[k % 2][:n], path, starts[k])
+                return handle.pread(buffers[k % 2][:n], io_path, starts[k], identity=identity)
 
             pending = submit(0)
             for k, start in enumerate(starts):

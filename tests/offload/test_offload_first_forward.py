@@ -21,9 +21,9 @@ class CountingHandle(swapio.AioHandle):
         super().__init__()
         self.reads = collections.Counter()
 
-    def pread(self, tensor, path, offset=0):
+    def pread(self, tensor, path, offset=0, **kw):
         self.reads[(str(path), offset, tensor.numel())] += 1
-        return super().pread(tensor, path, offset)
+        return super().pread(tensor, path, offset, **kw)
 
 
 def llama():

@@ -16,9 +16,9 @@ class CountingHandle(swapio.AioHandle):
         super().__init__()
         self.reads = []
 
-    def pread(self, tensor, path, offset=0):
+    def pread(self, tensor, path, offset=0, **kw):
         self.reads.append((str(path), offset))
-        return super().pread(tensor, path, offset)
+        return super().pread(tensor, path, offset, **kw)
 
 
 def reads_of(handle, record):

@@ -67,6 +67,18 @@ def test_low_precision_state_is_stored_as_the_optimizer_stores_it(mode, state_dt
     opt.close()
 
 
+def test_an_int8_checkpoint_read_as_a_state_dict_says_to_load_its_directory(tmp_path):
+    """swapio.checkpoint.load(file) gives the arrays as stored: int8 moments are codes, not values (torch's
+    load_state_dict would take them as moments); ours says how to load the checkpoint instead of 'must be a
+    floating-point tensor'."""
+    opt, params, file = _saved("cpu", "int8", torch.float32, tmp_path)
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"8-bit codes.*opt\.load\(dir\)"):
+        opt.load_state_dict(swapio.checkpoint.load(file))
+    assert_same(snapshot(opt, params), before)
+    opt.close()
+
+
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 @pytest.mark.parametrize("name, dtype, state_dtype", [("bf16-params-fp32-state", torch.bfloat16, "fp32"),
                                                       ("int8-state", torch.float32, "int8")])

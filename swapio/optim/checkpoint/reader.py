@@ -10,6 +10,7 @@ import torch
 from ...checkpoint.load import locate
 from ...safetensors.header import Location
 from ..state_format import StateFormat, shape_of_factors
+from ..unstepped_weights import KEY as UNSTEPPED
 from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES
 
 
@@ -75,6 +76,9 @@ def _meta_of(structure, file):
                       "checksums": {name: _checksum_value(c) for name, c in checksums.items()}}
     meta = {key: structure.get(key) for key in ("format", "version", "optimizer", "state_dtype", "checksum")}
     meta.update(param_groups=groups, state=entries, data=FILE, data_bytes=os.path.getsize(file))
+    unstepped = structure.get(UNSTEPPED, {})
+    meta[UNSTEPPED] = {k: _checksum_value(c) for k, c in unstepped.items()} if isinstance(unstepped, dict) \
+        else unstepped  # (anything else for validate.checkpoint_meta to refuse)
     return meta
 
 

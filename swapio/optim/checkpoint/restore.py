@@ -10,7 +10,7 @@ import torch
 
 from ... import _progress
 from ...core import _checksum
-from .. import state_transfer, validate
+from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
 from ..state_format import SCALE, StateFormat
 from .files import regular
@@ -33,6 +33,7 @@ def restore(opt, meta, path, progress=False):
         raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
     _check_same_parameters(opt.param_groups, meta["param_groups"], file)
     _check_groups(opt, new_groups, file, meta.get("optimizer"))
+    unstepped_weights.check(opt, id_map, meta.get(unstepped_weights.KEY, {}), file)
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
         p = id_map[k]

@@ -15,7 +15,7 @@ from ...checkpoint.format import plan_state
 from ...core import _checksum
 from ...safetensors.dtypes import dtype_name
 from ...safetensors.file_writer import FileWriter
-from .. import state_transfer, validate
+from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
 from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, VERSION
 
@@ -93,6 +93,9 @@ def _structure(opt):
     structure = {"format": FORMAT, "version": VERSION, "optimizer": type(opt).__name__, "state_dtype": fmt.name,
                  "checksum": _checksum.ALGORITHM, "param_groups": groups, "state": state, "param_dtypes": dtypes,
                  "checksums": sums}
+    unstepped = unstepped_weights.checksums(opt, index, state)
+    if unstepped:  # (absent otherwise: such files are as before)
+        structure[unstepped_weights.KEY] = {k: f"{c:016x}" for k, c in unstepped.items()}
     return structure, slots, stateful, index
 
 
