@@ -5,13 +5,13 @@ The child is the real command line (`python -m swapio info`, or a copy of the sc
 addition through a sitecustomize module on PYTHONPATH: when the import of the chosen module starts, it writes a
 byte to a pipe and waits there, so the test's SIGINT lands inside that import, every time."""
 import os
-import select
 import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from helpers.cli import signal_once_ready
 
 pytestmark = pytest.mark.crash
 
@@ -48,28 +48,14 @@ def interrupt_while_importing(tmp_path, module, argv):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(STALL)
-    ready, ready_in_child = os.pipe()
-    env = dict(os.environ, STALL_MODULE=module, STALL_FD=str(ready_in_child),
-               PYTHONPATH=os.pathsep.join([ROOT, str(hook), os.environ.get("PYTHONPATH", "")]))
-    env.pop("SWAPIO_DEBUG", None)
-    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            pass_fds=(ready_in_child,),
-                            # SIGINT at its default even where the tests run with it ignored (a background
-                            # job of a non-interactive shell): Python then installs its Ctrl-C handler
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    os.close(ready_in_child)
-    try:
-        readable, _, _ = select.select([ready], [], [], TIMEOUT)
-        got = os.read(ready, 1) if readable else None
-        assert got == b"r", f"{module} was never imported: {proc.communicate() if got == b'' else 'timed out'}"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        os.close(ready)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, err
+
+    def start(fd):
+        env = dict(os.environ, STALL_MODULE=module, STALL_FD=str(fd),
+                   PYTHONPATH=os.pathsep.join([ROOT, str(hook), os.environ.get("PYTHONPATH", "")]))
+        env.pop("SWAPIO_DEBUG", None)
+        return argv, env
+
+    return signal_once_ready(start, signal.SIGINT, TIMEOUT, cwd=tmp_path)
 
 
 def command_line(tmp_path, form):

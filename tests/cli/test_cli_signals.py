@@ -3,12 +3,12 @@
 The command runs as `python -m swapio` runs it, with one addition: once its measured phase has requests in flight,
 it writes a byte to a pipe and waits there, so the test's signal lands mid-run, every time."""
 import os
-import select
 import signal
-import subprocess
 import sys
 
 import pytest
+
+from helpers.cli import signal_once_ready
 
 pytestmark = pytest.mark.crash
 
@@ -43,28 +43,16 @@ runpy.run_module("swapio", run_name="__main__", alter_sys=True)
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_mid_run_removes_the_temporary_file(tmp_path, sig, status):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    ready, ready_in_child = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ready_in_child), "bench", "--dir", str(tmp_path),
-                             "--size", "8M", "--bs", "256K", "--runtime", str(TIMEOUT), "-q"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(ready_in_child,),
-                            # SIGINT at its default even where the tests run with it ignored (a background
-                            # job of a non-interactive shell): Python then installs its Ctrl-C handler
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    os.close(ready_in_child)
-    try:
-        readable, _, _ = select.select([ready], [], [], TIMEOUT)
-        got = os.read(ready, 1) if readable else None
-        assert got == b"r", f"the benchmark never got mid-run: {proc.communicate() if got == b'' else 'timed out'}"
+    def start(fd):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        return [sys.executable, "-c", CHILD, str(fd), "bench", "--dir", str(tmp_path), "--size", "8M", "--bs",
+                "256K", "--runtime", str(TIMEOUT), "-q"], env
+
+    def mid_run():
         assert any(f.startswith("swapio-bench-") for f in os.listdir(tmp_path)), "no temporary file mid-run"
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        os.close(ready)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == status, err
+
+    status_got, err = signal_once_ready(start, sig, TIMEOUT, when_ready=mid_run)
+    assert status_got == status, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] in ("swapio bench: interrupted", "swapio bench: terminated")
     assert os.listdir(tmp_path) == []

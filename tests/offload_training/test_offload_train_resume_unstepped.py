@@ -86,23 +86,17 @@ def test_a_weight_trained_after_the_checkpoint_without_state_in_it_is_refused(tm
     remove_offload(net)
 
 
-def test_offloading_again_from_the_saved_model_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("after_checkpoint, again", [
+    (2, True),   # trained after the checkpoint: offloading again from the model saved with it resumes exactly
+    (0, False),  # left as it was: the offload storage still holds the checkpoint's value
+])
+def test_resuming_with_the_checkpoints_weights_is_exact(tmp_path, after_checkpoint, again):
     want = uninterrupted(tmp_path)
-    run(tmp_path, after_checkpoint=2)
+    run(tmp_path, after_checkpoint=after_checkpoint)
     with torch.device("meta"):
         net = build()
-    net, opt = offloaded(net, tmp_path / "od-resumed", checkpoint=str(tmp_path / "model.safetensors"))
-    assert_same(resume(tmp_path, net, opt), want)
-    opt.close()
-    remove_offload(net)
-
-
-def test_a_weight_without_state_left_as_it_was_resumes_exactly(tmp_path):
-    want = uninterrupted(tmp_path)
-    run(tmp_path, after_checkpoint=0)
-    with torch.device("meta"):
-        net = build()
-    net, opt = offloaded(net, tmp_path / "od")
+    kwargs = {"checkpoint": str(tmp_path / "model.safetensors")} if again else {}
+    net, opt = offloaded(net, tmp_path / ("od-resumed" if again else "od"), **kwargs)
     assert_same(resume(tmp_path, net, opt), want)
     opt.close()
     remove_offload(net)
