@@ -27,7 +27,7 @@ from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
 from .activation_store import Session
-from .compiled import leave_out_of_graphs, methods_run_eagerly
+from .compiled import methods_run_eagerly
 from .kept import Kept
 
 DEFAULT_MIN_BYTES = 1 << 20
@@ -298,7 +298,6 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
     min_bytes = check_int("min_bytes", min_bytes, 0)
     prefetch = check_int("prefetch", prefetch, 0)
     staging_bytes = check_int("staging_bytes", staging_bytes, 0)
-    leave_out_of_graphs()
     return ActivationOffload(_Resources(to, swap_dir, model, min_bytes, prefetch, staging_bytes, io_kwargs))
 
 

@@ -7,12 +7,16 @@ multiplied" for a model with no such layer), tripped over the weights' views of 
 be divisible by 4") and recompiled at every forward. So they are torch.compiler.disable()d: the graph breaks
 around each offloaded module, which runs as without compile (numbers equal eager), and the code between them
 (resident modules, activations, the loss) compiles. fullgraph=True cannot hold: dynamo then raises its error,
-with the reason below. The wrapping happens at the first offload, not at import, because
-torch.compiler.disable imports dynamo (about a second). The boundary classes name themselves (@runs_eagerly), so
-this module imports none of theirs. Activation offload's bookkeeping (its `with`, its saved-tensor hooks) runs
-eagerly the same way (@methods_run_eagerly), and so does the offloaded optimizers' step (swapio.optim, marked at
-the first optimizer).
+with the reason below. The wrapping needs torch._dynamo (about a second to import), which a program that never
+compiles does not: it happens as dynamo is imported (torch.compile imports it), by a hook on that one import
+(_WhenDynamoLoads), or at once where dynamo is in already. So it holds whatever the order (an optimizer built,
+then its step compiled), and costs nothing without compile. The boundary classes name themselves
+(@runs_eagerly), so this module imports none of theirs. Activation offload's bookkeeping (its `with`, its
+saved-tensor hooks) runs eagerly the same way (@methods_run_eagerly), and so does the offloaded optimizers'
+step (swapio.optim).
 """
+import importlib.abc
+import importlib.machinery
 import sys
 
 import torch
@@ -59,9 +63,50 @@ def leave_out_of_graphs():
     _done = True
 
 
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the import of torch._dynamo it has the usual finders find it, and has its loader
+    run leave_out_of_graphs() once the module is in (then it leaves sys.meta_path)."""
+    NAME = "torch._dynamo"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        _unhook()
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_mark(module):
+            exec_module(module)
+            leave_out_of_graphs()
+
+        spec.loader.exec_module = exec_then_mark  # (this module's loader only: one per module)
+        return spec
+
+
+_hook = _WhenDynamoLoads()
+
+
+def _unhook():
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def mark_when_dynamo_loads():
+    """At swapio's import: the boundaries are marked as soon as torch._dynamo is (see the module)."""
+    if _WhenDynamoLoads.NAME in sys.modules:
+        leave_out_of_graphs()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
+
+
 def is_compile_wrapper(module):
     """True for torch.compile's wrapper module (OptimizedModule), which registers the compiled model as its
     `_orig_mod` submodule: not a wrapper that needs stand-ins (grafting.py)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(eval_frame, "OptimizedModule", None)
     return wrapper is not None and isinstance(module, wrapper)
+
+
+mark_when_dynamo_loads()

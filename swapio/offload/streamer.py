@@ -106,7 +106,6 @@ class WeightStreamer:
         """Allocates the ring, wraps each unit's forward and installs the placeholders. On any failure (Ctrl-C
         included) the model is left as it was: no wrapper, its own tensors in place (the caller's `current`)."""
         try:
-            compiled.leave_out_of_graphs()
             self.fetcher.prepare(self.records)
             for unit in self.units:
                 unit.own_forward = unit.module.__dict__.get("forward", NO_OWN_FORWARD)

@@ -26,7 +26,7 @@ from . import checkpoint, reference, state_dict_hooks, timing, validate
 from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
-from ..offload.compiled import leave_out_of_graphs, methods_run_eagerly
+from ..offload.compiled import methods_run_eagerly
 from .gpu_in_backward import GpuInBackward
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState, unread_entries_message
@@ -77,7 +77,7 @@ _EAGER_STEP = ("an offloaded optimizer's step runs eagerly: it updates its state
                "or in swap files, which a graph cannot hold; compile without fullgraph=True (the numbers equal eager)")
 
 
-@methods_run_eagerly("step", reason=_EAGER_STEP)
+@methods_run_eagerly("_step", reason=_EAGER_STEP)
 class OffloadOptimizer(Optimizer):
     """The base of OffloadAdam, OffloadAdamW and OffloadLion (see OffloadAdam for the arguments): optimizer state
     off the GPU, in RAM (offload="cpu") or in a swap file (offload="nvme"), stepped on the CPU.
@@ -96,7 +96,6 @@ class OffloadOptimizer(Optimizer):
         if self._rule_type is None:
             raise TypeError("OffloadOptimizer is the base of OffloadAdam, OffloadAdamW, OffloadLion and "
                             "OffloadAdafactor: build one of those (or a subclass that sets _rule_type)")
-        leave_out_of_graphs()  # (before torch's __init__ wraps step for its hooks: it must wrap the eager one)
         self._rule = self._rule_type(state_dtype)  # ValueError for an unknown state_dtype
         if "betas" in defaults:
             _check_betas_kind(defaults["betas"])
@@ -348,9 +347,12 @@ class OffloadOptimizer(Optimizer):
                                "of a save()) taken then, or del opt.state[p] to start the parameter afresh")
 
     # ---- the step ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self, closure=None):
         """One step for every parameter with a gradient; returns closure's loss when given."""
+        return self._step(closure)  # (looked up at each call: run eagerly under torch.compile, whenever it came)
+
+    @torch.no_grad()
+    def _step(self, closure):
         self._check_open()
         self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()

@@ -80,3 +80,33 @@ def test_fullgraph_says_the_step_runs_eagerly():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
         opt.step()  # and the optimizer goes on
         assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+
+ORDER_CHILD = """
+import sys, torch, swapio.optim as so
+from swapio.offload import compiled, cpu_offload
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+twin.load_state_dict(model.state_dict())
+x = torch.randn(4, 8)
+want = twin(x)
+model = cpu_offload(model)
+assert torch.equal(model(x), want)
+assert "torch._dynamo" not in sys.modules, "offloading imported dynamo (a second) without torch.compile"
+assert not compiled._done
+opt = so.OffloadAdamW(twin.parameters(), lr=1e-2)
+assert compiled._done  # torch's Optimizer imports dynamo, which marks the boundaries as it loads
+assert torch.equal(torch.compile(model, backend="eager")(x), want)  # the offloaded modules ran eagerly
+print("ok")
+"""
+
+
+def test_the_boundaries_are_marked_as_dynamo_loads_and_it_is_not_loaded_without_compile():
+    """torch._dynamo (a second to import) comes in with torch.compile or torch's Optimizer, not with an offload;
+    swapio's boundaries are marked as it loads, whenever that is."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", ORDER_CHILD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
