@@ -490,7 +490,8 @@ class OffloadOptimizer(Optimizer):
             try:
                 with section("swapio::step"):
                     # parameters seen for the first time get their place
-                    self._backend.place(self.param_fields(), self._offloaded.group_of)
+                    stepped = {w.p for w in works}
+                    self._backend.place(self._placed(self.param_fields(), stepped), self._offloaded.group_of)
                     if copies is None:
                         self._backend.step(works, self._threads(), ctrl_c)
                     else:
@@ -624,6 +625,13 @@ class OffloadOptimizer(Optimizer):
             for p in group["params"]:
                 yield p, self._rule.fields(p, group)
 
+    def _placed(self, params_fields, stepped=()):
+        """The (p, fields) the backend places: parameters that may be stepped (trainable, holding state, or in
+        `stepped`: a frozen one given a gradient by hand). A frozen one is not placed: in nvme mode it took room in
+        the swap file (12 bytes an element for an int8 base weight) and, sharing a chunk with a trainable
+        neighbour, was read and written at every step (a LoRA model's base weights: 65 times the I/O)."""
+        return [(p, f) for p, f in params_fields if p.requires_grad or self.state.get(p) or p in stepped]
+
     def kept_fields(self, p, group):
         """The state fields kept for p in `group` (missing group keys from the defaults), in storage order."""
         return self._rule.fields(p, {**self.defaults, **group})
@@ -655,6 +663,13 @@ class OffloadOptimizer(Optimizer):
         """Makes `groups` and `state` ({p: {"step"}} plus entries not keyed by parameters) live, all or nothing:
         the backend stores entries {p: fields} in new storage filled by source (see state_transfer), places
         `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
+        for index, (p, _) in enumerate(self.param_fields()):
+            problem = None if p not in entries or self.is_offloaded(p) else _unsupported(shard(p))
+            if problem is not None:  # state it could never step, which save() would write and load() refuse
+                raise ValueError(f"the loaded state holds state for parameter {index}, which this "
+                                 f"{type(self).__name__} took frozen and cannot step: it has {problem}. Load a "
+                                 "state without an entry for it (torch's optimizers keep one for a parameter they "
+                                 "stepped before it was frozen), or give the optimizer parameters it can step")
 
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
@@ -664,7 +679,7 @@ class OffloadOptimizer(Optimizer):
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 
-        self._backend.fill(entries, source, placement, state, check, commit)
+        self._backend.fill(entries, source, self._placed(placement, entries), state, check, commit)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap handles in nvme mode, new ones in cpu mode
