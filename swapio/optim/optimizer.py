@@ -36,10 +36,13 @@ from .params import FP32, PARAM_DTYPES, shard
 from .work import Work
 
 
-def _unsupported(p):
-    """Why a parameter cannot be stepped (its dtype, device or layout), or None."""
+def _unsupported(p, offloaded=False):
+    """Why a parameter cannot be stepped (its dtype, device or layout), or None. offloaded: p is the placeholder of
+    a weight offloaded by swapio.offload (on meta, with its weight's dtype), whose storage is swapio's."""
     if p.dtype not in PARAM_DTYPES:
         return f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
+    if offloaded:
+        return None
     if p.device.type not in ("cpu", "cuda"):
         return f"device {p.device} (supported: cpu, cuda, and weights offloaded by swapio.offload)"
     if p.layout != torch.strided:
@@ -216,8 +219,11 @@ class OffloadOptimizer(Optimizer):
             raise ValueError(f"a param group lists a parameter more than once (at positions {twice}); "
                              f"{type(self).__name__} steps each parameter once: list each one once")
         for p in group["params"]:
-            if p.device.type == "meta" and self._offloaded.adopt(p):
-                continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
+            # an offloaded weight: the optimizer keeps its master, the storage its compute copy (a trainable one of
+            # another dtype is refused below, as a resident one: a complex one's imaginary part was dropped)
+            if p.device.type == "meta" and (p.dtype in PARAM_DTYPES or not p.requires_grad) \
+                    and self._offloaded.adopt(p):
+                continue
             local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
             if local is not p and self._rule.whole:
                 self.param_groups.pop()
@@ -359,6 +365,7 @@ class OffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_hyper_unchanged()
+        self._check_frozen_grads()
         try:
             self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
             offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
@@ -368,6 +375,24 @@ class OffloadOptimizer(Optimizer):
         finally:
             self._hyper_used.clear()
         return loss
+
+    def _check_steppable(self, p, index, offloaded=False):
+        """ValueError for a parameter taken frozen (add_param_group) that cannot be stepped and has a gradient."""
+        problem = _unsupported(shard(p), offloaded)
+        if problem is not None:
+            raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was taken "
+                             f"frozen and cannot be stepped: it has {problem}. Leave it frozen, or give the "
+                             "optimizer parameters it can step")
+
+    def _check_frozen_grads(self):
+        """_check_steppable for every parameter with a gradient, before step() updates the offloaded weights (which
+        come before the resident ones): a refusal then leaves everything unstepped."""
+        index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is not None:
+                    self._check_steppable(p, index, offloaded=p in self._offloaded.entries)
 
     def _check_hyper_unchanged(self):
         """RuntimeError, before step() steps anything more, where a group's options (lr, betas, weight decay...)
@@ -547,11 +572,7 @@ class OffloadOptimizer(Optimizer):
                 g = grad_of(p)
                 if g is None:
                     continue
-                problem = _unsupported(shard(p)) if data_of is None else None
-                if problem is not None:  # taken frozen (add_param_group), given a gradient since
-                    raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was "
-                                     f"taken frozen and cannot be stepped: it has {problem}. Leave it frozen, or "
-                                     "give the optimizer parameters it can step")
+                self._check_steppable(p, index, offloaded=data_of is not None)
                 if g.is_sparse or g.layout != torch.strided:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
                                        "consider torch.optim.SparseAdam instead")
