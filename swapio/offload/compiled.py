@@ -10,8 +10,9 @@ around each offloaded module, which runs as without compile (numbers equal eager
 with the reason below. The wrapping happens at the first offload, not at import, because
 torch.compiler.disable imports dynamo (about a second). The boundary classes name themselves (@runs_eagerly), so
 this module imports none of theirs. Activation offload's bookkeeping (its `with`, its saved-tensor hooks) runs
-eagerly the same way (@methods_run_eagerly), and so does the offloaded optimizers' step (swapio.optim, marked at
-the first optimizer).
+eagerly the same way (@methods_run_eagerly), and so do the hooks that hand trained weights' gradients to their
+optimizer (training.py: a backward inside a compiled function runs them under dynamo) and the offloaded
+optimizers' step, gradient and state methods (swapio.optim, marked at the first optimizer).
 """
 import sys
 

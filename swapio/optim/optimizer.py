@@ -80,7 +80,16 @@ _EAGER_STEP = ("an offloaded optimizer's step runs eagerly: it updates its state
                "or in swap files, which a graph cannot hold; compile without fullgraph=True (the numbers equal eager)")
 
 
+# The same for what else works on the state or the gradients swapio holds (torch's own state_dict,
+# load_state_dict, zero_grad and add_param_group are dynamo-disabled too): traced, clip_grad_norm_ failed on an
+# offloaded weight's gradient marker ("storage_offset() on p.grad of the offloaded weight").
+_EAGER_STATE = ("an offloaded optimizer's gradients, state and checkpoints are handled eagerly, in native code on "
+                "the CPU, in RAM or in swap files, which a graph cannot hold; compile without fullgraph=True")
+
+
 @methods_run_eagerly("step", reason=_EAGER_STEP)
+@methods_run_eagerly("zero_grad", "clip_grad_norm_", "state_dict", "load_state_dict", "add_param_group", "save",
+                     "load", reason=_EAGER_STATE)
 class OffloadOptimizer(Optimizer):
     """The base of OffloadAdam, OffloadAdamW and OffloadLion (see OffloadAdam for the arguments): optimizer state
     off the GPU, in RAM (offload="cpu") or in a swap file (offload="nvme"), stepped on the CPU.

@@ -80,3 +80,45 @@ def test_fullgraph_says_the_step_runs_eagerly():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
         opt.step()  # and the optimizer goes on
         assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_compiled_training_step_of_an_offloaded_model_matches_eager(in_backward, clip):
+    """backward() inside the compiled function runs autograd's hooks under dynamo: it traced into the hooks that
+    hand an offloaded weight's gradient to the optimizer, and into opt.clip_grad_norm_, and failed on the gradient
+    markers ("storage_offset() on p.grad of the offloaded weight")."""
+    from swapio.offload import cpu_offload
+
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model, _ = model_and_opt("OffloadAdamW")
+        model = cpu_offload(model)
+        opt = so.OffloadAdamW(model.parameters(), lr=1e-2, in_backward=in_backward)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+
+        def train_step(i):
+            loss = loss_of(model, i)
+            loss.backward()
+            if clip and not in_backward:
+                opt.clip_grad_norm_(0.1)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = torch.compile(train_step, backend="eager") if compiled else train_step
+        with opt:
+            losses = []
+            for i in range(4):
+                losses.append(step(i))
+                if not in_backward:
+                    sched.step()
+            runs.append((losses, [opt.param_value(p).clone() for p in model.parameters()],
+                         torch.compile(opt.state_dict, backend="eager")() if compiled else opt.state_dict()))
+    (eager_losses, eager_weights, eager_sd), (losses, weights, sd) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses))
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
+    assert sd["param_groups"] == eager_sd["param_groups"]
+    assert all(torch.equal(sd["state"][k][f], eager_sd["state"][k][f]) for k in eager_sd["state"]
+               for f in eager_sd["state"][k])
