@@ -386,12 +386,14 @@ class OffloadOptimizer(Optimizer):
         return loss
 
     def _check_steppable(self, p, index, offloaded=False):
-        """ValueError for a parameter taken frozen (add_param_group) that cannot be stepped and has a gradient."""
+        """ValueError for a parameter taken frozen (add_param_group), or put in a group by an edit, that cannot be
+        stepped and has a gradient."""
         problem = _unsupported(shard(p), offloaded)
         if problem is not None:
             raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was taken "
-                             f"frozen and cannot be stepped: it has {problem}. Leave it frozen, or give the "
-                             "optimizer parameters it can step")
+                             "frozen (or put in param_groups by an edit, which add_param_group would have refused) "
+                             f"and cannot be stepped: it has {problem}. Leave it frozen, or give the optimizer "
+                             "parameters it can step")
 
     def _check_frozen_grads(self):
         """_check_steppable for every parameter with a gradient, before step() updates the offloaded weights (which

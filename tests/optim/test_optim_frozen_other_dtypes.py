@@ -232,3 +232,15 @@ def test_state_for_a_parameter_it_cannot_step_is_refused_at_load(mode, tmp_path)
         with pytest.raises(ValueError, match=r"state for parameter 2, .* cannot step: it has dtype torch.float64"):
             opt.load(tmp_path / "ckpt")
         assert opt.state_dict()["state"] == {}
+
+
+def test_a_trainable_parameter_put_in_a_group_by_an_edit_is_not_said_to_be_taken_frozen():
+    """add_param_group refuses a trainable float64 parameter; one appended to a group's list is refused at step(),
+    and the message says how it may have got there (it said only that it was taken frozen, which it was not)."""
+    w, d = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with so.OffloadAdamW([w]) as opt:
+        opt.param_groups[0]["params"].append(d)
+        w.grad, d.grad = torch.randn(4), torch.randn(3, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"parameter 1 .* put in param_groups by an edit.*dtype torch.float64"):
+            opt.step()
+        assert not opt.state_dict()["state"]
