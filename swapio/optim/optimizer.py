@@ -696,7 +696,7 @@ class OffloadOptimizer(Optimizer):
         the backend stores entries {p: fields} in new storage filled by source (see state_transfer), places
         `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
         for index, (p, _) in enumerate(self.param_fields()):
-            problem = None if p not in entries or self.is_offloaded(p) else _unsupported(shard(p))
+            problem = _unsupported(shard(p), self.is_offloaded(p)) if p in entries else None
             if problem is not None:  # state it could never step, which save() would write and load() refuse
                 raise ValueError(f"the loaded state holds state for parameter {index}, which this "
                                  f"{type(self).__name__} took frozen and cannot step: it has {problem}. Load a "

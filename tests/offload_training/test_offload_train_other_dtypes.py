@@ -84,3 +84,19 @@ def test_a_resident_frozen_parameter_with_a_gradient_is_refused_before_offloaded
         extra.grad = None
         opt.step()  # and it steps on
         assert not all(torch.equal(opt.param_value(p), b) for p, b in zip(net.parameters(), before))
+
+
+def test_state_for_a_frozen_offloaded_float64_weight_is_refused_at_load():
+    """torch's AdamW over the resident model, which stepped the float64 weight while it was trainable: its state
+    for it would have been taken, and the weight rewritten from an fp32 master made of it."""
+    resident = model(Float64())
+    ref = torch.optim.AdamW(resident.parameters(), lr=1e-2)
+    resident(torch.randn(3, 4)).square().sum().backward()
+    ref.step()
+    net = cpu_offload(model(Float64().requires_grad_(False)))
+    with OffloadAdamW(net.parameters(), lr=1e-2) as opt:
+        before = [opt.param_value(p).clone() for p in net.parameters()]
+        with pytest.raises(ValueError, match=r"state for parameter 2, .* cannot step: it has dtype torch.float64"):
+            opt.load_state_dict(ref.state_dict())
+        assert all(torch.equal(opt.param_value(p), b) for p, b in zip(net.parameters(), before))
+        assert opt.state_dict()["state"] == {}
