@@ -234,7 +234,7 @@ class OffloadOptimizer(Optimizer):
                     and self._offloaded.adopt(p):
                 continue
             local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
-            if local is not p and self._rule.whole:
+            if local is not p and self._rule.whole and p.requires_grad:  # (a frozen one is taken, as below)
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} steps each parameter whole (its norm and row/column means "
                                  "are over all of it), but a DTensor parameter (FSDP2, tensor parallelism) holds "
@@ -389,6 +389,9 @@ class OffloadOptimizer(Optimizer):
         """ValueError for a parameter taken frozen (add_param_group), or put in a group by an edit, that cannot be
         stepped and has a gradient."""
         problem = _unsupported(shard(p), offloaded)
+        if problem is None and self._rule.whole and shard(p) is not p:
+            problem = (f"only its shard here (a DTensor: FSDP2, tensor parallelism), while {type(self).__name__} "
+                       "steps each parameter whole")
         if problem is not None:
             raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was taken "
                              "frozen (or put in param_groups by an edit, which add_param_group would have refused) "

@@ -244,3 +244,26 @@ def test_a_trainable_parameter_put_in_a_group_by_an_edit_is_not_said_to_be_taken
         with pytest.raises(ValueError, match=r"parameter 1 .* put in param_groups by an edit.*dtype torch.float64"):
             opt.step()
         assert not opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_a_frozen_sharded_parameter_is_taken_by_adafactor_and_refused_once_it_has_a_gradient(mode, tmp_path):
+    """OffloadAdafactor steps parameters whole, so a DTensor's shard (FSDP2) is refused; a frozen one (LoRA over a
+    fully_shard model's base weights) was refused too, where torch's Adafactor takes it and never steps it.
+    Stand-in for a DTensor: the attribute by which swapio recognises one (params.shard)."""
+    sharded = torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+    sharded._local_tensor = torch.zeros(2, 6)
+    params, alone = model_params(), [p.detach().clone().requires_grad_(True) for p in trainable(model_params())]
+    with make("OffloadAdafactor", [sharded, *params], mode, tmp_path) as opt, \
+            make("OffloadAdafactor", alone, mode, tmp_path / "alone") as ref:
+        run(opt, params, 2)
+        run(ref, alone, 2)
+        assert all(torch.equal(a, b) for a, b in zip(trainable(params), alone))
+        sharded.grad = torch.ones(4, 6)
+        set_grads(params, 2)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match=r"parameter 0 .* only its shard here \(a DTensor"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+    with pytest.raises(ValueError, match="DTensor"):  # a trainable one is still refused
+        so.OffloadAdafactor([sharded.requires_grad_(True)])
