@@ -12,8 +12,9 @@ compiles does not: it happens as dynamo is imported (torch.compile imports it), 
 (_WhenDynamoLoads), or at once where dynamo is in already. So it holds whatever the order (an optimizer built,
 then its step compiled), and costs nothing without compile. The boundary classes name themselves
 (@runs_eagerly), so this module imports none of theirs. Activation offload's bookkeeping (its `with`, its
-saved-tensor hooks) runs eagerly the same way (@methods_run_eagerly), and so does the offloaded optimizers'
-step (swapio.optim).
+saved-tensor hooks) runs eagerly the same way (@methods_run_eagerly), and so do the hooks that hand trained
+weights' gradients to their optimizer (training.py: a backward inside a compiled function runs them under
+dynamo) and the offloaded optimizers' step, gradient and state methods (swapio.optim).
 """
 import importlib.abc
 import importlib.machinery

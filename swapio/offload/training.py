@@ -34,6 +34,7 @@ import torch
 
 from ..core.backward_end import on_backward_end
 from ..core.heap import HeapTrim
+from .compiled import methods_run_eagerly
 from .trainable import TrainableOwner
 from .weight_store import current_value
 
@@ -56,6 +57,14 @@ def lookup(p):
     return None if training is None else (training, entry[2])
 
 
+# A backward called inside a compiled function (a compiled training step: loss.backward() then opt.step()) runs
+# autograd's hooks and final callbacks under dynamo, which traced into them and failed on the gradient markers
+# ("storage_offset() on p.grad of the offloaded weight"). They hand gradients to the optimizer: eager.
+_EAGER_GRADIENTS = ("an offloaded weight's gradient leaves for the swapio optimizer that trains it from autograd's "
+                    "hooks, which run eagerly; compile without fullgraph=True")
+
+
+@methods_run_eagerly("_arrived", "_backward_ended", reason=_EAGER_GRADIENTS)
 class Training:
     """Per offloaded model: who owns each trainable slot, and the gradients in flight."""
 

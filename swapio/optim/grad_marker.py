@@ -11,9 +11,12 @@ import torch
 
 # What may touch a marker: reading its metadata, dropping its autograd history, zeroing it (zero_grad with
 # set_to_none=False, or a hook); everything else would compute with values it does not have.
+# storage_offset, is_conj and is_neg: what dynamo reads of a tensor it meets (model.zero_grad() inside a compiled
+# training step reads p.grad), which failed the compile with this module's error, naming model.zero_grad() as the way.
 _ALLOWED = {"__get__", "__set__", "__repr__", "__format__", "_is_view", "detach_", "requires_grad_", "zero_",
             "_foreach_zero_", "size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
-            "is_floating_point", "is_complex", "data_ptr", "untyped_storage", "__reduce_ex__", "__deepcopy__"}
+            "is_floating_point", "is_complex", "data_ptr", "untyped_storage", "__reduce_ex__", "__deepcopy__",
+            "storage_offset", "is_conj", "is_neg"}
 
 
 class GradMarker(torch.Tensor):

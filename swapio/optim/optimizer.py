@@ -36,10 +36,13 @@ from .params import FP32, PARAM_DTYPES, shard
 from .work import Work
 
 
-def _unsupported(p):
-    """Why a parameter cannot be stepped (its dtype, device or layout), or None."""
+def _unsupported(p, offloaded=False):
+    """Why a parameter cannot be stepped (its dtype, device or layout), or None. offloaded: p is the placeholder of
+    a weight offloaded by swapio.offload (on meta, with its weight's dtype), whose storage is swapio's."""
     if p.dtype not in PARAM_DTYPES:
         return f"dtype {p.dtype} (supported: float32, bfloat16, float16)"
+    if offloaded:
+        return None
     if p.device.type not in ("cpu", "cuda"):
         return f"device {p.device} (supported: cpu, cuda, and weights offloaded by swapio.offload)"
     if p.layout != torch.strided:
@@ -77,7 +80,16 @@ _EAGER_STEP = ("an offloaded optimizer's step runs eagerly: it updates its state
                "or in swap files, which a graph cannot hold; compile without fullgraph=True (the numbers equal eager)")
 
 
+# The same for what else works on the state or the gradients swapio holds (torch's own state_dict,
+# load_state_dict, zero_grad and add_param_group are dynamo-disabled too): traced, clip_grad_norm_ failed on an
+# offloaded weight's gradient marker ("storage_offset() on p.grad of the offloaded weight").
+_EAGER_STATE = ("an offloaded optimizer's gradients, state and checkpoints are handled eagerly, in native code on "
+                "the CPU, in RAM or in swap files, which a graph cannot hold; compile without fullgraph=True")
+
+
 @methods_run_eagerly("_step", reason=_EAGER_STEP)
+@methods_run_eagerly("zero_grad", "clip_grad_norm_", "state_dict", "load_state_dict", "add_param_group", "save",
+                     "load", reason=_EAGER_STATE)
 class OffloadOptimizer(Optimizer):
     """The base of OffloadAdam, OffloadAdamW and OffloadLion (see OffloadAdam for the arguments): optimizer state
     off the GPU, in RAM (offload="cpu") or in a swap file (offload="nvme"), stepped on the CPU.
@@ -215,10 +227,13 @@ class OffloadOptimizer(Optimizer):
             raise ValueError(f"a param group lists a parameter more than once (at positions {twice}); "
                              f"{type(self).__name__} steps each parameter once: list each one once")
         for p in group["params"]:
-            if p.device.type == "meta" and self._offloaded.adopt(p):
-                continue  # an offloaded weight: the optimizer keeps its master, the storage its compute copy
+            # an offloaded weight: the optimizer keeps its master, the storage its compute copy (a trainable one of
+            # another dtype is refused below, as a resident one: a complex one's imaginary part was dropped)
+            if p.device.type == "meta" and (p.dtype in PARAM_DTYPES or not p.requires_grad) \
+                    and self._offloaded.adopt(p):
+                continue
             local = shard(p)  # a DTensor (FSDP2) is stepped through its local shard
-            if local is not p and self._rule.whole:
+            if local is not p and self._rule.whole and p.requires_grad:  # (a frozen one is taken, as below)
                 self.param_groups.pop()
                 raise ValueError(f"{type(self).__name__} steps each parameter whole (its norm and row/column means "
                                  "are over all of it), but a DTensor parameter (FSDP2, tensor parallelism) holds "
@@ -361,6 +376,7 @@ class OffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_hyper_unchanged()
+        self._check_frozen_grads()
         try:
             self._offloaded.finish()  # offloaded weights: what backward left (in_backward) or their summed gradients
             offloaded = self._offloaded.entries  # their p.grad only marks that a sum exists
@@ -370,6 +386,29 @@ class OffloadOptimizer(Optimizer):
         finally:
             self._hyper_used.clear()
         return loss
+
+    def _check_steppable(self, p, index, offloaded=False):
+        """ValueError for a parameter taken frozen (add_param_group), or put in a group by an edit, that cannot be
+        stepped and has a gradient."""
+        problem = _unsupported(shard(p), offloaded)
+        if problem is None and self._rule.whole and shard(p) is not p:
+            problem = (f"only its shard here (a DTensor: FSDP2, tensor parallelism), while {type(self).__name__} "
+                       "steps each parameter whole")
+        if problem is not None:
+            raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was taken "
+                             "frozen (or put in param_groups by an edit, which add_param_group would have refused) "
+                             f"and cannot be stepped: it has {problem}. Leave it frozen, or give the optimizer "
+                             "parameters it can step")
+
+    def _check_frozen_grads(self):
+        """_check_steppable for every parameter with a gradient, before step() updates the offloaded weights (which
+        come before the resident ones): a refusal then leaves everything unstepped."""
+        index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is not None:
+                    self._check_steppable(p, index, offloaded=p in self._offloaded.entries)
 
     def _check_hyper_unchanged(self):
         """RuntimeError, before step() steps anything more, where a group's options (lr, betas, weight decay...)
@@ -492,7 +531,8 @@ class OffloadOptimizer(Optimizer):
             try:
                 with section("swapio::step"):
                     # parameters seen for the first time get their place
-                    self._backend.place(self.param_fields(), self._offloaded.group_of)
+                    stepped = {w.p for w in works}
+                    self._backend.place(self._placed(self.param_fields(), stepped), self._offloaded.group_of)
                     if copies is None:
                         self._backend.step(works, self._threads(), ctrl_c)
                     else:
@@ -548,11 +588,7 @@ class OffloadOptimizer(Optimizer):
                 g = grad_of(p)
                 if g is None:
                     continue
-                problem = _unsupported(shard(p)) if data_of is None else None
-                if problem is not None:  # taken frozen (add_param_group), given a gradient since
-                    raise ValueError(f"parameter {index} of this {type(self).__name__} has a gradient, but it was "
-                                     f"taken frozen and cannot be stepped: it has {problem}. Leave it frozen, or "
-                                     "give the optimizer parameters it can step")
+                self._check_steppable(p, index, offloaded=data_of is not None)
                 if g.is_sparse or g.layout != torch.strided:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
                                        "consider torch.optim.SparseAdam instead")
@@ -626,6 +662,13 @@ class OffloadOptimizer(Optimizer):
             for p in group["params"]:
                 yield p, self._rule.fields(p, group)
 
+    def _placed(self, params_fields, stepped=()):
+        """The (p, fields) the backend places: parameters that may be stepped (trainable, holding state, or in
+        `stepped`: a frozen one given a gradient by hand). A frozen one is not placed: in nvme mode it took room in
+        the swap file (12 bytes an element for an int8 base weight) and, sharing a chunk with a trainable
+        neighbour, was read and written at every step (a LoRA model's base weights: 65 times the I/O)."""
+        return [(p, f) for p, f in params_fields if p.requires_grad or self.state.get(p) or p in stepped]
+
     def kept_fields(self, p, group):
         """The state fields kept for p in `group` (missing group keys from the defaults), in storage order."""
         return self._rule.fields(p, {**self.defaults, **group})
@@ -657,6 +700,13 @@ class OffloadOptimizer(Optimizer):
         """Makes `groups` and `state` ({p: {"step"}} plus entries not keyed by parameters) live, all or nothing:
         the backend stores entries {p: fields} in new storage filled by source (see state_transfer), places
         `placement` [(p, fields)], runs check(), and only then swaps the new state in."""
+        for index, (p, _) in enumerate(self.param_fields()):
+            problem = _unsupported(shard(p), self.is_offloaded(p)) if p in entries else None
+            if problem is not None:  # state it could never step, which save() would write and load() refuse
+                raise ValueError(f"the loaded state holds state for parameter {index}, which this "
+                                 f"{type(self).__name__} took frozen and cannot step: it has {problem}. Load a "
+                                 "state without an entry for it (torch's optimizers keep one for a parameter they "
+                                 "stepped before it was frozen), or give the optimizer parameters it can step")
 
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
@@ -666,7 +716,7 @@ class OffloadOptimizer(Optimizer):
             self._torn = set()
             self._offloaded.rewrite_from_master(self.read_state)  # the offload storage holds the weights the state implies
 
-        self._backend.fill(entries, source, placement, state, check, commit)
+        self._backend.fill(entries, source, self._placed(placement, entries), state, check, commit)
 
     def io_handles(self):
         """(read handle, write handle, owned) for checkpoints: the swap handles in nvme mode, new ones in cpu mode

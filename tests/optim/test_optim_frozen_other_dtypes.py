@@ -145,3 +145,125 @@ def test_in_backward_updates_with_frozen_parameters_of_other_dtypes():
             ref.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(model[0].parameters(), twin[0].parameters()))
     assert all(torch.equal(a, b) for a, b in zip(model[1].parameters(), twin[1].parameters()))
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.int8])
+def test_nvme_mode_gives_frozen_parameters_no_room_and_no_io(base_dtype, tmp_path):
+    """A LoRA-style list (frozen base weights between trainable adapters, as model.parameters() gives it): the
+    swap file and each step's I/O are those of the adapters alone. Frozen ones were placed too: their room was
+    read and written at every step wherever they shared a chunk with an adapter (65 times the I/O here)."""
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(6):
+        params.append(torch.nn.Parameter(torch.randint(-9, 9, (256, 256), generator=g).to(base_dtype),
+                                         requires_grad=False))
+        params.append(torch.nn.Parameter(torch.randn(8, 256, generator=g)))
+    adapters = [p.detach().clone().requires_grad_(True) for p in trainable(params)]
+    with make("OffloadAdamW", params, "nvme", tmp_path) as opt, \
+            make("OffloadAdamW", adapters, "nvme", tmp_path / "alone") as ref:
+        run(opt, params, 2)
+        run(ref, adapters, 2)
+        assert all(torch.equal(a, b) for a, b in zip(trainable(params), adapters))
+        ours, alone = opt.step_report()["last"], ref.step_report()["last"]
+        assert (ours["bytes_read"], ours["bytes_written"]) == (alone["bytes_read"], alone["bytes_written"])
+        assert opt.memory_report()["state_bytes"] == ref.memory_report()["state_bytes"]
+        # after a load, too (nvme's load lays the state out afresh)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        run(opt, params, 1, first=2)
+        run(ref, adapters, 1, first=2)
+        assert all(torch.equal(a, b) for a, b in zip(trainable(params), adapters))
+        assert opt.memory_report()["state_bytes"] == ref.memory_report()["state_bytes"]
+        assert opt.step_report()["last"]["bytes_read"] == ref.step_report()["last"]["bytes_read"]
+
+
+def test_a_frozen_parameter_given_a_gradient_by_hand_is_placed_and_stepped_as_torch_steps_it(tmp_path):
+    """torch's optimizers step any listed parameter with a .grad, frozen or not; one of a dtype ours step is
+    placed when it first gets one (frozen ones are not placed before)."""
+    g = torch.Generator().manual_seed(1)
+    ours = [torch.nn.Parameter(torch.randn(300, generator=g), requires_grad=False),
+            torch.nn.Parameter(torch.randn(200, generator=g))]
+    theirs = [p.detach().clone().requires_grad_(p.requires_grad) for p in ours]
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    with make("OffloadAdamW", ours, "nvme", tmp_path) as opt:
+        for step in range(3):
+            for a, b in zip(ours, theirs):
+                if a.requires_grad or step > 0:  # the frozen one gets a gradient from the second step on
+                    a.grad = torch.randn(a.shape, generator=g)
+                    b.grad = a.grad.clone()
+            opt.step()
+            ref.step()
+        assert all((a - b).abs().max() <= 1e-6 for a, b in zip(ours, theirs))
+        assert sorted(opt.state_dict()["state"]) == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_state_for_a_parameter_it_cannot_step_is_refused_at_load(mode, tmp_path):
+    """torch's AdamW steps a float64 parameter and keeps its state after it is frozen; ours can never step it, and
+    took that state silently: save() then wrote a checkpoint that load() refused ("'dtype' must be one of ...").
+    Both loads refuse it now, naming the parameter, and leave the optimizer as it was."""
+    params = model_params()
+    params[2].requires_grad_(True)
+    ref = torch.optim.AdamW(params, lr=1e-2)
+    set_grads(params, 0)
+    ref.step()
+    params[2].requires_grad_(False)
+    params[2].grad = None
+    with make("OffloadAdamW", params, mode, tmp_path) as opt:
+        run(opt, params, 1)
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(ValueError, match=r"state for parameter 2, .* cannot step: it has dtype torch.float64"):
+            opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"] and sorted(after["state"]) == [1, 3]
+        assert all(torch.equal(after["state"][k][f], before["state"][k][f]) for k in (1, 3) for f in before["state"][k])
+        theirs = copy.deepcopy(ref.state_dict())
+        del theirs["state"][2]
+        opt.load_state_dict(theirs)  # without it, torch's state loads
+        assert sorted(opt.state_dict()["state"]) == [1, 3]
+    # a checkpoint saved while the parameter was an fp32 one, loaded where it is a frozen float64 one
+    fp32 = model_params()
+    fp32[2] = torch.nn.Parameter(fp32[2].detach().float())
+    with make("OffloadAdamW", fp32, mode, tmp_path / "fp32") as opt:
+        set_grads(fp32, 0)
+        fp32[2].grad = torch.randn(7)
+        opt.step()
+        opt.save(tmp_path / "ckpt")
+    with make("OffloadAdamW", params, mode, tmp_path / "again") as opt:
+        with pytest.raises(ValueError, match=r"state for parameter 2, .* cannot step: it has dtype torch.float64"):
+            opt.load(tmp_path / "ckpt")
+        assert opt.state_dict()["state"] == {}
+
+
+def test_a_trainable_parameter_put_in_a_group_by_an_edit_is_not_said_to_be_taken_frozen():
+    """add_param_group refuses a trainable float64 parameter; one appended to a group's list is refused at step(),
+    and the message says how it may have got there (it said only that it was taken frozen, which it was not)."""
+    w, d = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with so.OffloadAdamW([w]) as opt:
+        opt.param_groups[0]["params"].append(d)
+        w.grad, d.grad = torch.randn(4), torch.randn(3, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"parameter 1 .* put in param_groups by an edit.*dtype torch.float64"):
+            opt.step()
+        assert not opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_a_frozen_sharded_parameter_is_taken_by_adafactor_and_refused_once_it_has_a_gradient(mode, tmp_path):
+    """OffloadAdafactor steps parameters whole, so a DTensor's shard (FSDP2) is refused; a frozen one (LoRA over a
+    fully_shard model's base weights) was refused too, where torch's Adafactor takes it and never steps it.
+    Stand-in for a DTensor: the attribute by which swapio recognises one (params.shard)."""
+    sharded = torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)
+    sharded._local_tensor = torch.zeros(2, 6)
+    params, alone = model_params(), [p.detach().clone().requires_grad_(True) for p in trainable(model_params())]
+    with make("OffloadAdafactor", [sharded, *params], mode, tmp_path) as opt, \
+            make("OffloadAdafactor", alone, mode, tmp_path / "alone") as ref:
+        run(opt, params, 2)
+        run(ref, alone, 2)
+        assert all(torch.equal(a, b) for a, b in zip(trainable(params), alone))
+        sharded.grad = torch.ones(4, 6)
+        set_grads(params, 2)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match=r"parameter 0 .* only its shard here \(a DTensor"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+    with pytest.raises(ValueError, match="DTensor"):  # a trainable one is still refused
+        so.OffloadAdafactor([sharded.requires_grad_(True)])
