@@ -121,3 +121,25 @@ def test_a_group_tensor_too_large_for_a_checkpoint_is_refused_by_save_not_by_loa
         opt.save(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "swapio-optim.safetensors").read_bytes() == before  # the last checkpoint stays
     opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_load_would_refuse_is_refused_by_save_and_the_last_checkpoint_stays(mode, tmp_path):
+    """transformers.Adafactor's keys set in a group by an edit of param_groups: step() refuses them, and so did
+    load(), but save() wrote the checkpoint, in place of the last loadable one."""
+    extra = {"swap_dir": tmp_path / "swap"} if mode == "nvme" else {}
+    p = torch.randn(30, 20, requires_grad=True)
+    opt = so.OffloadAdafactor([p], offload=mode, **extra)
+    p.grad = _grads(0, 600).view(30, 20)
+    opt.step()
+    opt.save(tmp_path / "ckpt")
+    before = (tmp_path / "ckpt" / "swapio-optim.safetensors").read_bytes()
+    opt.param_groups[0]["relative_step"] = False
+    with pytest.raises(ValueError, match=r"swapio-optim.safetensors: not saved: param group 0: .*'relative_step'"):
+        opt.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "swapio-optim.safetensors").read_bytes() == before
+    del opt.param_groups[0]["relative_step"]
+    resumed = so.OffloadAdafactor([p.detach().clone().requires_grad_(True)], offload=mode, **extra)
+    resumed.load(tmp_path / "ckpt")  # the last checkpoint loads
+    opt.close()
+    resumed.close()

@@ -95,7 +95,7 @@ def _tensor_hyperparameters(groups, file):
     """The param groups with each tensor they hold (a tensor-valued hyperparameter, as torch's state_dict() holds
     it, or a small value of the user's, in a list, tuple or dict too: whatever save() wrote) read back as a new
     CPU tensor; a tensor in 'params' is left for _no_arrays to refuse. Hyperparameters' values are checked with
-    the rest of the group (_check_groups)."""
+    the rest of the group (restore.check_groups)."""
     if not isinstance(groups, list):
         return groups
     def value(v, where):

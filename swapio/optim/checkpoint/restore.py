@@ -32,7 +32,7 @@ def restore(opt, meta, path, progress=False):
     except ValueError as exc:
         raise ValueError(f"{file}: {exc}{_saved_by(opt, meta.get('optimizer'))}") from None
     _check_same_parameters(opt.param_groups, meta["param_groups"], file)
-    _check_groups(opt, new_groups, file, meta.get("optimizer"))
+    check_groups(opt, new_groups, file, meta.get("optimizer"))
     unstepped_weights.check(opt, id_map, meta.get(unstepped_weights.KEY, {}), file)
     steps, fields, offsets, expected = {}, {}, {}, {}
     for k, entry in meta["state"].items():
@@ -127,7 +127,7 @@ def _check_same_parameters(param_groups, saved_groups, file):
                                  f"optimizer's groups hold one parameter twice (index {k} does not match them)")
 
 
-def _check_groups(opt, groups, file, saved=None):
+def check_groups(opt, groups, file, saved=None):
     """Each saved group's hyperparameters as this optimizer's constructor checks them (its rule's checks),
     and its flags (amsgrad, maximize, ...) bools: ValueError naming the file (and `saved`, the class that saved
     it, where another), before anything changes."""

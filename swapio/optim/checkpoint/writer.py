@@ -18,6 +18,7 @@ from ...safetensors.file_writer import FileWriter
 from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
 from .files import FILE, FORMAT, MAX_GROUP_TENSOR_BYTES, VERSION
+from .restore import check_groups
 
 _UNSET = "0" * 16  # a checksum's place in the header while the arrays stream: as long as any, so the header
 #                    keeps its size (and the arrays their offsets) when the checksums are filled in
@@ -112,6 +113,9 @@ def _finish_header(plan, structure, streams):
 def write_file(opt, path, progress=False):
     """Writes and commits opt's checkpoint file in the directory `path` (see the module)."""
     structure, slots, stateful, index = _structure(opt)
+    # a group as written that load() would refuse (transformers.Adafactor's keys set by an edit of param_groups):
+    # refused before anything is written, rather than a checkpoint put in place of a loadable one
+    check_groups(opt, structure["param_groups"], f"{os.path.join(path, FILE)}: not saved")
     plan = plan_state(structure, placeholders=True)
     with FileWriter(os.path.join(path, FILE), plan) as f:
         at = {id(e.original): offset for e, offset in zip(plan.entries, plan.offsets)}
