@@ -588,7 +588,8 @@ class OffloadOptimizer(Optimizer):
                 g = grad_of(p)
                 if g is None:
                     continue
-                self._check_steppable(p, index, offloaded=data_of is not None)
+                if params is not None:  # (step() checked every gradient first: _check_frozen_grads)
+                    self._check_steppable(p, index, offloaded=data_of is not None)
                 if g.is_sparse or g.layout != torch.strided:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
                                        "consider torch.optim.SparseAdam instead")

@@ -306,15 +306,8 @@ def _check_output_path(path, what="--output"):
         raise UsageError(f"{what} {path} is a directory")
     if os.path.exists(path) and not os.path.isfile(path):
         return  # /dev/null, /dev/stdout, a FIFO: written in place (report.write_text_atomic)
-    directory = os.path.dirname(os.path.realpath(path))  # a symlink's target is what gets written
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise UsageError(f"{what} {path}: {directory} is not a directory")
-    if not os.path.isdir(directory):
-        raise UsageError(f"{what} {path}: directory {directory} does not exist")
-    from .testfile import creation_refused
-    refused = creation_refused(directory)  # the output is written to a temporary file there, then renamed
-    if refused:
-        raise UsageError(f"{what} {path}: directory {directory} is not writable ({refused})")
+    # a symlink's target is what gets written, through a temporary file in its directory, then renamed
+    _check_directory(os.path.dirname(os.path.realpath(path)), f"{what} {path}: directory")
 
 
 def _emit(text, output):

@@ -24,8 +24,12 @@ import dataclasses
 import math
 import re
 
-from ..kernels.quant import num_blocks, state_bytes_per_element
+import torch
+
+from ..kernels.quant import state_bytes_per_element
 from ..optim.options import offloaded_batch_bytes
+from ..optim.params import MASTER
+from ..optim.rules import AdafactorRule, AdamRule, LionRule
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MOMENT_COUNT = {"adamw": 2, "adam": 2, "lion": 1, "adafactor": 0}  # adafactor: factored, counted as 0
@@ -33,6 +37,7 @@ STATE_BYTES = {name: state_bytes_per_element(name) for name in ("fp32", "bf16", 
 DEFAULT_BUFFER_BYTES = 256 << 20  # OffloadAdamW's default pinned pipeline (nvme mode)
 DEFAULT_BUFFER_COUNT = 4          # its slots
 MASTER_BYTES = 4  # the fp32 master of a parameter that needs one
+_RULES = {"adamw": AdamRule, "adam": AdamRule, "lion": LionRule, "adafactor": AdafactorRule}
 WHOLE = {"adafactor"}  # optimizers that step each parameter whole: an nvme slot holds the largest one's record
 
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -116,23 +121,17 @@ def check_shapes(shapes):
 
 
 def moment_bytes(shapes, optimizer="adamw", state_dtype="fp32"):
-    """Bytes of the moments an optimizer keeps for parameters of these shapes (a 0-dimensional one counts as one
-    element): adafactor factors the last two dimensions of a tensor of two or more, keeping
-    numel / shape[-1] (row_var) + numel / shape[-2] (col_var) fp32 numbers, and numel ("variance") for one of
-    fewer; adam/adamw and lion keep MOMENT_COUNT moments of numel elements each, with int8 state plus one fp32
-    scale per started block of 256 elements of each tensor."""
-    moments = MOMENT_COUNT[_choice("optimizer", optimizer, MOMENT_COUNT)]
-    _choice("state_dtype", state_dtype, STATE_BYTES)
-    total = 0
+    """Bytes of the moments (int8's block scales included) an optimizer keeps for parameters of these shapes,
+    counted by the optimizers' own rule and state format, so the plan is what they allocate: adafactor factors the
+    last two dimensions of a tensor of two or more (numel / shape[-1] + numel / shape[-2] fp32 numbers), int8
+    state adds one fp32 scale per started block of 256 elements of each tensor."""
+    rule = _RULES[_choice("optimizer", optimizer, MOMENT_COUNT)](_choice("state_dtype", state_dtype, STATE_BYTES))
+    fmt, total = rule.format, 0
     for shape in check_shapes(shapes):
-        numel = math.prod(shape)
-        if optimizer == "adafactor":
-            factored = len(shape) >= 2
-            total += 4 * (numel // shape[-1] + numel // shape[-2] if factored else numel)
-        elif state_dtype == "int8":
-            total += moments * (numel + 4 * num_blocks(numel))
-        else:
-            total += moments * numel * int(STATE_BYTES[state_dtype])
+        p = torch.empty(shape, device="meta")
+        for name in rule.fields(p, {"amsgrad": False}):
+            if name != MASTER:
+                total += fmt.count(name, p.numel(), shape) * fmt.dtype(name).itemsize
     return total
 
 

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers.autograd import OnBackward
 from helpers.activations import assert_same_grads, batch, grads_of, hooks_installed, make_stack, swap_files
 from helpers.rss_child import PRELUDE
 from swapio.core import handle as handle_module
@@ -53,19 +54,6 @@ def test_ctrl_c_in_forward_leaves_no_hooks_files_or_memory_and_the_next_step_wor
     assert_clean(act)
 
 
-class Interrupting(torch.autograd.Function):
-    """Identity whose backward sends Ctrl-C (as a user would, while backward runs)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctrl_c()
-        return g
-
-
 @pytest.mark.parametrize("where", ["in-a-node", "while-reading"])
 def test_ctrl_c_in_backward_leaves_no_hooks_files_or_memory(tmp_path, monkeypatch, where):
     model, x = make_stack(), batch()
@@ -73,7 +61,7 @@ def test_ctrl_c_in_backward_leaves_no_hooks_files_or_memory(tmp_path, monkeypatc
     xx = x.clone().requires_grad_(True)
     with act:
         h = model.blocks[0](xx)
-        h = Interrupting.apply(h) if where == "in-a-node" else h
+        h = OnBackward.apply(h, ctrl_c) if where == "in-a-node" else h
         loss = model.blocks[2](model.blocks[1](h)).sum()
     if where == "while-reading":
         real = handle_module.AioHandle.pread

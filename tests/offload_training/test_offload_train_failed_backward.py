@@ -5,11 +5,14 @@ failed backward never reached gets nothing from it, and a checkpointed block's g
 Each is checked against the same loop on the resident model (torch.equal on losses, weights and what the gradient
 hooks saw), and nothing of the failed backward stays behind in the streamer. With in_backward=True, the updates
 the failed backward made stay, as torch's optimizer-in-backward hooks leave them."""
+import functools
+
 import pytest
 import torch
 import torch.utils.checkpoint
 
 from swapio.offload import remove_offload
+from helpers.autograd import OnBackward
 from swapio.offload.api import _offloaded
 from helpers.offload_training import (MLP, Tied, assert_same_losses, assert_same_weights, batches, build_opt,
                                       loss_of, offload, one_thread, weights)
@@ -18,20 +21,15 @@ pytest.importorskip("safetensors")
 FAIL_AT = 2  # the step whose backward raises
 
 
-class _Raise(torch.autograd.Function):
-    """Identity whose backward raises once when armed: the nodes after it in forward (b, c) have run by then."""
+def _fail_once(model):
+    """In backward, once when the model is armed: the nodes after this point in forward (b, c) have run by then."""
+    if model.armed:
+        model.armed = False
+        raise RuntimeError("out of memory (simulated)")
 
-    @staticmethod
-    def forward(ctx, x, model):
-        ctx.model = model
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.model.armed:
-            ctx.model.armed = False
-            raise RuntimeError("out of memory (simulated)")
-        return g, None
+def _raise(x, model):
+    return OnBackward.apply(x, functools.partial(_fail_once, model))
 
 
 class FailingMLP(MLP):
@@ -39,7 +37,7 @@ class FailingMLP(MLP):
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        h = torch.tanh(self.b(_Raise.apply(self.norm(h), self)))
+        h = torch.tanh(self.b(_raise(self.norm(h), self)))
         return self.c(h)
 
 
@@ -48,7 +46,7 @@ class FailingTied(Tied):
     armed = False
 
     def forward(self, ids):
-        return self.head(torch.tanh(self.mid(_Raise.apply(self.emb(ids), self))))
+        return self.head(torch.tanh(self.mid(_raise(self.emb(ids), self))))
 
 
 class FailingCheckpointed(MLP):
@@ -58,7 +56,7 @@ class FailingCheckpointed(MLP):
     reentrant = False
 
     def forward(self, x):
-        h = _Raise.apply(torch.tanh(self.a(x)), self)
+        h = _raise(torch.tanh(self.a(x)), self)
         h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(self.norm(t))), h,
                                               use_reentrant=self.reentrant)
         return self.c(h)

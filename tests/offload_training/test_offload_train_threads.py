@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swapio.offload import remove_offload
+from helpers.autograd import OnBackward
 from helpers.offload_training import (MLP, assert_same_weights, batches, build_opt, loss_of, offload, one_thread,
                                       weights)
 
@@ -16,26 +17,12 @@ pytest.importorskip("safetensors")
 TIMEOUT = 60
 
 
-class _Meet(torch.autograd.Function):
-    """Identity whose backward waits until the other thread's backward reached it too."""
-
-    @staticmethod
-    def forward(ctx, x, barrier):
-        ctx.barrier = barrier
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.barrier.wait()
-        return g, None
-
-
 class MeetingMLP(MLP):
     barrier = None
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        h = torch.tanh(self.b(_Meet.apply(self.norm(h), self.barrier)))
+        h = torch.tanh(self.b(OnBackward.apply(self.norm(h), self.barrier.wait)))  # the threads meet there
         return self.c(h)
 
 

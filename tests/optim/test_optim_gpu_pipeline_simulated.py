@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import swapio
+from helpers.autograd import OnBackward
 from swapio.core import cuda_copy
 from swapio.optim import grad_copies, params as params_mod, work as work_mod
 
@@ -224,16 +225,9 @@ def test_in_backward_updates_gpu_parameters_during_backward_like_torch(fake_gpu)
     opt.close()
 
 
-class _FailsInBackward(torch.autograd.Function):
-    """Identity; its backward raises (a backward that fails partway: the layers after it got their gradients)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("simulated failure in backward")
+def _fail():
+    """In backward: one that fails partway (the layers after this point got their gradients)."""
+    raise RuntimeError("simulated failure in backward")
 
 
 def test_in_backward_a_failed_backward_ends_its_gpu_updates_before_its_error_reaches_the_caller(fake_gpu):
@@ -250,7 +244,7 @@ def test_in_backward_a_failed_backward_ends_its_gpu_updates_before_its_error_rea
     real_step = opt._gpu_in_backward._step_params
     opt._gpu_in_backward._step_params = lambda params, copies: (release.wait(), real_step(params, copies))
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
-    loss = last(torch.tanh(_FailsInBackward.apply(first(x)))).square().mean()
+    loss = last(torch.tanh(OnBackward.apply(first(x), _fail))).square().mean()
     threading.Timer(0.3, release.set).start()  # the worker runs late
     with pytest.raises(RuntimeError, match="simulated failure"):
         loss.backward()
