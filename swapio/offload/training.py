@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from ..core import _checksum
 from ..core.backward_end import on_backward_end
 from ..core.heap import HeapTrim
 from .compiled import methods_run_eagerly
@@ -81,6 +82,8 @@ class Training:
         self.heap = HeapTrim()  # gradients freed one after another in backward: the heap gives their pages back
         self.rewrites = {}  # slot -> how many times a rewrite of its record changed it (end()): what the tokens of
         # a backward check
+        self.aborts = {}  # record -> rewrites given up (abort()): with `rewrites`, when a checksum() is stale
+        self._checksums = {}  # slot -> ((its rewrites, its record's aborts), checksum of its value)
 
     @property
     def streamer(self):
@@ -169,6 +172,7 @@ class Training:
 
     def abort(self, record):
         """Gives a begin() up: the record keeps the bytes it had."""
+        self.aborts[record] = self.aborts.get(record, 0) + 1  # (its slots' bytes should be as they were: see checksum)
         self._store.abort(record)
 
     def flush(self):
@@ -191,6 +195,20 @@ class Training:
     def current(self, slot):
         """A CPU copy of the slot's value as the streamer reads it now."""
         return current_value(self.streamer.fetcher, slot)
+
+    def checksum(self, slot):
+        """The checksum (core/_checksum.py) of the slot's value as the streamer reads it now, read and computed again
+        only once a rewrite changed it (end()) or one of its record was given up (abort(): counted as a change, to
+        be safe): an optimizer's checkpoints record the weights it holds no state of (a frozen base passed to it),
+        and each would otherwise read them all. A value read while a rewrite runs is cached under counts that its
+        end() or abort() moves."""
+        generation = (self.rewrites.get(slot, 0), self.aborts.get(slot.record, 0))
+        cached = self._checksums.get(slot)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        value = _checksum.digest(self.current(slot).contiguous())
+        self._checksums[slot] = (generation, value)
+        return value
 
     def pinned(self):
         """{part: {"bytes": pinned now, "budget": the most it holds}} of the model's pinned memory: the weights'

@@ -489,6 +489,11 @@ class OffloadedParams(TrainableOwner):
         training, slot = self.entries[p]
         return training.current(slot)
 
+    def checksum(self, p):
+        """The checksum of current(p) (computed again only after a rewrite of its record began)."""
+        training, slot = self.entries[p]
+        return training.checksum(slot)
+
     def grad_bytes(self):
         return self.grads.nbytes() if self.grads is not None else 0
 

@@ -510,6 +510,11 @@ class OffloadOptimizer(Optimizer):
             return self._offloaded.current(p)
         return shard(p).detach()
 
+    def _offloaded_checksum(self, p):
+        """The checksum of an offloaded weight's param_value(p), read again only after a rewrite of its record."""
+        self._settle()
+        return self._offloaded.checksum(p)
+
     def _step_params(self, params, grad_of, data_of=None, copies=None):
         """Steps `params` (None: every parameter; else an iterable of this optimizer's parameters) with the
         gradients grad_of(p) gives (None: p is skipped), all or nothing per parameter. The seam for updates

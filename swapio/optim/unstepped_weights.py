@@ -2,15 +2,15 @@
 with state from its fp32 master; one without state (frozen by a schedule until later, an expert no batch reached)
 has no master to rewrite it from. So the export records a checksum of its value, and a load refuses where its
 offload storage holds another value now (trained after the export: the run would resume with it as a later step
-left it). Through the optimizer's public methods only (is_offloaded, param_value)."""
-from ..core import _checksum
+left it). A weight's checksum is read and computed again only after its record was rewritten, so checkpoints of an
+optimizer given a frozen offloaded base read the base once, not at each save."""
 
 KEY = "unstepped_weights"  # the checkpoint's structure (opt.save); state dicts carry it under STATE_DICT_KEY
 STATE_DICT_KEY = "swapio_unstepped_weights"
 
 
 def _digest(opt, p):
-    return _checksum.digest(opt.param_value(p).contiguous())
+    return opt._offloaded_checksum(p)
 
 
 def checksums(opt, index, stateful):
