@@ -2,7 +2,6 @@
 import os
 import platform
 import resource
-import tempfile
 from typing import Any, Dict, Optional
 
 import torch
@@ -11,6 +10,7 @@ from . import _C
 from ._version import __version__
 from .kernels import ops
 from .core._errors import StrPath
+from .core._unnamed_file import open_unnamed, path_of
 
 
 def _probe_path(path: "StrPath") -> Dict[str, Any]:
@@ -18,12 +18,11 @@ def _probe_path(path: "StrPath") -> Dict[str, Any]:
     if os.path.isfile(path):
         return {"path": path, **_C.probe_file(path)}
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    fd, probe = tempfile.mkstemp(prefix=".swapio-probe-", dir=directory)
-    os.close(fd)
+    fd = open_unnamed(directory)  # no name in the directory: nothing left there if the process is killed
     try:
-        return {"path": path, **_C.probe_file(probe)}
+        return {"path": path, **_C.probe_file(path_of(fd))}
     finally:
-        os.unlink(probe)
+        os.close(fd)
 
 
 CAP_IPC_LOCK = 14  # linux/capability.h

@@ -122,6 +122,7 @@ class BenchResult:
     phases: list
     verify: Optional[str] = None
     fio: Optional[dict] = None
+    shown: Optional[str] = None  # the file's name in reports (path: /proc/<pid>/fd/<n> for a temporary one)
     started: float = dataclasses.field(default_factory=time.time)
 
     def phase(self, label):
@@ -140,7 +141,7 @@ class BenchResult:
             limit += f" after {c.warmup:g} s warmup"
         options = {"rw": c.rw, "bs": str(c.bs), "iodepth": str(c.iodepth), "numjobs": str(c.threads),
                    "size": str(c.size), "ioengine": self.engine, "direct": str(int(self.direct)),
-                   "filename": self.path}
+                   "filename": self.shown or self.path}
         if c.runtime:
             options.update(time_based="1", runtime=f"{c.runtime:g}")
         else:
@@ -156,7 +157,7 @@ class BenchResult:
             "write": report.direction_json(by_dir.get("write")),
             "job_runtime": int(round(elapsed * 1000)),
             "usr_cpu": cpu("usr_cpu"), "sys_cpu": cpu("sys_cpu"),
-            "swapio": {"engine": self.engine, "direct": self.direct, "filename": self.path,
+            "swapio": {"engine": self.engine, "direct": self.direct, "filename": self.shown or self.path,
                        "temporary": self.temporary, "size": c.size, "bs": c.bs, "iodepth": c.iodepth,
                        "threads": c.threads, "rw": c.rw, "description": DESCRIPTIONS[c.rw], "limit": limit,
                        "phases": [f"{p.label}:{p.direction}" for p in self.phases], "verify": self.verify,
@@ -305,7 +306,7 @@ def run_bench(cfg, *, after_phase=None, log=None):
         if needs_layout:
             layout = _layout_handle(cfg, handle.engine, direct)
             loadgen.sequential_pass(layout, "write", target.path, cfg.size, pattern, cfg.progress, "laying out")
-        result = BenchResult(cfg, target.path, target.temporary, handle.engine, direct, [])
+        result = BenchResult(cfg, target.path, target.temporary, handle.engine, direct, [], shown=target.shown)
         if fio is not None:
             result.fio = {"version": fiocompare.fio_version(fio), "commands": [], "phases": {}}
             if cfg.fio_first:

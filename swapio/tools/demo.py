@@ -15,13 +15,13 @@ import dataclasses
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from typing import Optional
 
 import torch
 
 from .. import _progress
+from ..core import _swapdir
 from ..optim import OffloadAdafactor, OffloadAdamW, OffloadOptimizer
 from . import demo_model, hostmem
 
@@ -132,7 +132,9 @@ def run_demo(cfg, log=print):
     n_params = sum(p.numel() for p in base.parameters())
     runs = runs_of(cfg.optimizer)
     models = {run: copy.deepcopy(base) for run in runs}
-    swap_root = tempfile.mkdtemp(prefix="swapio-demo-", dir=cfg.directory)
+    # claimed as the optimizers claim theirs: one a killed run (SIGKILL) left is removed by the next run on --dir
+    owner = _swapdir.private_directory(cfg.directory)
+    swap_root = owner.directory
     opts = {}
     try:
         torch_cls, torch_kw, ours, _ = OPTIMIZERS[cfg.optimizer]
@@ -173,7 +175,7 @@ def run_demo(cfg, log=print):
         for opt in opts.values():
             if isinstance(opt, OffloadOptimizer):
                 opt.close()
-        shutil.rmtree(swap_root, ignore_errors=True)
+        owner.remove_everything()
     return DemoResult(cfg, n_params, data.numel(), losses, seconds, state_ram, state_disk, 8 * n_params)
 
 

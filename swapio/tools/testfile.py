@@ -2,42 +2,44 @@
 import contextlib
 import os
 import signal
-import tempfile
 import threading
 
+from ..core._unnamed_file import open_unnamed, path_of
 from .errors import PathError, ToolError
 from .report import fmt_bytes
 
-TEMP_PREFIX = "swapio-bench-"
-
 
 class TestFile:
-    """A temporary file in `directory` (default: the working directory; always removed), or the named `file`
-    (removed only if this run created it and then failed)."""
+    """A temporary file in `directory` (default: the working directory) that no name points to, so it goes with
+    the process however that ends (SIGKILL included), or the named `file` (removed only if this run created it and
+    then failed). `path` opens it (for a temporary file /proc/<pid>/fd/<n>, which fio opens too); `shown` names it
+    in reports."""
 
     __test__ = False  # not a pytest class
 
     def __init__(self, file=None, directory=None):
         self.temporary = file is None
         self.created = False
+        self._fd = None
         if self.temporary:
-            where = os.path.abspath(directory or os.getcwd())
-            check_directory(where, "--dir" if directory else "working directory")
-            fd, self.path = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp", dir=where)
+            self.directory = os.path.abspath(directory or os.getcwd())
+            check_directory(self.directory, "--dir" if directory else "working directory")
+            self._fd = open_unnamed(self.directory)
+            self.path = path_of(self._fd)
+            self.shown = os.path.join(self.directory, "(unnamed temporary file)")
+            self.created = True
+            return
+        # a symlink's target: its directory is checked, its disk's free space counted, the target created
+        self.path = self.shown = os.path.realpath(file)
+        self.directory = os.path.dirname(self.path)
+        check_directory(self.directory, "--file's directory")
+        if os.path.exists(self.path):
+            if not os.path.isfile(self.path):
+                raise PathError(f"--file {file} exists and is not a regular file")
+        else:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             os.close(fd)
             self.created = True
-        else:
-            # a symlink's target: its directory is checked, its disk's free space counted, the target created
-            self.path = os.path.realpath(file)
-            check_directory(os.path.dirname(self.path), "--file's directory")
-            if os.path.exists(self.path):
-                if not os.path.isfile(self.path):
-                    raise PathError(f"--file {file} exists and is not a regular file")
-            else:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.close(fd)
-                self.created = True
-        self.directory = os.path.dirname(self.path)
 
     def current_size(self):
         try:
@@ -54,7 +56,11 @@ class TestFile:
                             f"{fmt_bytes(avail)} available (use a smaller --size)")
 
     def finish(self, failed):
-        if self.path and (self.temporary or (failed and self.created)):
+        if self.temporary:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)  # the file goes with it
+        elif failed and self.created:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -81,11 +87,10 @@ def creation_refused(directory):
     asked of os.access, which says yes to root everywhere: on /sys and /proc the run failed only when it came to
     create its file (exit status 1, after the work), or wrote into a kernel file (--file)."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".swapio-probe-", dir=directory)
+        fd = open_unnamed(directory)  # no name in the directory: nothing left there if the process is killed
     except OSError as e:
         return f"creating a file there: {e.strerror or e}"
     os.close(fd)
-    os.unlink(probe)
     return None
 
 

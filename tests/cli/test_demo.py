@@ -80,3 +80,38 @@ def test_host_ram_held_by_state_is_each_optimizers_own(tmp_path):
     assert abs(ram['offload="cpu"'] - moments) <= slack, ram
     assert ram['offload="nvme"'] <= min(1 << 20, moments) + slack, ram
     assert os.listdir(tmp_path) == []
+
+
+KILLED_MID_RUN = """
+import os, sys
+from swapio.tools import demo
+
+real_trim = demo._trim_heap
+steps = []
+
+
+def trim_then_die():  # called once per run at step 1: the third time, the nvme run's swap file is written
+    real_trim()
+    steps.append(1)
+    if len(steps) == 3:
+        os.kill(os.getpid(), 9)
+
+
+demo._trim_heap = trim_then_die
+demo.run_demo(demo.DemoConfig(directory=sys.argv[1], steps=4, layers=1, width=32, heads=2, context=16, batch=2,
+                              progress=False, buffer_bytes=1 << 20))
+"""
+
+
+def test_a_run_killed_mid_way_is_cleaned_up_by_the_next_one(tmp_path):
+    """SIGKILL (the OOM killer, a job's time limit) runs no cleanup: the swap directory stays. It is claimed as the
+    optimizers claim theirs, so the next run on the same --dir removes it (before, each run made its own and a
+    killed one's stayed for good)."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_RUN, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    assert os.listdir(tmp_path), "the killed run left nothing to clean up: the test did not kill it mid-run"
+    with pytest.warns(Warning, match="(?i)died|dead|left"):
+        demo.run_demo(demo.DemoConfig(directory=str(tmp_path), **TINY))
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,36 @@
+"""Files that no name points to, for scratch work in a user's directory (the O_DIRECT probe, the swapio command's
+bench and tune file): such a file goes with its last descriptor, so a process killed while it holds one (SIGKILL,
+the OOM killer) leaves nothing behind. Opened by path as /proc/<pid>/fd/<n>, which the native engines and a
+child process (fio) open like any file."""
+import errno
+import os
+import tempfile
+from typing import Union
+
+from ._signals import DeferredSigint
+
+# O_TMPFILE unknown to the file system (EOPNOTSUPP: NFS, /proc, /sys) or to the kernel (EISDIR, EINVAL)
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+
+
+def open_unnamed(directory: "Union[str, os.PathLike[str]]") -> int:
+    """A descriptor (read-write, close-on-exec) of a new empty file in `directory` that has no name; OSError as
+    creating a file there raises it (EACCES, EROFS, ENOSPC...)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno not in _UNSUPPORTED:
+            raise
+    with DeferredSigint():  # named for a moment only, a Ctrl-C held off until the name is gone
+        fd, name = tempfile.mkstemp(prefix=".swapio-scratch-", dir=directory)
+        try:
+            os.unlink(name)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def path_of(fd: int) -> str:
+    """A path that opens the file of `fd`, in this process and in its children while the descriptor is open."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
