@@ -202,3 +202,21 @@ def test_on_cuda_a_rewrite_is_caught_before_the_bytes_go_to_the_device(tmp_path,
         for _ in range(2):
             with pytest.raises(ValueError, match=REWRITTEN):
                 model(x.cuda())
+
+
+def test_a_peft_merge_reads_nothing_from_a_rewritten_checkpoint(tmp_path):
+    """peft's merge brings the base weights in (read from the checkpoint) to add the adapter's delta and writes
+    them to offload_dir: not from a file rewritten since."""
+    peft = pytest.importorskip("peft")
+    from helpers import hf_tiny
+
+    hf_tiny.save("llama", tmp_path / "ck")
+    path = str(tmp_path / "ck" / "model.safetensors")
+    os.utime(path, ns=(OLD_NS, OLD_NS))
+    model = swapio.offload.from_pretrained(hf_tiny.arch("llama")[1], tmp_path / "ck", offload_dir=tmp_path / "od",
+                                           buffer_bytes=16 << 10)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    hf_tiny.run(model)
+    patched(path, None, tmp_path)
+    with pytest.raises(ValueError, match=REWRITTEN):
+        model.merge_and_unload()
