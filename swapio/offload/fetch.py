@@ -287,9 +287,9 @@ class Fetcher:
                     if all(f.exception() is None for f in fetch.reads):
                         try:
                             self._checked(fetch)  # before its bytes go to the device
-                        except WrittenInPlace:
+                        except WrittenInPlace:  # said by the next start() or acquire(), not here (leave())
                             self._drop(fetch)
-                            raise
+                            continue
                         fetch.reads = []
                         self._copy_to_device(fetch)
 

@@ -187,18 +187,19 @@ def test_training_copies_nothing_from_a_rewritten_checkpoint_into_offload_dir(tm
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rewrite", [same_size_other_values, smaller], ids=lambda f: f.__name__)
-def test_on_cuda_a_rewrite_is_caught_before_the_bytes_go_to_the_device(tmp_path, rewrite):
-    """For CUDA a record read ahead is copied to the device as soon as its read is seen finished (Fetcher.pump):
-    the check comes before that copy, and before the compute stream waits on it."""
+def test_on_cuda_a_rewrite_between_forwards_fails_every_later_forward(tmp_path, rewrite):
+    """For CUDA a record is copied to the device as soon as its read is seen finished (Fetcher.pump): the check
+    comes before that copy. The ring (1 MiB) holds at most one of the first two records read ahead before the
+    rewrite, so the first forward after it reads one after it."""
     reference = build()
     path = write_checkpoint(tmp_path / "model.safetensors", state(reference))
-    model = offloaded(path, prefetch=2, buffer_bytes=8 << 20, execution_device="cuda")
+    model = offloaded(path, prefetch=1, execution_device="cuda")
     x = torch.randn(3, 256)
     with torch.no_grad():
         want = build().cuda()(x.cuda())
         for _ in range(2):
             assert torch.equal(model(x.cuda()), want)
-        model[0].register_forward_hook(lambda module, args, output: rewrite(path, reference, tmp_path))
+        rewrite(path, reference, tmp_path)
         for _ in range(2):
             with pytest.raises(ValueError, match=REWRITTEN):
                 model(x.cuda())
@@ -220,3 +221,27 @@ def test_a_peft_merge_reads_nothing_from_a_rewritten_checkpoint(tmp_path):
     patched(path, None, tmp_path)
     with pytest.raises(ValueError, match=REWRITTEN):
         model.merge_and_unload()
+
+
+def test_the_gpu_copy_of_a_read_ahead_is_never_made_from_a_rewritten_file(tmp_path, monkeypatch):
+    """For CUDA, pump() copies a record to the device as soon as its read finished, ahead of its use: on CPU too
+    (its copy recorded instead of made), it makes none from a file rewritten since, and the forward says why."""
+    from swapio.offload.registry import offloaded as registry
+
+    reference = build()
+    path = write_checkpoint(tmp_path / "model.safetensors", state(reference))
+    model = offloaded(path)
+    fetcher = registry.get(model).fetcher
+    record = registry.get(model).records[1]
+    fetch = fetcher.start(record)
+    for read in fetch.reads:
+        read.wait()
+    same_size_other_values(path, reference, tmp_path)
+    copies = []
+    monkeypatch.setattr(fetcher, "cuda", True)
+    monkeypatch.setattr(fetcher, "_copy_to_device", copies.append)
+    fetcher.pump()
+    assert copies == [] and record not in fetcher.fetches  # dropped, its ring region free
+    monkeypatch.undo()
+    with torch.no_grad(), pytest.raises(ValueError, match=REWRITTEN):
+        model(torch.randn(3, 256))
