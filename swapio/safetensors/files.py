@@ -47,7 +47,7 @@ class WrittenInPlace(OSError, ValueError):
 
 
 def check_unchanged(locations, during=LOADING):
-    """ValueError naming the file where one the Locations were read from was written in place since its header was
+    """WrittenInPlace naming the file where one the Locations were read from was written in place since its header was
     read (same file, another size or modification time: a program that writes over it without a rename, such as cp
     or open(path, "wb")): what was read may mix its old and new bytes. A file replaced by another at its name is
     not: the reads were tied to the old one (Location). `during`: (when, what to do) for the message. One stat of
@@ -61,9 +61,9 @@ def check_unchanged(locations, during=LOADING):
             continue  # replaced or removed since: the reads, tied to the file, read it whole
         if (st.st_dev, st.st_ino) == tuple(identity[:2]) and (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
             when, advice = during
-            raise WrittenInPlace(errno.ESTALE, f"the file was written {when} (another program writing over it without a "
-                                       "rename, such as cp?), so the tensors read from it may mix its old and new "
-                                       f"bytes: {advice}", loc.path)
+            raise WrittenInPlace(errno.ESTALE, f"the file was written {when} (another program writing over it "
+                                 "without a rename, such as cp?), so the tensors read from it may mix its old and "
+                                 f"new bytes: {advice}", loc.path)
 
 
 def _confined(base, shard, index_path):
