@@ -20,6 +20,7 @@ from .names import checkpoint_names, find
 from .wrappers import under_model_names
 from .data_parallel import refuse_wrapped
 from .prepare import buffer_owners_outside, compute_buffers, computed_parameters, retie
+from ..safetensors.files import check_unchanged as check_file_unchanged
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
@@ -129,8 +130,13 @@ def _current(units):
 def _read_tensor(handle, loc, device):
     t = torch.empty(loc.shape, dtype=loc.dtype)
     if loc.nbytes:
-        handle.pread(t.view(-1).view(torch.uint8), loc.io_path, loc.offset, identity=loc.identity,
-                     staged="auto").wait()
+        try:
+            handle.pread(t.view(-1).view(torch.uint8), loc.io_path, loc.offset, identity=loc.identity,
+                         staged="auto").wait()
+        except OSError:  # past the end of a file rewritten shorter: said as that
+            check_file_unchanged([loc])
+            raise
+        check_file_unchanged([loc])  # written in place since its header was read: said, not used
     return t.to(device)
 
 
@@ -370,8 +376,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         sizes = {path: os.path.getsize(path) for path in {loc[0] for loc in locations.values()}}
         place_on_disk(records, locations, sizes)
         _place_resident(resident, device, by_name, handle, origin)
-        sources = {loc.path: (loc.io_path, loc.identity) for loc in (by_name or {}).values()
-                   if loc.source is not None}
+        sources = {loc.path: loc for loc in (by_name or {}).values() if loc.source is not None}
         fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes, sources=sources)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,

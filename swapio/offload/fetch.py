@@ -22,6 +22,7 @@ import torch
 from ..core import cuda_copy
 from ..core._ranges import section
 from ..core.pinned import GrowingBlock, empty_pinned, is_pinned
+from ..safetensors.files import WrittenInPlace, check_unchanged
 from .layout import round_up, slot_view
 from .ring import PinnedRing
 
@@ -30,15 +31,23 @@ from .ring import PinnedRing
 REWRITING = object()  # Fetcher.writing's mark of a record whose new bytes an optimizer step computes now
 LENT = object()       # Fetcher._spare_user while lend() gave the spare out
 
+# check_unchanged's words for a checkpoint written in place while a model was offloaded from it
+OFFLOADED = ("in place while a model was offloaded from it",
+             "the model, which reads its weights from the file at every forward, can no longer compute or bring "
+             "them back (remove_offload): build it again and offload it from the file as it is now "
+             "(disk_offload(model, checkpoint=...) or swapio.offload.from_pretrained)")
+
 ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 
 class Fetch:
-    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy", "holds", "detached")
+    __slots__ = ("record", "host", "alloc", "reads", "device", "event", "users", "copy", "holds", "detached",
+                 "unchecked")
 
     def __init__(self, record, host, alloc, copy):
         self.record, self.host, self.alloc = record, host, alloc  # alloc: ("ring", start) | spare | temp | host
         self.reads, self.device, self.event, self.users = [], None, None, 0
+        self.unchecked = []  # the checkpoint files read (their paths): check_read once the reads finished
         self.copy = copy  # CUDA: copy to the device as soon as the bytes are in (else only when acquired)
         self.holds = set()  # of the users, the Claims that an alias from hold() owns
         self.detached = False  # forgotten or drained while held: its memory is freed when the last alias dies
@@ -75,10 +84,12 @@ class Fetcher:
     def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0, sources=None):
         self.device, self.cuda = device, device.type == "cuda"
         self.handle, self.hosts = handle, hosts
-        # a checkpoint file's path -> (its path with links resolved, the identity of the file whose header gave the
-        # offsets; swapio.safetensors.Location.source): a file replaced at that name since is refused by the reads
-        # (OSError ESTALE), never read at the old header's offsets. swapio's own data files are not listed.
+        # a checkpoint file's path -> a Location in it (its source: the file whose header gave the offsets): a file
+        # replaced at that name since is refused by the reads (OSError ESTALE), never read at the old header's
+        # offsets, and one written in place since by the check after each read (check_read). swapio's own data
+        # files are not listed.
         self.sources = dict(sources or {})
+        self.rewritten = None  # check_read's error once a checkpoint file was written in place: every fetch fails
         total = sum(r.nbytes for r in records)  # a ring larger than all the weights would only waste memory
         self.ring = PinnedRing(min(buffer_bytes, total)) if hosts is None else None
         self.spare_bytes = max((r.nbytes for r in records), default=0)
@@ -95,7 +106,24 @@ class Fetcher:
 
     def io_of(self, path):
         """(the path to read, the identity the file there must have: None for swapio's own files) of a span's path."""
-        return self.sources.get(path, (path, None))
+        loc = self.sources.get(path)
+        return (path, None) if loc is None else (loc.io_path, loc.identity)
+
+    def check_read(self, paths):
+        """After reads from these files finished (or failed), before their bytes are used: files.WrittenInPlace (an
+        OSError ESTALE and a ValueError) naming a checkpoint file written in place since its header was read (cp
+        over it: the bytes read may mix its old and new tensors), and from then on at every fetch, so that no
+        later forward computes with them."""
+        if self.rewritten is None:
+            try:
+                check_unchanged((self.sources[p] for p in paths if p in self.sources), OFFLOADED)
+            except WrittenInPlace as exc:
+                self.rewritten = exc.args + (exc.filename,)
+        self._refuse_rewritten()
+
+    def _refuse_rewritten(self):
+        if self.rewritten is not None:
+            raise WrittenInPlace(*self.rewritten)
 
     def prepare(self, records):
         """Allocates the ring now (at offload time) rather than inside the first forward, and the spare too when
@@ -186,6 +214,10 @@ class Fetcher:
         memory only, so device memory holds no more than the records expected soon)."""
         with self.lock:
             self._settle_holds()
+            if self.rewritten is not None:  # a checkpoint file changed under the model: nothing is read any more
+                if not required:
+                    return None
+                self._refuse_rewritten()
             fetch = self.fetches.get(record)
             if fetch is not None:
                 fetch.copy = fetch.copy or copy
@@ -218,10 +250,18 @@ class Fetcher:
                                                          offset, identity=identity))
                     self.stats["reads"] += 1
                     self.stats["bytes_read"] += length
+                    if path in self.sources and path not in fetch.unchecked:
+                        fetch.unchecked.append(path)
             self.fetches[record] = fetch
             if self.cuda and copy and fetch.device is None and not fetch.reads:
                 self._copy_to_device(fetch)
             return fetch
+
+    def _checked(self, fetch):
+        """check_read of the checkpoint files the fetch read, once its reads finished (or failed)."""
+        if fetch.unchecked:
+            self.check_read(fetch.unchecked)
+            fetch.unchecked = []
 
     def _copy_to_device(self, fetch):
         """Copies the record to a new device tensor laid out with every slot 256-byte aligned (one copy per run
@@ -245,6 +285,11 @@ class Fetcher:
             for fetch in list(self.fetches.values()):
                 if fetch.copy and fetch.device is None and all(f.done() for f in fetch.reads):
                     if all(f.exception() is None for f in fetch.reads):
+                        try:
+                            self._checked(fetch)  # before its bytes go to the device
+                        except WrittenInPlace:  # said by the next start() or acquire(), not here (leave())
+                            self._drop(fetch)
+                            continue
                         fetch.reads = []
                         self._copy_to_device(fetch)
 
@@ -256,8 +301,13 @@ class Fetcher:
             try:
                 if fetch.reads:
                     with section("swapio::read_wait"):
-                        for f in fetch.reads:
-                            f.wait()
+                        try:
+                            for f in fetch.reads:
+                                f.wait()
+                        except OSError:  # past the end of a file rewritten shorter: said as that
+                            self._checked(fetch)
+                            raise
+                self._checked(fetch)
             except BaseException:
                 fetch.users -= 1
                 self._drop(fetch)

@@ -151,7 +151,12 @@ class DiskStore(RecordTurns):
             t = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 io_path, identity = self.fetcher.io_of(path)  # a checkpoint's file: still the one it was
-                self.handle.pread(t, io_path, offset, identity=identity, staged="auto").wait()
+                try:
+                    self.handle.pread(t, io_path, offset, identity=identity, staged="auto").wait()
+                except OSError:  # past the end of a file rewritten shorter: said as that
+                    self.fetcher.check_read([path])
+                    raise
+                self.fetcher.check_read([path])  # written in place since: never copied into offload_dir
             return t
 
         saved = {r: (dict(r.offsets), r.nbytes, list(r.spans)) for r in keep}

@@ -16,6 +16,7 @@ goes through write_pieces.
 from . import buffers, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile, commit_pending
+from .files import WrittenInPlace
 
 DEFAULT_STAGING = 256 << 20
 DIRECT_MIN = 1 << 20  # contiguous CPU tensors at least this big are written from their own memory
@@ -51,6 +52,9 @@ class FileWriter:
         try:
             with buffers.handle_for(handle) as h:
                 self._write(h, pieces, staging, direct, segments, stream)
+        except WrittenInPlace:  # a source file's error, not the writing's: said as it is, naming that file
+            staging.release()
+            raise
         except OSError as exc:
             staging.release()  # every request was waited for: the buffers are free
             raise OSError(exc.errno, f"writing the checkpoint {self.pending.final} failed: "

@@ -5,6 +5,7 @@ directory holding `model.safetensors` or the sharded `model.safetensors.index.js
 file}}) that save_pretrained writes, or that index file itself. The index comes from outside like the files: its
 shard names must stay inside its directory. Every defect is a ValueError naming the file.
 """
+import errno
 import os
 import struct
 
@@ -37,11 +38,21 @@ def raw_header(path):
     return raw, size, source
 
 
-def check_unchanged(locations):
-    """ValueError naming the file where one the Locations were read from was written in place since its header was
-    read (same file, another size or modification time: a program that rewrites it without a rename, such as
-    safetensors' save_file): what was read may mix its old and new bytes. A file replaced by another at its name is
-    not: the reads were tied to the old one (Location)."""
+LOADING = ("while it was being loaded", "load it again once it is written")
+
+
+class WrittenInPlace(OSError, ValueError):
+    """check_unchanged's error: an OSError (ESTALE, as for a file replaced at its name; filename: the file) that
+    is also a ValueError, as other defects of a checkpoint's data are."""
+
+
+def check_unchanged(locations, during=LOADING):
+    """WrittenInPlace naming the file where one the Locations were read from was written in place since its header was
+    read (same file, another size or modification time: a program that writes over it without a rename, such as cp
+    or open(path, "wb")): what was read may mix its old and new bytes. A file replaced by another at its name is
+    not: the reads were tied to the old one (Location). `during`: (when, what to do) for the message. One stat of
+    each file, after the reads; a rewrite keeping the size within the clock tick of the file's last write (its
+    mtime unchanged) goes unseen."""
     for loc in {loc.path: loc for loc in locations if loc.source is not None}.values():
         real, identity, (size, mtime_ns) = loc.source
         try:
@@ -49,9 +60,10 @@ def check_unchanged(locations):
         except FileNotFoundError:
             continue  # replaced or removed since: the reads, tied to the file, read it whole
         if (st.st_dev, st.st_ino) == tuple(identity[:2]) and (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-            raise ValueError(f"{loc.path}: the file was written while it was being loaded (another program "
-                             "rewriting it in place?), so the tensors read may mix its old and new bytes: load it "
-                             "again once it is written")
+            when, advice = during
+            raise WrittenInPlace(errno.ESTALE, f"the file was written {when} (another program writing over it "
+                                 "without a rename, such as cp?), so the tensors read from it may mix its old and "
+                                 f"new bytes: {advice}", loc.path)
 
 
 def _confined(base, shard, index_path):
