@@ -48,7 +48,7 @@ def attach(streamer, class_names):
             continue
         units = [by_module[id(m)] for m in module.modules() if id(m) in by_module]
         if units:
-            wrapper = PreloadForward(streamer, units, module.forward)
+            wrapper = PreloadForward(streamer, units, module.forward, module)
             previous = module.__dict__.get("forward", NO_OWN_FORWARD)
             module.forward = wrapper
             streamer.handles.append(_Unwrap(module, wrapper, previous))
@@ -81,6 +81,7 @@ class PreloadForward(OffloadedForward):
     __slots__ = ()
 
     def __call__(self, *args, **kwargs):
+        args = self.unbound(args)
         streamer, units = self.streamer, self.unit
         taken, entered = [], []
         try:

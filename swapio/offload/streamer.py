@@ -36,16 +36,24 @@ class OffloadedForward:
     (a module's weights are attributes shared by every caller); threads pipeline through the model module by
     module. A copy of the model would run the original's hooks on meta tensors, so copying is refused."""
 
-    __slots__ = ("streamer", "unit", "inner", "__weakref__")
+    __slots__ = ("streamer", "unit", "inner", "module", "__weakref__")
 
-    def __init__(self, streamer, unit, inner):
+    def __init__(self, streamer, unit, inner, module=None):
         self.streamer, self.unit, self.inner = streamer, unit, inner
+        self.module = unit.module if module is None else module
+
+    def unbound(self, args):
+        """The call's arguments without the module itself, where something bound this wrapper to its module:
+        accelerate's unwrap_model(keep_fp32_wrapper=False) binds the innermost forward it unwraps (this, for a
+        root module that is offloaded) with MethodType, which passes the module first."""
+        return args[1:] if args and args[0] is self.module else args
 
     @property
     def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
         return self.inner
 
     def __call__(self, *args, **kwargs):
+        args = self.unbound(args)
         unit, streamer = self.unit, self.streamer
         refuse_meta_inputs(args, kwargs, streamer.device)
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
