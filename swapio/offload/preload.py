@@ -65,8 +65,9 @@ class _Unwrap:
         if module is None:
             return
         self.module = None
+        self.wrapper.pass_through()
         if module.__dict__.get("forward") is not self.wrapper:
-            return
+            return  # wrapped again since (accelerate's autocast): that stays, and calls ours
         if self.previous is NO_OWN_FORWARD:
             module.__dict__.pop("forward", None)
         else:
@@ -83,6 +84,8 @@ class PreloadForward(OffloadedForward):
     def __call__(self, *args, **kwargs):
         args = self.unbound(args)
         streamer, units = self.streamer, self.unit
+        if streamer is None:
+            return self.inner(*args, **kwargs)
         taken, entered = [], []
         try:
             for unit in units:

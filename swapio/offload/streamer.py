@@ -48,6 +48,12 @@ class OffloadedForward:
         root module that is offloaded) with MethodType, which passes the module first."""
         return args[1:] if args and args[0] is self.module else args
 
+    def pass_through(self):
+        """After remove_offload: calls run the module's forward as it was. Something may still call this wrapper:
+        one installed over it since (accelerate's prepare wraps the model's forward in autocast), which stays,
+        or a reference kept (accelerate's model._original_forward, which unwrap_model binds again)."""
+        self.streamer = self.unit = None
+
     @property
     def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
         return self.inner
@@ -55,6 +61,8 @@ class OffloadedForward:
     def __call__(self, *args, **kwargs):
         args = self.unbound(args)
         unit, streamer = self.unit, self.streamer
+        if streamer is None:
+            return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
         outer, start = streamer.outer, None
@@ -117,7 +125,8 @@ class WeightStreamer:
             self.fetcher.prepare(self.records)
             for unit in self.units:
                 unit.own_forward = unit.module.__dict__.get("forward", NO_OWN_FORWARD)
-                unit.module.forward = OffloadedForward(self, unit, unit.module.forward)
+                unit.wrapper = OffloadedForward(self, unit, unit.module.forward)
+                unit.module.forward = unit.wrapper
             inputs = self._move_inputs if self.device.type != "cpu" else self._check_inputs
             self.handles.append(self.model.register_forward_pre_hook(inputs, with_kwargs=True))
             install_placeholders(self.units)
@@ -314,14 +323,18 @@ class WeightStreamer:
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:
-            own = getattr(unit, "own_forward", None)
+            own, wrapper = getattr(unit, "own_forward", None), getattr(unit, "wrapper", None)
             if own is None:
                 continue
-            if own is NO_OWN_FORWARD:
+            if wrapper is not None:
+                wrapper.pass_through()
+            if unit.module.__dict__.get("forward") is not wrapper:
+                pass  # wrapped again since it was offloaded (accelerate's autocast): that stays, and calls ours
+            elif own is NO_OWN_FORWARD:
                 unit.module.__dict__.pop("forward", None)
             else:
                 unit.module.forward = own
-            unit.own_forward = None
+            unit.own_forward = unit.wrapper = None
 
     def materialize(self):
         """{slot: resident copy on the execution device} of every offloaded tensor; installs nothing, so that an

@@ -121,7 +121,7 @@ class Unit:
     """A module and the offloaded tensors it owns directly: [(attribute, "param" | "buffer", Slot)]."""
 
     __slots__ = ("index", "name", "_module", "entries", "records", "depth", "fetches", "hooks_entered", "lock",
-                 "own_forward", "buffers_in")
+                 "own_forward", "wrapper", "buffers_in")
 
     def __init__(self, index, name, module):
         # held weakly: the fetcher's records reach their units, and streamer.close() runs from a finalizer holding
@@ -133,6 +133,7 @@ class Unit:
         self.hooks_entered = []    # saved-tensor hooks installed with the weights (SavedWeights.enter)
         self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
+        self.wrapper = None        # while offloaded: the streamer.OffloadedForward installed as its forward
         self.buffers_in = []       # (attr, slot, tensor installed, its bytes then or None) of the offloaded buffers
 
     @property

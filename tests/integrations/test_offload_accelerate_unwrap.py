@@ -2,7 +2,9 @@
 (it owns weights directly, or is a preload module): accelerate takes off its autocast wrapper by binding the
 innermost forward it finds to the model (MethodType), which for such a model is swapio's wrapper. The unwrapped
 model then computes what the unwrapped resident model computes, trains with a swapio optimizer as it does, and
-keeps training after remove_offload (a TypeError "forward() takes 2 positional arguments but 3 were given" before)."""
+keeps training after remove_offload (a TypeError "forward() takes 2 positional arguments but 3 were given" before).
+remove_offload of such a model after prepare keeps accelerate's autocast wrapper (it dropped it, silently: the
+forward then ran in fp32)."""
 import pytest
 import torch
 
@@ -81,4 +83,26 @@ def test_unwrap_model_without_fp32_wrapper_computes_as_the_resident_model(model_
     got = _train(model_name, offload, tmp_path)
     assert [t.dtype for t in got] == [t.dtype for t in want]
     for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offload", list(OFFLOADS))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_remove_offload_after_prepare_keeps_autocast(model_name, offload, tmp_path):
+    def outputs(offload):
+        torch.manual_seed(0)
+        net = MODELS[model_name]()
+        if offload:
+            net = OFFLOADS[offload](net, tmp_path / offload)
+        prepared = _accelerator().prepare(net)
+        if offload:
+            remove_offload(prepared)
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            autocast_out = prepared(x)
+            unwrapped = Accelerator(cpu=True).unwrap_model(prepared, keep_fp32_wrapper=False)
+            return autocast_out, unwrapped(x)
+    want = outputs(None)
+    assert not torch.equal(want[0], want[1])  # autocast computes in bf16: the first must show it
+    for g, w in zip(outputs(offload), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
