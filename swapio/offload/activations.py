@@ -309,7 +309,7 @@ class _OffloadingForward:
         self.act, self.inner = act, inner
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        if self.act is None or not torch.is_grad_enabled():  # None: disabled, yet called by a wrapper over it
             return self.inner(*args, **kwargs)
         with self.act:
             return self.inner(*args, **kwargs)
@@ -317,11 +317,12 @@ class _OffloadingForward:
 
 class _Switch:
     """What enable_activation_offload keeps in the model's __dict__: the ActivationOffload and the forward the
-    model had in its __dict__ before (None: its class's)."""
-    __slots__ = ("act", "own")
+    model had in its __dict__ before (None: its class's), and the forward it installed (`installed`, binding
+    `call`)."""
+    __slots__ = ("act", "own", "installed", "call")
 
-    def __init__(self, act, own):
-        self.act, self.own = act, own
+    def __init__(self, act, own, installed, call):
+        self.act, self.own, self.installed, self.call = act, own, installed, call
 
     def __reduce_ex__(self, protocol):
         # deepcopy (an EMA model), pickle, torch.save of the model object: pickle's own error named a lock
@@ -358,8 +359,9 @@ def enable_activation_offload(model, to="cpu", **kwargs):
                            "disable_activation_offload(model) first")
     act = offload_activations(to, model=model, **kwargs)
     own = model.__dict__.get("forward")
-    model.forward = types.MethodType(_method(_OffloadingForward(act, model.forward)), model)
-    model.__dict__[_ATTR] = _Switch(act, own)
+    call = _OffloadingForward(act, model.forward)
+    model.forward = types.MethodType(_method(call), model)
+    model.__dict__[_ATTR] = _Switch(act, own, model.__dict__["forward"], call)
     return act
 
 
@@ -372,7 +374,10 @@ def disable_activation_offload(model):
     if state is None:
         return
     act, own = state.act, state.own
-    if own is None:
+    state.call.act = None  # from now on it runs the model's forward as before
+    if model.__dict__.get("forward") is not state.installed:
+        pass  # wrapped again since (accelerate's prepare: autocast): that stays, and calls ours
+    elif own is None:
         model.__dict__.pop("forward", None)
     else:
         model.forward = own

@@ -47,3 +47,24 @@ def test_unwrap_model_without_the_fp32_wrapper_keeps_the_offload(tmp_path):
     assert list(inspect.signature(unwrapped.forward).parameters) == ["input_ids", "labels"]
     disable_activation_offload(model)
     assert torch.equal(torch.autograd.grad(model(x), x)[0], want)
+
+
+def test_disable_after_prepare_keeps_autocast(tmp_path):
+    """disable_activation_offload of a model prepared (bf16) after enable_activation_offload: accelerate's autocast
+    wrapper, installed over swapio's forward, stays (it was dropped, silently: the forward then ran in fp32), and
+    unwrap_model(keep_fp32_wrapper=False) after it gives the plain forward (it raised a TypeError)."""
+    def outputs(offload):
+        torch.manual_seed(0)
+        model, x = Net(), torch.randn(4, 8)
+        if offload:
+            enable_activation_offload(model, to="nvme", swap_dir=tmp_path, min_bytes=0)
+        prepared = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+        if offload:
+            disable_activation_offload(model)
+        autocast_out = prepared(x).detach()
+        unwrapped = accelerate.Accelerator(cpu=True).unwrap_model(prepared, keep_fp32_wrapper=False)
+        return autocast_out, unwrapped(x).detach()
+    want = outputs(False)
+    assert not torch.equal(*want)  # bf16 autocast shows in the first
+    for got, w in zip(outputs(True), want):
+        assert torch.equal(got, w)
