@@ -13,7 +13,10 @@ from .export import write_checkpoint
 from .hf_original_layout import original_layout
 from .hf_model import ModelMethod
 
-_ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint")
+# save_function: transformers takes it (accelerate's examples pass accelerator.save) and writes safetensors files
+# without it, as this does
+_ACCEPTED = ("token", "save_peft_format", "save_original_format", "safe_serialization", "distributed_checkpoint",
+             "save_function")
 
 
 class SavePretrained(ModelMethod):
