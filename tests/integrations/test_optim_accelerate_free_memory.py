@@ -40,9 +40,10 @@ def _make(mode, tmp_path):
     return lambda params: so.OffloadAdamW(params, lr=1e-2, offload=mode, **extra)
 
 
+@pytest.mark.parametrize("release", ["free_memory", "clear"])
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 @pytest.mark.parametrize("kind", [None, "disk", "cpu"])
-def test_a_new_optimizer_after_free_memory_trains_as_without_accelerate(kind, mode, tmp_path):
+def test_a_new_optimizer_after_free_memory_trains_as_without_accelerate(kind, mode, release, tmp_path):
     make = _make(mode, tmp_path)
     want_model = _offloaded(kind, tmp_path / "want")
     for seed in (1, 2):
@@ -58,7 +59,7 @@ def test_a_new_optimizer_after_free_memory_trains_as_without_accelerate(kind, mo
     net = _offloaded(kind, tmp_path / "got")
     model, opt = accelerator.prepare(net, make(net.parameters()))
     _train(model, opt, 1, accelerator.backward)
-    model, opt = accelerator.free_memory(model, opt)
+    model, opt = getattr(accelerator, release)(model, opt)
     assert opt is None and accelerator._optimizers == []
     model, opt = accelerator.prepare(net, make(net.parameters()))
     _train(model, opt, 2, accelerator.backward)
