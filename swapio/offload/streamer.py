@@ -125,8 +125,9 @@ class WeightStreamer:
             self.fetcher.prepare(self.records)
             for unit in self.units:
                 unit.own_forward = unit.module.__dict__.get("forward", NO_OWN_FORWARD)
-                unit.wrapper = OffloadedForward(self, unit, unit.module.forward)
-                unit.module.forward = unit.wrapper
+                wrapper = OffloadedForward(self, unit, unit.module.forward)
+                unit.wrapper = weakref.ref(wrapper)  # weakly, as the unit holds its module (see units.Unit)
+                unit.module.forward = wrapper
             inputs = self._move_inputs if self.device.type != "cpu" else self._check_inputs
             self.handles.append(self.model.register_forward_pre_hook(inputs, with_kwargs=True))
             install_placeholders(self.units)
@@ -323,9 +324,10 @@ class WeightStreamer:
         for dressing in self.dressings:
             dressing.uninstall(self.model)
         for unit in self.units:
-            own, wrapper = getattr(unit, "own_forward", None), getattr(unit, "wrapper", None)
+            own, ref = getattr(unit, "own_forward", None), getattr(unit, "wrapper", None)
             if own is None:
                 continue
+            wrapper = ref() if ref is not None else None
             if wrapper is not None:
                 wrapper.pass_through()
             if unit.module.__dict__.get("forward") is not wrapper:

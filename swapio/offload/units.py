@@ -133,7 +133,7 @@ class Unit:
         self.hooks_entered = []    # saved-tensor hooks installed with the weights (SavedWeights.enter)
         self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
-        self.wrapper = None        # while offloaded: the streamer.OffloadedForward installed as its forward
+        self.wrapper = None        # while offloaded: a weakref to the OffloadedForward installed as its forward
         self.buffers_in = []       # (attr, slot, tensor installed, its bytes then or None) of the offloaded buffers
 
     @property
