@@ -257,7 +257,7 @@ class OffloadedTrainerMixin:
                 return generic(parameters, max_norm, norm_type=norm_type)
             if opt._offloaded.in_backward and max_norm == float("inf"):
                 return None  # only the logged norm (max_grad_norm=0): backward already stepped, none to give
-            return opt.clip_grad_norm_(max_norm, norm_type)
+            return opt.clip_grad_norm_(max_norm, norm_type, parameters=parameters)  # torch's order: its bits
 
         setattr(accelerator, "clip_grad_norm_", clip_grad_norm_)  # this instance only
 

@@ -459,11 +459,15 @@ class OffloadOptimizer(Optimizer):
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, parameters=None):
         """torch.nn.utils.clip_grad_norm_ over every gradient this optimizer owns (resident parameters' .grad and
         offloaded weights' sums), computed as torch computes it; scales them by min(1, max_norm / (norm + 1e-6)),
         applied to the offloaded sums where they are read next. Returns the total norm. Only the 2-norm. Not with
-        in_backward=True: each update runs before the last gradient exists (docs/offload.md, "Training")."""
+        in_backward=True: each update runs before the last gradient exists (docs/offload.md, "Training").
+        parameters: the parameters torch's clip_grad_norm_ would be given (model.parameters()), in their order,
+        instead of this optimizer's in param-group order: the norms are summed in that order, so the total has
+        the bits torch's gives (the groups Trainer builds, decay then no-decay, are another order). It must name
+        every offloaded weight holding a gradient sum (their sums are scaled together)."""
         self._check_open()
         if self._offloaded.in_backward:
             raise RuntimeError(f"clip_grad_norm_ needs every gradient before any update, but this "
@@ -471,9 +475,18 @@ class OffloadOptimizer(Optimizer):
                                "build it with in_backward=False (gradients summed until step()) to clip")
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
-        params = [p for g in self.param_groups for p in g["params"]]
         offloaded = self._offloaded.norms()
         entries = self._offloaded.entries
+        if parameters is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+        else:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            named = set(params)
+            left = [p for p in offloaded if p not in named]
+            if left:
+                raise ValueError(f"clip_grad_norm_(parameters=...) leaves out {len(left)} offloaded weight(s) that "
+                                 "hold a gradient sum; their sums are scaled together: pass every parameter "
+                                 "(model.parameters()) or none")
         listed = [p for p in params if (p in offloaded) or (p not in entries and p.grad is not None)]
         if not listed:
             return torch.tensor(0.0)
