@@ -164,6 +164,16 @@ def _offloaded(model: Any) -> bool:
     return model is not None and any(offloaded.get(m) is not None for m in model.modules())
 
 
+def _peft_model(model: Any) -> bool:
+    """Whether the model is a peft PeftModel: Trainer saves and resumes only its adapters (save_pretrained,
+    load_adapter), which stay resident over an offloaded base, so its own way works and is the resident run's."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def _owned_optimizer(optimizer: Any) -> Optional[OffloadOptimizer]:
     """The swapio optimizer inside Trainer's optimizer when it trains offloaded weights, else None."""
     opt = _offload_optimizer(optimizer)
@@ -197,7 +207,7 @@ class OffloadedTrainerMixin:
       index save_pretrained writes, never a full state dict in RAM), the optimizer by opt.save
       (StreamingCheckpointCallback, added unless a swapio checkpoint callback is given); resume_from_checkpoint
       reads only the resident tensors from the checkpoint, and the optimizer's load rewrites every offloaded
-      weight from its fp32 master;
+      weight from its fp32 master; a peft model's adapters are saved and resumed by Trainer (resident);
     - DDP / FSDP / DeepSpeed over offloaded weights: a ValueError (not supported)."""
 
     # Trainer's, which the mixin is put in front of (annotations only, for type checkers)
@@ -274,7 +284,7 @@ class OffloadedTrainerMixin:
         return optimizer
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:
-        if not _offloaded(self.model):
+        if not _offloaded(self.model) or _peft_model(self.model):
             return super()._save(output_dir, state_dict)  # type: ignore[misc]
         from ..offload import save_checkpoint
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -296,7 +306,7 @@ class OffloadedTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         model = self.model if model is None else model
-        if not _offloaded(model):
+        if not _offloaded(model) or _peft_model(model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         _load_resident(model, resume_from_checkpoint)
         return None
