@@ -295,8 +295,15 @@ class OffloadedTrainerMixin:
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
+        # the rest as Trainer._save writes it: the tokenizer (or the data collator's) and the training arguments
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            tokenizer = getattr(getattr(self, "data_collator", None), "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        import torch
+        from transformers.trainer import TRAINING_ARGS_NAME
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
