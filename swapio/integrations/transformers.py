@@ -227,6 +227,14 @@ class OffloadedTrainerMixin:
             self.add_callback(StreamingCheckpointCallback())
         self.add_callback(_OffloadedGrads())
         self._check_in_backward(self.optimizer)
+        if self.args.load_best_model_at_end and not _peft_model(self.model):
+            # Trainer would load the best checkpoint with load_state_dict after the whole run, which cannot change
+            # offloaded weights: refused here, before training, instead of at its end
+            raise ValueError("load_best_model_at_end=True is not supported for a model offloaded by swapio.offload "
+                             "(Trainer loads the best checkpoint with load_state_dict, which cannot change offloaded "
+                             "weights): train with load_best_model_at_end=False, then offload the best checkpoint "
+                             "(trainer.state.best_model_checkpoint) with swapio.offload.from_pretrained or "
+                             "disk_offload(model, checkpoint=...)")
 
     def _check_in_backward(self, optimizer: Any) -> None:
         """ValueError, before any weight changes, for what an optimizer with in_backward=True cannot do: clip (it
