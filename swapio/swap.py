@@ -176,28 +176,31 @@ class SwapStore(Closeable):
             raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
-        self._closed = True  # until set up: close() from the finalizer has nothing to do
+        self._closed = True  # until set up (close(), from the finalizer too, lets go of self._owner once it is set)
         own_handle = AioHandle(**handle_kwargs) if handle is None else None  # bad settings fail before mkdir
-        created = not os.path.isdir(directory)
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            _swapdir.warn_if_ram_backed(directory, "SwapStore directory")
-            self._owner = _swapdir.claim(directory, created)
-        except BaseException:
-            if own_handle is not None:
-                own_handle.close()
-            if created:
-                _durable.discard(directory)
-            raise
-        self.directory = directory
         chosen = handle if handle is not None else own_handle
         assert chosen is not None
+        self.directory = directory
         self.handle: AioHandle = chosen
         self._owns_handle = handle is None
         self.verify = verify
         self._tensors: Dict[str, SwappedTensor] = {}
         self._counter = 0
         self._lock = threading.Lock()
+        created = not os.path.isdir(directory)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            _swapdir.warn_if_ram_backed(directory, "SwapStore directory")
+            with DeferredSigint():  # the claim is this store's before a Ctrl-C lands: its close() lets go of it
+                self._owner: _swapdir.Owner = _swapdir.claim(directory, created)
+        except BaseException:
+            if "_owner" in self.__dict__:  # (a Ctrl-C deferred past the claim)
+                self._owner.release()
+            if own_handle is not None:
+                own_handle.close()
+            if created:  # with the lock file a claim cut short left (ours alone: made in our new directory)
+                _durable.discard(os.path.join(directory, _swapdir.LOCK_NAME), directory)
+            raise
         self._closed = False
 
     def _check_open(self):
@@ -289,11 +292,13 @@ class SwapStore(Closeable):
 
     def close(self) -> None:
         """Waits for pending writes, removes every swap file (and the directory if the store made it). Raises
-        the first write error nobody has seen yet."""
-        if self._closed:
+        the first write error nobody has seen yet. A close() cut short (Ctrl-C while a write is waited for) is
+        finished by the next one, or when the store is freed."""
+        self._closed = True  # (first: no swap_out from here)
+        owner = self.__dict__.get("_owner")  # (None: __init__ failed before the claim)
+        if owner is None or owner.released:
             return
-        self._closed = True
-        if self._owner.pid != os.getpid():
+        if owner.pid != os.getpid():
             return  # a forked child's copy of the store: the files and the handle's workers are the parent's
         first_error = None
         for swapped in list(self._tensors.values()):
@@ -301,11 +306,12 @@ class SwapStore(Closeable):
                 self.remove(swapped)
             except Exception as exc:  # noqa: BLE001 - clean up the rest, then report the first
                 first_error = first_error or exc
-        if self._owns_handle:
-            self.handle.close()
-        self._owner.release()
-        if self._owner.created:
-            _durable.discard(self.directory)  # kept if someone else's files are there
+        with DeferredSigint():  # the handle, the lock and the directory let go of whole: a Ctrl-C after that
+            if self._owns_handle:
+                self.handle.close()
+            owner.release()
+            if owner.created:
+                _durable.discard(self.directory)  # kept if someone else's files are there
         if first_error is not None:
             raise first_error
 

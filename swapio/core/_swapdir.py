@@ -17,12 +17,14 @@ import ctypes
 import errno
 import fcntl
 import functools
+import gc
 import os
 import shutil
 import signal
 import tempfile
 import threading
 import time
+import weakref
 
 from .. import _C
 from . import _durable
@@ -34,8 +36,9 @@ LOCK_NAME = ".swapio-owner"
 PRIVATE_PREFIX = "swapio-optim-"  # private directories (mkdtemp) that a dead owner's successor may remove whole
 _RAM_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
-_live = {}  # id(owner) -> owner, for the SIGTERM handler
-_live_lock = threading.Lock()
+# id(owner) -> a weak reference to it (its user holds it), for the SIGTERM handler. No lock: owners leave it in
+# finalizers, which the garbage collector may run anywhere, under any lock; each access is one atomic dict operation
+_live = {}
 _sigterm_installed = False
 
 
@@ -62,6 +65,23 @@ def _lock_file(path):
         if same:
             return owned, os.pread(owned.fileno(), 64, 0)
         owned.close()  # the previous owner removed it between our open and our lock: try again
+
+
+def lock_collecting_own_garbage(directory):
+    """_lock_file on directory's lock file, but when the holder is this process, first lets the garbage collector
+    finalize what holds it: a SwapStore or an offloaded model dropped without close() is a reference cycle (with
+    its swapped tensors, its modules' hooks), which keeps the lock until the collector frees it, so a sweep
+    rebuilding one on the same directory in a loop would be refused. (owned, content, remade): remade when the
+    collected owner removed the directory, made again here."""
+    lock = os.path.join(directory, LOCK_NAME)
+    owned, content = _lock_file(lock)
+    remade = False
+    if owned is None and _pid_of(content) == os.getpid():
+        gc.collect()
+        remade = not os.path.isdir(directory)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        owned, content = _lock_file(lock)
+    return owned, content, remade
 
 
 def identity_of(fd):
@@ -105,15 +125,19 @@ class Owner:
         self.files = set()
         os.ftruncate(owned.fileno(), 0)
         os.pwrite(owned.fileno(), f"{self.pid}\n".encode(), 0)
-        with _live_lock:
-            _live[id(self)] = self
+        ref = weakref.ref(self)  # (made first: an allocation may run the collector, and its finalizers)
+        _live[id(self)] = ref
         _install_sigterm_handler()
+
+    @property
+    def released(self):
+        """True once release() let go of the lock."""
+        return self._owned.closed
 
     def release(self, keep_lock_file=False):
         """Removes the lock file (unless keep_lock_file) and gives up the lock (the caller removed the rest).
         Idempotent. In a forked child the parent's claim is left alone."""
-        with _live_lock:
-            _live.pop(id(self), None)
+        _live.pop(id(self), None)
         if self._owned.closed:
             return
         try:
@@ -124,6 +148,16 @@ class Owner:
                     pass
         finally:
             self._owned.close()  # drops the lock (once, also when the SIGTERM handler releases it meanwhile)
+
+    def __del__(self):
+        # Dropped unreleased: its user was interrupted (Ctrl-C) between getting it and keeping it, so nothing can use
+        # its files any more; without this the lock would stay held, and the directory kept, for the process's life
+        try:
+            _live.pop(id(self), None)
+            if not self._owned.closed:
+                self.remove_everything()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (AttributeError: __init__ interrupted)
+            pass
 
     def remove_everything(self):
         """What SIGTERM does: every file of this owner, then the lock, the directory if the owner made it. A Ctrl-C
@@ -154,7 +188,8 @@ def claim(directory, created):
     """Claims a store's directory: OSError(EBUSY) if a live owner holds it; removes the `*.swap` files a dead
     owner left (and dead owners' private directories inside it), saying so."""
     reclaim(directory)
-    owned, content = _lock_file(os.path.join(directory, LOCK_NAME))
+    owned, content, remade = lock_collecting_own_garbage(directory)
+    created = created or remade
     if owned is None:
         pid = _pid_of(content)
         raise OSError(errno.EBUSY, f"another live SwapStore{f' (pid {pid})' if pid else ''} uses this directory; "
@@ -284,9 +319,10 @@ def warn_if_ram_backed(path, what):
 
 # ---- SIGTERM --------------------------------------------------------------------------------------------------------
 def _on_sigterm(signum, frame):
-    with _live_lock:
-        owners = list(_live.values())
+    owners = [ref() for ref in list(_live.values())]
     for owner in owners:
+        if owner is None:
+            continue
         try:
             owner.remove_everything()
         except Exception:  # noqa: BLE001 - the process ends anyway; remove what can be removed

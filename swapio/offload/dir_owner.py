@@ -10,7 +10,6 @@ a killed writer left there (temporary data and index files, a data file publishe
 index) is removed, and the space comes back, before anything is read or written.
 """
 import errno
-import gc
 import os
 import stat
 
@@ -59,12 +58,9 @@ def claim(directory):
         raise OSError(exc.errno, f"cannot create offload_dir: {exc.strerror}", directory) from None
     try:
         lock = os.path.join(directory, _swapdir.LOCK_NAME)
-        owned, content = _swapdir._lock_file(lock)
-        if owned is None and _swapdir._pid_of(content) == os.getpid():
-            # an offloaded model of this process that was dropped without remove_offload keeps the lock until
-            # the garbage collector finalizes it (it is a reference cycle): collect it and look again
-            gc.collect()
-            owned, content = _swapdir._lock_file(lock)
+        # (an offloaded model of this process dropped without remove_offload: collected first)
+        owned, content, remade = _swapdir.lock_collecting_own_garbage(directory)
+        created = created or remade
         if owned is None:
             pid = _swapdir._pid_of(content)
             who = " of this process" if pid == os.getpid() else f" (pid {pid})" if pid else ""
