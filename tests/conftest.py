@@ -169,6 +169,22 @@ def handle_factory():
         close_handle(h)
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps its state (mixed precision, gradient accumulation) in process-wide singletons, which the next
+    Accelerator() takes as they are: a test's Accelerator(mixed_precision="bf16") made a later test's Accelerator()
+    autocast its forwards too (logits no longer the resident model's), and refused another mixed precision. Reset
+    around every test, where accelerate was imported."""
+    def reset():
+        state = sys.modules.get("accelerate.state")
+        if state is not None:
+            state.AcceleratorState._reset_state(reset_partial_state=True)
+            state.GradientState._reset_state()
+    reset()
+    yield
+    reset()
+
+
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """swapio warns once per directory per process; start this test with no warning given yet."""

@@ -13,16 +13,6 @@ from swapio.offload import disable_activation_offload, enable_activation_offload
 accelerate = pytest.importorskip("accelerate")
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    """accelerate keeps one state per process and refuses another mixed precision: this test's bf16 failed after any
-    earlier test's Accelerator(), and left bf16 for the tests after it."""
-    from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -2,11 +2,16 @@
 OffloadAdamW: prepare wraps the model in DDP, accumulate() skips the gradient all-reduce (no_sync) and the step
 until sync_gradients, clip_grad_norm_ clips the averaged gradients. The weights equal those of the same script
 with torch's fused AdamW, bit for bit. (An offloaded model cannot be wrapped in DDP: docs/offload.md.)"""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUSED_BITS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
@@ -37,13 +42,27 @@ def _train(kind, out_file, swap_dir):
         opt.optimizer.close()
 
 
+LAUNCH = """
+import sys
+sys.path.insert(0, sys.argv[4])
+from accelerate import debug_launcher
+from test_optim_accelerate_multiprocess import _train
+debug_launcher(_train, args=tuple(sys.argv[1:4]), num_processes=2)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not FUSED_BITS, reason="torch's fused CPU AdamW uses fused multiply-adds only with AVX2/AVX-512")
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_two_processes_match_torch_fused_adamw(mode, tmp_path):
-    from accelerate import debug_launcher
+    # debug_launcher forks: from a fresh interpreter, not from the suite's process, whose threads (torch's, the
+    # native core's) a fork copies stopped wherever they were (the CI run hung in it)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     for kind in (mode, "torch"):
-        debug_launcher(_train, args=(kind, str(tmp_path / kind), str(tmp_path)), num_processes=2)
+        proc = subprocess.run([sys.executable, "-c", LAUNCH, kind, str(tmp_path / kind), str(tmp_path), here],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         got = torch.load(tmp_path / f"{mode}.rank{rank}")
         want = torch.load(tmp_path / "torch.rank0")
