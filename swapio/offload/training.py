@@ -202,6 +202,10 @@ class Training:
         be safe): an optimizer's checkpoints record the weights it holds no state of (a frozen base passed to it),
         and each would otherwise read them all. A value read while a rewrite runs is cached under counts that its
         end() or abort() moves."""
+        if not self.attached:  # the weight is a resident parameter now, which may change without a rewrite
+            raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
+                               "dropped): its weights are resident parameters now, which this optimizer does not "
+                               "own; build a new optimizer over model.parameters()")
         generation = (self.rewrites.get(slot, 0), self.aborts.get(slot.record, 0))
         cached = self._checksums.get(slot)
         if cached is not None and cached[0] == generation:

@@ -104,3 +104,20 @@ def test_a_rewrite_of_the_weight_makes_the_next_checkpoint_read_it_again(tmp_pat
     assert doubled == true_checksum(net)
     net[2].weight.data.mul_(0.5)
     assert before == true_checksum(net)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_a_checkpoint_after_remove_offload_is_refused_not_given_the_cached_checksum(tmp_path, kind):
+    """remove_offload makes the weight resident: it may change with no rewrite moving a count, so the checksum
+    cached before would be recorded for a value the model no longer holds."""
+    net, opt = offloaded(kind, tmp_path)
+    frozen = net[2].weight
+    step(net, opt, 1)
+    recorded(opt, frozen)  # cached
+    remove_offload(net)
+    with torch.no_grad():
+        net[2].weight.mul_(3)
+    with pytest.raises(RuntimeError, match="remove_offload"):
+        recorded(opt, frozen)
+    with pytest.raises(RuntimeError, match="remove_offload"):
+        opt.save(tmp_path / "ckpt")
