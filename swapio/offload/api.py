@@ -20,7 +20,7 @@ from .names import checkpoint_names, find
 from .wrappers import under_model_names
 from .data_parallel import refuse_wrapped
 from .prepare import buffer_owners_outside, compute_buffers, computed_parameters, retie
-from ..safetensors.files import check_unchanged as check_file_unchanged
+from ..safetensors.files import check_unchanged as check_file_unchanged, wait_checked
 from ..safetensors.opened import check_against, open_checkpoint
 from .state_dict import assign_state_dict
 from .registry import offloaded as _offloaded, register as _register, unregister as _unregister
@@ -130,13 +130,9 @@ def _current(units):
 def _read_tensor(handle, loc, device):
     t = torch.empty(loc.shape, dtype=loc.dtype)
     if loc.nbytes:
-        try:
-            handle.pread(t.view(-1).view(torch.uint8), loc.io_path, loc.offset, identity=loc.identity,
-                         staged="auto").wait()
-        except OSError:  # past the end of a file rewritten shorter: said as that
-            check_file_unchanged([loc])
-            raise
-        check_file_unchanged([loc])  # written in place since its header was read: said, not used
+        read = handle.pread(t.view(-1).view(torch.uint8), loc.io_path, loc.offset, identity=loc.identity,
+                            staged="auto")
+        wait_checked([read], lambda: check_file_unchanged([loc]))  # written in place since: said, not used
     return t.to(device)
 
 

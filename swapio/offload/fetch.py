@@ -22,7 +22,7 @@ import torch
 from ..core import cuda_copy
 from ..core._ranges import section
 from ..core.pinned import GrowingBlock, empty_pinned, is_pinned
-from ..safetensors.files import WrittenInPlace, check_unchanged
+from ..safetensors.files import WrittenInPlace, check_unchanged, wait_checked
 from .layout import round_up, slot_view
 from .ring import PinnedRing
 
@@ -301,13 +301,9 @@ class Fetcher:
             try:
                 if fetch.reads:
                     with section("swapio::read_wait"):
-                        try:
-                            for f in fetch.reads:
-                                f.wait()
-                        except OSError:  # past the end of a file rewritten shorter: said as that
-                            self._checked(fetch)
-                            raise
-                self._checked(fetch)
+                        wait_checked(fetch.reads, lambda: self._checked(fetch))
+                else:
+                    self._checked(fetch)
             except BaseException:
                 fetch.users -= 1
                 self._drop(fetch)

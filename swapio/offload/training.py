@@ -133,6 +133,13 @@ class Training:
         """The records' bytes may be rewritten (not read in place from a checkpoint with no offload_dir)."""
         return self._store.can_rewrite(records)
 
+    def check_attached(self, slot):
+        """RuntimeError for an owner of `slot` once the model is no longer offloaded (see attached)."""
+        if not self.attached:
+            raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
+                               "dropped): its weights are resident parameters now, which this optimizer does not "
+                               "own; build a new optimizer over model.parameters()")
+
     @property
     def attached(self):
         """The model is still offloaded (not remove_offload()ed or dropped): its slots' weights are the owner's."""
@@ -202,10 +209,7 @@ class Training:
         be safe): an optimizer's checkpoints record the weights it holds no state of (a frozen base passed to it),
         and each would otherwise read them all. A value read while a rewrite runs is cached under counts that its
         end() or abort() moves."""
-        if not self.attached:  # the weight is a resident parameter now, which may change without a rewrite
-            raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
-                               "dropped): its weights are resident parameters now, which this optimizer does not "
-                               "own; build a new optimizer over model.parameters()")
+        self.check_attached(slot)  # else a resident parameter now, which may change without a rewrite
         generation = (self.rewrites.get(slot, 0), self.aborts.get(slot.record, 0))
         cached = self._checksums.get(slot)
         if cached is not None and cached[0] == generation:

@@ -19,6 +19,7 @@ import torch
 
 from ..core._signals import DeferredSigint
 from ..core.pinned import empty_pinned
+from ..safetensors.files import wait_checked
 from . import offload_dir as odir
 from .fetch import REWRITING, view
 from .layout import pack, place_on_disk, round_up
@@ -151,12 +152,9 @@ class DiskStore(RecordTurns):
             t = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 io_path, identity = self.fetcher.io_of(path)  # a checkpoint's file: still the one it was
-                try:
-                    self.handle.pread(t, io_path, offset, identity=identity, staged="auto").wait()
-                except OSError:  # past the end of a file rewritten shorter: said as that
-                    self.fetcher.check_read([path])
-                    raise
-                self.fetcher.check_read([path])  # written in place since: never copied into offload_dir
+                read = self.handle.pread(t, io_path, offset, identity=identity, staged="auto")
+                # written in place since: never copied into offload_dir
+                wait_checked([read], lambda: self.fetcher.check_read([path]))
             return t
 
         saved = {r: (dict(r.offsets), r.nbytes, list(r.spans)) for r in keep}

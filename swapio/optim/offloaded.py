@@ -376,10 +376,7 @@ class OffloadedParams(TrainableOwner):
         self._flush_parts()
         self.check_step()
         for training, slot in self.entries.values():
-            if not training.attached:
-                raise RuntimeError(f"the model holding the offloaded weight {slot.name!r} was remove_offload()ed (or "
-                                   "dropped): its weights are resident parameters now, which this optimizer does "
-                                   "not own; build a new optimizer over model.parameters()")
+            training.check_attached(slot)
         summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
         try:
             for training, records in self._records().items():

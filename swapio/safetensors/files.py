@@ -66,6 +66,19 @@ def check_unchanged(locations, during=LOADING):
                                  f"new bytes: {advice}", loc.path)
 
 
+def wait_checked(reads, check):
+    """Waits for reads from checkpoint files, then runs check() (check_unchanged of those files) before the bytes
+    are used. A read that failed (OSError: past the end of a file rewritten shorter) is said as the rewrite when
+    check() finds one, else raised as it is."""
+    try:
+        for read in reads:
+            read.wait()
+    except OSError:
+        check()
+        raise
+    check()
+
+
 def _confined(base, shard, index_path):
     """The path of shard `shard` named by the index at index_path, in directory base; ValueError unless it is a
     relative name of a file inside base. A link is followed only to a file inside base or inside the directory

@@ -19,6 +19,17 @@ def build():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
+def build_on_meta():
+    """The model as a resuming process builds it: no weights of its own, all from the offload storage."""
+    with torch.device("meta"):
+        return build()
+
+
+def close(net, opt):
+    opt.close()
+    remove_offload(net)
+
+
 def step(net, opt, i):
     net[2].weight.requires_grad_(i >= UNFREEZE)
     gen = torch.Generator().manual_seed(1000 + i)
@@ -47,8 +58,7 @@ def run(tmp_path, after_checkpoint):
     save_checkpoint(net, str(tmp_path / "model.safetensors"))
     for i in range(SAVED_AT, SAVED_AT + after_checkpoint):
         step(net, opt, i)
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
 
 
 def uninterrupted(tmp_path):
@@ -56,8 +66,7 @@ def uninterrupted(tmp_path):
     for i in range(STEPS):
         step(net, opt, i)
     out = weights(net, tmp_path / "full.safetensors")
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
     return out
 
 
@@ -76,14 +85,12 @@ def assert_same(a, b):
 
 def test_a_weight_trained_after_the_checkpoint_without_state_in_it_is_refused(tmp_path):
     run(tmp_path, after_checkpoint=2)  # LATE trained at steps 3 and 4: the offload_dir holds step 5's value
-    with torch.device("meta"):
-        net = build()
+    net = build_on_meta()
     net, opt = offloaded(net, tmp_path / "od")
     with pytest.raises(ValueError, match=r"parameter 2\b.*no optimizer state.*changed"):
         opt.load(tmp_path / "opt")
     assert not opt.state  # nothing loaded
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
 
 
 @pytest.mark.parametrize("after_checkpoint, again", [
@@ -93,13 +100,11 @@ def test_a_weight_trained_after_the_checkpoint_without_state_in_it_is_refused(tm
 def test_resuming_with_the_checkpoints_weights_is_exact(tmp_path, after_checkpoint, again):
     want = uninterrupted(tmp_path)
     run(tmp_path, after_checkpoint=after_checkpoint)
-    with torch.device("meta"):
-        net = build()
+    net = build_on_meta()
     kwargs = {"checkpoint": str(tmp_path / "model.safetensors")} if again else {}
     net, opt = offloaded(net, tmp_path / ("od-resumed" if again else "od"), **kwargs)
     assert_same(resume(tmp_path, net, opt), want)
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
 
 
 def test_the_same_through_state_dict_and_load_state_dict(tmp_path):
@@ -115,8 +120,7 @@ def test_the_same_through_state_dict_and_load_state_dict(tmp_path):
     with pytest.raises(ValueError, match=r"parameter 2\b.*no optimizer state.*changed"):
         opt.load_state_dict(torch.load(tmp_path / "optimizer.pt"))
     assert opt.state[net[2].weight]["step"] == STEPS - UNFREEZE  # nothing loaded
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
 
 
 @pytest.mark.parametrize("forged", [["not", "a", "dict"], {2: "xyz"}, {0: "0" * 16}, {99: "0" * 16}])
@@ -136,11 +140,9 @@ def test_a_forged_record_is_a_value_error_naming_the_file(tmp_path, forged):
     header["__metadata__"]["structure"] = json.dumps(skeleton)
     text = json.dumps(header).encode()
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
-    with torch.device("meta"):
-        net = build()
+    net = build_on_meta()
     net, opt = offloaded(net, tmp_path / "od")
     with pytest.raises(ValueError, match="swapio-optim.safetensors"):
         opt.load(tmp_path / "opt")
     assert not opt.state
-    opt.close()
-    remove_offload(net)
+    close(net, opt)
