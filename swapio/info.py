@@ -10,7 +10,7 @@ from . import _C
 from ._version import __version__
 from .kernels import ops
 from .core._errors import StrPath
-from .core._unnamed_file import open_unnamed, path_of
+from .core._unnamed_file import ScratchFile
 
 
 def _probe_path(path: "StrPath") -> Dict[str, Any]:
@@ -18,11 +18,11 @@ def _probe_path(path: "StrPath") -> Dict[str, Any]:
     if os.path.isfile(path):
         return {"path": path, **_C.probe_file(path)}
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    fd = open_unnamed(directory)  # no name in the directory: nothing left there if the process is killed
+    scratch = ScratchFile(directory)  # no name in the directory: nothing left there if the process is killed
     try:
-        return {"path": path, **_C.probe_file(path_of(fd))}
+        return {"path": path, **_C.probe_file(scratch.path)}
     finally:
-        os.close(fd)
+        scratch.close()
 
 
 CAP_IPC_LOCK = 14  # linux/capability.h

@@ -4,29 +4,29 @@ import os
 import signal
 import threading
 
-from ..core._unnamed_file import open_unnamed, path_of
+from ..core._unnamed_file import ScratchFile, open_unnamed
 from .errors import PathError, ToolError
 from .report import fmt_bytes
 
 
 class TestFile:
     """A temporary file in `directory` (default: the working directory) that no name points to, so it goes with
-    the process however that ends (SIGKILL included), or the named `file` (removed only if this run created it and
-    then failed). `path` opens it (for a temporary file /proc/<pid>/fd/<n>, which fio opens too); `shown` names it
-    in reports."""
+    the process however that ends (SIGKILL included; where /proc is not mounted it has a name until finish()), or the
+    named `file` (removed only if this run created it and then failed). `path` opens it (for a temporary file
+    /proc/<pid>/fd/<n>, which fio opens too); `shown` names it in reports."""
 
     __test__ = False  # not a pytest class
 
     def __init__(self, file=None, directory=None):
         self.temporary = file is None
         self.created = False
-        self._fd = None
+        self._scratch = None
         if self.temporary:
             self.directory = os.path.abspath(directory or os.getcwd())
             check_directory(self.directory, "--dir" if directory else "working directory")
-            self._fd = open_unnamed(self.directory)
-            self.path = path_of(self._fd)
-            self.shown = os.path.join(self.directory, "(unnamed temporary file)")
+            self._scratch = ScratchFile(self.directory)
+            self.path = self._scratch.path
+            self.shown = self._scratch.name or os.path.join(self.directory, "(unnamed temporary file)")
             self.created = True
             return
         # a symlink's target: its directory is checked, its disk's free space counted, the target created
@@ -57,9 +57,8 @@ class TestFile:
 
     def finish(self, failed):
         if self.temporary:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                os.close(fd)  # the file goes with it
+            if self._scratch is not None:
+                self._scratch.close()  # the file goes with it
         elif failed and self.created:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)

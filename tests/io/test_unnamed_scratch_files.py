@@ -90,7 +90,7 @@ def test_the_writability_check_and_the_bench_file(tmp_path, file_system):
         f.write(b"swapio")
     assert target.current_size() == 6 and os.listdir(tmp_path) == []
     assert os.stat(target.path).st_dev == os.stat(tmp_path).st_dev
-    fd = target._fd
+    fd = target._scratch.fd
     target.finish(failed=False)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed: the file is gone with it
@@ -104,3 +104,46 @@ def test_a_directory_that_refuses_files_raises_as_creating_one_would(tmp_path):
     with pytest.raises(OSError) as e:
         _unnamed_file.open_unnamed("/proc")
     assert e.value.errno in (errno.EACCES, errno.ENOENT, errno.EPERM, errno.EROFS)
+
+
+@pytest.fixture(params=["no /proc", "another PID namespace's /proc"])
+def proc_not_reaching(request, monkeypatch, tmp_path_factory):
+    """/proc/<pid>/fd/<n> missing (not mounted, some chroots), or opening another process's file. Before, the
+    bench, tune and info(dir) failed on that path (or would have worked on a stranger's file)."""
+    stranger = tmp_path_factory.mktemp("stranger") / "file"
+    stranger.write_bytes(b"not ours")
+    missing = str(tmp_path_factory.mktemp("empty") / "proc-not-mounted")
+    wrong = missing if request.param == "no /proc" else str(stranger)
+    monkeypatch.setattr(_unnamed_file, "path_of", lambda fd: wrong)
+    return stranger
+
+
+def test_without_proc_a_scratch_file_is_named_until_closed(tmp_path, proc_not_reaching):
+    scratch = _unnamed_file.ScratchFile(tmp_path)
+    assert scratch.name and os.path.dirname(scratch.name) == str(tmp_path)
+    assert os.listdir(tmp_path) == [os.path.basename(scratch.name)]
+    assert os.path.basename(scratch.name).startswith(".swapio-scratch-")
+    with open(scratch.path, "r+b") as f:  # the path opens the file of fd
+        f.write(b"swapio")
+    assert os.pread(scratch.fd, 6, 0) == b"swapio"
+    scratch.close()
+    scratch.close()  # a second close does nothing
+    assert os.listdir(tmp_path) == []
+    assert proc_not_reaching.read_bytes() == b"not ours"
+
+
+def test_without_proc_bench_file_and_probe_work_and_leave_nothing(tmp_path, proc_not_reaching):
+    named = tmp_path / "named"
+    named.write_bytes(b"\0" * 4096)
+    want = swapio.info(str(named))
+    got = swapio.info(str(tmp_path))
+    keys = ("direct", "mem_align", "offset_align")
+    assert {k: got["path"][k] for k in keys} == {k: want["path"][k] for k in keys}
+    target = TestFile(directory=str(tmp_path))
+    assert target.shown == target.path and os.path.exists(target.path)
+    with open(target.path, "r+b") as f:
+        f.write(b"swapio")
+    assert target.current_size() == 6
+    target.finish(failed=False)
+    assert sorted(os.listdir(tmp_path)) == ["named"]
+    assert proc_not_reaching.read_bytes() == b"not ours"
