@@ -75,27 +75,17 @@ class CpuState:
         copies = StepCopies() if own else copies
         arrival = self.grad_copies.arrival if self.grad_copies is not None else (lambda p: None)
         gpu = sorted((w for w in works if w.cuda), key=lambda w: (arrival(w.p) is None, arrival(w.p) or 0))
-        for w in works:
+        for w in works:  # every refusal before anything is stepped, as nvme mode's place() refuses
             if not w.new:
                 self._check_codes(w)
+                self._check_held(w)
                 self._adopt_layout(w.p)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
                     stored = {name: self._empty(name, w.p) for name in w.fields}
                 else:
-                    st = state[w.p]
-                    missing = [name for name in w.fields if name not in st]
-                    if missing:
-                        # which fields a parameter keeps follows its group's options (Adam's amsgrad) and, for
-                        # Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors)
-                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now "
-                                           f"{w.t.dtype} on {w.t.device}) has no {missing}: its dtype, device or "
-                                           "contiguity (model.to(torch.bfloat16), .half(): a parameter that is not "
-                                           "a contiguous fp32 CPU tensor keeps an fp32 master), its group's "
-                                           "amsgrad or, for OffloadAdafactor, its number of dimensions changed "
-                                           "after its first step; give the optimizer a new parameter instead")
-                    stored = {name: st[name] for name in w.fields}
+                    stored = {name: state[w.p][name] for name in w.fields}
                 fields = {name: t.view(-1) for name, t in stored.items()}
                 if w.new:
                     init_segment(w, 0, w.numel, fields)
@@ -118,6 +108,21 @@ class CpuState:
         finally:
             if own:
                 copies.end()
+
+    def _check_held(self, w):
+        """RuntimeError where p's state lacks a field its step needs. Which fields a parameter keeps follows its
+        dtype, device and contiguity (the master), its group's options (Adam's amsgrad) and, for Adafactor, its
+        number of dimensions (a vector keeps variance, a matrix its factors). Checked for every parameter before
+        any is stepped: raised between two parameters, it left the ones before stepped and the rest not, and a
+        step given again after the fix stepped those twice."""
+        missing = [name for name in w.fields if name not in self.state[w.p]]
+        if missing:
+            raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now {w.t.dtype} on "
+                               f"{w.t.device}) has no {missing}: its dtype, device or contiguity "
+                               "(model.to(torch.bfloat16), .half(), model.to(memory_format=torch.channels_last): a "
+                               "parameter that is not a contiguous fp32 CPU tensor keeps an fp32 master), its "
+                               "group's amsgrad or, for OffloadAdafactor, its number of dimensions changed after its "
+                               "first step; give the optimizer a new parameter instead")
 
     def _check_codes(self, w):
         """RuntimeError, before anything is stepped, where int8 codes in state[p] were changed or replaced since
