@@ -79,7 +79,6 @@ class CpuState:
             if not w.new:
                 self._check_codes(w)
                 self._check_held(w)
-                self._adopt_layout(w.p)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
@@ -141,14 +140,32 @@ class CpuState:
                                "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
                                "moments, load_state_dict() a state dict with them in fp32")
 
-    def _adopt_layout(self, p):
-        """A state tensor the user put in state[p] that is not contiguous (`opt.state[p]["exp_avg"] = t`, t a
-        transposed or sliced tensor, which torch's step accepts) becomes a contiguous copy of it in state[p]: the
-        kernel walks the arrays as flat memory. Same values, so nothing is stepped differently."""
-        st = self.state.get(p, {})
-        for name, t in list(st.items()):
-            if name != "step" and torch.is_tensor(t) and not t.is_contiguous():
-                st[name] = t.contiguous()
+    def adopt_entry(self, p, names):
+        """Makes the arrays of `names` that the user put in state[p] what the kernel walks, as torch's step takes
+        them (None where all are; else why one cannot be taken). One that is not contiguous (`opt.state[p]
+        ["exp_avg"] = t`, t transposed or sliced) becomes a contiguous copy; a floating one of another dtype or
+        device (`torch.zeros_like(p)`, torch's way to reset a moment, is bf16 for a bf16 parameter) becomes a copy
+        stored as load_state_dict() stores it (fp32 exactly, bf16 rounded to nearest). The kernel read a bf16
+        tensor as bf16 state, and save() wrote its bytes under the checksums of fp32 ones, which load() refused.
+        Same values, so nothing is stepped differently from torch. int8 codes are not values: see _check_codes."""
+        st = self.state.get(p) or {}
+        for name in names:
+            t = st.get(name)
+            if not torch.is_tensor(t):
+                continue
+            want = self.format.dtype(name)
+            if t.dtype == want and t.device.type == "cpu":
+                if not t.is_contiguous():
+                    st[name] = t.contiguous()
+                continue
+            if want == torch.uint8:
+                return (f"{name!r} holds int8 codes (state_dtype='int8'), not values, and was given a {t.dtype} "
+                        "tensor: set moments by load_state_dict() of a state dict with them in fp32")
+            if not t.is_floating_point() or t.is_meta or t.is_complex():
+                return (f"{name!r} was given a {t.dtype} tensor on {t.device}, which holds no real values to "
+                        "step with: give it a floating tensor")
+            st[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
+        return None
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go

@@ -378,6 +378,10 @@ class NvmeState:
             return None, now
         return None if now == recorded[1] else (recorded[1], now)
 
+    def adopt_entry(self, p, names):
+        """Nothing: state[p] holds only the count here (arrays put there are unread_entries)."""
+        return None
+
     def unread_entries(self, p):
         """The keys of state[p] beside "step": arrays put there (a whole entry replaced, `opt.state[p] = {...}`)
         that this backend does not read."""
