@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import swapio.optim as so
-from helpers.optim import masters, one_thread, rel_diff  # noqa: F401
+from helpers.optim import SMALL_BUFFERS, masters, one_thread, rel_diff  # noqa: F401
 
 
 def _conv_model(dtype):
@@ -89,3 +89,31 @@ def test_amsgrad_turned_on_in_a_later_group_is_refused_before_the_earlier_groups
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert [float(opt.state[p]["step"]) for p in params] == [1.0] * 3
     opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_amsgrad_turned_off_and_on_again_steps_as_torch(mode, tmp_path):
+    """torch steps on without its running maximum and keeps it; turned on again, it goes on from it. nvme mode
+    refused the step ("give the optimizer a new parameter") since its records hold the maximum; they keep it now,
+    unread, as torch's state does. Over two chunks (small buffers), one of them in a second group."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen).requires_grad_(True) for n in (30000, 50, 20000)]
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    extra = {"swap_dir": tmp_path, **SMALL_BUFFERS} if mode == "nvme" else {}
+    ours = so.OffloadAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, amsgrad=True, offload=mode,
+                           **extra)
+    theirs = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:]}], lr=1e-2, amsgrad=True, foreach=False)
+    for k, amsgrad in enumerate([True, True, False, False, True, True]):
+        for opt in (ours, theirs):
+            opt.param_groups[0]["amsgrad"] = amsgrad
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen) * (3.0 if k < 2 else 0.3)  # smaller later: the max matters
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for mine, q in zip(masters(ours, params), ref):
+        assert rel_diff(mine, q) <= 1e-6
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    for i in theirs_sd["state"]:
+        assert rel_diff(ours_sd["state"][i]["max_exp_avg_sq"], theirs_sd["state"][i]["max_exp_avg_sq"]) <= 1e-6
+    ours.close()
