@@ -109,16 +109,22 @@ class CpuState:
                 copies.end()
 
     def _check_held(self, w):
-        """RuntimeError where p's state lacks a field its step needs. Which fields a parameter keeps follows its
-        dtype, device and contiguity (the master), its group's options (Adam's amsgrad) and, for Adafactor, its
-        number of dimensions (a vector keeps variance, a matrix its factors). Checked for every parameter before
-        any is stepped: raised between two parameters, it left the ones before stepped and the rest not, and a
-        step given again after the fix stepped those twice."""
-        missing = [name for name in w.fields if name not in self.state[w.p]]
-        if missing:
+        """RuntimeError where p's state lacks a field its step needs, or holds a master it no longer needs. Which
+        fields a parameter keeps follows its dtype, device and contiguity (the master), its group's options (Adam's
+        amsgrad) and, for Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors).
+        Checked for every parameter before any is stepped: raised between two parameters, it left the ones before
+        stepped and the rest not, and a step given again after the fix stepped those twice."""
+        held = self.state[w.p]
+        missing = [name for name in w.fields if name not in held]
+        # a master held but no longer needed: a bf16 model made fp32 (model.float()) would step on from its
+        # bf16-rounded values, the fp32 master dropped, silently (nvme mode refuses it at placing, as the docs say)
+        unneeded = [MASTER] if torch.is_tensor(held.get(MASTER)) and MASTER not in w.fields else []
+        if missing or unneeded:
+            what = f"has no {missing}" if missing else f"holds a {unneeded} it no longer needs"
             raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now {w.t.dtype} on "
-                               f"{w.t.device}) has no {missing}: its dtype, device or contiguity "
-                               "(model.to(torch.bfloat16), .half(), model.to(memory_format=torch.channels_last): a "
+                               f"{w.t.device}) {what}: its dtype, device or contiguity "
+                               "(model.to(torch.bfloat16), .half(), .float() of a bf16 model, "
+                               "model.to(memory_format=torch.channels_last): a "
                                "parameter that is not a contiguous fp32 CPU tensor keeps an fp32 master), its "
                                "group's amsgrad or, for OffloadAdafactor, its number of dimensions changed after its "
                                "first step; give the optimizer a new parameter instead")

@@ -19,7 +19,7 @@ def _conv_model(dtype):
 def _feed(model, ref, gen, dtype):
     for p, q in zip(model.parameters(), ref.parameters()):
         p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-        q.grad = p.grad.float()
+        q.grad = p.grad.float().clone()  # (its own tensor: a later model.bfloat16() converts p.grad in place)
 
 
 def _pair(mode, dtype, tmp_path):
@@ -116,4 +116,30 @@ def test_amsgrad_turned_off_and_on_again_steps_as_torch(mode, tmp_path):
     ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
     for i in theirs_sd["state"]:
         assert rel_diff(ours_sd["state"][i]["max_exp_avg_sq"], theirs_sd["state"][i]["max_exp_avg_sq"]) <= 1e-6
+    ours.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_bf16_model_made_fp32_after_a_step_is_refused_in_both_modes(mode, tmp_path):
+    """model.float() after a step: the parameter would be its own master, holding the bf16-rounded values. cpu
+    mode stepped on from those, dropping the fp32 master silently (nvme mode refused, as the docs say); both
+    refuse now, before anything is stepped, and go on as torch once the model is bf16 again."""
+    model, ref, ours, theirs = _pair(mode, torch.bfloat16, tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    _feed(model, ref, gen, torch.bfloat16)
+    ours.step()
+    theirs.step()
+    model.float()
+    _feed(model, ref, gen, torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="dtype"):
+        ours.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    model.bfloat16()
+    _feed(model, ref, gen, torch.bfloat16)
+    ours.step()
+    theirs.step()
+    for p, mine, q in zip(model.parameters(), masters(ours, list(model.parameters())), ref.parameters()):
+        assert rel_diff(mine, q) <= 1e-6
+        assert torch.equal(p.detach(), q.detach().to(torch.bfloat16))
     ours.close()
