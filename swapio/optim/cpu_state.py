@@ -75,27 +75,16 @@ class CpuState:
         copies = StepCopies() if own else copies
         arrival = self.grad_copies.arrival if self.grad_copies is not None else (lambda p: None)
         gpu = sorted((w for w in works if w.cuda), key=lambda w: (arrival(w.p) is None, arrival(w.p) or 0))
-        for w in works:
+        for w in works:  # every refusal before anything is stepped, as nvme mode's place() refuses
             if not w.new:
                 self._check_codes(w)
-                self._adopt_layout(w.p)
+                self._check_held(w)
         try:
             for w in gpu + [w for w in works if not w.cuda]:
                 if w.new:
                     stored = {name: self._empty(name, w.p) for name in w.fields}
                 else:
-                    st = state[w.p]
-                    missing = [name for name in w.fields if name not in st]
-                    if missing:
-                        # which fields a parameter keeps follows its group's options (Adam's amsgrad) and, for
-                        # Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors)
-                        raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now "
-                                           f"{w.t.dtype} on {w.t.device}) has no {missing}: its dtype, device or "
-                                           "contiguity (model.to(torch.bfloat16), .half(): a parameter that is not "
-                                           "a contiguous fp32 CPU tensor keeps an fp32 master), its group's "
-                                           "amsgrad or, for OffloadAdafactor, its number of dimensions changed "
-                                           "after its first step; give the optimizer a new parameter instead")
-                    stored = {name: st[name] for name in w.fields}
+                    stored = {name: state[w.p][name] for name in w.fields}
                 fields = {name: t.view(-1) for name, t in stored.items()}
                 if w.new:
                     init_segment(w, 0, w.numel, fields)
@@ -119,6 +108,27 @@ class CpuState:
             if own:
                 copies.end()
 
+    def _check_held(self, w):
+        """RuntimeError where p's state lacks a field its step needs, or holds a master it no longer needs. Which
+        fields a parameter keeps follows its dtype, device and contiguity (the master), its group's options (Adam's
+        amsgrad) and, for Adafactor, its number of dimensions (a vector keeps variance, a matrix its factors).
+        Checked for every parameter before any is stepped: raised between two parameters, it left the ones before
+        stepped and the rest not, and a step given again after the fix stepped those twice."""
+        held = self.state[w.p]
+        missing = [name for name in w.fields if name not in held]
+        # a master held but no longer needed: a bf16 model made fp32 (model.float()) would step on from its
+        # bf16-rounded values, the fp32 master dropped, silently (nvme mode refuses it at placing, as the docs say)
+        unneeded = [MASTER] if torch.is_tensor(held.get(MASTER)) and MASTER not in w.fields else []
+        if missing or unneeded:
+            what = f"has no {missing}" if missing else f"holds a {unneeded} it no longer needs"
+            raise RuntimeError(f"the state of a parameter of shape {tuple(w.t.shape)} (now {w.t.dtype} on "
+                               f"{w.t.device}) {what}: its dtype, device or contiguity "
+                               "(model.to(torch.bfloat16), .half(), .float() of a bf16 model, "
+                               "model.to(memory_format=torch.channels_last): a "
+                               "parameter that is not a contiguous fp32 CPU tensor keeps an fp32 master), its "
+                               "group's amsgrad or, for OffloadAdafactor, its number of dimensions changed after its "
+                               "first step; give the optimizer a new parameter instead")
+
     def _check_codes(self, w):
         """RuntimeError, before anything is stepped, where int8 codes in state[p] were changed or replaced since
         this backend wrote them: they are codes, not values, so torch's ways to reset a moment (zero_(), a new
@@ -136,14 +146,32 @@ class CpuState:
                                "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
                                "moments, load_state_dict() a state dict with them in fp32")
 
-    def _adopt_layout(self, p):
-        """A state tensor the user put in state[p] that is not contiguous (`opt.state[p]["exp_avg"] = t`, t a
-        transposed or sliced tensor, which torch's step accepts) becomes a contiguous copy of it in state[p]: the
-        kernel walks the arrays as flat memory. Same values, so nothing is stepped differently."""
-        st = self.state.get(p, {})
-        for name, t in list(st.items()):
-            if name != "step" and torch.is_tensor(t) and not t.is_contiguous():
-                st[name] = t.contiguous()
+    def adopt_entry(self, p, names):
+        """Makes the arrays of `names` that the user put in state[p] what the kernel walks, as torch's step takes
+        them (None where all are; else why one cannot be taken). One that is not contiguous (`opt.state[p]
+        ["exp_avg"] = t`, t transposed or sliced) becomes a contiguous copy; a floating one of another dtype or
+        device (`torch.zeros_like(p)`, torch's way to reset a moment, is bf16 for a bf16 parameter) becomes a copy
+        stored as load_state_dict() stores it (fp32 exactly, bf16 rounded to nearest). The kernel read a bf16
+        tensor as bf16 state, and save() wrote its bytes under the checksums of fp32 ones, which load() refused.
+        Same values, so nothing is stepped differently from torch. int8 codes are not values: see _check_codes."""
+        st = self.state.get(p) or {}
+        for name in names:
+            t = st.get(name)
+            if not torch.is_tensor(t):
+                continue
+            want = self.format.dtype(name)
+            if t.dtype == want and t.device.type == "cpu":
+                if not t.is_contiguous():
+                    st[name] = t.contiguous()
+                continue
+            if want == torch.uint8:
+                return (f"{name!r} holds int8 codes (state_dtype='int8'), not values, and was given a {t.dtype} "
+                        "tensor: set moments by load_state_dict() of a state dict with them in fp32")
+            if not t.is_floating_point() or t.is_meta or t.is_complex():
+                return (f"{name!r} was given a {t.dtype} tensor on {t.device}, which holds no real values to "
+                        "step with: give it a floating tensor")
+            st[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
+        return None
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go

@@ -189,6 +189,13 @@ def unread_entries_message(keys, where="optimizer.state[p]"):
             "afresh, del opt.state[p]")
 
 
+def _amsgrad_off(placed, fields):
+    """Whether a parameter placed with `placed` fields now asks for those less Adam's running maximum: its group's
+    amsgrad was turned off after its first step. torch steps on without reading the maximum and keeps it in the
+    state (turned on again, the step goes on from it); the record keeps it likewise, and the step leaves it."""
+    return tuple(name for name in placed if name != "max_exp_avg_sq") == fields != placed
+
+
 class NvmeState:
     """The state in a swap file under a private directory of swap_dir. fmt: the StateFormat; state: the
     optimizer's state dict (the same object for the optimizer's life; read only, to know which parameters have
@@ -275,7 +282,7 @@ class NvmeState:
             cuda = on_gpu(p)
             where = self.placed.get(p)
             if where is not None:
-                if where[0] == fields and where[1] == cuda:
+                if where[1] == cuda and (where[0] == fields or _amsgrad_off(where[0], fields)):
                     continue
                 if self.state.get(p):
                     raise RuntimeError(
@@ -377,6 +384,10 @@ class NvmeState:
         if recorded is None:
             return None, now
         return None if now == recorded[1] else (recorded[1], now)
+
+    def adopt_entry(self, p, names):
+        """Nothing: state[p] holds only the count here (arrays put there are unread_entries)."""
+        return None
 
     def unread_entries(self, p):
         """The keys of state[p] beside "step": arrays put there (a whole entry replaced, `opt.state[p] = {...}`)
@@ -557,7 +568,8 @@ class NvmeState:
                 w = by_param.get(seg.p)
                 if w is None:
                     continue
-                fields = self._segment_views(chunk, views, seg)
+                views_of = self._segment_views(chunk, views, seg)
+                fields = {name: views_of[name] for name in w.fields}  # (amsgrad off: its maximum stays as it was)
                 t0 = now()
                 grad, out = w.grad[seg.a:seg.b], None
                 if w.cuda:  # through the slot's staging: gradient in, the kernel's new values out

@@ -321,6 +321,8 @@ class OffloadOptimizer(Optimizer):
             for p in group["params"]:
                 index += 1
                 self._check_entry(p, index)
+                if self.state.get(p):
+                    self._check_fits(p, index, shard(p))
                 held = self._backend.held_fields(p) if self.state.get(p) else None
                 missing = [] if held is None else [f for f in self._rule.fields(p, group) if f not in held]
                 if missing:
@@ -329,6 +331,19 @@ class OffloadOptimizer(Optimizer):
                                        "(OffloadAdafactor: the parameter's number of dimensions changed). Set it "
                                        "back to False to step, export or save; a run with amsgrad needs it from the "
                                        "start")
+
+    def _check_fits(self, p, index, t):
+        """ValueError where p's state does not fit a parameter like t: p's `.data` replaced by a tensor of another
+        size after its first step, or (cpu mode) a moment of another size put in optimizer.state[p]. Stepping
+        would read and write state it does not own; state_dict() failed on a bare reshape error, and save() wrote
+        a checkpoint whose checksums load() refused."""
+        misfit = self._backend.state_misfit(p, t)
+        if misfit:
+            raise ValueError(f"parameter {index} of this {type(self).__name__} (now of shape {tuple(t.shape)}) no "
+                             f"longer fits its state, which {misfit}: its `.data` was replaced by a tensor of "
+                             "another size after its first step, or a state tensor of another size was put in "
+                             "optimizer.state[p]; give the optimizer a new parameter instead, or load a checkpoint "
+                             "made for this shape")
 
     def _check_listed_once(self):
         """ValueError where a parameter is listed twice across the param groups: add_param_group refuses that, but
@@ -346,7 +361,12 @@ class OffloadOptimizer(Optimizer):
     def _check_entry(self, p, index):
         """RuntimeError where state[p] holds arrays the backend never reads (nvme mode, `opt.state[p] = {...,
         "exp_avg": t}`), or was replaced by an entry with another count (nvme mode, a copy of opt.state put back
-        to roll back): stepping or exporting would use the swap file's arrays while opt.state[p] implies others."""
+        to roll back): stepping or exporting would use the swap file's arrays while opt.state[p] implies others.
+        In cpu mode, arrays put there are first made what the kernel walks (CpuState.adopt_entry), or refused."""
+        problem = self._backend.adopt_entry(p, self._rule.STATE_KEYS)
+        if problem:
+            raise RuntimeError(f"parameter {index} of this {type(self).__name__}: its entry in optimizer.state: "
+                               f"{problem}; or del opt.state[p] to start the parameter afresh")
         unread = self._backend.unread_entries(p)
         if unread:
             raise RuntimeError(f"parameter {index} of this {type(self).__name__}: "
@@ -621,12 +641,8 @@ class OffloadOptimizer(Optimizer):
                 st = self.state.get(p)
                 new = not st
                 self._check_entry(p, index)
-                misfit = None if new else self._backend.state_misfit(p, t)
-                if misfit:  # p.data replaced by another size: stepping would read and write state it does not own
-                    raise ValueError(f"parameter {index} of this {type(self).__name__} (now of shape "
-                                     f"{tuple(t.shape)}) no longer fits its state, which {misfit}: its `.data` was "
-                                     "replaced by a tensor of another size after its first step; give the optimizer "
-                                     "a new parameter instead, or load a checkpoint made for this shape")
+                if not new:  # p.data replaced by another size: stepping would read and write state it does not own
+                    self._check_fits(p, index, t)
                 # a count set by hand may be a number (older torch kept ints): read as loading reads it
                 step = 1 if new else int(validate.step_count(
                     st["step"], f"optimizer.state[p]['step'] of parameter {index}").item()) + 1

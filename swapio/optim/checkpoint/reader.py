@@ -95,12 +95,20 @@ def _tensor_hyperparameters(groups, file):
     """The param groups with each tensor they hold (a tensor-valued hyperparameter, as torch's state_dict() holds
     it, or a small value of the user's, in a list, tuple or dict too: whatever save() wrote) read back as a new
     CPU tensor; a tensor in 'params' is left for _no_arrays to refuse. Hyperparameters' values are checked with
-    the rest of the group (restore.check_groups)."""
+    the rest of the group (restore.check_groups). A tensor the groups shared when saved (save() stores it once:
+    `lr=torch.tensor(...)` given to the constructor is every group's, as in torch) comes back as one tensor, as
+    torch.load gives it: read once per group, a scheduler's in-place update of it (LambdaLR's fill_) then reached
+    one group only, and the run resumed other than it went on uninterrupted."""
     if not isinstance(groups, list):
         return groups
+    read = {}
+
     def value(v, where):
         if isinstance(v, Location):
-            return _read_small(v, where)
+            key = (v.path, v.offset, v.nbytes, v.dtype, tuple(v.shape))
+            if key not in read:
+                read[key] = _read_small(v, where)
+            return read[key]
         if isinstance(v, (list, tuple)):  # betas as a pair of tensors
             return type(v)(value(x, where) for x in v)
         if isinstance(v, dict):
