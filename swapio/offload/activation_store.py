@@ -40,7 +40,7 @@ from .kept import Kept, modified_in_place
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
                  "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version")
+                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version", "restored_own")
 
     def __init__(self, index, nbytes, device, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -54,6 +54,7 @@ class Entry:
         self.last_copy = None  # the event of the last host-to-device copy reading self.host
         self.loaded = None    # a future of the bytes back on self.device (prefetched)
         self.restored = None  # weakref to the storage back on the device, while something uses it
+        self.restored_own = False  # restored is the CPU tensor's own memory (host), not bytes read back
         # Every saved view is rebuilt as a view of one uint8 tensor over that storage (weakly referenced, held with
         # the storage below), so that they share its version counter: a backward that changes one in place moves
         # it, and the later unpacks see that, as autograd sees it without offload
@@ -302,6 +303,12 @@ class Session:
         self._release_host(entry)
 
     def _release_host(self, entry):
+        if entry.restored_own:
+            # what an earlier unpack got was the tensor's own memory (an unpack in the forward, a first backward
+            # with retain_graph): with the watch on its version gone, a change in place would go unseen, so the
+            # next unpack reads back what was saved
+            entry.restored = entry.base_ref = entry.held = None
+            entry.restored_own = False
         host, entry.host, entry.watch = entry.host, None, None
         if host is not None and entry.pooled:
             self.res.pool.free(host, entry.last_copy)
@@ -364,6 +371,7 @@ class Session:
             storage = loaded.wait().untyped_storage()
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
             entry.restored = weakref.ref(storage)
+            entry.restored_own = entry.host is not None and not entry.pooled
             return storage, True
         self._prefetch_below(entry.index)
         return storage, False
