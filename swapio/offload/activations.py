@@ -144,10 +144,14 @@ def _close(owner, handle, pool, read_blocks):
 @methods_run_eagerly("pack", "unpack", reason=_EAGER)
 class _Hooks:
     """One pushed pair of saved-tensor hooks: a session's pack and unpack."""
-    __slots__ = ("session",)
+    __slots__ = ("session", "pushed")
 
     def __init__(self, session):
         self.session = session
+        # the very objects pushed, to find them on top again: `self.pack` read at the `with`'s end is another
+        # function when torch._dynamo was first imported inside the block (a meta-device op, a first
+        # torch.compile), which wraps these methods in torch.compiler.disable
+        self.pushed = (self.pack, self.unpack)
 
     def pack(self, t):
         return self.session.pack(t)
@@ -216,7 +220,7 @@ class ActivationOffload:
         entered.append((hooks, session))
         try:
             res.note_model()
-            torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks.pushed)
         except BaseException:
             self._leave(hooks, session, failed=True)
             raise
@@ -235,7 +239,7 @@ class ActivationOffload:
         if entered and entered[-1][0] is hooks:
             entered.pop()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        on_top = top is not None and top[0] == hooks.pack and top[1] == hooks.unpack
+        on_top = top is not None and top[0] is hooks.pushed[0] and top[1] is hooks.pushed[1]
         if on_top:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if failed:
