@@ -128,6 +128,23 @@ def byte_view(storage, device, nbytes):
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
+class _Working:
+    """Counts the operations of a session in progress (entered under res.lock, so from one thread at a time); the
+    last to end handles the drops that the garbage collector made meanwhile."""
+    __slots__ = ("session", "depth")
+
+    def __init__(self, session):
+        self.session, self.depth = session, 0
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, exc_type, exc, tb):
+        self.depth -= 1
+        if not self.depth and self.session.dropped:
+            self.session._drop_deferred()
+
+
 class Session:
     """The entries saved inside one `with` of an ActivationOffload (one forward)."""
 
@@ -147,6 +164,8 @@ class Session:
         self.file_end = 0
         self.reserved = 0      # bytes of the file allocated ahead of the writes
         self.nothing_below = 0  # entries below this index need no read-ahead (dead, or CPU tensors still in RAM)
+        self.working = _Working(self)  # an operation of this session is in progress (under res.lock)
+        self.dropped = []      # (entry, generation) of the drops that came in meanwhile, handled after it
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
@@ -161,7 +180,7 @@ class Session:
         if not res.wanted(tensor):
             return Kept(tensor)
         storage, owner = tensor.untyped_storage(), counter_owner(tensor)
-        with res.lock:
+        with res.lock, self.working:
             version = tensor._version
             entry = next((e for e in self.by_storage.get(storage.data_ptr(), ())
                           if e.refs and e.storage_ref() is storage and e.version == version
@@ -315,7 +334,7 @@ class Session:
 
     def close_forward(self):
         """The forward ended: transfers that finished let go of their memory (the rest as they finish)."""
-        with self.res.lock:
+        with self.res.lock, self.working:
             self.open = False
             self.poll()
             self._finish_if_done()
@@ -323,7 +342,7 @@ class Session:
     # ---- backward ---------------------------------------------------------------------------------------------
     def unpack(self, saved):
         res = self.res
-        with res.lock:
+        with res.lock, self.working:
             if self.aborted:
                 raise RuntimeError("these saved activations were discarded: the forward or backward that made "
                                    "them was interrupted, or the ActivationOffload was closed. Run the forward "
@@ -438,25 +457,41 @@ class Session:
     # ---- end ----------------------------------------------------------------------------------------------------
     def drop(self, entry, generation):
         """A saved tensor using `entry`, last unpacked in `generation`, was dropped by autograd."""
-        res = self.res
-        with res.lock:
-            entry.refs -= 1
-            if generation != entry.generation and entry.waiting > 0:
-                entry.waiting -= 1  # never unpacked since the storage came back: nothing waits for it now
-                if entry.waiting == 0:
-                    entry.held = None
-            if entry.refs > 0:
+        with self.res.lock:
+            if self.working.depth:
+                # the garbage collector, run by an allocation inside this session's own save, unpack or end, freed
+                # a graph caught in a reference cycle: dropped once that is done, not in its middle (a last drop
+                # there reset the swap file under the save in progress, whose tensor then shared the file with
+                # the next ones)
+                self.dropped.append((entry, generation))
                 return
-            self.live -= 1
-            entry.loaded = entry.restored = entry.held = entry.base_ref = None
-            if entry.d2h is None and entry.write is None:
-                self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
-            same = self.by_storage.get(entry.key, [])
-            if entry in same:
-                same.remove(entry)
-                if not same:
-                    del self.by_storage[entry.key]
-            self._finish_if_done()
+            with self.working:
+                self._drop(entry, generation)
+
+    def _drop_deferred(self):
+        """The drops that came in while this session was busy (under res.lock)."""
+        with DeferredSigint(), self.working:  # (as Saved.__del__ has it: a Ctrl-C waits for the session to be whole)
+            while self.dropped:
+                self._drop(*self.dropped.pop(0))
+
+    def _drop(self, entry, generation):
+        entry.refs -= 1
+        if generation != entry.generation and entry.waiting > 0:
+            entry.waiting -= 1  # never unpacked since the storage came back: nothing waits for it now
+            if entry.waiting == 0:
+                entry.held = None
+        if entry.refs > 0:
+            return
+        self.live -= 1
+        entry.loaded = entry.restored = entry.held = entry.base_ref = None
+        if entry.d2h is None and entry.write is None:
+            self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
+        same = self.by_storage.get(entry.key, [])
+        if entry in same:
+            same.remove(entry)
+            if not same:
+                del self.by_storage[entry.key]
+        self._finish_if_done()
 
     def _finish_if_done(self):
         if self.live:
@@ -486,7 +521,7 @@ class Session:
         """Discards everything of this session now (an interrupt, or close()): transfers in flight are waited
         for (their memory is in use by the kernel or the GPU), then the memory and the file go."""
         interrupted = None
-        with self.res.lock:
+        with self.res.lock, self.working:
             self.aborted, self.open = True, False
             for entry in self.pending:
                 try:
