@@ -95,6 +95,15 @@ class Saved:
                 session.drop(self.entry, self.generation)
 
 
+class KeptBy(Kept):
+    """A saved tensor a session's pack left where it was, with the session (a backward that fails discards it)."""
+    __slots__ = ("session",)
+
+    def __init__(self, session, tensor):
+        super().__init__(tensor)
+        self.session = session
+
+
 def counter_owner(tensor):
     """A view's base, else the tensor: it holds the version counter that the tensor uses, and it lives as long as
     any of its views."""
@@ -178,7 +187,7 @@ class Session:
                    "hooks pushed inside the block and left there")
                 + "; exit contexts in the reverse order of entering them, and close() after the block")
         if not res.wanted(tensor):
-            return Kept(tensor)
+            return KeptBy(self, tensor)
         storage, owner = tensor.untyped_storage(), counter_owner(tensor)
         with res.lock, self.working:
             version = tensor._version

@@ -157,16 +157,36 @@ class _Hooks:
         return self.session.pack(t)
 
     def unpack(self, saved):
-        if isinstance(saved, Kept):  # a tensor pack left where it was
-            return saved.unpack()
         session = saved.session
-        if session is None:
-            raise RuntimeError("this saved activation was already released by autograd")
         try:
+            if isinstance(saved, Kept):  # a tensor pack left where it was
+                return saved.unpack()
+            if session is None:
+                raise RuntimeError("this saved activation was already released by autograd")
             return session.unpack(saved)
-        except KeyboardInterrupt:
-            session.abort()  # the backward is over: its saved activations go now, not with the graph
+        except BaseException as exc:
+            if session is not None and (isinstance(exc, KeyboardInterrupt)
+                                        or torch._C._current_graph_task_id() != -1):
+                self._discard(session)
             raise
+
+    def _discard(self, session):
+        """A backward failed in an unpack of `session` (or was interrupted): its saved activations go now. Once an
+        exception came out of an unpack hook, torch never frees what the nodes it had not run yet saved (the
+        graph dropped, they stay), so waiting for the graph to go kept the swap file and memory until close().
+        A `with` still open goes on with a fresh session."""
+        reopen = session is self.session and session.open
+        session.abort()
+        if reopen:
+            self.session = _new_session(session.res)
+
+
+def _new_session(res):
+    with res.lock:
+        res.sessions_made += 1
+        session = Session(res, res.sessions_made)
+        res.sessions.add(session)
+    return session
 
 
 class _Stack(threading.local):
@@ -211,10 +231,7 @@ class ActivationOffload:
         res = self._res
         if res._finalizer.alive is False:
             raise RuntimeError("this ActivationOffload was closed; make a new one")
-        with res.lock:
-            res.sessions_made += 1
-            session = Session(res, res.sessions_made)
-            res.sessions.add(session)
+        session = _new_session(res)
         hooks = _Hooks(session)
         entered = self._stack.entered
         entered.append((hooks, session))
@@ -229,8 +246,8 @@ class ActivationOffload:
     def __exit__(self, exc_type, exc, tb):
         entered = self._stack.entered
         if entered:
-            hooks, session = entered[-1]
-            self._leave(hooks, session, failed=exc_type is not None)
+            hooks, _ = entered[-1]
+            self._leave(hooks, hooks.session, failed=exc_type is not None)  # (a failed backward renews it)
 
     def _leave(self, hooks, session, failed):
         """Takes the hooks off (if they are on top: an interrupt may have come before the push), then ends the
