@@ -197,7 +197,11 @@ class Session:
             if entry is None:
                 entry = self._offload(tensor, storage, owner)
                 entry.refs += 1
-                self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
+                saved = Saved(self, entry, tensor)
+                # with the entry in use: a write that finished at once keeps it resident. (An earlier write's error
+                # raised here drops `saved` as the exception goes, and the entry with it: none left in use for good)
+                self.poll()
+                return saved
             else:
                 res.stats["shared_views"] += 1
                 entry.refs += 1
