@@ -245,9 +245,13 @@ class ActivationOffload:
 
     def __exit__(self, exc_type, exc, tb):
         entered = self._stack.entered
-        if entered:
-            hooks, _ = entered[-1]
-            self._leave(hooks, hooks.session, failed=exc_type is not None)  # (a failed backward renews it)
+        if not entered:
+            # torch's saved-tensor hooks are per thread: those pushed by the __enter__ of another thread stay on there
+            # (its later saves kept going to a forward that never ended), and nothing of this thread's is to pop
+            raise RuntimeError("an ActivationOffload's `with` block ended in a thread that did not enter it (or ended "
+                               "twice): enter and leave it in the same thread")
+        hooks, _ = entered[-1]
+        self._leave(hooks, hooks.session, failed=exc_type is not None)  # (a failed backward renews it)
 
     def _leave(self, hooks, session, failed):
         """Takes the hooks off (if they are on top: an interrupt may have come before the push), then ends the
