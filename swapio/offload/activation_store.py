@@ -217,27 +217,47 @@ class Session:
             entry.staged = nbytes
             self.staged += nbytes
             res.stats["peak_staged_bytes"] = max(res.stats["peak_staged_bytes"], self.staged)
-        if device.type == "cuda":
-            block = res.pool.alloc(nbytes)
-            entry.host, entry.pooled = block, True
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-            entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
-            self.pending.append(entry)
-        else:
-            entry.host = source  # the tensor's own memory, held until written and the staging room is needed
-        entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
-        if to_disk:
-            entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
-            if entry.d2h is None:
-                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
+        try:
+            if device.type == "cuda":
+                block = res.pool.alloc(nbytes)
+                entry.host, entry.pooled = block, True
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+                entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
                 self.pending.append(entry)
+            else:
+                entry.host = source  # the tensor's own memory, held until written and the staging room is needed
+            entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
+            if to_disk:
+                entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
+                if entry.d2h is None:
+                    entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
+                    self.pending.append(entry)
+        except BaseException:
+            self._forget(entry)
+            raise
         self.entries.append(entry)
         self.by_storage.setdefault(entry.key, []).append(entry)
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
         return entry
+
+    def _forget(self, entry):
+        """A save whose copy or write could not start (the file's creation or the write's submission failed): what
+        it took goes back. (It counted against the staging room for good, and a CUDA tensor's entry stayed in
+        `pending`, to be written later at no offset.)"""
+        if entry in self.pending:
+            self.pending.remove(entry)
+        if entry.d2h is not None:
+            try:
+                entry.d2h.synchronize()  # the copy writes into the pinned block, which goes back to the pool
+            except Exception:  # noqa: BLE001 - the save's own error is the one raised
+                pass
+            entry.d2h = None
+        self.staged -= entry.staged
+        entry.staged = 0
+        self._release_host(entry)
 
     def _file_space(self, nbytes, address):
         """Where nbytes from memory at `address` go in the file: at the same place in a page as the address, so
