@@ -251,7 +251,10 @@ class ActivationOffload:
             raise RuntimeError("an ActivationOffload's `with` block ended in a thread that did not enter it (or ended "
                                "twice): enter and leave it in the same thread")
         hooks, _ = entered[-1]
-        self._leave(hooks, hooks.session, failed=exc_type is not None)  # (a failed backward renews it)
+        # (a generator closed while suspended in the block ends it with GeneratorExit: no failure, what its forwards
+        # made is the consumer's to run backward)
+        failed = exc_type is not None and not issubclass(exc_type, GeneratorExit)
+        self._leave(hooks, hooks.session, failed=failed)  # (a failed backward renews the session)
 
     def _leave(self, hooks, session, failed):
         """Takes the hooks off (if they are on top: an interrupt may have come before the push), then ends the
