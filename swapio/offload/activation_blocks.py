@@ -24,7 +24,12 @@ class ReadBlocks:
     offset and the memory are aligned alike); the block comes back here when that storage is gone."""
 
     def __init__(self):
-        self._lock = threading.Lock()  # taken from storage finalizers too: nothing in it drops a tensor
+        # Taken from storage finalizers too, which the garbage collector may run inside a section under it (any
+        # allocation there can start it, and a tensor over a block caught in a reference cycle then dies): such a
+        # block waits in _returned for the section to end. (With a plain Lock that finalizer waited for itself.)
+        self._lock = threading.RLock()
+        self._busy = False  # a section under the lock is running (in the thread holding the lock)
+        self._returned = []  # (block, size) given back meanwhile
         self._free = []   # (size, id, PinnedBuffer) of the blocks kept free, smallest first
         self.in_use = 0   # bytes of blocks some storage uses
         self.cached = 0   # bytes of blocks kept free for the next reads
@@ -34,14 +39,20 @@ class ReadBlocks:
     def take(self, nbytes, shift):
         need = shift + nbytes
         with self._lock:
-            # the smallest free block that holds it: a backward's reads vary in size from node to node, and blocks
-            # of one size kept for each would hold more than the backward ever used at once
-            i = bisect.bisect_left(self._free, (need,))
-            size, _, block = self._free.pop(i) if i < len(self._free) else (round_up(size_class(need), ALIGN), 0, None)
-            if block is not None:
-                self.cached -= size
-            self.in_use += size
-            self._peak = max(self._peak, self.in_use)
+            self._busy = True
+            try:
+                # the smallest free block that holds it: a backward's reads vary in size from node to node, and
+                # blocks of one size kept for each would hold more than the backward ever used at once
+                i = bisect.bisect_left(self._free, (need,))
+                if i < len(self._free):
+                    size, _, block = self._free.pop(i)
+                    self.cached -= size
+                else:
+                    size, block = round_up(size_class(need), ALIGN), None
+                self.in_use += size
+                self._peak = max(self._peak, self.in_use)
+            finally:
+                self._end_section()
         if block is None:
             try:
                 block = _C.PinnedBuffer(size, False)  # mapped, not locked: only direct I/O touches it
@@ -56,19 +67,41 @@ class ReadBlocks:
     def _give_back(self, block, size):
         """The last storage using `block` is gone (runs in whichever thread dropped it)."""
         with self._lock:
-            self.in_use -= size
-            if self._closed:
+            if self._busy:  # the collector ran this inside a section of this thread: it ends first
+                self._returned.append((block, size))
                 return
-            self.cached += size
-            bisect.insort(self._free, (size, id(block), block))
-            while self.cached > self._peak:  # the smallest go first: a large block serves any read
-                self.cached -= self._free.pop(0)[0]  # unmapped here (a mapping: no Python runs)
+            self._busy = True
+            try:
+                self._keep(block, size)
+            finally:
+                self._end_section()
+
+    def _keep(self, block, size):
+        self.in_use -= size
+        if self._closed:
+            return
+        self.cached += size
+        bisect.insort(self._free, (size, id(block), block))
+        while self.cached > self._peak:  # the smallest go first: a large block serves any read
+            self.cached -= self._free.pop(0)[0]  # unmapped here (a mapping: no Python runs)
+
+    def _end_section(self):
+        """(Under the lock, at the end of a section:) takes the blocks given back meanwhile."""
+        try:
+            while self._returned:
+                self._keep(*self._returned.pop())
+        finally:
+            self._busy = False
 
     def clear(self, closing=False):
         """Lets the free blocks go (the ones in use follow as their storages die, when closing)."""
         with self._lock:
-            free, self._free = self._free, []
-            self.cached = 0
-            self._peak = self.in_use
-            self._closed = self._closed or closing
+            self._busy = True
+            try:
+                free, self._free = self._free, []
+                self.cached = 0
+                self._peak = self.in_use
+                self._closed = self._closed or closing
+            finally:
+                self._end_section()
         free.clear()  # outside the lock: unmapping is the block's destructor

@@ -40,7 +40,7 @@ from .kept import Kept, modified_in_place
 class Entry:
     __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
                  "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version")
+                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version", "restored_own")
 
     def __init__(self, index, nbytes, device, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
@@ -54,6 +54,7 @@ class Entry:
         self.last_copy = None  # the event of the last host-to-device copy reading self.host
         self.loaded = None    # a future of the bytes back on self.device (prefetched)
         self.restored = None  # weakref to the storage back on the device, while something uses it
+        self.restored_own = False  # restored is the CPU tensor's own memory (host), not bytes read back
         # Every saved view is rebuilt as a view of one uint8 tensor over that storage (weakly referenced, held with
         # the storage below), so that they share its version counter: a backward that changes one in place moves
         # it, and the later unpacks see that, as autograd sees it without offload
@@ -94,6 +95,15 @@ class Saved:
                 session.drop(self.entry, self.generation)
 
 
+class KeptBy(Kept):
+    """A saved tensor a session's pack left where it was, with the session (a backward that fails discards it)."""
+    __slots__ = ("session",)
+
+    def __init__(self, session, tensor):
+        super().__init__(tensor)
+        self.session = session
+
+
 def counter_owner(tensor):
     """A view's base, else the tensor: it holds the version counter that the tensor uses, and it lives as long as
     any of its views."""
@@ -127,6 +137,23 @@ def byte_view(storage, device, nbytes):
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
+class _Working:
+    """Counts the operations of a session in progress (entered under res.lock, so from one thread at a time); the
+    last to end handles the drops that the garbage collector made meanwhile."""
+    __slots__ = ("session", "depth")
+
+    def __init__(self, session):
+        self.session, self.depth = session, 0
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, exc_type, exc, tb):
+        self.depth -= 1
+        if not self.depth and self.session.dropped:
+            self.session._drop_deferred()
+
+
 class Session:
     """The entries saved inside one `with` of an ActivationOffload (one forward)."""
 
@@ -146,6 +173,8 @@ class Session:
         self.file_end = 0
         self.reserved = 0      # bytes of the file allocated ahead of the writes
         self.nothing_below = 0  # entries below this index need no read-ahead (dead, or CPU tensors still in RAM)
+        self.working = _Working(self)  # an operation of this session is in progress (under res.lock)
+        self.dropped = []      # (entry, generation) of the drops that came in meanwhile, handled after it
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def pack(self, tensor):
@@ -158,9 +187,9 @@ class Session:
                    "hooks pushed inside the block and left there")
                 + "; exit contexts in the reverse order of entering them, and close() after the block")
         if not res.wanted(tensor):
-            return Kept(tensor)
+            return KeptBy(self, tensor)
         storage, owner = tensor.untyped_storage(), counter_owner(tensor)
-        with res.lock:
+        with res.lock, self.working:
             version = tensor._version
             entry = next((e for e in self.by_storage.get(storage.data_ptr(), ())
                           if e.refs and e.storage_ref() is storage and e.version == version
@@ -168,7 +197,11 @@ class Session:
             if entry is None:
                 entry = self._offload(tensor, storage, owner)
                 entry.refs += 1
-                self.poll()  # (with the entry in use: a write that finished at once keeps it resident)
+                saved = Saved(self, entry, tensor)
+                # with the entry in use: a write that finished at once keeps it resident. (An earlier write's error
+                # raised here drops `saved` as the exception goes, and the entry with it: none left in use for good)
+                self.poll()
+                return saved
             else:
                 res.stats["shared_views"] += 1
                 entry.refs += 1
@@ -184,27 +217,47 @@ class Session:
             entry.staged = nbytes
             self.staged += nbytes
             res.stats["peak_staged_bytes"] = max(res.stats["peak_staged_bytes"], self.staged)
-        if device.type == "cuda":
-            block = res.pool.alloc(nbytes)
-            entry.host, entry.pooled = block, True
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-            entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
-            self.pending.append(entry)
-        else:
-            entry.host = source  # the tensor's own memory, held until written and the staging room is needed
-        entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
-        if to_disk:
-            entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
-            if entry.d2h is None:
-                entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
+        try:
+            if device.type == "cuda":
+                block = res.pool.alloc(nbytes)
+                entry.host, entry.pooled = block, True
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+                entry.d2h = copy_async(block[:nbytes], source, copy_stream(device, "to_host"), wait_for=ready)
                 self.pending.append(entry)
+            else:
+                entry.host = source  # the tensor's own memory, held until written and the staging room is needed
+            entry.watch = tensor.detach()  # (no grad_fn: no cycle through the graph that holds this entry)
+            if to_disk:
+                entry.offset = self._file_space(nbytes, storage.data_ptr() if entry.d2h is None else 0)
+                if entry.d2h is None:
+                    entry.write = res.handle.pwrite(source, self.path, entry.offset, identity=self.identity)
+                    self.pending.append(entry)
+        except BaseException:
+            self._forget(entry)
+            raise
         self.entries.append(entry)
         self.by_storage.setdefault(entry.key, []).append(entry)
         self.live += 1
         res.stats["tensors"] += 1
         res.stats["bytes"] += nbytes
         return entry
+
+    def _forget(self, entry):
+        """A save whose copy or write could not start (the file's creation or the write's submission failed): what
+        it took goes back. (It counted against the staging room for good, and a CUDA tensor's entry stayed in
+        `pending`, to be written later at no offset.)"""
+        if entry in self.pending:
+            self.pending.remove(entry)
+        if entry.d2h is not None:
+            try:
+                entry.d2h.synchronize()  # the copy writes into the pinned block, which goes back to the pool
+            except Exception:  # noqa: BLE001 - the save's own error is the one raised
+                pass
+            entry.d2h = None
+        self.staged -= entry.staged
+        entry.staged = 0
+        self._release_host(entry)
 
     def _file_space(self, nbytes, address):
         """Where nbytes from memory at `address` go in the file: at the same place in a page as the address, so
@@ -302,13 +355,19 @@ class Session:
         self._release_host(entry)
 
     def _release_host(self, entry):
+        if entry.restored_own:
+            # what an earlier unpack got was the tensor's own memory (an unpack in the forward, a first backward
+            # with retain_graph): with the watch on its version gone, a change in place would go unseen, so the
+            # next unpack reads back what was saved
+            entry.restored = entry.base_ref = entry.held = None
+            entry.restored_own = False
         host, entry.host, entry.watch = entry.host, None, None
         if host is not None and entry.pooled:
             self.res.pool.free(host, entry.last_copy)
 
     def close_forward(self):
         """The forward ended: transfers that finished let go of their memory (the rest as they finish)."""
-        with self.res.lock:
+        with self.res.lock, self.working:
             self.open = False
             self.poll()
             self._finish_if_done()
@@ -316,7 +375,7 @@ class Session:
     # ---- backward ---------------------------------------------------------------------------------------------
     def unpack(self, saved):
         res = self.res
-        with res.lock:
+        with res.lock, self.working:
             if self.aborted:
                 raise RuntimeError("these saved activations were discarded: the forward or backward that made "
                                    "them was interrupted, or the ActivationOffload was closed. Run the forward "
@@ -364,6 +423,7 @@ class Session:
             storage = loaded.wait().untyped_storage()
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
             entry.restored = weakref.ref(storage)
+            entry.restored_own = entry.host is not None and not entry.pooled
             return storage, True
         self._prefetch_below(entry.index)
         return storage, False
@@ -430,25 +490,41 @@ class Session:
     # ---- end ----------------------------------------------------------------------------------------------------
     def drop(self, entry, generation):
         """A saved tensor using `entry`, last unpacked in `generation`, was dropped by autograd."""
-        res = self.res
-        with res.lock:
-            entry.refs -= 1
-            if generation != entry.generation and entry.waiting > 0:
-                entry.waiting -= 1  # never unpacked since the storage came back: nothing waits for it now
-                if entry.waiting == 0:
-                    entry.held = None
-            if entry.refs > 0:
+        with self.res.lock:
+            if self.working.depth:
+                # the garbage collector, run by an allocation inside this session's own save, unpack or end, freed
+                # a graph caught in a reference cycle: dropped once that is done, not in its middle (a last drop
+                # there reset the swap file under the save in progress, whose tensor then shared the file with
+                # the next ones)
+                self.dropped.append((entry, generation))
                 return
-            self.live -= 1
-            entry.loaded = entry.restored = entry.held = entry.base_ref = None
-            if entry.d2h is None and entry.write is None:
-                self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
-            same = self.by_storage.get(entry.key, [])
-            if entry in same:
-                same.remove(entry)
-                if not same:
-                    del self.by_storage[entry.key]
-            self._finish_if_done()
+            with self.working:
+                self._drop(entry, generation)
+
+    def _drop_deferred(self):
+        """The drops that came in while this session was busy (under res.lock)."""
+        with DeferredSigint(), self.working:  # (as Saved.__del__ has it: a Ctrl-C waits for the session to be whole)
+            while self.dropped:
+                self._drop(*self.dropped.pop(0))
+
+    def _drop(self, entry, generation):
+        entry.refs -= 1
+        if generation != entry.generation and entry.waiting > 0:
+            entry.waiting -= 1  # never unpacked since the storage came back: nothing waits for it now
+            if entry.waiting == 0:
+                entry.held = None
+        if entry.refs > 0:
+            return
+        self.live -= 1
+        entry.loaded = entry.restored = entry.held = entry.base_ref = None
+        if entry.d2h is None and entry.write is None:
+            self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
+        same = self.by_storage.get(entry.key, [])
+        if entry in same:
+            same.remove(entry)
+            if not same:
+                del self.by_storage[entry.key]
+        self._finish_if_done()
 
     def _finish_if_done(self):
         if self.live:
@@ -478,7 +554,7 @@ class Session:
         """Discards everything of this session now (an interrupt, or close()): transfers in flight are waited
         for (their memory is in use by the kernel or the GPU), then the memory and the file go."""
         interrupted = None
-        with self.res.lock:
+        with self.res.lock, self.working:
             self.aborted, self.open = True, False
             for entry in self.pending:
                 try:

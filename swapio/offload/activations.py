@@ -144,25 +144,49 @@ def _close(owner, handle, pool, read_blocks):
 @methods_run_eagerly("pack", "unpack", reason=_EAGER)
 class _Hooks:
     """One pushed pair of saved-tensor hooks: a session's pack and unpack."""
-    __slots__ = ("session",)
+    __slots__ = ("session", "pushed")
 
     def __init__(self, session):
         self.session = session
+        # the very objects pushed, to find them on top again: `self.pack` read at the `with`'s end is another
+        # function when torch._dynamo was first imported inside the block (a meta-device op, a first
+        # torch.compile), which wraps these methods in torch.compiler.disable
+        self.pushed = (self.pack, self.unpack)
 
     def pack(self, t):
         return self.session.pack(t)
 
     def unpack(self, saved):
-        if isinstance(saved, Kept):  # a tensor pack left where it was
-            return saved.unpack()
         session = saved.session
-        if session is None:
-            raise RuntimeError("this saved activation was already released by autograd")
         try:
+            if isinstance(saved, Kept):  # a tensor pack left where it was
+                return saved.unpack()
+            if session is None:
+                raise RuntimeError("this saved activation was already released by autograd")
             return session.unpack(saved)
-        except KeyboardInterrupt:
-            session.abort()  # the backward is over: its saved activations go now, not with the graph
+        except BaseException as exc:
+            if session is not None and (isinstance(exc, KeyboardInterrupt)
+                                        or torch._C._current_graph_task_id() != -1):
+                self._discard(session)
             raise
+
+    def _discard(self, session):
+        """A backward failed in an unpack of `session` (or was interrupted): its saved activations go now. Once an
+        exception came out of an unpack hook, torch never frees what the nodes it had not run yet saved (the
+        graph dropped, they stay), so waiting for the graph to go kept the swap file and memory until close().
+        A `with` still open goes on with a fresh session."""
+        reopen = session is self.session and session.open
+        session.abort()
+        if reopen:
+            self.session = _new_session(session.res)
+
+
+def _new_session(res):
+    with res.lock:
+        res.sessions_made += 1
+        session = Session(res, res.sessions_made)
+        res.sessions.add(session)
+    return session
 
 
 class _Stack(threading.local):
@@ -207,16 +231,13 @@ class ActivationOffload:
         res = self._res
         if res._finalizer.alive is False:
             raise RuntimeError("this ActivationOffload was closed; make a new one")
-        with res.lock:
-            res.sessions_made += 1
-            session = Session(res, res.sessions_made)
-            res.sessions.add(session)
+        session = _new_session(res)
         hooks = _Hooks(session)
         entered = self._stack.entered
         entered.append((hooks, session))
         try:
             res.note_model()
-            torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks.pushed)
         except BaseException:
             self._leave(hooks, session, failed=True)
             raise
@@ -224,9 +245,16 @@ class ActivationOffload:
 
     def __exit__(self, exc_type, exc, tb):
         entered = self._stack.entered
-        if entered:
-            hooks, session = entered[-1]
-            self._leave(hooks, session, failed=exc_type is not None)
+        if not entered:
+            # torch's saved-tensor hooks are per thread: those pushed by the __enter__ of another thread stay on there
+            # (its later saves kept going to a forward that never ended), and nothing of this thread's is to pop
+            raise RuntimeError("an ActivationOffload's `with` block ended in a thread that did not enter it (or ended "
+                               "twice): enter and leave it in the same thread")
+        hooks, _ = entered[-1]
+        # (a generator closed while suspended in the block ends it with GeneratorExit: no failure, what its forwards
+        # made is the consumer's to run backward)
+        failed = exc_type is not None and not issubclass(exc_type, GeneratorExit)
+        self._leave(hooks, hooks.session, failed=failed)  # (a failed backward renews the session)
 
     def _leave(self, hooks, session, failed):
         """Takes the hooks off (if they are on top: an interrupt may have come before the push), then ends the
@@ -235,7 +263,7 @@ class ActivationOffload:
         if entered and entered[-1][0] is hooks:
             entered.pop()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        on_top = top is not None and top[0] == hooks.pack and top[1] == hooks.unpack
+        on_top = top is not None and top[0] is hooks.pushed[0] and top[1] is hooks.pushed[1]
         if on_top:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         if failed:
