@@ -7,6 +7,7 @@ records, so their memory is reused for the next fetches. Weights are only reacha
 runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
 again in backward (see saved_tensors.py).
 """
+import contextlib
 import threading
 import time
 import weakref
@@ -170,6 +171,13 @@ class WeightStreamer:
             self._fetch_in(unit)
 
     def _fetch_in(self, unit):
+        with outside_func_transforms():
+            grad = self._put_weights_in(unit)
+        if grad:  # inside them: torch refuses the hooks under torch.func's grad transforms (saved_tensors.py says so)
+            self.saved.enter(unit.hooks_entered)
+
+    def _put_weights_in(self, unit):
+        """Fetches the unit's weights and puts them in its attributes; whether grad mode is on."""
         unit.buffers_in.clear()  # what an interrupted leave() left
         check_placeholders(slot for _, _, slot in unit.entries)
         self.schedule.observe(unit)
@@ -203,8 +211,7 @@ class WeightStreamer:
             else:
                 unit.buffers_in.append((attr, slot, t, self._snapshot(unit, fetch, t)))
             set_entry(unit.module, attr, kind, t)
-        if grad:
-            self.saved.enter(unit.hooks_entered)
+        return grad
 
     def _prefetch(self, walk, unit):
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
@@ -294,7 +301,7 @@ class WeightStreamer:
 
         def fix(x):
             if isinstance(x, torch.Tensor):
-                return x.clone() if x.device.type == "cpu" and x.untyped_storage().data_ptr() in storages else x
+                return x.clone() if x.device.type == "cpu" and _storage_ptr(x) in storages else x
             if isinstance(x, tuple) and not hasattr(x, "_fields"):
                 return tuple(fix(v) for v in x)
             if isinstance(x, list):
@@ -382,3 +389,22 @@ def _close(fetcher, extra_close):
         extra_close.clear()
         if errors:
             raise errors[0]
+
+
+def _storage_ptr(x):
+    """The data_ptr of the storage under `x`, through torch.func's wrappers (vmap's batched tensors, grad's), which
+    have no storage of their own ("Cannot access storage of BatchedTensorImpl")."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.untyped_storage().data_ptr()
+
+
+def outside_func_transforms():
+    """A context in which tensors are made as plain tensors even inside torch.func's transforms (jacfwd, vmap),
+    which otherwise wrap every tensor made under them, the ring's slices that reads land in too ("Cannot access
+    storage of TensorWrapper"). The fetched weights are then constants of the transform, as a resident module's
+    weights are."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    return temporarily_clear_interpreter_stack()
