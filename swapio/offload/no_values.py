@@ -80,16 +80,26 @@ def _carry(result, source, func, given, factory):
 def _message(source, func):
     name = getattr(func, "__name__", str(func))
     return (f"{name}() used {source.weight_name}, which is offloaded by swapio: between forwards what "
-            "model.parameters() yields for it is a meta placeholder holding no values (and so is anything computed "
-            "from it), so torch would compute nothing from it (an in-place op such as `total += p.pow(2).sum()` or "
-            "an EMA's `ema.add_(p)` would leave the real tensor as it was). Compute from a weight inside its "
+            "model.parameters() (or buffers()) yields for it is a meta placeholder holding no values (and so is "
+            "anything computed from it), so torch would compute nothing from it (an in-place op such as "
+            "`total += p.pow(2).sum()` or an EMA's `ema.add_(p)` would leave the real tensor as it was). Compute "
+            "from a weight inside its "
             "module's forward, where it has its values (a regularization term from the outputs); read a trained "
             "weight's current value with the swapio optimizer's opt.param_value(p); or keep the module resident "
             "(keep_resident=[...]) or remove_offload(model) first")
 
 
+def refuse_pickle(name):
+    return (f"{name} is offloaded by swapio: between forwards the tensor that stands for it holds no values, so "
+            "pickling it (torch.save of a parameter or buffer, of dict(model.named_parameters()) or "
+            "named_buffers()) would save none. Save the model's weights with swapio.offload.save_checkpoint(model, "
+            "path) (model.save_pretrained(dir) for a transformers model), read a trained weight's value with the "
+            "swapio optimizer's opt.param_value(p), or remove_offload(model) first")
+
+
 class NoValues(torch.Tensor):
-    """A meta tensor computed from an offloaded weight's placeholder between forwards; `weight_name` names it."""
+    """A meta tensor computed from an offloaded weight's placeholder between forwards, or an offloaded buffer's
+    placeholder; `weight_name` names the weight."""
 
     carries_no_values = True
     weight_name = "an offloaded weight"
@@ -97,3 +107,6 @@ class NoValues(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return call(func, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(refuse_pickle(self.weight_name))

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .no_values import NoValues, call
+from .no_values import NoValues, call, refuse_pickle
 
 
 class Placeholder(torch.nn.Parameter):
@@ -73,6 +73,9 @@ class Placeholder(torch.nn.Parameter):
         out.weight_name = self.weight_name
         return out
 
+    def __reduce_ex__(self, protocol):  # torch.save of a parameter, of dict(model.named_parameters())
+        raise RuntimeError(refuse_pickle(self.weight_name))
+
     def _values_like(self, plain):
         """`.data`: a meta placeholder's is a NoValues tensor (see no_values.py), a stand-in's a plain one."""
         if not plain.is_meta:
@@ -116,9 +119,10 @@ class Slot:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.is_param = is_param
         meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        self.placeholder = Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param else meta
-        if is_param:
-            self.placeholder.weight_name = name  # for errors (no_values.py)
+        # a buffer's (offload_buffers) holds no values either: `total += model.bn.running_var` did nothing
+        self.placeholder = (Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param
+                            else meta.as_subclass(NoValues))
+        self.placeholder.weight_name = name  # for errors (no_values.py)
         self.record = None
         self.stand_in = None  # shown instead of the placeholder while a wrapper is added (grafting.py)
         self.version = self.placeholder._version  # changes in place since are lost: check_placeholders() says so

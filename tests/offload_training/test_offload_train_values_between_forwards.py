@@ -91,3 +91,54 @@ def test_metadata_of_placeholders_still_answers(tmp_path, storage):
         assert p.new_zeros(2, device="cpu").sum() == 0
     x = torch.randn(3, 8)
     assert torch.equal(model(x), ref(x))
+
+
+class WithNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 6)
+        self.bn = torch.nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.a(x))
+
+
+def saved(obj, tmp_path):
+    torch.save(obj, tmp_path / "saved.pt")
+    return torch.load(tmp_path / "saved.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_torch_save_of_offloaded_parameters_and_buffers_is_refused(tmp_path, storage):
+    """torch.save({n: p for n, p in model.named_parameters()}) (saving the trained weights by hand) wrote meta
+    tensors without a word, as did torch.save of an offloaded buffer (offload_buffers=True); a RuntimeError naming
+    the weight and save_checkpoint now, as torch.save(model.state_dict()) already was."""
+    torch.manual_seed(0)
+    ref = WithNorm().eval()
+    torch.manual_seed(0)
+    model = offload(WithNorm().eval(), storage, tmp_path, cls=WithNorm, offload_buffers=True)
+    want = saved({n: p for n, p in ref.named_parameters()}, tmp_path)
+    assert torch.equal(want["a.weight"], ref.a.weight)
+    with pytest.raises(RuntimeError, match=r"a\.weight is offloaded by swapio.*save_checkpoint"):
+        saved({n: p for n, p in model.named_parameters()}, tmp_path)
+    with pytest.raises(RuntimeError, match=r"a\.bias is offloaded by swapio.*save_checkpoint"):
+        saved(model.a.bias, tmp_path)
+    with pytest.raises(RuntimeError, match=r"bn\.running_mean is offloaded by swapio.*save_checkpoint"):
+        saved(dict(model.named_buffers()), tmp_path)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_values_from_an_offloaded_buffer_are_refused(tmp_path, storage):
+    torch.manual_seed(0)
+    ref = WithNorm().eval()
+    torch.manual_seed(0)
+    model = offload(WithNorm().eval(), storage, tmp_path, cls=WithNorm, offload_buffers=True)
+    total = torch.zeros(6)
+    total += ref.bn.running_var
+    assert total.sum() == 6  # BatchNorm starts with unit variances
+    with pytest.raises(RuntimeError, match=r"add_\(\) used bn\.running_var, which is offloaded by swapio"):
+        torch.zeros(6).add_(model.bn.running_var)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), ref(x))
