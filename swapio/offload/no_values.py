@@ -83,10 +83,10 @@ def _message(source, func):
             "model.parameters() (or buffers()) yields for it is a meta placeholder holding no values (and so is "
             "anything computed from it), so torch would compute nothing from it (an in-place op such as "
             "`total += p.pow(2).sum()` or an EMA's `ema.add_(p)` would leave the real tensor as it was). Compute "
-            "from a weight inside its "
-            "module's forward, where it has its values (a regularization term from the outputs); read a trained "
-            "weight's current value with the swapio optimizer's opt.param_value(p); or keep the module resident "
-            "(keep_resident=[...]) or remove_offload(model) first")
+            "from a weight inside its module's forward, where it has its values (its forward pre-hooks run before "
+            "swapio brings them in, its forward hooks after they left); read a trained weight's current value "
+            "with the swapio optimizer's opt.param_value(p); or keep the module resident (keep_resident=[...]) "
+            "or remove_offload(model) first")
 
 
 def refuse_pickle(name):
