@@ -145,7 +145,7 @@ class Unit:
     """A module and the offloaded tensors it owns directly: [(attribute, "param" | "buffer", Slot)]."""
 
     __slots__ = ("index", "name", "_module", "entries", "records", "depth", "fetches", "hooks_entered", "lock",
-                 "own_forward", "wrapper", "buffers_in")
+                 "own_forward", "wrapper", "buffers_in", "lent")
 
     def __init__(self, index, name, module):
         # held weakly: the fetcher's records reach their units, and streamer.close() runs from a finalizer holding
@@ -159,6 +159,7 @@ class Unit:
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
         self.wrapper = None        # while offloaded: a weakref to the OffloadedForward installed as its forward
         self.buffers_in = []       # (attr, slot, tensor installed, its bytes then or None) of the offloaded buffers
+        self.lent = []             # (slot, weakref) of the parameters installed in host memory reused after the forward
 
     @property
     def module(self):
