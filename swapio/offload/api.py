@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, dora, grafting, hf_resize, hf_save, preload, source
+from . import dir_owner, dora, grafting, hf_resize, hf_save, preload, renorm, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -216,6 +216,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     units, slots, resident = collect(model, offload_buffers,
                                      _check_keep(keep_resident) + trainable_modules(model) + computed)
     dora.check_offloaded(model, units, preload_names)
+    renorm.check_offloaded(units)
     current = _current(units)
     for slot in slots:
         if current[slot].device.type == "meta":
@@ -335,6 +336,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         compute_buffers(model, {})
     units, slots, resident = collect(model, offload_buffers, keep)
     dora.check_offloaded(model, units, preload_names)
+    renorm.check_offloaded(units)
     records = group_records(units)
     own = handle is None
     handle = AioHandle() if own else handle

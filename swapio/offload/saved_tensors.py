@@ -71,7 +71,16 @@ class SavedWeights:
         entered.append(_Entered(self, self.lower.hooks))
         if not own:  # nested in another unit's forward, the hooks below stay those of the outer push
             self.lower.hooks = top
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        except RuntimeError as e:  # torch's own words name neither swapio nor a way out
+            if "torch.func" not in str(e):
+                raise
+            raise RuntimeError(
+                "torch.func's grad transforms (grad, vjp, jacrev, hessian) cannot differentiate through a module "
+                "offloaded by swapio: swapio fetches its weights again in backward through saved-tensor hooks, "
+                "which torch.func does not support yet. Use torch.autograd.grad (create_graph=True for higher "
+                "orders), or keep the module resident (keep_resident=[...]). torch.func.vmap works")
 
     def pack(self, t):
         token = self.token(t)

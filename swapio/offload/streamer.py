@@ -7,6 +7,8 @@ records, so their memory is reused for the next fetches. Weights are only reacha
 runs; outputs that are views of them are copied out first, and autograd saves them as tokens that fetch them
 again in backward (see saved_tensors.py).
 """
+import contextlib
+import sys
 import threading
 import time
 import weakref
@@ -170,6 +172,13 @@ class WeightStreamer:
             self._fetch_in(unit)
 
     def _fetch_in(self, unit):
+        with outside_func_transforms():
+            grad = self._put_weights_in(unit)
+        if grad:  # inside them: torch refuses the hooks under torch.func's grad transforms (saved_tensors.py says so)
+            self.saved.enter(unit.hooks_entered)
+
+    def _put_weights_in(self, unit):
+        """Fetches the unit's weights and puts them in its attributes; whether grad mode is on."""
         unit.buffers_in.clear()  # what an interrupted leave() left
         check_placeholders(slot for _, _, slot in unit.entries)
         self.schedule.observe(unit)
@@ -200,11 +209,12 @@ class WeightStreamer:
                 t = torch.nn.Parameter(t, requires_grad=slot.requires_grad)
                 if slot.requires_grad and grad:
                     self.training.watch(slot, t)
+                if fetch.transient and fetch.device is None:
+                    unit.lent.append((slot, weakref.ref(t)))
             else:
                 unit.buffers_in.append((attr, slot, t, self._snapshot(unit, fetch, t)))
             set_entry(unit.module, attr, kind, t)
-        if grad:
-            self.saved.enter(unit.hooks_entered)
+        return grad
 
     def _prefetch(self, walk, unit):
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
@@ -263,10 +273,14 @@ class WeightStreamer:
         while unit.hooks_entered:
             unit.hooks_entered[-1].exit()
             unit.hooks_entered.pop()
+        copied = False
         if output is not None and any(f.transient and f.device is None for f in unit.fetches):
-            output = self._copy_escaping(output, unit.fetches)
+            output, copied = self._copy_escaping(output, unit.fetches)
         for attr, kind, slot in unit.entries:
             set_entry(unit.module, attr, kind, slot.placeholder)
+        # (an output that was a view of the weights is referenced by the caller until it gets the copy)
+        referenced = _kept_weight(unit) if finished and not copied else None
+        unit.lent.clear()
         with self.fetcher.lock:
             for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
                 kept = [e for e in self.live[key] if e[3] is not unit]
@@ -277,6 +291,14 @@ class WeightStreamer:
         while unit.fetches:  # one at a time: an interrupted leave() leaves the rest for the next call to release
             self.fetcher.release(unit.fetches.pop())
         self.fetcher.pump()
+        if referenced is not None:
+            raise RuntimeError(
+                f"{referenced} is offloaded by swapio, and something still references the tensor that "
+                f"{type(unit.module).__name__}'s forward computed with (a custom torch.autograd.Function keeping it "
+                "as `ctx.weight = weight` for its backward, a module or closure caching it): that memory is reused "
+                "for other weights as soon as the forward returns, so whatever reads it later (the backward) would "
+                "read other bytes. Save tensors a backward needs with ctx.save_for_backward(...), which swapio "
+                f"fetches again for the backward, or keep the module resident (keep_resident=[{unit.name!r}])")
         if changed is not None:  # accelerate drops such a change silently; a wrong model later is worse
             name, how = changed
             raise RuntimeError(
@@ -289,12 +311,16 @@ class WeightStreamer:
     @staticmethod
     def _copy_escaping(output, fetches):
         """Outputs that are views of the unit's host regions (a module returning a slice of its weight) are
-        copied: the region is reused once the unit is released."""
+        copied: the region is reused once the unit is released. Returns (output, whether anything was copied)."""
         storages = {f.host.untyped_storage().data_ptr() for f in fetches if f.host is not None}
+        copied = []
 
         def fix(x):
             if isinstance(x, torch.Tensor):
-                return x.clone() if x.device.type == "cpu" and x.untyped_storage().data_ptr() in storages else x
+                if x.device.type == "cpu" and _storage_ptr(x) in storages:
+                    copied.append(True)
+                    return x.clone()
+                return x
             if isinstance(x, tuple) and not hasattr(x, "_fields"):
                 return tuple(fix(v) for v in x)
             if isinstance(x, list):
@@ -307,7 +333,8 @@ class WeightStreamer:
                         x[k] = nv
                 return x
             return x
-        return fix(output)
+        output = fix(output)
+        return output, bool(copied)
 
     # ---- teardown -------------------------------------------------------------------------------------------
     def detach(self):
@@ -382,3 +409,41 @@ def _close(fetcher, extra_close):
         extra_close.clear()
         if errors:
             raise errors[0]
+
+
+def _storage_ptr(x):
+    """The data_ptr of the storage under `x`, through torch.func's wrappers (vmap's batched tensors, grad's), which
+    have no storage of their own ("Cannot access storage of BatchedTensorImpl")."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.untyped_storage().data_ptr()
+
+
+def outside_func_transforms():
+    """A context in which tensors are made as plain tensors even inside torch.func's transforms (jacfwd, vmap),
+    which otherwise wrap every tensor made under them, the ring's slices that reads land in too ("Cannot access
+    storage of TensorWrapper"). The fetched weights are then constants of the transform, as a resident module's
+    weights are."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    return temporarily_clear_interpreter_stack()
+
+
+def _kept_weight(unit):
+    """The name of a weight fetched into reused host memory (the ring, the spare) that something still references
+    after its module's forward, or None. The fetched Parameter's own references are its Python object's (a
+    second while C++ holds it too), for a trainable one autograd's AccumulateGrad, and torch's RNNs' list of their
+    weights (refreshed by their next forward); any other, a Python reference (`ctx.weight = weight`) or a view
+    kept (`ctx.wt = weight.t()`), would read the region after the ring reused it. A view kept of a trainable
+    weight that autograd does not hold is not seen."""
+    listed = unit.module.__dict__.get("_flat_weights") or ()
+    for slot, ref in unit.lent:
+        t = ref()
+        if t is None:
+            continue
+        owners = t._use_count()
+        python = sys.getrefcount(t) - 2 - (owners > 1) - sum(w is t for w in listed)  # less this frame's and the call's
+        if python > 0 or owners > 1 + t.requires_grad:
+            return slot.name
+    return None

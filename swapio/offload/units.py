@@ -12,16 +12,24 @@ import weakref
 
 import torch
 
+from .no_values import NoValues, call, refuse_pickle
+
 
 class Placeholder(torch.nn.Parameter):
     """What an offloaded parameter is between forwards (the meta placeholder, or grafting.py's stand-in): a
     Parameter whose `.data` shares its version counter (torch's `.data` gets a fresh one), so that a change in
     place through it (peft's `weight.data -= delta`) counts in `_version` like one on the parameter itself:
-    check_placeholders() then says the change was lost. Assigning it other values is refused at once."""
+    check_placeholders() then says the change was lost. Assigning it other values is refused at once.
+    A meta placeholder holds no values, nor does anything computed from it (no_values.py)."""
+
+    carries_no_values = True  # when meta (a stand-in holds values)
+    weight_name = "an offloaded weight"
 
     @property  # type: ignore[override]
     def data(self):
-        return torch.Tensor.detach(self)  # a plain tensor (as torch's), sharing the version counter (unlike torch's)
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = torch.Tensor.detach(self)  # as torch's, but sharing the version counter (unlike torch's)
+        return self._values_like(plain)
 
     @data.setter
     def data(self, value):
@@ -55,13 +63,26 @@ class Placeholder(torch.nn.Parameter):
                     "give it no gradient. Call loss.backward() without inputs= and train offloaded weights with a "
                     "swapio optimizer, or keep their modules resident (keep_resident=[...]) to take their "
                     "gradients with torch.autograd.grad")
-        with torch._C.DisableTorchFunctionSubclass():  # then as torch.nn.Parameter's (written so dynamo traces it)
-            return func(*args, **(kwargs or {}))
+        return call(func, args, kwargs)  # as torch.nn.Parameter's, but values from a meta one are refused
 
     def detach(self):
         """A Placeholder too, sharing the version counter: torch.nn.Parameter(placeholder) (weight_norm,
         parametrize, libraries that rewrap a weight) requires a Parameter subclass's detach() to keep its type."""
-        return torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = torch.Tensor._make_subclass(Placeholder, torch.Tensor.detach(self), False)
+        out.weight_name = self.weight_name
+        return out
+
+    def __reduce_ex__(self, protocol):  # torch.save of a parameter, of dict(model.named_parameters())
+        raise RuntimeError(refuse_pickle(self.weight_name))
+
+    def _values_like(self, plain):
+        """`.data`: a meta placeholder's is a NoValues tensor (see no_values.py), a stand-in's a plain one."""
+        if not plain.is_meta:
+            return plain
+        out = plain.as_subclass(NoValues)
+        out.weight_name = self.weight_name
+        return out
 
 
 CHANGE_WEIGHTS = ("Change the weights before offloading, or remove_offload(model), change them and offload again. "
@@ -98,7 +119,10 @@ class Slot:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.is_param = is_param
         meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
-        self.placeholder = Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param else meta
+        # a buffer's (offload_buffers) holds no values either: `total += model.bn.running_var` did nothing
+        self.placeholder = (Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param
+                            else meta.as_subclass(NoValues))
+        self.placeholder.weight_name = name  # for errors (no_values.py)
         self.record = None
         self.stand_in = None  # shown instead of the placeholder while a wrapper is added (grafting.py)
         self.version = self.placeholder._version  # changes in place since are lost: check_placeholders() says so
@@ -121,7 +145,7 @@ class Unit:
     """A module and the offloaded tensors it owns directly: [(attribute, "param" | "buffer", Slot)]."""
 
     __slots__ = ("index", "name", "_module", "entries", "records", "depth", "fetches", "hooks_entered", "lock",
-                 "own_forward", "wrapper", "buffers_in")
+                 "own_forward", "wrapper", "buffers_in", "lent")
 
     def __init__(self, index, name, module):
         # held weakly: the fetcher's records reach their units, and streamer.close() runs from a finalizer holding
@@ -135,6 +159,7 @@ class Unit:
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
         self.wrapper = None        # while offloaded: a weakref to the OffloadedForward installed as its forward
         self.buffers_in = []       # (attr, slot, tensor installed, its bytes then or None) of the offloaded buffers
+        self.lent = []             # (slot, weakref) of the parameters installed in host memory reused after the forward
 
     @property
     def module(self):

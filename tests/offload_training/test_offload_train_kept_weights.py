@@ -1,0 +1,126 @@
+"""A custom torch.autograd.Function that keeps the weight for its backward as an attribute (`ctx.weight = w`)
+instead of ctx.save_for_backward: disk-offloaded, the weight it kept lay in the ring, which other modules' weights
+reuse once the forward returns, so its backward read their bytes: gradients and trained weights silently differed
+from the resident model's. Now the forward that lets such a reference escape is a RuntimeError naming the weight
+and ctx.save_for_backward; save_for_backward (which swapio fetches again for the backward), torch's RNNs (which
+list their weights until their next forward) and plain modules train exactly as on the resident model."""
+import pytest
+import torch
+
+from swapio.offload import remove_offload
+from helpers.offload_training import (IN, OUT, assert_same_weights, batches, build_opt, loss_of, offload, one_thread,
+                                      weights)
+
+pytest.importorskip("safetensors")
+
+
+class KeptAsAttribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.x, ctx.w = x, w
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w, g.t() @ ctx.x, g.sum(0)
+
+
+class Saved(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, g.sum(0)
+
+
+def deep(function=None, frozen=False):
+    class Layer(torch.nn.Linear):
+        def forward(self, x):
+            return function.apply(x, self.weight, self.bias) if function else super().forward(x)
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(IN, IN) for _ in range(6)])
+            self.out = torch.nn.Linear(IN, OUT)
+            self.layers.requires_grad_(not frozen)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return self.out(x)
+    return Deep
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(IN, IN, batch_first=True)
+        self.out = torch.nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.out(self.rnn(x.unsqueeze(1).repeat(1, 3, 1))[0][:, -1])
+
+
+class ReturnsItsWeight(torch.nn.Module):
+    """A module whose forward returns its own weight (a learned position embedding): swapio copies that output,
+    which its caller holds while the forward returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(1, IN)
+        self.out = torch.nn.Linear(IN, OUT)
+        self.pos.forward = lambda: self.pos.weight[0]
+
+    def forward(self, x):
+        return self.out(torch.tanh(x + self.pos()))
+
+
+def build(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def train_both(tmp_path, cls, storage, steps=3):
+    """Trains the resident model and an offloaded copy (a ring of two records) side by side."""
+    data = batches(None, steps)
+    ref = build(cls)
+    model = offload(build(cls), storage, tmp_path, cls, buffer_bytes=8192)
+    ref_opt = build_opt("AdamW", ref.parameters(), tmp_path / "ref-swap", offload="cpu")
+    opt = build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu")
+    with one_thread():
+        for b in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m.loss = loss_of(m, b)
+                m.loss.backward()
+                o.step()
+                o.zero_grad()
+            assert torch.equal(model.loss, ref.loss)
+    ref_opt.close()
+    opt.close()
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("storage", ["disk", "ckpt"])
+def test_a_weight_kept_as_a_ctx_attribute_is_refused(tmp_path, storage, frozen):
+    cls = deep(KeptAsAttribute, frozen)
+    model = offload(build(cls), storage, tmp_path, cls, buffer_bytes=8192)
+    x = torch.randn(3, IN, requires_grad=frozen)
+    with pytest.raises(RuntimeError, match=r"layers\.0\.weight is offloaded by swapio, and something still "
+                                           r"references.*ctx\.save_for_backward"):
+        model(x)
+    with torch.no_grad():  # the model works on, and a forward that keeps nothing is fine
+        assert torch.equal(model(x), build(cls)(x))
+
+
+@pytest.mark.parametrize("cls", [deep(Saved), deep(), Recurrent, ReturnsItsWeight],
+                         ids=["save_for_backward", "linear", "lstm", "returns_its_weight"])
+@pytest.mark.parametrize("storage", ["disk", "ckpt"])
+def test_weights_not_kept_train_as_resident(tmp_path, storage, cls):
+    train_both(tmp_path, cls, storage)
