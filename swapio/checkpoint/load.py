@@ -41,7 +41,7 @@ RUN_GAP = 256 << 10   # streamed tensors closer than this are read together, the
 class _Target:
     """What one stored tensor loads as: dtype, shape, strides (None: contiguous), and its Location."""
 
-    __slots__ = ("loc", "dtype", "shape", "stride")
+    __slots__ = ("loc", "dtype", "shape", "stride", "parameter", "requires_grad")
 
     def __init__(self, node, loc, where):
         self.loc = loc
@@ -66,6 +66,18 @@ class _Target:
                 raise ValueError(f"{where}: tensor {name!r} has malformed strides {str(node['stride'])[:200]} (save "
                                  f"writes strides that hold its shape {list(self.shape)} densely)")
             self.stride = tuple(stride)
+        for flag in ("p", "g"):
+            if node.get(flag, 1) != 1:
+                raise ValueError(f"{where}: tensor {name!r} has a malformed {flag!r} flag {str(node[flag])[:50]}")
+        self.parameter, self.requires_grad = "p" in node, "g" in node
+        if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(f"{where}: tensor {name!r} is {self.dtype} and cannot require grad")
+
+    def wrap(self, t):
+        """t as saved: an nn.Parameter, requiring grad (as torch.load gives them; a non-leaf as a leaf)."""
+        if self.parameter:
+            return torch.nn.Parameter(t, requires_grad=self.requires_grad)
+        return t.requires_grad_() if self.requires_grad else t
 
     def byte_view(self, t):
         """t's bytes as the file stores them (t contiguous)."""
@@ -93,7 +105,7 @@ def _targets(skeleton, locations, where):
 
 def _match_out(out, targets, where):
     """{name: out tensor}, every one checked against the file before anything is read."""
-    _, entries = flatten(out)
+    _, entries = flatten(out, lenient=True)
     given = {e.name: e.original for e in entries}
     missing, unexpected = set(targets) - set(given), set(given) - set(targets)
     if missing or unexpected:
@@ -258,4 +270,6 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
             # fill the contiguous ones: outside inference mode torch refuses it, after writing
             with torch.inference_mode(t.is_inference()):
                 copyable(t).copy_(copyable(dest))
+    if given is None:  # (out= tensors are the caller's, returned as they are)
+        tensors = {name: targets[name].wrap(t) for name, t in tensors.items()}
     return unflatten(skeleton, tensors)

@@ -5,14 +5,21 @@ Tensor names are the paths to them, joined by "." (`model.layer.weight`, `optimi
 that another one already took (the dict key "a.b" next to a nested a -> b, or the int key 0 next to the str "0")
 gets a "#n" suffix. The skeleton keeps the exact structure, so names are labels for other readers, never parsed.
 Skeleton nodes: {"T": name} a tensor (+ "dtype" when stored as raw bytes, + "stride" when it was dense but not
-contiguous), {"D": [[key, node], ...]} a dict ("o": 1 for an OrderedDict), {"L": [...]} a list, {"U": [...]} a
-tuple, {"V": value} an int, float, bool, str or None. Dict keys may be str, int, float, bool or None.
+contiguous, + "p": 1 for an nn.Parameter, + "g": 1 when it requires grad), {"D": [[key, node], ...]} a dict
+("o": 1 for an OrderedDict), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
+an int, float, bool, str or None. Dict keys may be str, int, float, bool or None.
+
+Types are exact: torch.load gives back a subclass (a defaultdict, an OrderedDict subclass such as transformers'
+ModelOutput, an IntEnum, a tensor subclass) as itself, so one stored as its base type would come back silently
+different: a TypeError naming it instead (nn.Parameter and torch.Size are kept). The structure given as load's
+out= only names tensors, so there any container and tensor type is taken as its base (lenient=True).
 
 Shared storage: the same view (same memory, dtype, shape and strides) reached twice, as tied weights are, is
 stored once and loads as one tensor at both places. Other tensors sharing memory (overlapping slices) are stored
 each on its own and load as independent tensors.
 """
 import collections
+import sys
 
 import torch
 
@@ -30,7 +37,28 @@ def _describe(path):
 
 
 def _identity(t):
-    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg()) if t.numel() else None
+    """Equal for the same view of the same memory, as the same kind of tensor (a Parameter and its .detach() are
+    two tensors to torch.load, stored apart)."""
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg(), type(t),
+            t.requires_grad) if t.numel() else None
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_JSON_INT_BITS = 3 * 4000  # ints shorter than this always fit sys.get_int_max_str_digits()'s default (4300)
+
+
+def _plain_fits(x, what):
+    """ValueError naming `what` for an int json.dumps would refuse (longer than the interpreter's digit limit)."""
+    if type(x) is int and x.bit_length() > _JSON_INT_BITS and sys.get_int_max_str_digits():
+        try:
+            str(x)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+
+
+def _not_exact(x, path):
+    return TypeError(f"{_describe(path)}: a {type(x).__name__} (a subclass of {type(x).__mro__[1].__name__}) "
+                     "cannot be stored: it would load as its base type; convert it first (dict(x), list(x), ...)")
 
 
 def dense(shape, stride):
@@ -51,10 +79,11 @@ def _dense_permuted(t):
     return not t.is_contiguous() and t.numel() > 1 and dense(t.shape, t.stride())
 
 
-def flatten(state, placeholders=False):
+def flatten(state, placeholders=False, lenient=False):
     """(skeleton, [Entry]) of a state; TypeError naming the key of anything that cannot be stored.
     placeholders=True: meta tensors are taken as stand-ins for bytes the caller streams into the file itself
-    (swapio.optim.checkpoint), each stored on its own."""
+    (swapio.optim.checkpoint), each stored on its own. lenient=True (load's out=): subclasses of containers and
+    tensors are walked as their base types, and a meta tensor is a ValueError (no memory to load into)."""
     entries, taken, seen = [], set(), {}
 
     def name_for(path):
@@ -89,7 +118,14 @@ def flatten(state, placeholders=False):
                                 "components, x.unbind(), instead)")
             if x.layout != torch.strided:
                 raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
+            if not lenient and type(x) not in _TENSOR_TYPES:
+                raise TypeError(f"{_describe(path)}: a {type(x).__name__} (a torch.Tensor subclass) cannot be "
+                                "stored: it would load as a plain tensor; store a plain tensor (x.as_subclass("
+                                "torch.Tensor)) or its components")
             meta = x.device.type == "meta"
+            if meta and lenient:
+                raise ValueError(f"out= tensor {_describe(path)} is on the meta device: it has no memory to load "
+                                 "into (materialize it first, e.g. model.to_empty(device='cpu'))")
             if meta and not placeholders:
                 raise TypeError(f"{_describe(path)}: a tensor on the meta device has no data to store")
             ident = None if meta else _identity(x)  # (meta tensors all have address 0: never "shared")
@@ -102,21 +138,32 @@ def flatten(state, placeholders=False):
                 node["dtype"] = dtype_name(x.dtype)
             if _dense_permuted(x):
                 node["stride"] = list(x.stride())
+            if type(x) is torch.nn.Parameter:
+                node["p"] = 1
+            if x.requires_grad:  # (a non-leaf too: torch.load gives it as a leaf requiring grad)
+                node["g"] = 1
             if ident is not None:
                 seen[ident] = node
             return node
         if isinstance(x, _PLAIN) and type(x) in _PLAIN:  # not a subclass (an IntEnum would come back an int)
+            _plain_fits(x, _describe(path))
             return {"V": x}
         raise TypeError(f"{_describe(path)}: a {type(x).__name__} cannot be stored in a checkpoint (tensors, "
                         "dicts, lists, tuples, int, float, bool, str and None can)")
 
     def walk_container(x, path):
+        if type(x) is torch.Size:
+            return {"S": list(x)}
+        if not lenient and type(x) not in (dict, collections.OrderedDict, list, tuple) and not hasattr(x, "_fields"):
+            raise _not_exact(x, path)
         if isinstance(x, dict):
             items = []
             for k, v in x.items():
-                if not isinstance(k, _KEYS):
+                # (an IntEnum or str subclass key would come back as its base type)
+                if not isinstance(k, _KEYS) or (not lenient and type(k) not in _KEYS):
                     raise TypeError(f"{_describe(path)}: dict key {k!r} is a {type(k).__name__}; keys may be str, "
                                     "int, float, bool or None")
+                _plain_fits(k, f"{_describe(path)}: dict key")
                 items.append([k, walk(v, path + (k,))])
             node = {"D": items}
             if isinstance(x, collections.OrderedDict):
@@ -156,6 +203,9 @@ def tensor_nodes(skeleton):
                     raise ValueError(f"malformed skeleton node {_short(node)}: a dict key may be str, int, float, "
                                      f"bool or None, not {type(k).__name__}")
             stack.extend(v for _, v in reversed(items))
+        elif "S" in node:
+            if not isinstance(node["S"], list) or not all(type(n) is int and n >= 0 for n in node["S"]):
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'S' must be a list of sizes")
         elif "L" in node or "U" in node:
             items = node.get("L", node.get("U"))
             if not isinstance(items, list):
@@ -183,4 +233,6 @@ def unflatten(skeleton, tensors):
         return [unflatten(v, tensors) for v in skeleton["L"]]
     if "U" in skeleton:
         return tuple(unflatten(v, tensors) for v in skeleton["U"])
+    if "S" in skeleton:
+        return torch.Size(skeleton["S"])
     return skeleton["V"]
