@@ -204,8 +204,9 @@ def tensor_nodes(skeleton):
                                      f"bool or None, not {type(k).__name__}")
             stack.extend(v for _, v in reversed(items))
         elif "S" in node:
-            if not isinstance(node["S"], list) or not all(type(n) is int and n >= 0 for n in node["S"]):
-                raise ValueError(f"malformed skeleton node {_short(node)}: 'S' must be a list of sizes")
+            if not isinstance(node["S"], list) or not all(type(n) is int and -(1 << 63) <= n < 1 << 63
+                                                          for n in node["S"]):
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'S' must be a list of int64 sizes")
         elif "L" in node or "U" in node:
             items = node.get("L", node.get("U"))
             if not isinstance(items, list):

@@ -44,7 +44,7 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
 
 
 def test_torch_size_comes_back_as_torch_size(tmp_path):
-    state = {"shape": torch.Size([3, 4]), "empty": torch.Size([])}
+    state = {"shape": torch.Size([3, 4]), "empty": torch.Size([]), "view_arg": torch.Size([-1, 2])}
     ckpt.save(state, tmp_path / "c.safetensors")
     back = ckpt.load(tmp_path / "c.safetensors")
     ref = _torch_round_trip(state)
@@ -124,3 +124,17 @@ def test_a_bytes_path_works_as_its_str(tmp_path):
     assert torch.equal(ckpt.load(path)["w"], torch.arange(3.0))
     ckpt.async_save({"w": torch.arange(4.0)}, path).wait()
     assert torch.equal(ckpt.load(os.fsdecode(path))["w"], torch.arange(4.0))
+
+
+def test_a_tampered_size_is_a_value_error_naming_the_file_and_out_is_unchanged(tmp_path):
+    path = tmp_path / "c.safetensors"
+    ckpt.save({"w": torch.ones(2), "s": torch.Size([7])}, path)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].replace(b'{\\"S\\":[7]}', b'{\\"S\\":[9223372036854775808]}').rstrip(b" ")
+    assert len(header) <= n and header != raw[8:8 + n].rstrip(b" ")  # (the padding takes the longer number)
+    path.write_bytes(raw[:8] + header.ljust(n, b" ") + raw[8 + n:])
+    out = {"w": torch.zeros(2)}
+    with pytest.raises(ValueError, match="c.safetensors.*'S'"):
+        ckpt.load(path, out=out)
+    assert torch.equal(out["w"], torch.zeros(2))
