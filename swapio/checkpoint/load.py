@@ -31,7 +31,7 @@ from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
 from . import detached
 from .format import skeleton_of
-from .structure import dense, flatten, tensor_nodes, unflatten
+from .structure import dense, flatten, renamed, tensor_nodes, tensor_paths, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # CPU tensors at least this big are read by their own request (see the module)
@@ -103,15 +103,35 @@ def _targets(skeleton, locations, where):
     return targets
 
 
-def _match_out(out, targets, where):
-    """{name: out tensor}, every one checked against the file before anything is read."""
-    _, entries = flatten(out, lenient=True)
-    given = {e.name: e.original for e in entries}
-    missing, unexpected = set(targets) - set(given), set(given) - set(targets)
+def _label(name, at, ambiguous):
+    """name in a mismatch, and its place where it was matched by place."""
+    return f"{name} (at state{''.join(f'[{k!r}]' for k in at.get(name, ()))})" if name in ambiguous else name
+
+
+def _match_out(out, skeleton, targets, where):
+    """{name: out tensor}, every one checked against the file before anything is read. Tensors are matched by
+    name, except those save made unique with '#n' ("a.b" and "a.b#1": the dict key "a.b" next to a nested
+    a -> b), which depend on the order of the places: those by place (keys and indices), so that out= listing
+    them in another order than the saved state gets each its own values."""
+    out_skeleton, entries = flatten(out, lenient=True)
+    by_name = {e.name: e.original for e in entries}
+    ambiguous = renamed(set(targets)) | renamed(set(by_name))
+    given = {n: t for n, t in by_name.items() if n not in ambiguous}
+    given_at = tensor_paths(out_skeleton)
+    by_place = {given_at[n]: n for n in by_name if n in ambiguous}
+    saved_at, placed = tensor_paths(skeleton), set()
+    for name in ambiguous & set(targets):
+        other = by_place.get(saved_at[name])
+        if other is not None:
+            given[name] = by_name[other]
+            placed.add(other)
+    missing = sorted(_label(n, saved_at, ambiguous) for n in set(targets) - set(given))
+    unexpected = sorted(_label(n, given_at, ambiguous) for n in ambiguous & set(by_name) - placed)
+    unexpected += sorted(set(given) - set(targets))
     if missing or unexpected:
         raise ValueError(f"{where}: out= does not match the checkpoint: "
-                         + (f"missing {sorted(missing)[:5]} " if missing else "")
-                         + (f"unexpected {sorted(unexpected)[:5]}" if unexpected else ""))
+                         + (f"missing {missing[:5]} " if missing else "")
+                         + (f"unexpected {unexpected[:5]}" if unexpected else ""))
     for name, t in given.items():
         tg = targets[name]
         if tuple(t.shape) != tg.shape or t.dtype != tg.dtype:
@@ -215,7 +235,7 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
     returned structure then holds those tensors (and the saved non-tensor values)."""
     device = device_of(device)
     skeleton, targets, where = _open(opened)
-    given = _match_out(out, targets, where) if out is not None else None
+    given = _match_out(out, skeleton, targets, where) if out is not None else None
     tensors, pairs, after, direct = {}, [], [], []
     for name, tg in targets.items():
         if given is not None:

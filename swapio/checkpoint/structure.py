@@ -217,6 +217,32 @@ def tensor_nodes(skeleton):
     return out
 
 
+def tensor_paths(skeleton):
+    """{name: path} of a skeleton's tensors: the keys and indices leading to each (its first place when shared)."""
+    paths, stack = {}, [(skeleton, ())]
+    while stack:
+        node, path = stack.pop()
+        if "T" in node:
+            paths.setdefault(node["T"], path)
+        elif "D" in node:
+            stack.extend((v, path + (k,)) for k, v in reversed(node["D"]))
+        elif "L" in node or "U" in node:
+            stack.extend((v, path + (i,)) for i, v in reversed(list(enumerate(node.get("L", node.get("U"))))))
+    return paths
+
+
+def renamed(names):
+    """The names of `names` that flatten made unique ("a.b" and "a.b#1": the dict key "a.b" next to a nested
+    a -> b, the int key 0 next to the str "0"), the first one included: which place got which depends on the
+    order the places were walked in."""
+    out = set()
+    for name in names:
+        base, sep, n = name.rpartition("#")
+        if sep and n.isdigit() and base in names:
+            out.update((name, base))
+    return out
+
+
 def _short(node):
     text = repr(node)
     return text if len(text) <= 120 else text[:117] + "..."
