@@ -120,8 +120,9 @@ def flatten(state, placeholders=False, lenient=False):
                 raise TypeError(f"{_describe(path)}: a {x.layout} tensor cannot be stored (call .to_dense())")
             if not lenient and type(x) not in _TENSOR_TYPES:
                 raise TypeError(f"{_describe(path)}: a {type(x).__name__} (a torch.Tensor subclass) cannot be "
-                                "stored: it would load as a plain tensor; store a plain tensor (x.as_subclass("
-                                "torch.Tensor)) or its components")
+                                "stored: it would load as a plain tensor; store plain tensors instead (for a "
+                                "DTensor: x.full_tensor(), or x.to_local() on each rank with save(..., "
+                                "distributed=True))")
             meta = x.device.type == "meta"
             if meta and lenient:
                 raise ValueError(f"out= tensor {_describe(path)} is on the meta device: it has no memory to load "
