@@ -7,7 +7,8 @@ gets a "#n" suffix. The skeleton keeps the exact structure, so names are labels 
 Skeleton nodes: {"T": name} a tensor (+ "dtype" when stored as raw bytes, + "stride" when it was dense but not
 contiguous, + "p": 1 for an nn.Parameter, + "g": 1 when it requires grad), {"D": [[key, node], ...]} a dict
 ("o": 1 for an OrderedDict), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
-an int, float, bool, str or None. Dict keys may be str, int, float, bool or None.
+an int, float, bool, str or None, {"R": i} the dict or list marked "i": i earlier in the walk (reached again: it
+loads as one object at both places, as torch.load keeps it). Dict keys may be str, int, float, bool or None.
 
 Types are exact: torch.load gives back a subclass (a defaultdict, an OrderedDict subclass such as transformers'
 ModelOutput, an IntEnum, a tensor subclass) as itself, so one stored as its base type would come back silently
@@ -95,20 +96,30 @@ def flatten(state, placeholders=False, lenient=False):
         return name
 
     on_path = set()  # ids of the containers being walked: one met again is a cycle
+    walked = {}  # id of a dict or list walked whole -> its node: met again, it is stored as a reference to it
+    marks = [0]  # the next "i"
 
     def walk(x, path):
         if isinstance(x, (dict, list, tuple)) and not isinstance(x, torch.Tensor):
             if id(x) in on_path:
                 raise TypeError(f"{_describe(path)}: the state contains itself (a reference cycle) and cannot be "
                                 "stored")
+            node = walked.get(id(x))
+            if node is not None:  # (the state holds x, so its id is not reused meanwhile)
+                if "i" not in node:
+                    node["i"], marks[0] = marks[0], marks[0] + 1
+                return {"R": node["i"]}
             if len(path) >= MAX_NESTING:
                 raise TypeError(f"{_describe(path[:5])}...: the state nests deeper than {MAX_NESTING} levels of "
                                 "dicts, lists and tuples")
             on_path.add(id(x))
             try:
-                return walk_container(x, path)
+                node = walk_container(x, path)
             finally:
                 on_path.discard(id(x))
+            if isinstance(x, (dict, list)):  # (tuples are immutable: a copy is the same to the user)
+                walked[id(x)] = node
+            return node
         return walk_leaf(x, path)
 
     def walk_leaf(x, path):
@@ -188,11 +199,19 @@ def flatten(state, placeholders=False, lenient=False):
 def tensor_nodes(skeleton):
     """The {"T": ...} nodes of a skeleton, in order (shared tensors once per place). The skeleton comes from a
     file: every node is checked to be what flatten writes (ValueError otherwise), so unflatten cannot fail on it."""
-    stack, out = [skeleton], []
+    stack, out, marked, done = [skeleton], [], set(), set()
     while stack:
         node = stack.pop()
+        if isinstance(node, int):  # the end of the container marked `node`: references to it may follow
+            done.add(node)
+            continue
         if not isinstance(node, dict) or len(node) == 0:
             raise ValueError(f"malformed skeleton node {node!r}")
+        if "i" in node:
+            if type(node["i"]) is not int or node["i"] in marked or not ("D" in node or "L" in node):
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'i' must mark one dict or list")
+            marked.add(node["i"])
+            stack.append(node["i"])
         if "T" in node:
             out.append(node)
         elif "D" in node:
@@ -204,6 +223,10 @@ def tensor_nodes(skeleton):
                     raise ValueError(f"malformed skeleton node {_short(node)}: a dict key may be str, int, float, "
                                      f"bool or None, not {type(k).__name__}")
             stack.extend(v for _, v in reversed(items))
+        elif "R" in node:
+            if type(node["R"]) is not int or node["R"] not in done:
+                raise ValueError(f"malformed skeleton node {_short(node)}: 'R' must refer to a dict or list "
+                                 "stored whole before it")
         elif "S" in node:
             if not isinstance(node["S"], list) or not all(type(n) is int and -(1 << 63) <= n < 1 << 63
                                                           for n in node["S"]):
@@ -249,18 +272,28 @@ def _short(node):
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def unflatten(skeleton, tensors):
+def unflatten(skeleton, tensors, marked=None):
     """The state a skeleton describes, with tensors[name] at each tensor's place. (A module-level recursion: a
-    nested one is a reference cycle, which would keep the tensors alive until the cycle collector runs.)"""
+    nested one is a reference cycle, which would keep the tensors alive until the cycle collector runs.)
+    marked: {i: the container marked "i"} built so far, for the references to it."""
+    marked = {} if marked is None else marked
     if "T" in skeleton:
         return tensors[skeleton["T"]]
+    if "R" in skeleton:
+        return marked[skeleton["R"]]
     if "D" in skeleton:
         cls = collections.OrderedDict if skeleton.get("o") else dict
-        return cls((k, unflatten(v, tensors)) for k, v in skeleton["D"])
-    if "L" in skeleton:
-        return [unflatten(v, tensors) for v in skeleton["L"]]
+        built = cls((k, unflatten(v, tensors, marked)) for k, v in skeleton["D"])
+    elif "L" in skeleton:
+        built = [unflatten(v, tensors, marked) for v in skeleton["L"]]
+    else:
+        built = None
+    if built is not None:
+        if "i" in skeleton:
+            marked[skeleton["i"]] = built
+        return built
     if "U" in skeleton:
-        return tuple(unflatten(v, tensors) for v in skeleton["U"])
+        return tuple(unflatten(v, tensors, marked) for v in skeleton["U"])
     if "S" in skeleton:
         return torch.Size(skeleton["S"])
     return skeleton["V"]
