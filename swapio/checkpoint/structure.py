@@ -50,7 +50,8 @@ _JSON_INT_BITS = 3 * 4000  # ints shorter than this always fit sys.get_int_max_s
 
 def _plain_fits(x, what):
     """ValueError naming `what` for an int json.dumps would refuse (longer than the interpreter's digit limit)."""
-    if type(x) is int and x.bit_length() > _JSON_INT_BITS and sys.get_int_max_str_digits():
+    # (the limit exists from Python 3.11 and the security releases of 3.9 and 3.10 on; 0 means none)
+    if type(x) is int and x.bit_length() > _JSON_INT_BITS and getattr(sys, "get_int_max_str_digits", int)():
         try:
             str(x)
         except ValueError as exc:
