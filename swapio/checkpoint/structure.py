@@ -6,7 +6,7 @@ that another one already took (the dict key "a.b" next to a nested a -> b, or th
 gets a "#n" suffix. The skeleton keeps the exact structure, so names are labels for other readers, never parsed.
 Skeleton nodes: {"T": name} a tensor (+ "dtype" when stored as raw bytes, + "stride" when it was dense but not
 contiguous, + "p": 1 for an nn.Parameter, + "g": 1 when it requires grad), {"D": [[key, node], ...]} a dict
-("o": 1 for an OrderedDict), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
+("o": 1 for an OrderedDict, "c": 1 for a Counter), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
 an int, float, bool, str or None, {"R": i} the dict or list marked "i": i earlier in the walk (reached again: it
 loads as one object at both places, as torch.load keeps it). Dict keys may be str, int, float, bool or None.
 
@@ -45,6 +45,7 @@ def _identity(t):
 
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_CONTAINERS = (dict, collections.OrderedDict, collections.Counter, list, tuple)  # (MultiStepLR's milestones: a Counter)
 _JSON_INT_BITS = 3 * 4000  # ints shorter than this always fit sys.get_int_max_str_digits()'s default (4300)
 
 
@@ -167,7 +168,7 @@ def flatten(state, placeholders=False, lenient=False):
     def walk_container(x, path):
         if type(x) is torch.Size:
             return {"S": list(x)}
-        if not lenient and type(x) not in (dict, collections.OrderedDict, list, tuple) and not hasattr(x, "_fields"):
+        if not lenient and type(x) not in _CONTAINERS and not hasattr(x, "_fields"):
             raise _not_exact(x, path)
         if isinstance(x, dict):
             items = []
@@ -181,6 +182,8 @@ def flatten(state, placeholders=False, lenient=False):
             node = {"D": items}
             if isinstance(x, collections.OrderedDict):
                 node["o"] = 1
+            elif type(x) is collections.Counter:
+                node["c"] = 1
             return node
         if isinstance(x, list):
             return {"L": [walk(v, path + (i,)) for i, v in enumerate(x)]}
@@ -283,8 +286,11 @@ def unflatten(skeleton, tensors, marked=None):
     if "R" in skeleton:
         return marked[skeleton["R"]]
     if "D" in skeleton:
-        cls = collections.OrderedDict if skeleton.get("o") else dict
-        built = cls((k, unflatten(v, tensors, marked)) for k, v in skeleton["D"])
+        built = dict((k, unflatten(v, tensors, marked)) for k, v in skeleton["D"])
+        if skeleton.get("o"):
+            built = collections.OrderedDict(built)
+        elif skeleton.get("c"):
+            built = collections.Counter(built)  # (from a dict: Counter(pairs) would count the pairs)
     elif "L" in skeleton:
         built = [unflatten(v, tensors, marked) for v in skeleton["L"]]
     else:

@@ -138,3 +138,20 @@ def test_a_tampered_size_is_a_value_error_naming_the_file_and_out_is_unchanged(t
     with pytest.raises(ValueError, match="c.safetensors.*'S'"):
         ckpt.load(path, out=out)
     assert torch.equal(out["w"], torch.zeros(2))
+
+
+def test_a_multisteplr_resumes_with_its_counter_of_milestones(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 2, 4], gamma=0.5)  # (a Counter: 2 counts twice)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    ckpt.save({"sched": sched.state_dict()}, tmp_path / "c.safetensors")
+    ref = _torch_round_trip({"sched": sched.state_dict()})
+    back = ckpt.load(tmp_path / "c.safetensors")
+    assert type(back["sched"]["milestones"]) is type(ref["sched"]["milestones"]) is collections.Counter
+    assert back["sched"] == ref["sched"]
+    resumed = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[1])
+    resumed.load_state_dict(back["sched"])
+    assert resumed._get_closed_form_lr() == [0.125]  # (uses milestones.elements(), which a dict lacks)
