@@ -6,7 +6,8 @@ that another one already took (the dict key "a.b" next to a nested a -> b, or th
 gets a "#n" suffix. The skeleton keeps the exact structure, so names are labels for other readers, never parsed.
 Skeleton nodes: {"T": name} a tensor (+ "dtype" when stored as raw bytes, + "stride" when it was dense but not
 contiguous, + "p": 1 for an nn.Parameter, + "g": 1 when it requires grad), {"D": [[key, node], ...]} a dict
-("o": 1 for an OrderedDict, "c": 1 for a Counter), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
+("o": 1 for an OrderedDict, + "m": its _metadata if it has one, a
+state_dict()'s module versions; "c": 1 for a Counter), {"L": [...]} a list, {"U": [...]} a tuple, {"S": [ints]} a torch.Size, {"V": value}
 an int, float, bool, str or None, {"R": i} the dict or list marked "i": i earlier in the walk (reached again: it
 loads as one object at both places, as torch.load keeps it). Dict keys may be str, int, float, bool or None.
 
@@ -57,6 +58,23 @@ def _plain_fits(x, what):
             str(x)
         except ValueError as exc:
             raise ValueError(f"{what}: {exc}") from None
+
+
+def _module_metadata(metadata, path):
+    """A state_dict()'s `_metadata` ({module prefix: {"version": int, ...}}, which load_state_dict hands each
+    module's _load_from_state_dict: a module finding none takes the state for an old version's) as JSON."""
+    plain = isinstance(metadata, dict) and all(
+        type(k) is str and isinstance(v, dict) and all(type(a) is str and type(b) in _PLAIN for a, b in v.items())
+        for k, v in metadata.items())
+    if not plain:
+        raise TypeError(f"{_describe(path)}: its _metadata (a state_dict()'s module versions) holds other values "
+                        "than {str: {str: int, float, bool, str or None}}, which cannot be stored")
+    return {k: dict(v) for k, v in metadata.items()}
+
+
+def _metadata_ok(m):
+    return isinstance(m, dict) and all(isinstance(v, dict) and all(isinstance(b, _PLAIN) for b in v.values())
+                                       for v in m.values())
 
 
 def _not_exact(x, path):
@@ -182,6 +200,9 @@ def flatten(state, placeholders=False, lenient=False):
             node = {"D": items}
             if isinstance(x, collections.OrderedDict):
                 node["o"] = 1
+                metadata = getattr(x, "_metadata", None)  # module.state_dict()'s versions, as torch.save keeps them
+                if metadata is not None:
+                    node["m"] = _module_metadata(metadata, path)
             elif type(x) is collections.Counter:
                 node["c"] = 1
             return node
@@ -211,6 +232,8 @@ def tensor_nodes(skeleton):
             continue
         if not isinstance(node, dict) or len(node) == 0:
             raise ValueError(f"malformed skeleton node {node!r}")
+        if "m" in node and not ("D" in node and node.get("o") and _metadata_ok(node["m"])):
+            raise ValueError(f"malformed skeleton node {_short(node)}: 'm' must be an OrderedDict's module metadata")
         if "i" in node:
             if type(node["i"]) is not int or node["i"] in marked or not ("D" in node or "L" in node):
                 raise ValueError(f"malformed skeleton node {_short(node)}: 'i' must mark one dict or list")
@@ -289,6 +312,9 @@ def unflatten(skeleton, tensors, marked=None):
         built = dict((k, unflatten(v, tensors, marked)) for k, v in skeleton["D"])
         if skeleton.get("o"):
             built = collections.OrderedDict(built)
+            if "m" in skeleton:
+                built._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
+                    (k, dict(v)) for k, v in skeleton["m"].items())
         elif skeleton.get("c"):
             built = collections.Counter(built)  # (from a dict: Counter(pairs) would count the pairs)
     elif "L" in skeleton:

@@ -155,3 +155,15 @@ def test_a_multisteplr_resumes_with_its_counter_of_milestones(tmp_path):
     resumed = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[1])
     resumed.load_state_dict(back["sched"])
     assert resumed._get_closed_form_lr() == [0.125]  # (uses milestones.elements(), which a dict lacks)
+
+
+def test_a_state_dicts_module_versions_come_back_as_torch_load_gives_them(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3), torch.nn.InstanceNorm1d(3))
+    state = {"model": model.state_dict()}
+    ckpt.save(state, tmp_path / "c.safetensors")
+    back, ref = ckpt.load(tmp_path / "c.safetensors"), _torch_round_trip(state)
+    assert ref["model"]._metadata["1"]["version"] == 2  # (what load_state_dict gives BatchNorm's loader)
+    assert back["model"]._metadata == ref["model"]._metadata
+    out = {"model": model.state_dict()}
+    assert ckpt.load(tmp_path / "c.safetensors", out=out)["model"]._metadata == ref["model"]._metadata
+    model.load_state_dict(back["model"])
