@@ -11,12 +11,18 @@ from . import background, load as single, sharded
 from .save import save_file
 
 
+def _path(path):
+    """path as a str (a bytes path as os.fsdecode gives it: open() takes both, swapio's path handling str)."""
+    return os.fsdecode(os.fspath(path))
+
+
 def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None, distributed=False,
          group=None):
     """Writes `state` to the safetensors file `path`; returns the file's size in bytes. metadata: more {str: str}
     for the header's __metadata__. distributed=True: a collective of `group` (default: the world) where each rank
     saves its own state into the directory `path` (sharded.py). Saves land in the order they were called: this
     first waits for every async_save queued before it (their errors stay with their futures)."""
+    path = _path(path)
     check_staging_bytes(staging_bytes)
     background.wait_all()
     if distributed:
@@ -29,7 +35,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=single.DEFAULT_STAGING, 
     checkpoint (same names; e.g. what state_dict() returns), filled in place; the returned structure then holds
     those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
     state (group: the process group, default the world)."""
-    path = os.fspath(path)
+    path = _path(path)
     check_staging_bytes(staging_bytes)
     background.wait_all()  # async_saves queued before this call land first (as save() does): it reads what they wrote
     if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError

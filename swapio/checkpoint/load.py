@@ -31,7 +31,7 @@ from ..safetensors.reader import read_into
 from ..safetensors.writer import wait_all
 from . import detached
 from .format import skeleton_of
-from .structure import dense, flatten, tensor_nodes, unflatten
+from .structure import dense, flatten, renamed, tensor_nodes, tensor_paths, unflatten
 
 DEFAULT_STAGING = 128 << 20
 DIRECT_MIN = layout.SMALL  # CPU tensors at least this big are read by their own request (see the module)
@@ -41,7 +41,7 @@ RUN_GAP = 256 << 10   # streamed tensors closer than this are read together, the
 class _Target:
     """What one stored tensor loads as: dtype, shape, strides (None: contiguous), and its Location."""
 
-    __slots__ = ("loc", "dtype", "shape", "stride")
+    __slots__ = ("loc", "dtype", "shape", "stride", "parameter", "requires_grad")
 
     def __init__(self, node, loc, where):
         self.loc = loc
@@ -66,6 +66,18 @@ class _Target:
                 raise ValueError(f"{where}: tensor {name!r} has malformed strides {str(node['stride'])[:200]} (save "
                                  f"writes strides that hold its shape {list(self.shape)} densely)")
             self.stride = tuple(stride)
+        for flag in ("p", "g"):
+            if node.get(flag, 1) != 1:
+                raise ValueError(f"{where}: tensor {name!r} has a malformed {flag!r} flag {str(node[flag])[:50]}")
+        self.parameter, self.requires_grad = "p" in node, "g" in node
+        if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(f"{where}: tensor {name!r} is {self.dtype} and cannot require grad")
+
+    def wrap(self, t):
+        """t as saved: an nn.Parameter, requiring grad (as torch.load gives them; a non-leaf as a leaf)."""
+        if self.parameter:
+            return torch.nn.Parameter(t, requires_grad=self.requires_grad)
+        return t.requires_grad_() if self.requires_grad else t
 
     def byte_view(self, t):
         """t's bytes as the file stores them (t contiguous)."""
@@ -91,15 +103,35 @@ def _targets(skeleton, locations, where):
     return targets
 
 
-def _match_out(out, targets, where):
-    """{name: out tensor}, every one checked against the file before anything is read."""
-    _, entries = flatten(out)
-    given = {e.name: e.original for e in entries}
-    missing, unexpected = set(targets) - set(given), set(given) - set(targets)
+def _label(name, at, ambiguous):
+    """name in a mismatch, and its place where it was matched by place."""
+    return f"{name} (at state{''.join(f'[{k!r}]' for k in at.get(name, ()))})" if name in ambiguous else name
+
+
+def _match_out(out, skeleton, targets, where):
+    """{name: out tensor}, every one checked against the file before anything is read. Tensors are matched by
+    name, except those save made unique with '#n' ("a.b" and "a.b#1": the dict key "a.b" next to a nested
+    a -> b), which depend on the order of the places: those by place (keys and indices), so that out= listing
+    them in another order than the saved state gets each its own values."""
+    out_skeleton, entries = flatten(out, lenient=True)
+    by_name = {e.name: e.original for e in entries}
+    ambiguous = renamed(set(targets)) | renamed(set(by_name))
+    given = {n: t for n, t in by_name.items() if n not in ambiguous}
+    given_at = tensor_paths(out_skeleton)
+    by_place = {given_at[n]: n for n in by_name if n in ambiguous}
+    saved_at, placed = tensor_paths(skeleton), set()
+    for name in ambiguous & set(targets):
+        other = by_place.get(saved_at[name])
+        if other is not None:
+            given[name] = by_name[other]
+            placed.add(other)
+    missing = sorted(_label(n, saved_at, ambiguous) for n in set(targets) - set(given))
+    unexpected = sorted(_label(n, given_at, ambiguous) for n in ambiguous & set(by_name) - placed)
+    unexpected += sorted(set(given) - set(targets))
     if missing or unexpected:
         raise ValueError(f"{where}: out= does not match the checkpoint: "
-                         + (f"missing {sorted(missing)[:5]} " if missing else "")
-                         + (f"unexpected {sorted(unexpected)[:5]}" if unexpected else ""))
+                         + (f"missing {missing[:5]} " if missing else "")
+                         + (f"unexpected {unexpected[:5]}" if unexpected else ""))
     for name, t in given.items():
         tg = targets[name]
         if tuple(t.shape) != tg.shape or t.dtype != tg.dtype:
@@ -203,7 +235,7 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
     returned structure then holds those tensors (and the saved non-tensor values)."""
     device = device_of(device)
     skeleton, targets, where = _open(opened)
-    given = _match_out(out, targets, where) if out is not None else None
+    given = _match_out(out, skeleton, targets, where) if out is not None else None
     tensors, pairs, after, direct = {}, [], [], []
     for name, tg in targets.items():
         if given is not None:
@@ -258,4 +290,6 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
             # fill the contiguous ones: outside inference mode torch refuses it, after writing
             with torch.inference_mode(t.is_inference()):
                 copyable(t).copy_(copyable(dest))
+    if given is None:  # (out= tensors are the caller's, returned as they are)
+        tensors = {name: targets[name].wrap(t) for name, t in tensors.items()}
     return unflatten(skeleton, tensors)

@@ -17,7 +17,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     try:
         check_staging_bytes(staging_bytes)
         plan = plan_state(state, metadata)
-        f = FileWriter(os.fspath(path), plan)
+        f = FileWriter(os.fsdecode(os.fspath(path)), plan)  # (a bytes path as its str, as save() takes it)
         try:
             pieces, staging = capture(plan, staging_bytes)
         except BaseException:

@@ -1,7 +1,7 @@
 """The safetensors dtype names, and how each torch dtype is stored in a file swapio writes.
 
 DTYPES maps every name the format has to its torch dtype (those this torch knows): the reader (header.py) takes
-exactly these. Dtypes safetensors has a name for are stored as themselves (the safetensors library reads them as
+exactly these, and READ_ONLY's. Dtypes safetensors has a name for are stored as themselves (the safetensors library reads them as
 they were). Any other dtype whose elements are whole bytes (complex128, complex32, float8_e8m0fnu,
 float4_e2m1fn_x2, bits8, bits16, ...) is stored as its raw bytes, "U8" with one more trailing dimension of the
 element size, and the true dtype recorded by the writer's caller (swapio.checkpoint records it in its structure and
@@ -23,6 +23,12 @@ for _name, _attr in (("C64", "complex64"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), (
         DTYPES.setdefault(_name, getattr(torch, _attr))
 
 NAMES = {dtype: name for name, dtype in DTYPES.items()}  # the names the writer writes: the reader knows each
+# Names newer safetensors writers use (the library >= 0.6's save_file) that swapio reads but does not write (older
+# readers, swapio's own included, do not know them: it stores these dtypes as raw bytes). "F4" counts 4-bit
+# elements, two to a byte: torch's float4_e2m1fn_x2 has half as many along the last dimension (header.py).
+READ_ONLY = {name: getattr(torch, attr) for name, attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2"))
+             if hasattr(torch, attr)}
+PACKED_X2 = "F4"
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
 
 

@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from .dtypes import DTYPES
+from .dtypes import DTYPES, PACKED_X2, READ_ONLY
 
 MAX_HEADER = 100 << 20
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -146,12 +146,21 @@ def parse_header(path, raw, file_size, source=None):
         try:
             if not isinstance(entry, dict):
                 raise TypeError
-            dtype = DTYPES[entry["dtype"]]
+            name_of_dtype = entry["dtype"]
+            if isinstance(name_of_dtype, str) and name_of_dtype not in DTYPES and name_of_dtype not in READ_ONLY:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {name_of_dtype!r}, which swapio cannot load "
+                                 f"(unsupported; it reads {', '.join(sorted(DTYPES) + sorted(READ_ONLY))})")
+            dtype = DTYPES.get(name_of_dtype) or READ_ONLY[name_of_dtype]
             shape = _ints(entry["shape"])
             begin, end = _ints(entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError):
             raise ValueError(f"{path}: tensor {name!r} has a malformed or unsupported header entry "
                              f"{_short(entry)}") from None
+        if name_of_dtype == PACKED_X2:  # counted in 4-bit elements: torch's dtype holds two of them
+            if not shape or shape[-1] % 2:
+                raise ValueError(f"{path}: tensor {name!r} of {PACKED_X2} has shape {list(shape)}, whose last "
+                                 "dimension is not even (two 4-bit elements to a byte)")
+            shape = (*shape[:-1], shape[-1] // 2)
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if numel > INT64_MAX or nbytes > INT64_MAX or end < begin or end - begin != nbytes:
