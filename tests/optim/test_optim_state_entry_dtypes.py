@@ -118,3 +118,32 @@ def test_a_moment_of_another_size_is_refused_by_state_dict_and_save_as_by_step(t
             call()
     assert not (tmp_path / "ckpt").exists()
     opt.close()
+
+
+@pytest.mark.parametrize("value", [torch.tensor(3.0), 3.0], ids=["tensor", "number"])
+def test_a_key_of_the_users_own_in_the_entry_is_refused_naming_it(value, tmp_path):
+    """torch keeps a key of the user's own in optimizer.state[p] (`opt.state[p]["note"] = ...`); this optimizer's
+    state_dict() and save() carry only its own fields. A tensor there was refused as a parameter that "no longer
+    fits its state" (its `.data` replaced), by state_dict() and save() too, and a number was left out of them
+    silently. Both are refused naming the key, before anything is stepped or saved, as nvme mode refuses them."""
+    params = _params(torch.float32)
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    opt = so.OffloadAdamW(params, lr=1e-2, offload="cpu")
+    theirs = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    for k in range(2):
+        if k == 1:
+            opt.state[params[1]]["note"] = value
+            before = [p.detach().clone() for p in params]
+            for call in (lambda: _step(opt, params, 1), opt.state_dict, lambda: opt.save(tmp_path / "ckpt")):
+                with pytest.raises(RuntimeError, match=r"parameter 1 .*'note'.*not a field"):
+                    call()
+            assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+            assert not (tmp_path / "ckpt").exists()
+            del opt.state[params[1]]["note"]
+        _step(opt, params, k)
+        for q, p in zip(ref, params):
+            q.grad = p.grad.clone()
+        theirs.step()
+    for p, q in zip(params, ref):
+        assert rel_diff(p, q) <= 1e-6
+    opt.close()
