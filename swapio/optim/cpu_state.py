@@ -161,9 +161,11 @@ class CpuState:
             return (f"{own[0]!r} is not a field of this optimizer's state (it keeps {list(names)}), so state_dict() "
                     "and save() would leave it out: keep it outside optimizer.state")
         for name in names:
-            t = st.get(name)
-            if not torch.is_tensor(t):
+            if name not in st:
                 continue
+            t = st[name]
+            if not torch.is_tensor(t):  # (the step failed on it with a bare TypeError, and state_dict() gave it out)
+                return f"{name!r} was given a {type(t).__name__}, not a tensor: give it a floating tensor"
             want = self.format.dtype(name)
             if t.dtype == want and t.device.type == "cpu":
                 if not t.is_contiguous():

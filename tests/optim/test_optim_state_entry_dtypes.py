@@ -84,6 +84,8 @@ BAD = {
     "integer": (lambda p: torch.zeros(p.shape, dtype=torch.int32), "fp32"),
     "meta": (lambda p: torch.zeros_like(p, device="meta"), "fp32"),
     "floats for int8 codes": (lambda p: torch.zeros_like(p), "int8"),
+    "a NumPy array": (lambda p: p.detach().numpy().copy(), "fp32"),  # (was a bare TypeError, or exported as is)
+    "a list": (lambda p: p.tolist(), "fp32"),
 }
 
 
