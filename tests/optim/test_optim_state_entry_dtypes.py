@@ -27,21 +27,29 @@ def _step(opt, params, k):
     opt.step()
 
 
+def _with_torch(dtype):
+    """(params, fp32 copies of them, an OffloadAdamW in cpu mode over params, torch's AdamW over the copies)."""
+    params = _params(dtype)
+    ref = [p.detach().float().requires_grad_(True) for p in params]
+    return params, ref, so.OffloadAdamW(params, lr=1e-2, offload="cpu"), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+
+
+def _step_both(ours, theirs, params, ref, k):
+    _step(ours, params, k)
+    for q, p in zip(ref, params):
+        q.grad = p.grad.float()
+    theirs.step()
+
+
 @pytest.mark.parametrize("both", [False, True], ids=["exp_avg", "both moments"])
 def test_a_moment_reset_with_zeros_like_a_bf16_parameter_steps_as_torch(both, tmp_path):
-    params = _params(torch.bfloat16)
-    ref = [p.detach().float().requires_grad_(True) for p in params]
-    ours = so.OffloadAdamW(params, lr=1e-2, offload="cpu")
-    theirs = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    params, ref, ours, theirs = _with_torch(torch.bfloat16)
     for k in range(4):
         if k == 2:
             for name in ("exp_avg", "exp_avg_sq") if both else ("exp_avg",):
                 ours.state[params[1]][name] = torch.zeros_like(params[1])  # bf16, torch's reset for this model
                 theirs.state[ref[1]][name] = torch.zeros_like(ref[1])
-        _step(ours, params, k)
-        for q, p in zip(ref, params):
-            q.grad = p.grad.float()
-        theirs.step()
+        _step_both(ours, theirs, params, ref, k)
     for mine, q in zip(masters(ours, params), ref):
         assert rel_diff(mine, q) <= 1e-6
     assert all(ours.state[params[1]][name].dtype == torch.float32 for name in ("exp_avg", "exp_avg_sq"))
@@ -128,24 +136,17 @@ def test_a_key_of_the_users_own_in_the_entry_is_refused_naming_it(value, tmp_pat
     state_dict() and save() carry only its own fields. A tensor there was refused as a parameter that "no longer
     fits its state" (its `.data` replaced), by state_dict() and save() too, and a number was left out of them
     silently. Both are refused naming the key, before anything is stepped or saved, as nvme mode refuses them."""
-    params = _params(torch.float32)
-    ref = [p.detach().clone().requires_grad_(True) for p in params]
-    opt = so.OffloadAdamW(params, lr=1e-2, offload="cpu")
-    theirs = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
-    for k in range(2):
-        if k == 1:
-            opt.state[params[1]]["note"] = value
-            before = [p.detach().clone() for p in params]
-            for call in (lambda: _step(opt, params, 1), opt.state_dict, lambda: opt.save(tmp_path / "ckpt")):
-                with pytest.raises(RuntimeError, match=r"parameter 1 .*'note'.*not a field"):
-                    call()
-            assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
-            assert not (tmp_path / "ckpt").exists()
-            del opt.state[params[1]]["note"]
-        _step(opt, params, k)
-        for q, p in zip(ref, params):
-            q.grad = p.grad.clone()
-        theirs.step()
+    params, ref, opt, theirs = _with_torch(torch.float32)
+    _step_both(opt, theirs, params, ref, 0)
+    opt.state[params[1]]["note"] = value
+    before = [p.detach().clone() for p in params]
+    for call in (lambda: _step(opt, params, 1), opt.state_dict, lambda: opt.save(tmp_path / "ckpt")):
+        with pytest.raises(RuntimeError, match=r"parameter 1 .*'note'.*not a field"):
+            call()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert not (tmp_path / "ckpt").exists()
+    del opt.state[params[1]]["note"]
+    _step_both(opt, theirs, params, ref, 1)
     for p, q in zip(params, ref):
         assert rel_diff(p, q) <= 1e-6
     opt.close()
