@@ -18,7 +18,7 @@ def _probe_path(path: "StrPath") -> Dict[str, Any]:
     if os.path.isfile(path):
         return {"path": path, **_C.probe_file(path)}
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    scratch = ScratchFile(directory)  # no name in the directory: nothing left there if the process is killed
+    scratch = ScratchFile(directory)  # unnamed where /proc reaches it: nothing left if the process is killed
     try:
         return {"path": path, **_C.probe_file(scratch.path)}
     finally:

@@ -51,12 +51,21 @@ class ScratchFile:
     reaches it, else named ``.swapio-scratch-*`` (left behind only by a process killed before close())."""
 
     def __init__(self, directory: "Union[str, os.PathLike[str]]") -> None:
-        self.name = None
+        self.name: "Union[str, None]" = None
+        self.fd = -1
+        try:
+            self._open(directory)
+        except BaseException:  # a Ctrl-C held off while the named file was made lands as that ends: no caller
+            self.close()       # has the file to close yet
+            raise
+
+    def _open(self, directory: "Union[str, os.PathLike[str]]") -> None:
         self.fd = open_unnamed(directory)
         self.path = path_of(self.fd)
         if reaches(self.path, self.fd):
             return
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
         with DeferredSigint():  # the name is known to close() before a Ctrl-C can land
             self.fd, self.name = tempfile.mkstemp(prefix=".swapio-scratch-", dir=directory)
         self.path = self.name

@@ -153,12 +153,19 @@ class CpuState:
         device (`torch.zeros_like(p)`, torch's way to reset a moment, is bf16 for a bf16 parameter) becomes a copy
         stored as load_state_dict() stores it (fp32 exactly, bf16 rounded to nearest). The kernel read a bf16
         tensor as bf16 state, and save() wrote its bytes under the checksums of fp32 ones, which load() refused.
-        Same values, so nothing is stepped differently from torch. int8 codes are not values: see _check_codes."""
+        Same values, so nothing is stepped differently from torch. int8 codes are not values: see _check_codes.
+        A key of the user's own is refused: torch keeps it, while state_dict() and save() carry only `names`."""
         st = self.state.get(p) or {}
+        own = [key for key in st if key != "step" and key not in names]
+        if own:
+            return (f"{own[0]!r} is not a field of this optimizer's state (it keeps {list(names)}), so state_dict() "
+                    "and save() would leave it out: keep it outside optimizer.state")
         for name in names:
-            t = st.get(name)
-            if not torch.is_tensor(t):
+            if name not in st:
                 continue
+            t = st[name]
+            if not torch.is_tensor(t):  # (the step failed on it with a bare TypeError, and state_dict() gave it out)
+                return f"{name!r} was given a {type(t).__name__}, not a tensor: give it a floating tensor"
             want = self.format.dtype(name)
             if t.dtype == want and t.device.type == "cpu":
                 if not t.is_contiguous():

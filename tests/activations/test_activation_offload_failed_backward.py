@@ -3,7 +3,6 @@ an exception came out of an unpack hook (any hook's, not only swapio's), torch n
 not run yet saved, even after the graph is dropped: the forward's swap file and memory stayed until close(),
 step after step for a loop that catches the error and goes on. They now go as the backward fails; a second try
 raises, and a `with` still open goes on with a fresh session."""
-import contextlib
 import gc
 
 import pytest
@@ -60,21 +59,20 @@ def test_a_saved_tensor_changed_while_written_fails_the_backward_and_leaves_noth
     act.close()
 
 
-@contextlib.contextmanager
-def failing_reads(act, monkeypatch):
+def backward_with_failing_reads(act, loss, monkeypatch):
+    """loss.backward() while every read back from the swap file fails with EIO: the backward raises it."""
     def failing(*args, **kwargs):
         raise OSError(5, "Input/output error")
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch, pytest.raises(OSError, match="Input/output error"):
         patch.setattr(act._res.handle, "pread", failing)
-        yield
+        loss.backward()
 
 
 def test_a_read_that_fails_in_the_backward_leaves_nothing(tmp_path, monkeypatch):
     act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
     with act:
         loss = forward(leaf())[1]
-    with failing_reads(act, monkeypatch), pytest.raises(OSError, match="Input/output error"):
-        loss.backward()
+    backward_with_failing_reads(act, loss, monkeypatch)
     assert left_behind(act) == ([], 0, 0)
     del loss
     act.close()
@@ -84,8 +82,7 @@ def test_a_with_around_the_loop_goes_on_after_a_backward_failed_in_it(tmp_path, 
     act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
     with act:
         loss = forward(leaf())[1]
-        with failing_reads(act, monkeypatch), pytest.raises(OSError, match="Input/output error"):
-            loss.backward()
+        backward_with_failing_reads(act, loss, monkeypatch)
         del loss
         assert left_behind(act)[0] == []
         x = leaf()

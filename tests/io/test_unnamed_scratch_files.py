@@ -147,3 +147,21 @@ def test_without_proc_bench_file_and_probe_work_and_leave_nothing(tmp_path, proc
     target.finish(failed=False)
     assert sorted(os.listdir(tmp_path)) == ["named"]
     assert proc_not_reaching.read_bytes() == b"not ours"
+
+
+def test_a_ctrl_c_while_the_named_scratch_file_is_made_leaves_nothing(tmp_path, proc_not_reaching, monkeypatch):
+    """A Ctrl-C held off while the named file is made lands as that ends: it came out of ScratchFile() itself,
+    so no caller ever had the file to close, and the `.swapio-scratch-*` file (and its descriptor) stayed."""
+    real = _unnamed_file.tempfile.mkstemp
+    made = []
+
+    def interrupted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        signal.raise_signal(signal.SIGINT)  # (held off until the name is known)
+        return made[-1]
+    monkeypatch.setattr(_unnamed_file.tempfile, "mkstemp", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _unnamed_file.ScratchFile(tmp_path)
+    assert made and os.listdir(tmp_path) == []
+    with pytest.raises(OSError):
+        os.fstat(made[0][0])  # closed

@@ -27,21 +27,29 @@ def _step(opt, params, k):
     opt.step()
 
 
+def _with_torch(dtype):
+    """(params, fp32 copies of them, an OffloadAdamW in cpu mode over params, torch's AdamW over the copies)."""
+    params = _params(dtype)
+    ref = [p.detach().float().requires_grad_(True) for p in params]
+    return params, ref, so.OffloadAdamW(params, lr=1e-2, offload="cpu"), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+
+
+def _step_both(ours, theirs, params, ref, k):
+    _step(ours, params, k)
+    for q, p in zip(ref, params):
+        q.grad = p.grad.float()
+    theirs.step()
+
+
 @pytest.mark.parametrize("both", [False, True], ids=["exp_avg", "both moments"])
 def test_a_moment_reset_with_zeros_like_a_bf16_parameter_steps_as_torch(both, tmp_path):
-    params = _params(torch.bfloat16)
-    ref = [p.detach().float().requires_grad_(True) for p in params]
-    ours = so.OffloadAdamW(params, lr=1e-2, offload="cpu")
-    theirs = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    params, ref, ours, theirs = _with_torch(torch.bfloat16)
     for k in range(4):
         if k == 2:
             for name in ("exp_avg", "exp_avg_sq") if both else ("exp_avg",):
                 ours.state[params[1]][name] = torch.zeros_like(params[1])  # bf16, torch's reset for this model
                 theirs.state[ref[1]][name] = torch.zeros_like(ref[1])
-        _step(ours, params, k)
-        for q, p in zip(ref, params):
-            q.grad = p.grad.float()
-        theirs.step()
+        _step_both(ours, theirs, params, ref, k)
     for mine, q in zip(masters(ours, params), ref):
         assert rel_diff(mine, q) <= 1e-6
     assert all(ours.state[params[1]][name].dtype == torch.float32 for name in ("exp_avg", "exp_avg_sq"))
@@ -84,6 +92,8 @@ BAD = {
     "integer": (lambda p: torch.zeros(p.shape, dtype=torch.int32), "fp32"),
     "meta": (lambda p: torch.zeros_like(p, device="meta"), "fp32"),
     "floats for int8 codes": (lambda p: torch.zeros_like(p), "int8"),
+    "a NumPy array": (lambda p: p.detach().numpy().copy(), "fp32"),  # (was a bare TypeError, or exported as is)
+    "a list": (lambda p: p.tolist(), "fp32"),
 }
 
 
@@ -117,4 +127,26 @@ def test_a_moment_of_another_size_is_refused_by_state_dict_and_save_as_by_step(t
         with pytest.raises(ValueError, match=r"parameter 1 .*no longer fits its state, which holds exp_avg"):
             call()
     assert not (tmp_path / "ckpt").exists()
+    opt.close()
+
+
+@pytest.mark.parametrize("value", [torch.tensor(3.0), 3.0], ids=["tensor", "number"])
+def test_a_key_of_the_users_own_in_the_entry_is_refused_naming_it(value, tmp_path):
+    """torch keeps a key of the user's own in optimizer.state[p] (`opt.state[p]["note"] = ...`); this optimizer's
+    state_dict() and save() carry only its own fields. A tensor there was refused as a parameter that "no longer
+    fits its state" (its `.data` replaced), by state_dict() and save() too, and a number was left out of them
+    silently. Both are refused naming the key, before anything is stepped or saved, as nvme mode refuses them."""
+    params, ref, opt, theirs = _with_torch(torch.float32)
+    _step_both(opt, theirs, params, ref, 0)
+    opt.state[params[1]]["note"] = value
+    before = [p.detach().clone() for p in params]
+    for call in (lambda: _step(opt, params, 1), opt.state_dict, lambda: opt.save(tmp_path / "ckpt")):
+        with pytest.raises(RuntimeError, match=r"parameter 1 .*'note'.*not a field"):
+            call()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert not (tmp_path / "ckpt").exists()
+    del opt.state[params[1]]["note"]
+    _step_both(opt, theirs, params, ref, 1)
+    for p, q in zip(params, ref):
+        assert rel_diff(p, q) <= 1e-6
     opt.close()
