@@ -12,7 +12,7 @@ import torch
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
 from .core._signals import DeferredSigint
-from .core._errors import StrPath, check_path
+from .core._errors import NotCopyable, StrPath, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
 from .core.cuda_copy import usable_device
@@ -23,7 +23,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
 
 
-class SwappedTensor:
+class SwappedTensor(NotCopyable):
     """A tensor whose bytes are (being) written to a file; ``swap_in()`` brings them back."""
 
     def __init__(self, store, name, path, tensor, release):
@@ -156,7 +156,7 @@ class SwappedTensor:
         return f"<SwappedTensor {self.name!r} {tuple(self.shape)} {self.dtype} {where}>"
 
 
-class SwapStore(Closeable):
+class SwapStore(NotCopyable, Closeable):
     """Swap files for tensors under one directory, written and read through one AioHandle.
 
     Files are named ``<name>.swap`` (stable across runs), created 0600 without following symlinks, and hold

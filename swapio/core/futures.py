@@ -5,10 +5,12 @@ import numbers
 import threading
 from typing import Any, Callable, Optional, Tuple
 
+from ._errors import NotCopyable
+
 _Outcome = Tuple[bool, Any]  # (True, value) or (False, exception)
 
 
-class Future:
+class Future(NotCopyable):
     """The result of an async operation.
 
     ``wait()``/``result()`` return bytes moved for pread/pwrite and the tensor for swap_in, and raise

@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._closeable import Closeable
-from ._errors import StrPath, check_int, check_path, warn_once
+from ._errors import NotCopyable, StrPath, check_int, check_path, warn_once
 from .futures import Future
 from .pinned import is_pinned
 from .tensors import cpu_memory, mark_written
@@ -27,7 +27,7 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-class AioHandle(Closeable):
+class AioHandle(NotCopyable, Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
     block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
