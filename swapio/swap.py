@@ -17,7 +17,7 @@ from .core.futures import Future
 from .core.handle import AioHandle
 from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
-from .core.tensors import check_dense, mark_written, restoring, spans_whole_storage
+from .core.tensors import check_dense, check_writable_in_place, mark_written, restoring, spans_whole_storage
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
@@ -74,6 +74,7 @@ class SwappedTensor(NotCopyable):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
             if out.shape != self.shape or out.dtype != self.dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(self.shape)} {self.dtype}")
+            check_writable_in_place(out, "out")  # torch's rules for a copy_ into it
             dev = out.device
         if dev.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")

@@ -13,7 +13,7 @@ from ._closeable import Closeable
 from ._errors import NotCopyable, StrPath, check_int, check_path, warn_once
 from .futures import Future
 from .pinned import is_pinned
-from .tensors import cpu_memory, mark_written
+from .tensors import check_writable_in_place, cpu_memory, mark_written
 
 _PRUNE_MIN = 64
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct", "submit_batch")
@@ -135,6 +135,7 @@ class AioHandle(NotCopyable, Closeable):
             raise TypeError(f"staged must be True, False or 'auto', got {type(staged).__name__}")
         existed = op != "write" or os.path.lexists(path)
         if changes:
+            check_writable_in_place(tensor)
             # before the read starts: an interrupt after it must not leave autograd untold (a read that then fails
             # leaves the counter moved, so a graph that saved the tensor raises rather than runs on silently)
             mark_written(tensor)
