@@ -149,7 +149,9 @@ class AioHandle(NotCopyable, Closeable):
             warn_once(("fallback", os.path.dirname(os.path.abspath(path))),
                       f"{path}: the file system refuses O_DIRECT; swapio falls back to buffered I/O "
                       "(pass direct=False to silence this, direct=True to make it an error)")
-        return self._track(Future(request, keepalive=tensor, on_observed=self._let_go))
+        # the storage too: a tensor given other memory meanwhile (t.set_(...), t.data = ...) lets go of this one
+        memory = (tensor, tensor.untyped_storage())
+        return self._track(Future(request, keepalive=memory, on_observed=self._let_go))
 
     def _track(self, future: Future) -> Future:
         with self._lock:
