@@ -37,6 +37,7 @@ class SwappedTensor(NotCopyable):
         self._file = None    # (device, inode) of the swap file
         self._digest = None  # checksum of the bytes written (verify=True)
         self._refill = None  # the swap_in refilling the released source, while it runs
+        self._reads_from = None  # the storage (its _cdata) the write reads, when that is the caller's own memory
         self._lock = threading.Lock()
 
     @property
@@ -50,6 +51,10 @@ class SwappedTensor(NotCopyable):
             write = self._write
         if write is not None:
             write.wait(timeout)
+            if self._release_pending:
+                # another swap_out of this store may still be reading the same memory (the tensor swapped out
+                # twice): freeing it under that write crashed the worker or wrote garbage to its file
+                self.store._settle_writes_from(self, timeout)
             with self._lock:
                 if self._release_pending:
                     self._release_pending = False
@@ -252,6 +257,8 @@ class SwapStore(NotCopyable, Closeable):
                 staging = empty_pinned(source.shape, source.dtype)
                 staging.copy_(source)  # synchronous for a GPU tensor: the bytes are on the host after this
                 source = staging
+            else:
+                swapped._reads_from = source.untyped_storage()._cdata
             if self.verify:
                 swapped._digest = _checksum.digest(source)
             swapped._write = self.handle.pwrite(source.view(-1), path, 0, identity=swapped._file, staged="auto")
@@ -263,6 +270,17 @@ class SwapStore(NotCopyable, Closeable):
             self._owner.files.discard(path)
             raise
         return swapped
+
+    def _settle_writes_from(self, swapped: SwappedTensor, timeout: Optional[float]) -> None:
+        """Waits (without reporting their errors: their own wait() does) for the other writes still reading the
+        memory `swapped` is about to release."""
+        if swapped._reads_from is None:
+            return
+        with self._lock:
+            others = [o._write for o in self._tensors.values()
+                      if o is not swapped and o._reads_from == swapped._reads_from and o._write is not None]
+        for write in others:
+            write._settle(timeout)
 
     def remove(self, swapped: SwappedTensor) -> None:
         """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised
