@@ -14,6 +14,10 @@ _log = logging.getLogger("swapio")
 _callbacks_lock = threading.Lock()
 
 
+class _NotAConcurrentFuture(TypeError, AttributeError):
+    """A TypeError for the caller; an AttributeError too, so hasattr() and introspection see no such attribute."""
+
+
 class Future(NotCopyable):
     """The result of an async operation.
 
@@ -123,7 +127,7 @@ class Future(NotCopyable):
     def _condition(self) -> NoReturn:
         # concurrent.futures.wait() and as_completed() reach into their own Future's internals (this attribute
         # first): say so, rather than an AttributeError
-        raise TypeError("swapio futures cannot be passed to concurrent.futures.wait() or as_completed(): call "
+        raise _NotAConcurrentFuture("swapio futures cannot be passed to concurrent.futures.wait() or as_completed(): call "
                         "wait() on each (or AioHandle.wait()), or bridge them with add_done_callback (docs/io.md)")
 
     def _observe(self, _: object = None) -> None:

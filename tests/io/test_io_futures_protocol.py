@@ -75,6 +75,7 @@ def test_concurrent_futures_wait_and_as_completed_fail_clearly(handle, tmp_path)
     for use in (lambda: cf.wait([f], timeout=TIMEOUT), lambda: list(cf.as_completed([f], timeout=TIMEOUT))):
         with pytest.raises(TypeError, match="concurrent.futures"):
             use()
+    assert not hasattr(f, "_condition")  # introspection is not broken by it
     f.wait(TIMEOUT)
 
 
