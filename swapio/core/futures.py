@@ -68,6 +68,7 @@ class Future(NotCopyable):
         raise outcome[1]
 
     result = wait
+    get = wait  # kvikio's IOFuture spelling
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Blocks like wait(), then returns the exception the operation raised, or None if it succeeded."""

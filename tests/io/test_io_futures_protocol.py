@@ -100,3 +100,13 @@ def test_the_documented_bridge_works_with_concurrent_futures(handle, tmp_path):
     done, not_done = cf.wait([ok, bad], timeout=TIMEOUT)
     assert not not_done and ok.result() == t.nbytes and torch.equal(back, t)
     assert isinstance(bad.exception(), OSError) and bad.exception().filename == str(tmp_path / "f")
+
+
+def test_get_waits_as_kvikio_iofuture_get_does(handle, tmp_path):
+    """kvikio's CuFile.pread/pwrite return an IOFuture whose get() blocks and returns the bytes moved."""
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    assert handle.pwrite(t, tmp_path / "f").get() == t.nbytes
+    back = torch.empty_like(t)
+    assert handle.pread(back, tmp_path / "f").get() == t.nbytes and torch.equal(back, t)
+    with pytest.raises(OSError):
+        handle.pread(torch.empty(16), tmp_path / "f", offset=1 << 30).get()
