@@ -68,7 +68,10 @@ class Future(NotCopyable):
         raise outcome[1]
 
     result = wait
-    get = wait  # kvikio's IOFuture spelling
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """kvikio's IOFuture spelling of wait() (a method, so subclasses' wait() applies)."""
+        return self.wait(timeout)
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Blocks like wait(), then returns the exception the operation raised, or None if it succeeded."""
