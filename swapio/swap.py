@@ -72,6 +72,8 @@ class SwappedTensor(NotCopyable):
         released (not resident), the swap file stays as it is, and swap_in can be called again.
         """
         self.store._check_open()
+        if self.store._tensors.get(self.name) is not self:  # its file is gone, or is another tensor's by now
+            raise ValueError(f"{self!r} was removed from its SwapStore (its swap file was deleted)")
         self.wait()
         dev: torch.device = usable_device(device, "swap_in") if device is not None else self.device
         if out is not None:
