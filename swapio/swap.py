@@ -12,18 +12,18 @@ import torch
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
 from .core._signals import DeferredSigint
-from .core._errors import StrPath, check_path
+from .core._errors import NotCopyable, StrPath, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
 from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
-from .core.tensors import check_dense, mark_written, restoring, spans_whole_storage
+from .core.tensors import check_dense, check_writable_in_place, mark_written, restoring, spans_whole_storage
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SUFFIX = ".swap"
 
 
-class SwappedTensor:
+class SwappedTensor(NotCopyable):
     """A tensor whose bytes are (being) written to a file; ``swap_in()`` brings them back."""
 
     def __init__(self, store, name, path, tensor, release):
@@ -37,6 +37,7 @@ class SwappedTensor:
         self._file = None    # (device, inode) of the swap file
         self._digest = None  # checksum of the bytes written (verify=True)
         self._refill = None  # the swap_in refilling the released source, while it runs
+        self._reads_from = None  # the storage (its _cdata) the write reads, when that is the caller's own memory
         self._lock = threading.Lock()
 
     @property
@@ -50,6 +51,10 @@ class SwappedTensor:
             write = self._write
         if write is not None:
             write.wait(timeout)
+            if self._release_pending:
+                # another swap_out of this store may still be reading the same memory (the tensor swapped out
+                # twice): freeing it under that write crashed the worker or wrote garbage to its file
+                self.store._settle_writes_from(self, timeout)
             with self._lock:
                 if self._release_pending:
                     self._release_pending = False
@@ -67,6 +72,8 @@ class SwappedTensor:
         released (not resident), the swap file stays as it is, and swap_in can be called again.
         """
         self.store._check_open()
+        if self.store._tensors.get(self.name) is not self:  # its file is gone, or is another tensor's by now
+            raise ValueError(f"{self!r} was removed from its SwapStore (its swap file was deleted)")
         self.wait()
         dev: torch.device = usable_device(device, "swap_in") if device is not None else self.device
         if out is not None:
@@ -74,6 +81,7 @@ class SwappedTensor:
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
             if out.shape != self.shape or out.dtype != self.dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(self.shape)} {self.dtype}")
+            check_writable_in_place(out, "out")  # torch's rules for a copy_ into it
             dev = out.device
         if dev.type == "meta":
             raise ValueError("swap_in(device='meta'): a meta tensor has no memory to read the bytes into")
@@ -156,7 +164,7 @@ class SwappedTensor:
         return f"<SwappedTensor {self.name!r} {tuple(self.shape)} {self.dtype} {where}>"
 
 
-class SwapStore(Closeable):
+class SwapStore(NotCopyable, Closeable):
     """Swap files for tensors under one directory, written and read through one AioHandle.
 
     Files are named ``<name>.swap`` (stable across runs), created 0600 without following symlinks, and hold
@@ -251,6 +259,8 @@ class SwapStore(Closeable):
                 staging = empty_pinned(source.shape, source.dtype)
                 staging.copy_(source)  # synchronous for a GPU tensor: the bytes are on the host after this
                 source = staging
+            else:
+                swapped._reads_from = source.untyped_storage()._cdata
             if self.verify:
                 swapped._digest = _checksum.digest(source)
             swapped._write = self.handle.pwrite(source.view(-1), path, 0, identity=swapped._file, staged="auto")
@@ -262,6 +272,17 @@ class SwapStore(Closeable):
             self._owner.files.discard(path)
             raise
         return swapped
+
+    def _settle_writes_from(self, swapped: SwappedTensor, timeout: Optional[float]) -> None:
+        """Waits (without reporting their errors: their own wait() does) for the other writes still reading the
+        memory `swapped` is about to release."""
+        if swapped._reads_from is None:
+            return
+        with self._lock:
+            others = [o._write for o in self._tensors.values()
+                      if o is not swapped and o._reads_from == swapped._reads_from and o._write is not None]
+        for write in others:
+            write._settle(timeout)
 
     def remove(self, swapped: SwappedTensor) -> None:
         """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised

@@ -4,7 +4,7 @@ import os
 import sys
 import types
 import warnings
-from typing import Hashable, Optional, Set, Union
+from typing import Hashable, NoReturn, Optional, Set, SupportsIndex, Union
 
 StrPath = Union[str, "os.PathLike[str]"]  # a path argument: str or pathlib.Path
 
@@ -50,3 +50,14 @@ def check_path(name: str, value: StrPath) -> str:
     except TypeError:
         raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}") from None
 
+
+
+class NotCopyable:
+    """copy, deepcopy and pickle raise a TypeError: the object owns native requests, threads or files that a copy
+    would share without owning (a dropped shallow copy of a store would close the original's files)."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(f"a swapio {type(self).__name__} cannot be copied or pickled (copy.copy, copy.deepcopy, "
+                        "pickle): it owns native I/O requests, worker threads or swap files; make a new one instead")

@@ -1,14 +1,24 @@
 """swapio.Future: one request, one future (concurrent.futures spelling: result(), done())."""
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
-from typing import Any, Callable, Optional, Tuple
+import time
+from typing import Any, Callable, List, NoReturn, Optional, Tuple
+
+from ._errors import NotCopyable
 
 _Outcome = Tuple[bool, Any]  # (True, value) or (False, exception)
+_log = logging.getLogger("swapio")
+_callbacks_lock = threading.Lock()
 
 
-class Future:
+class _NotAConcurrentFuture(TypeError, AttributeError):
+    """A TypeError for the caller; an AttributeError too, so hasattr() and introspection see no such attribute."""
+
+
+class Future(NotCopyable):
     """The result of an async operation.
 
     ``wait()``/``result()`` return bytes moved for pread/pwrite and the tensor for swap_in, and raise
@@ -16,7 +26,8 @@ class Future:
     Dropping a future without waiting is safe: its handle keeps the memory alive until the I/O is done.
     """
 
-    __slots__ = ("_request", "_then", "_undo", "_keepalive", "_lock", "_outcome", "observed", "_on_observed")
+    __slots__ = ("_request", "_then", "_undo", "_keepalive", "_lock", "_outcome", "observed", "_on_observed",
+                 "_callbacks")
 
     def __init__(self, request: Any = None, then: Optional[Callable[[Any], Any]] = None, keepalive: Any = None,
                  undo: Optional[Callable[[BaseException], None]] = None,
@@ -29,6 +40,7 @@ class Future:
         self._outcome: Optional[_Outcome] = None  # (True, value) or (False, exception)
         self.observed = False        # the caller has seen this future's outcome
         self._on_observed = on_observed  # called once with this future when its outcome is first seen
+        self._callbacks: Optional[List[Callable[[Future], Any]]] = None  # add_done_callback's, while watched
 
     @classmethod
     def finished(cls, value: Any) -> Future:
@@ -57,11 +69,70 @@ class Future:
 
     result = wait
 
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """kvikio's IOFuture spelling of wait() (a method, so subclasses' wait() applies)."""
+        return self.wait(timeout)
+
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """Blocks like wait(), then returns the exception the operation raised, or None if it succeeded."""
         outcome = self._settle(timeout)
         self._observe()
         return None if outcome[0] else outcome[1]
+
+    # concurrent.futures spellings. A submitted request cannot be called back: cancel() is always False, as for a
+    # concurrent.futures.Future that is running.
+    def cancel(self) -> bool:
+        """Always False: the I/O was submitted to the kernel and cannot be called back."""
+        return False
+
+    def cancelled(self) -> bool:
+        """Always False (see cancel())."""
+        return False
+
+    def running(self) -> bool:
+        """True until the operation has finished."""
+        return not self.done()
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Calls fn(future) once when the operation finishes: at once in this thread if it already has, else in a
+        watcher thread. As in concurrent.futures, an exception fn raises is logged (logger "swapio") and ignored.
+        Registering a callback does not count as seeing the outcome: an error fn does not take with
+        result()/exception() is still raised by the handle's wait()."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
+        with _callbacks_lock:
+            if self._callbacks is not None:  # a watcher is waiting: it calls every callback in the list
+                self._callbacks.append(fn)
+                return
+            if not self.done():
+                self._callbacks = [fn]
+                threading.Thread(target=self._watch, name="swapio-future-callbacks", daemon=True).start()
+                return
+        self._call_back(fn)
+
+    def _watch(self) -> None:
+        while not self.done():  # a native wait releases the GIL and returns as soon as the request finishes
+            if self._request is not None:
+                self._request.wait(0.05)
+            else:
+                time.sleep(0.005)
+        with _callbacks_lock:
+            callbacks, self._callbacks = self._callbacks or [], None  # later ones run at once (done() is True)
+        for fn in callbacks:
+            self._call_back(fn)
+
+    def _call_back(self, fn: Callable[[Future], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - as concurrent.futures does: a callback's error is not the operation's
+            _log.exception("exception calling callback for %r", self)
+
+    @property
+    def _condition(self) -> NoReturn:
+        # concurrent.futures.wait() and as_completed() reach into their own Future's internals (this attribute
+        # first): say so, rather than an AttributeError
+        raise _NotAConcurrentFuture("swapio futures cannot be passed to concurrent.futures.wait() or as_completed(): call "
+                        "wait() on each (or AioHandle.wait()), or bridge them with add_done_callback (docs/io.md)")
 
     def _observe(self, _: object = None) -> None:
         """Marks the outcome as seen and tells whoever tracks this future (once), so it can be let go."""

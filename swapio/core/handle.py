@@ -10,10 +10,10 @@ import torch
 
 from .. import _C
 from ._closeable import Closeable
-from ._errors import StrPath, check_int, check_path, warn_once
+from ._errors import NotCopyable, StrPath, check_int, check_path, warn_once
 from .futures import Future
 from .pinned import is_pinned
-from .tensors import cpu_memory, mark_written
+from .tensors import check_writable_in_place, cpu_memory, mark_written
 
 _PRUNE_MIN = 64
 _CONFIG_KEYS = ("block_size", "queue_depth", "threads", "engine", "direct", "submit_batch")
@@ -27,7 +27,7 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-class AioHandle(Closeable):
+class AioHandle(NotCopyable, Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
     block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
@@ -135,6 +135,7 @@ class AioHandle(Closeable):
             raise TypeError(f"staged must be True, False or 'auto', got {type(staged).__name__}")
         existed = op != "write" or os.path.lexists(path)
         if changes:
+            check_writable_in_place(tensor)
             # before the read starts: an interrupt after it must not leave autograd untold (a read that then fails
             # leaves the counter moved, so a graph that saved the tensor raises rather than runs on silently)
             mark_written(tensor)
@@ -148,7 +149,9 @@ class AioHandle(Closeable):
             warn_once(("fallback", os.path.dirname(os.path.abspath(path))),
                       f"{path}: the file system refuses O_DIRECT; swapio falls back to buffered I/O "
                       "(pass direct=False to silence this, direct=True to make it an error)")
-        return self._track(Future(request, keepalive=tensor, on_observed=self._let_go))
+        # the storage too: a tensor given other memory meanwhile (t.set_(...), t.data = ...) lets go of this one
+        memory = (tensor, tensor.untyped_storage())
+        return self._track(Future(request, keepalive=memory, on_observed=self._let_go))
 
     def _track(self, future: Future) -> Future:
         with self._lock:

@@ -186,6 +186,8 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
 
 def is_pinned(tensor: torch.Tensor) -> bool:
     """True if the tensor's memory lies in a swapio pinned block (views included) or torch says it is pinned."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"is_pinned needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         return False
     if _block_of(tensor.data_ptr()) is not None:

@@ -48,6 +48,23 @@ def spans_whole_storage(tensor: torch.Tensor) -> bool:
     return bool(tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes())
 
 
+def check_writable_in_place(tensor: torch.Tensor, name: str = "tensor") -> None:
+    """RuntimeError where torch refuses an in-place copy_ into `tensor`, or where copy_ would record itself in the
+    graph (a native write cannot: the gradient would flow to the overwritten values' computation)."""
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"Inplace update to inference tensor outside InferenceMode is not allowed: {name} was made "
+                           "under torch.inference_mode(); read into it inside torch.inference_mode()")
+    if not (torch.is_grad_enabled() and tensor.requires_grad):
+        return
+    if tensor.is_leaf or (tensor._base is not None and tensor._base.is_leaf):
+        view = "a view of " if not tensor.is_leaf else ""
+        raise RuntimeError(f"{name} is {view}a leaf Variable that requires grad: torch refuses an in-place write into "
+                           "it; read under torch.no_grad() (as for copy_ into a parameter)")
+    raise RuntimeError(f"{name} requires grad and is part of an autograd graph: a read into it cannot be recorded "
+                       "there (copy_ would be), so gradients would flow to the values it overwrote; read into "
+                       "tensor.detach() or a new tensor, or under torch.no_grad()")
+
+
 def mark_written(*tensors: Optional[torch.Tensor]) -> None:
     """Tells autograd that native code wrote these tensors in place (None entries skipped), as an in-place torch
     operation does: a backward through a graph that saved their old values then raises instead of using the new."""

@@ -186,3 +186,10 @@ def test_a_block_that_died_registered_is_replaced_by_the_next_at_its_address():
     assert not pinned._unregister(start)
     assert pinned._block_of(start + 1) is None and start not in pinned._starts and start not in pinned._ends
     assert not swapio.is_pinned(torch.empty(4))
+
+
+@pytest.mark.parametrize("value", [[1.0], bytearray(8), None], ids=["list", "bytearray", "None"])
+def test_is_pinned_of_a_non_tensor_is_a_type_error(value):
+    """torch's own Tensor.is_pinned is a method: a non-tensor given here was an AttributeError on '.device'."""
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        swapio.is_pinned(value)
