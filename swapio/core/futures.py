@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import threading
 import time
 from typing import Any, Callable, List, NoReturn, Optional, Tuple
@@ -101,23 +102,19 @@ class Future(NotCopyable):
         if not callable(fn):
             raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
         with _callbacks_lock:
-            if self._callbacks is not None:  # a watcher is waiting: it calls every callback in the list
+            if self._callbacks is not None:  # the watcher holds it: it calls every callback in the list
                 self._callbacks.append(fn)
                 return
             if not self.done():
                 self._callbacks = [fn]
-                threading.Thread(target=self._watch, name="swapio-future-callbacks", daemon=True).start()
+                _watcher.add(self)
                 return
         self._call_back(fn)
 
-    def _watch(self) -> None:
-        while not self.done():  # a native wait releases the GIL and returns as soon as the request finishes
-            if self._request is not None:
-                self._request.wait(0.05)
-            else:
-                time.sleep(0.005)
+    def _run_callbacks(self) -> None:
+        """(The watcher, once done() is True:) calls the callbacks registered; later ones run at once."""
         with _callbacks_lock:
-            callbacks, self._callbacks = self._callbacks or [], None  # later ones run at once (done() is True)
+            callbacks, self._callbacks = self._callbacks or [], None
         for fn in callbacks:
             self._call_back(fn)
 
@@ -198,3 +195,49 @@ class Future(NotCopyable):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<swapio.Future {state}>"
+
+
+class _CallbackWatcher:
+    """One thread for the futures with callbacks pending (a thread each would be a thousand threads for a thousand
+    reads bridged to concurrent.futures); it ends when none is left and starts again with the next."""
+
+    def __init__(self) -> None:
+        self._pending: List[Future] = []
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, future: Future) -> None:
+        """(Under _callbacks_lock.)"""
+        self._pending.append(future)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="swapio-future-callbacks", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with _callbacks_lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+                waiting = list(self._pending)
+            finished = [f for f in waiting if f.done()]
+            if finished:
+                gone = {id(f) for f in finished}
+                with _callbacks_lock:
+                    self._pending = [f for f in self._pending if id(f) not in gone]
+                for f in finished:
+                    f._run_callbacks()
+                continue
+            request = waiting[0]._request
+            if request is not None:  # a native wait releases the GIL and returns as soon as that request finishes
+                request.wait(0.005)
+            else:
+                time.sleep(0.005)
+
+
+    def after_fork_in_child(self) -> None:
+        # the thread is not in the child (nor are the parent's requests)
+        self._pending, self._thread = [], None
+
+
+_watcher = _CallbackWatcher()
+os.register_at_fork(after_in_child=_watcher.after_fork_in_child)

@@ -110,3 +110,45 @@ def test_get_waits_as_kvikio_iofuture_get_does(handle, tmp_path):
     assert handle.pread(back, tmp_path / "f").get() == t.nbytes and torch.equal(back, t)
     with pytest.raises(OSError):
         handle.pread(torch.empty(16), tmp_path / "f", offset=1 << 30).get()
+
+
+class GatedRequest:
+    """A native request's interface (done, wait) finishing when the test opens the gate."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def done(self):
+        return self.gate.is_set()
+
+    def wait(self, timeout=None):
+        return self.gate.wait(timeout)
+
+    def result(self):
+        return 7
+
+
+def test_many_futures_with_callbacks_share_one_watcher_thread():
+    """A thread per future waiting for its callbacks made 200 threads for 200 reads bridged to concurrent.futures."""
+    from swapio.core.futures import Future
+    gate = threading.Event()
+    futures = [Future(GatedRequest(gate), then=lambda n: n) for _ in range(200)]
+    called = []
+    for f in futures:
+        f.add_done_callback(lambda fut: called.append(fut))
+    watchers = [th for th in threading.enumerate() if th.name == "swapio-future-callbacks"]
+    assert len(watchers) == 1 and not called
+    gate.set()
+    watchers[0].join(TIMEOUT)
+    assert not watchers[0].is_alive()  # none left to watch: it ended
+    assert sorted(map(id, called)) == sorted(map(id, futures))
+
+
+def test_bridged_reads_all_settle(handle, tmp_path):
+    t = torch.arange(1 << 12, dtype=torch.float32)
+    handle.pwrite(t, tmp_path / "f").wait(TIMEOUT)
+    outs = [torch.empty_like(t) for _ in range(200)]
+    bridged = [bridge(handle.pread(o, tmp_path / "f")) for o in outs]
+    done, not_done = cf.wait(bridged, timeout=TIMEOUT)
+    assert not not_done and all(b.result() == t.nbytes for b in bridged)
+    assert all(torch.equal(o, t) for o in outs)
