@@ -12,8 +12,9 @@ naming the weight. Ops that only read metadata (`.shape`, `.grad`, `torch.zeros_
 import torch
 
 
-# the tensor attributes that are views of its values (the rest, .shape, .grad, .device, are metadata)
-_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag"}
+# the tensor attributes that are views of its values (the rest, .shape, .grad, .device, are metadata); .data too:
+# a plain meta tensor from it (an EMA's `add_(b.data)` of a buffer) would let an in-place op do nothing again
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag", "data"}
 
 
 def _kind(func):

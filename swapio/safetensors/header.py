@@ -147,15 +147,16 @@ def parse_header(path, raw, file_size, source=None):
             if not isinstance(entry, dict):
                 raise TypeError
             name_of_dtype = entry["dtype"]
-            if isinstance(name_of_dtype, str) and name_of_dtype not in DTYPES and name_of_dtype not in READ_ONLY:
-                raise ValueError(f"{path}: tensor {name!r} has dtype {name_of_dtype!r}, which swapio cannot load "
-                                 f"(unsupported; it reads {', '.join(sorted(DTYPES) + sorted(READ_ONLY))})")
-            dtype = DTYPES.get(name_of_dtype) or READ_ONLY[name_of_dtype]
+            unknown = isinstance(name_of_dtype, str) and name_of_dtype not in DTYPES and name_of_dtype not in READ_ONLY
+            dtype = None if unknown else DTYPES.get(name_of_dtype) or READ_ONLY[name_of_dtype]
             shape = _ints(entry["shape"])
-            begin, end = _ints(entry["data_offsets"])
-        except (KeyError, TypeError):
+            begin, end = _ints(entry["data_offsets"])  # (a ValueError when not a pair)
+        except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: tensor {name!r} has a malformed or unsupported header entry "
                              f"{_short(entry)}") from None
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {name_of_dtype!r}, which swapio cannot load "
+                             f"(unsupported; it reads {', '.join(sorted(DTYPES) + sorted(READ_ONLY))})")
         if name_of_dtype == PACKED_X2:  # counted in 4-bit elements: torch's dtype holds two of them
             if not shape or shape[-1] % 2:
                 raise ValueError(f"{path}: tensor {name!r} of {PACKED_X2} has shape {list(shape)}, whose last "

@@ -46,3 +46,11 @@ def test_an_f4_tensor_of_an_odd_count_is_a_value_error_naming_it(tmp_path):
     path = _file(tmp_path, {"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2))
     with pytest.raises(ValueError, match="tensor 'a' of F4 has shape \\[3\\]"):
         ckpt.load(path)
+
+
+@pytest.mark.parametrize("offsets", [[0, 4, 8], [4]], ids=["three", "one"])
+def test_data_offsets_not_a_pair_is_a_value_error_naming_the_tensor(tmp_path, offsets):
+    """(the unpacking's own "too many values to unpack" escaped once the dtype check moved out of the try)"""
+    path = _file(tmp_path, {"a": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}, bytes(8))
+    with pytest.raises(ValueError, match="tensor 'a' has a malformed or unsupported header entry"):
+        ckpt.load(path)

@@ -153,6 +153,25 @@ def train(model, opt, data, micro=1, fp32_accumulate=False):
     return losses
 
 
+def assert_trains_as_resident(model, ref, data, tmp, loss=loss_of):
+    """Trains the offloaded `model` and its resident copy `ref` side by side (AdamW, offload="cpu"), one step a
+    batch, checking each loss and, after remove_offload(model), the weights."""
+    ref_opt = build_opt("AdamW", ref.parameters(), os.path.join(str(tmp), "ref-swap"), offload="cpu")
+    opt = build_opt("AdamW", model.parameters(), os.path.join(str(tmp), "swap"), offload="cpu")
+    with one_thread():
+        for b in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m.loss = loss(m, b)
+                m.loss.backward()
+                o.step()
+                o.zero_grad()
+            assert torch.equal(model.loss, ref.loss)
+    ref_opt.close()
+    opt.close()
+    remove_offload(model)
+    assert_same_weights(weights(model), weights(ref))
+
+
 def clipped_norms(model, opt, data, clip, micro=1):
     """Trains on data, micro batches a step, calling clip(model, opt) before each step; its results, in order."""
     norms = []

@@ -6,9 +6,7 @@ swapio's saved-tensor hooks: a RuntimeError saying so and what to use, and the m
 import pytest
 import torch
 
-from swapio.offload import remove_offload
-from helpers.offload_training import (MLP, IN, assert_same_weights, batches, build_opt, make_model, offload,
-                                      one_thread, weights)
+from helpers.offload_training import MLP, IN, assert_trains_as_resident, batches, make_model, offload, one_thread
 
 pytest.importorskip("safetensors")
 
@@ -45,19 +43,9 @@ def test_grad_transforms_are_refused_saying_what_to_use(tmp_path, storage, trans
 
 @pytest.mark.parametrize("storage", ["disk", "cpu"])
 def test_training_through_vmap_equals_the_resident_model(tmp_path, storage):
-    data = batches(MLP, 2)
-    ref = make_model()
+    def vmapped_loss(m, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(torch.func.vmap(m)(x.unsqueeze(1)).squeeze(1), y)
+
     model = offload(make_model(), storage, tmp_path)
-    ref_opt = build_opt("AdamW", ref.parameters(), tmp_path / "ref-swap", offload="cpu")
-    opt = build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu")
-    with one_thread():
-        for x, y in data:
-            for m, o in ((ref, ref_opt), (model, opt)):
-                out = torch.func.vmap(m)(x.unsqueeze(1)).squeeze(1)
-                torch.nn.functional.mse_loss(out, y).backward()
-                o.step()
-                o.zero_grad()
-    ref_opt.close()
-    opt.close()
-    remove_offload(model)
-    assert_same_weights(weights(model), weights(ref))
+    assert_trains_as_resident(model, make_model(), batches(MLP, 2), tmp_path, loss=vmapped_loss)

@@ -5,9 +5,7 @@ now a ValueError naming it and keep_resident; kept resident, the model equals th
 import pytest
 import torch
 
-from swapio.offload import remove_offload
-from helpers.offload_training import (Tied, assert_same_weights, batches, build_opt, loss_of, offload, one_thread,
-                                      weights)
+from helpers.offload_training import Tied, assert_trains_as_resident, batches, offload
 
 pytest.importorskip("safetensors")
 
@@ -43,20 +41,5 @@ def test_offloading_an_embedding_with_max_norm_is_refused(tmp_path, storage, bag
 
 @pytest.mark.parametrize("storage", ["disk", "cpu", "ckpt"])
 def test_an_embedding_with_max_norm_kept_resident_trains_as_resident(tmp_path, storage):
-    data = batches(Tied, 3)
-    ref = build()
     model = offload(build(), storage, tmp_path, Renormed, keep_resident=["emb"])
-    ref_opt = build_opt("AdamW", ref.parameters(), tmp_path / "ref-swap", offload="cpu")
-    opt = build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu")
-    with one_thread():
-        for b in data:
-            for m, o in ((ref, ref_opt), (model, opt)):
-                m.loss = loss_of(m, b)
-                m.loss.backward()
-                o.step()
-                o.zero_grad()
-            assert torch.equal(model.loss, ref.loss)
-    ref_opt.close()
-    opt.close()
-    remove_offload(model)
-    assert_same_weights(weights(model), weights(ref))
+    assert_trains_as_resident(model, build(), batches(Tied, 3), tmp_path)

@@ -7,9 +7,7 @@ list their weights until their next forward) and plain modules train exactly as 
 import pytest
 import torch
 
-from swapio.offload import remove_offload
-from helpers.offload_training import (IN, OUT, assert_same_weights, batches, build_opt, loss_of, offload, one_thread,
-                                      weights)
+from helpers.offload_training import IN, OUT, assert_trains_as_resident, batches, offload
 
 pytest.importorskip("safetensors")
 
@@ -87,23 +85,8 @@ def build(cls):
 
 def train_both(tmp_path, cls, storage, steps=3):
     """Trains the resident model and an offloaded copy (a ring of two records) side by side."""
-    data = batches(None, steps)
-    ref = build(cls)
     model = offload(build(cls), storage, tmp_path, cls, buffer_bytes=8192)
-    ref_opt = build_opt("AdamW", ref.parameters(), tmp_path / "ref-swap", offload="cpu")
-    opt = build_opt("AdamW", model.parameters(), tmp_path / "swap", offload="cpu")
-    with one_thread():
-        for b in data:
-            for m, o in ((ref, ref_opt), (model, opt)):
-                m.loss = loss_of(m, b)
-                m.loss.backward()
-                o.step()
-                o.zero_grad()
-            assert torch.equal(model.loss, ref.loss)
-    ref_opt.close()
-    opt.close()
-    remove_offload(model)
-    assert_same_weights(weights(model), weights(ref))
+    assert_trains_as_resident(model, build(cls), batches(None, steps), tmp_path)
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])

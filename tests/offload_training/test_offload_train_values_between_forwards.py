@@ -142,3 +142,20 @@ def test_values_from_an_offloaded_buffer_are_refused(tmp_path, storage):
         torch.zeros(6).add_(model.bn.running_var)
     x = torch.randn(3, 8)
     assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("storage", ["disk", "cpu"])
+def test_values_through_data_of_an_offloaded_buffer_are_refused(tmp_path, storage):
+    """`.data` of an offloaded buffer (what an EMA of the buffers reads: `e.mul_(d).add_(b.data, alpha=1 - d)`)
+    was a plain meta tensor, so the add did nothing without a word."""
+    torch.manual_seed(0)
+    ref = WithNorm().eval()
+    torch.manual_seed(0)
+    model = offload(WithNorm().eval(), storage, tmp_path, cls=WithNorm, offload_buffers=True)
+    assert torch.zeros(6).add_(ref.bn.running_var.data).sum() == 6  # BatchNorm starts with unit variances
+    with pytest.raises(RuntimeError, match=r"add_\(\) used bn\.running_var, which is offloaded by swapio"):
+        torch.zeros(6).add_(model.bn.running_var.data)
+    with pytest.raises(RuntimeError, match=r"add_\(\) used a\.weight, which is offloaded by swapio"):
+        torch.zeros(6, 8).add_(model.a.weight.data.data)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), ref(x))
