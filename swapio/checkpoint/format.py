@@ -9,7 +9,11 @@ from ..safetensors import layout
 from ..safetensors.header import json_depth
 from .structure import MAX_NESTING, MAX_STRUCTURE_DEPTH, flatten, tensor_nodes
 
-FORMAT, VERSION = "swapio.checkpoint", "1"
+FORMAT, VERSION = "swapio.checkpoint", "2"
+# Version 2 added these skeleton keys (structure.py). A file that uses none of them is written as version 1, so an
+# earlier swapio still reads it; one that does is version 2, which an earlier swapio refuses with a clear message
+# (it read "p", "g", "m" and "c" and dropped them: a Parameter loaded as a plain tensor, a Counter as a dict).
+_KEYS_SINCE_V2 = frozenset(("S", "R", "i", "p", "g", "m", "c"))
 META_FORMAT, META_VERSION, META_STRUCTURE = "format", "format_version", "structure"
 
 
@@ -32,9 +36,23 @@ def _metadata(skeleton, extra):
     if reserved:
         raise ValueError(f"metadata key {reserved[0]!r} is reserved: swapio.checkpoint writes "
                          f"{META_FORMAT!r}, {META_VERSION!r} and {META_STRUCTURE!r} itself; use another key")
-    metadata.update({META_FORMAT: FORMAT, META_VERSION: VERSION,
+    metadata.update({META_FORMAT: FORMAT, META_VERSION: _version_needed(skeleton),
                      META_STRUCTURE: json.dumps(skeleton, separators=(",", ":"))})
     return metadata
+
+
+def _version_needed(skeleton):
+    """The oldest format version that reads `skeleton` as saved: "1" unless it uses a node added since."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if not _KEYS_SINCE_V2.isdisjoint(node):
+                return VERSION
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return "1"
 
 
 def skeleton_of(opened):
