@@ -55,6 +55,15 @@ class Rule:
         return moments + ((MASTER,) if master else ()) + self.format.scales_of(moments)
 
     def hyper(self, group):
+        """The kernel's hyperparameters of `group`, checked (TypeError/ValueError)."""
+        if group.get("differentiable"):
+            # torch's differentiable=True steps under autograd, so a meta-learning loop gets gradients through the
+            # update; a state dict of such a torch optimizer loaded here would step without them, silently
+            raise ValueError("differentiable=True (a step that autograd records) is not supported: swapio steps "
+                             "with its fused CPU kernel outside autograd; use torch.optim for a differentiable step")
+        return self._hyper(group)
+
+    def _hyper(self, group):
         raise NotImplementedError
 
 
@@ -68,7 +77,7 @@ class AdamRule(Rule):
     def moments(self, group):
         return self.MOMENTS + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
-    def hyper(self, group):
+    def _hyper(self, group):
         if group["amsgrad"] and not self.format.supports_amsgrad:
             raise ValueError(f"amsgrad needs state_dtype='fp32' (its running maximum of exp_avg_sq is kept "
                              f"exactly), got state_dtype={self.format.name!r}: use amsgrad=False with "
@@ -87,7 +96,7 @@ class LionRule(Rule):
     STATE_KEYS = (MASTER, *MOMENTS, "exp_avg_scale")
     update = staticmethod(lion)
 
-    def hyper(self, group):
+    def _hyper(self, group):
         beta1, beta2 = betas_of(group)
         lr, beta1, beta2, weight_decay = check_lion_hyper(group["lr"], beta1, beta2, group["weight_decay"])
         return {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
@@ -122,7 +131,7 @@ class AdafactorRule(Rule):
         master = shard(p).dtype in LOW_PRECISION or shard(p).is_meta
         return self.moments_of(p) + ((MASTER,) if master else ())
 
-    def hyper(self, group):
+    def _hyper(self, group):
         refuse_transformers_args(group)  # torch would keep them in the group unread
         refuse_lr_none(group["lr"])
         lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(
