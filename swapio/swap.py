@@ -241,7 +241,9 @@ class SwapStore(NotCopyable, Closeable):
                 while f"tensor{self._counter}" in self._tensors:
                     self._counter += 1
                 name = f"tensor{self._counter}"
-            if not isinstance(name, str) or not _NAME.match(name):
+            if not isinstance(name, str):
+                raise TypeError(f"a swap name must be a str, got {type(name).__name__} {name!r}")
+            if not _NAME.match(name):
                 raise ValueError(f"bad swap name {name!r}: use letters, digits, '_', '.', '-' (not starting "
                                  "with '.' or '-', at most 200 characters)")
             if name in self._tensors:

@@ -191,6 +191,13 @@ def test_unsafe_name_is_value_error(store, name):
     assert [n for n in os.listdir(store.directory) if n != ".swapio-owner"] == []
 
 
+@pytest.mark.parametrize("name", [3, b"w", ("w",)], ids=["int", "bytes", "tuple"])
+def test_a_name_that_is_not_a_str_is_a_type_error(store, name):
+    with pytest.raises(TypeError, match="must be a str"):
+        store.swap_out(sample(), name=name, release=False)
+    assert [n for n in os.listdir(store.directory) if n != ".swapio-owner"] == []
+
+
 def test_symlink_at_target_name_is_not_followed(store, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"do not touch")
