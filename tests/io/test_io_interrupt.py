@@ -54,7 +54,8 @@ def test_ctrl_c_interrupts_future_wait_and_the_future_can_be_waited_again(monkey
     with ctrl_c_until_raised(), pytest.raises(KeyboardInterrupt):
         f.wait(timeout=TIMEOUT)
     assert not f.done()  # interrupted while the request ran, not after it finished
-    assert f._keepalive is data  # the memory stays held for the kernel
+    held, storage = f._keepalive  # the memory stays held for the kernel (the tensor and its storage)
+    assert held is data and storage.data_ptr() == data.untyped_storage().data_ptr()
     with pytest.raises(OSError, match="collecting completions"):
         f.wait(timeout=TIMEOUT)
     h.close()
