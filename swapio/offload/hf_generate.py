@@ -14,6 +14,10 @@ from .hf_model import ModelMethod
 from .registry import offloaded
 
 
+class ModelDeviceError(RuntimeError):
+    """Raised once, by the innermost offloaded generate (an assistant_model's runs inside the main model's)."""
+
+
 class Generate(ModelMethod):
     """The offloaded model's generate (see the module)."""
 
@@ -24,14 +28,17 @@ class Generate(ModelMethod):
         model = self.model()
         try:
             return type(model).generate(model, *args, **kwargs)
+        except ModelDeviceError:
+            raise
         except (RuntimeError, NotImplementedError) as e:
             first = next(model.named_parameters(), None)
             if "meta" not in str(e) or first is None or first[1].device.type != "meta":
                 raise
             module = first[0].rpartition(".")[0]
             device = getattr(offloaded.get(model), "device", "the execution device")
-            raise RuntimeError(
-                f"generate() of a model offloaded by swapio failed on a tensor on the meta device: model.device is "
+            raise ModelDeviceError(
+                f"generate() of a {type(model).__name__} offloaded by swapio (the model generating, or the "
+                "assistant_model of assisted generation, whose generate() it calls) failed on a tensor on the meta device: model.device is "
                 f"the device of the model's first parameter ({first[0]}), an offloaded placeholder, and transformers "
                 "builds some tensors on model.device (assisted generation and prompt lookup, generate() without "
                 "input_ids, a static cache with prefill_chunk_size, models such as Whisper). Keep the module that "

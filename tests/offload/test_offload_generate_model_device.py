@@ -54,3 +54,18 @@ def test_paths_on_model_device_name_the_module_to_keep_resident(tmp_path, path, 
     assert "generate" not in vars(offloaded)  # transformers' own generate again
     kept = _offload(copy.deepcopy(resident), how, tmp_path, keep_resident=["model.embed_tokens"])
     assert torch.equal(_generate(kept, path, assistant), expected)
+
+
+def test_an_offloaded_assistant_model_names_its_own_module_to_keep_resident(tmp_path):
+    """Assisted generation calls the assistant's generate(), which builds on the assistant's model.device: the error
+    names the assistant (one error, not wrapped again by an offloaded main model's generate); kept, it assists."""
+    resident, assistant = _llama(2), _llama(1)
+    expected = _generate(resident, "assistant_model", assistant)
+    offloaded_assistant = disk_offload(copy.deepcopy(assistant), tmp_path / "assistant")
+    main = cpu_offload(copy.deepcopy(resident), keep_resident=["model.embed_tokens"])
+    for model in (resident, main, cpu_offload(copy.deepcopy(resident))):
+        with pytest.raises(RuntimeError, match=r"assistant_model(.|\n)*keep_resident=\['model.embed_tokens'\]") as info:
+            _generate(model, "assistant_model", offloaded_assistant)
+        assert "generate() of a" not in str(info.value.__cause__)  # said once
+    kept = disk_offload(copy.deepcopy(assistant), tmp_path / "kept", keep_resident=["model.embed_tokens"])
+    assert torch.equal(_generate(main, "assistant_model", kept), expected)
