@@ -10,8 +10,13 @@ from generate), naming neither cause nor cure. While a model is offloaded, its g
 inside this one, which turns such an error into a RuntimeError naming the module to keep resident
 (keep_resident=[...]: model.device is then the execution device, and every such path computes as resident).
 """
+import re
+
 from .hf_model import ModelMethod
 from .registry import offloaded
+
+
+_META = re.compile(r"\bmeta\b")  # the device, not "metadata"
 
 
 class ModelDeviceError(RuntimeError):
@@ -32,7 +37,7 @@ class Generate(ModelMethod):
             raise
         except (RuntimeError, NotImplementedError) as e:
             first = next(model.named_parameters(), None)
-            if "meta" not in str(e) or first is None or first[1].device.type != "meta":
+            if not _META.search(str(e)) or first is None or first[1].device.type != "meta":
                 raise
             module = first[0].rpartition(".")[0]
             device = getattr(offloaded.get(model), "device", "the execution device")

@@ -69,3 +69,18 @@ def test_an_offloaded_assistant_model_names_its_own_module_to_keep_resident(tmp_
         assert "generate() of a" not in str(info.value.__cause__)  # said once
     kept = disk_offload(copy.deepcopy(assistant), tmp_path / "kept", keep_resident=["model.embed_tokens"])
     assert torch.equal(_generate(main, "assistant_model", kept), expected)
+
+
+def test_other_errors_of_generate_pass_through_unchanged(tmp_path):
+    """Only errors on the meta device are explained: another error (here a streamer's, mentioning metadata) is
+    raised as it was."""
+    class FailingStreamer(transformers.generation.streamers.BaseStreamer):
+        def put(self, value):
+            raise RuntimeError("bad metadata in the stream")
+
+        def end(self):
+            pass
+
+    offloaded = disk_offload(_llama(2), tmp_path / "off")
+    with pytest.raises(RuntimeError, match="^bad metadata in the stream$"):
+        offloaded.generate(IDS, max_new_tokens=2, do_sample=False, pad_token_id=0, streamer=FailingStreamer())
