@@ -305,7 +305,8 @@ class WeightStreamer:
                 f"{name} is an offloaded buffer that {type(unit.module).__name__}'s forward {how} (BatchNorm's "
                 "running statistics in train mode, a cache): the change would be lost, since the next forward "
                 "fetches the stored buffer again. Offload with offload_buffers=False (buffers stay resident, the "
-                f"default), keep_resident=[{unit.name!r}], or run the module in eval mode")
+                f"default){', ' if unit.module.training else ' or '}keep_resident=[{unit.name!r}]"
+                + (", or run the module in eval mode" if unit.module.training else ""))  # eval: changes it anyway
         return output
 
     @staticmethod
