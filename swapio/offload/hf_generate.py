@@ -48,7 +48,8 @@ class Generate(ModelMethod):
                 "builds some tensors on model.device (assisted generation and prompt lookup, generate() without "
                 "input_ids, a static cache with prefill_chunk_size, models such as Whisper). Keep the module that "
                 f"owns the first parameter resident, keep_resident=[{module!r}], and model.device is the execution "
-                f"device ({device}); inputs moved to model.device go to the execution device instead. "
+                f"device ({device}); inputs moved to model.device (a pipeline given device=-1 moves them there) go to the "
+                f"execution device instead (pipeline(..., device={str(device)!r})). "
                 f"({type(e).__name__}: {e})") from e
 
 

@@ -84,3 +84,20 @@ def test_other_errors_of_generate_pass_through_unchanged(tmp_path):
     offloaded = disk_offload(_llama(2), tmp_path / "off")
     with pytest.raises(RuntimeError, match="^bad metadata in the stream$"):
         offloaded.generate(IDS, max_new_tokens=2, do_sample=False, pad_token_id=0, streamer=FailingStreamer())
+
+
+def test_a_pipeline_given_device_minus_one_is_told_to_pass_the_execution_device(tmp_path):
+    """pipeline(device=-1) takes model.device (meta) as its device and moves the inputs there: the error says to
+    pass the execution device; given it, the pipeline computes as over the resident model."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[PAD]": 0, "[UNK]": 1, "the": 2, "cat": 3},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    resident = _llama(2)
+    offloaded = disk_offload(copy.deepcopy(resident), tmp_path / "off")
+    kwargs = dict(max_new_tokens=3, do_sample=False)
+    with pytest.raises(RuntimeError, match=r"pipeline given device=-1(.|\n)*device='cpu'"):
+        transformers.pipeline("text-generation", model=offloaded, tokenizer=tokenizer, device=-1)("the cat", **kwargs)
+    got = transformers.pipeline("text-generation", model=offloaded, tokenizer=tokenizer, device="cpu")("the cat", **kwargs)
+    assert got == transformers.pipeline("text-generation", model=resident, tokenizer=tokenizer)("the cat", **kwargs)
