@@ -415,9 +415,14 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
-    owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
-    check_unchanged(owner.units)  # a weight replaced, or changed in place and lost, is said before it goes resident
-    resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
+    owner.begin_removal()  # refused while a forward runs (another thread's generate); new ones refused meanwhile
+    try:
+        owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
+        check_unchanged(owner.units)  # a weight replaced, or changed in place and lost, is said before it goes resident
+        resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
+    except BaseException:
+        owner.end_removal()
+        raise
     try:
         owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back
     finally:

@@ -86,6 +86,13 @@ class PreloadForward(OffloadedForward):
         streamer, units = self.streamer, self.unit
         if streamer is None:
             return self.inner(*args, **kwargs)
+        streamer.begin_call()
+        try:
+            return self._preloaded(streamer, units, args, kwargs)
+        finally:
+            streamer.end_call()
+
+    def _preloaded(self, streamer, units, args, kwargs):
         taken, entered = [], []
         try:
             for unit in units:

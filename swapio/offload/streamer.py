@@ -66,6 +66,13 @@ class OffloadedForward:
         if streamer is None:
             return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
+        streamer.begin_call()
+        try:
+            return self._timed(unit, streamer, args, kwargs)
+        finally:
+            streamer.end_call()
+
+    def _timed(self, unit, streamer, args, kwargs):
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
         outer, start = streamer.outer, None
         try:
@@ -115,6 +122,10 @@ class WeightStreamer:
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
         self.outer = _Outer()  # per thread: inside an offloaded forward already (stats' forward_s)
+        # offloaded forwards running now, in any thread; remove_offload refuses while there are any, and new ones
+        # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
+        # back into a model it had made resident)
+        self._calls_lock, self._calls, self._removing = threading.Lock(), 0, False
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
@@ -154,6 +165,32 @@ class WeightStreamer:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
+    def begin_call(self):
+        """An offloaded module's forward begins (see _calls)."""
+        with self._calls_lock:
+            if self._removing:
+                raise RuntimeError("a forward of a model that remove_offload(model) is putting back to resident "
+                                   "weights in another thread: call the model after remove_offload has returned")
+            self._calls += 1
+
+    def end_call(self):
+        with self._calls_lock:
+            self._calls -= 1
+
+    def begin_removal(self):
+        """remove_offload begins: refused while forwards run (see _calls); end_removal(False) if it fails."""
+        with self._calls_lock:
+            if self._calls:
+                raise RuntimeError(
+                    "remove_offload(model) while the model runs a forward (in another thread: a generate() in "
+                    "progress, say, or from inside the model's own forward): it would take the weights out from "
+                    "under it. Call remove_offload when the model's calls have returned")
+            self._removing = True
+
+    def end_removal(self):
+        with self._calls_lock:
+            self._removing = False
+
     def forward_ends(self, start):
         """The thread's outermost offloaded forward, begun at perf_counter() `start`, has ended."""
         elapsed = time.perf_counter() - start
