@@ -86,7 +86,8 @@ class PreloadForward(OffloadedForward):
         streamer, units = self.streamer, self.unit
         if streamer is None:
             return self.inner(*args, **kwargs)
-        streamer.begin_call()
+        if not streamer.begin_call(self):
+            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
         try:
             return self._preloaded(streamer, units, args, kwargs)
         finally:

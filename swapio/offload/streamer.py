@@ -66,7 +66,8 @@ class OffloadedForward:
         if streamer is None:
             return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
-        streamer.begin_call()
+        if not streamer.begin_call(self):
+            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
         try:
             return self._timed(unit, streamer, args, kwargs)
         finally:
@@ -165,13 +166,17 @@ class WeightStreamer:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
-    def begin_call(self):
-        """An offloaded module's forward begins (see _calls)."""
+    def begin_call(self, wrapper):
+        """An offloaded module's forward begins (see _calls): True, or False where remove_offload has finished
+        since the wrapper read its streamer (the call passes through)."""
         with self._calls_lock:
             if self._removing:
+                if wrapper.streamer is None:
+                    return False
                 raise RuntimeError("a forward of a model that remove_offload(model) is putting back to resident "
                                    "weights in another thread: call the model after remove_offload has returned")
             self._calls += 1
+            return True
 
     def end_call(self):
         with self._calls_lock:
