@@ -8,7 +8,7 @@ from ..core._errors import check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from . import dir_owner, dora, grafting, hf_resize, hf_save, preload, renorm, source
+from . import dir_owner, dora, grafting, hf_decode, hf_generate, hf_resize, hf_save, preload, renorm, source
 from . import offload_dir as odir
 from .chain import CpuOffloadHook
 from .streamer import WeightStreamer
@@ -262,7 +262,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
         _place_resident(resident, device)
         fetcher = Fetcher(records, device, hosts=hosts)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, HostStore(fetcher),
-                                  dressings=(hf_save, hf_resize))
+                                  dressings=(hf_save, hf_resize, hf_decode, hf_generate))
     except BaseException:
         _put_back(units, original)
         raise
@@ -378,7 +378,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
         fetcher = Fetcher(records, device, handle=handle, buffer_bytes=buffer_bytes, sources=sources)
         store = DiskStore(records, fetcher, handle, dict(locations), offload_dir, dir_claim, writable)
         streamer = WeightStreamer(model, units, slots, records, fetcher, device, prefetch, store,
-                                  dressings=(hf_save, hf_resize))
+                                  dressings=(hf_save, hf_resize, hf_decode, hf_generate))
         if own:
             streamer.extra_close.append(handle.close)
         if dir_claim is not None:  # given up by remove_offload, or when the model is collected
@@ -415,9 +415,14 @@ def remove_offload(model):
     if isinstance(owner, CpuOffloadHook):
         owner.remove()
         return model
-    owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
-    check_unchanged(owner.units)  # a weight replaced, or changed in place and lost, is said before it goes resident
-    resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
+    owner.begin_removal()  # refused while a forward runs (another thread's generate); new ones refused meanwhile
+    try:
+        owner.training.flush_owners()  # updates still running in backward: the weights come back as the last step left them
+        check_unchanged(owner.units)  # a weight replaced, or changed in place and lost, is said before it goes resident
+        resident = owner.materialize()  # on failure (a file that shrank, Ctrl-C) the model stays offloaded
+    except BaseException:
+        owner.end_removal()
+        raise
     try:
         owner.install(resident)  # still wrapped: a call now would fetch and put the placeholders back
     finally:

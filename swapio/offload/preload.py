@@ -86,6 +86,14 @@ class PreloadForward(OffloadedForward):
         streamer, units = self.streamer, self.unit
         if streamer is None:
             return self.inner(*args, **kwargs)
+        if not streamer.begin_call(self):
+            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
+        try:
+            return self._preloaded(streamer, units, args, kwargs)
+        finally:
+            streamer.end_call()
+
+    def _preloaded(self, streamer, units, args, kwargs):
         taken, entered = [], []
         try:
             for unit in units:

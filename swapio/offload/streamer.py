@@ -66,6 +66,14 @@ class OffloadedForward:
         if streamer is None:
             return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
+        if not streamer.begin_call(self):
+            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
+        try:
+            return self._timed(unit, streamer, args, kwargs)
+        finally:
+            streamer.end_call()
+
+    def _timed(self, unit, streamer, args, kwargs):
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
         outer, start = streamer.outer, None
         try:
@@ -115,6 +123,10 @@ class WeightStreamer:
         self.saved = saved_tensors.SavedWeights(self)
         self.extra_close = []  # callables run by close() (handles to close, directories to give up)
         self.outer = _Outer()  # per thread: inside an offloaded forward already (stats' forward_s)
+        # offloaded forwards running now, in any thread; remove_offload refuses while there are any, and new ones
+        # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
+        # back into a model it had made resident)
+        self._calls_lock, self._calls, self._removing = threading.Lock(), 0, False
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
@@ -154,6 +166,36 @@ class WeightStreamer:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
+    def begin_call(self, wrapper):
+        """An offloaded module's forward begins (see _calls): True, or False where remove_offload has finished
+        since the wrapper read its streamer (the call passes through)."""
+        with self._calls_lock:
+            if self._removing:
+                if wrapper.streamer is None:
+                    return False
+                raise RuntimeError("a forward of a model that remove_offload(model) is putting back to resident "
+                                   "weights in another thread: call the model after remove_offload has returned")
+            self._calls += 1
+            return True
+
+    def end_call(self):
+        with self._calls_lock:
+            self._calls -= 1
+
+    def begin_removal(self):
+        """remove_offload begins: refused while forwards run (see _calls); end_removal(False) if it fails."""
+        with self._calls_lock:
+            if self._calls:
+                raise RuntimeError(
+                    "remove_offload(model) while the model runs a forward (in another thread: a generate() in "
+                    "progress, say, or from inside the model's own forward): it would take the weights out from "
+                    "under it. Call remove_offload when the model's calls have returned")
+            self._removing = True
+
+    def end_removal(self):
+        with self._calls_lock:
+            self._removing = False
+
     def forward_ends(self, start):
         """The thread's outermost offloaded forward, begun at perf_counter() `start`, has ended."""
         elapsed = time.perf_counter() - start
@@ -305,7 +347,8 @@ class WeightStreamer:
                 f"{name} is an offloaded buffer that {type(unit.module).__name__}'s forward {how} (BatchNorm's "
                 "running statistics in train mode, a cache): the change would be lost, since the next forward "
                 "fetches the stored buffer again. Offload with offload_buffers=False (buffers stay resident, the "
-                f"default), keep_resident=[{unit.name!r}], or run the module in eval mode")
+                f"default){', ' if unit.module.training else ' or '}keep_resident=[{unit.name!r}]"
+                + (", or run the module in eval mode" if unit.module.training else ""))  # eval: changes it anyway
         return output
 
     @staticmethod

@@ -260,19 +260,26 @@ def check_entries(units, forward=False):
     except, at a `forward`, for one taken out, whose module no longer reads that attribute: raised at each forward
     (remove_offload puts it back). Stand-ins (grafting.py) are swapio's own."""
     for unit in units:
-        module = unit.module
-        for attr, kind, slot in unit.entries:
-            now = table_of(module, kind).get(attr)
-            if now is slot.placeholder or (now is slot.stand_in and now is not None):
-                continue
-            if now is not None or not forward:
-                set_entry(module, attr, kind, slot.placeholder)
-            how = (f"taken out of its module (`del module.{attr}`, torch's weight_norm or parametrize)" if now is None
-                   else f"replaced between forwards (assigned {_describe(now)}: `module.{attr} = ...`, accelerate's "
-                   "set_module_tensor_to_device)")
-            raise RuntimeError(f"{slot.name} is offloaded by swapio and was {how}: swapio streams its stored weight "
-                               "into that attribute, so the change is lost and the weight is as it was. "
-                               + CHANGE_WEIGHTS)
+        with unit.lock:  # another thread's forward of the module has its fetched weights in place: wait for it
+            if unit.depth and not forward:
+                continue  # this thread runs the module (a save from inside its forward): those are the fetched ones
+            _check_entries_of(unit, forward)
+
+
+def _check_entries_of(unit, forward):
+    module = unit.module
+    for attr, kind, slot in unit.entries:
+        now = table_of(module, kind).get(attr)
+        if now is slot.placeholder or (now is slot.stand_in and now is not None):
+            continue
+        if now is not None or not forward:
+            set_entry(module, attr, kind, slot.placeholder)
+        how = (f"taken out of its module (`del module.{attr}`, torch's weight_norm or parametrize)" if now is None
+               else f"replaced between forwards (assigned {_describe(now)}: `module.{attr} = ...`, accelerate's "
+               "set_module_tensor_to_device)")
+        raise RuntimeError(f"{slot.name} is offloaded by swapio and was {how}: swapio streams its stored weight "
+                           "into that attribute, so the change is lost and the weight is as it was. "
+                           + CHANGE_WEIGHTS)
 
 
 def check_unchanged(units):
