@@ -86,12 +86,13 @@ class PreloadForward(OffloadedForward):
         streamer, units = self.streamer, self.unit
         if streamer is None:
             return self.inner(*args, **kwargs)
-        if not streamer.begin_call(self):
-            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
+        call = object()
         try:
+            if not streamer.begin_call(self, call):
+                return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
             return self._preloaded(streamer, units, args, kwargs)
         finally:
-            streamer.end_call()
+            streamer.end_call(call)
 
     def _preloaded(self, streamer, units, args, kwargs):
         taken, entered = [], []

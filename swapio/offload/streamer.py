@@ -66,12 +66,13 @@ class OffloadedForward:
         if streamer is None:
             return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
-        if not streamer.begin_call(self):
-            return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
+        call = object()
         try:
+            if not streamer.begin_call(self, call):
+                return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
             return self._timed(unit, streamer, args, kwargs)
         finally:
-            streamer.end_call()
+            streamer.end_call(call)
 
     def _timed(self, unit, streamer, args, kwargs):
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
@@ -126,7 +127,7 @@ class WeightStreamer:
         # offloaded forwards running now, in any thread; remove_offload refuses while there are any, and new ones
         # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
         # back into a model it had made resident)
-        self._calls_lock, self._calls, self._removing = threading.Lock(), 0, False
+        self._calls_lock, self._calls, self._removing = threading.Lock(), set(), False
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
@@ -166,21 +167,24 @@ class WeightStreamer:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
-    def begin_call(self, wrapper):
+    def begin_call(self, wrapper, call):
         """An offloaded module's forward begins (see _calls): True, or False where remove_offload has finished
-        since the wrapper read its streamer (the call passes through)."""
+        since the wrapper read its streamer (the call passes through). `call` is a token the caller made before
+        its try, whose finally gives it to end_call: a Ctrl-C landing as this returns then cannot leave the call
+        counted (a count incremented here and never decremented kept remove_offload refused for good)."""
         with self._calls_lock:
             if self._removing:
                 if wrapper.streamer is None:
                     return False
                 raise RuntimeError("a forward of a model that remove_offload(model) is putting back to resident "
                                    "weights in another thread: call the model after remove_offload has returned")
-            self._calls += 1
+            self._calls.add(call)
             return True
 
-    def end_call(self):
+    def end_call(self, call):
+        """(Any number of times, begun or not.)"""
         with self._calls_lock:
-            self._calls -= 1
+            self._calls.discard(call)
 
     def begin_removal(self):
         """remove_offload begins: refused while forwards run (see _calls); end_removal(False) if it fails."""

@@ -60,3 +60,31 @@ def test_remove_offload_while_another_thread_runs_the_model(tmp_path, how):
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     assert isinstance(model[1].weight, torch.nn.Parameter) and model[1].weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("how", ["disk", "cpu"])
+def test_a_ctrl_c_as_a_forward_is_counted_does_not_keep_remove_offload_refused(tmp_path, how, monkeypatch):
+    """A KeyboardInterrupt delivered as begin_call returns (between two bytecodes, before the caller's try) left
+    the forward counted for good: every later remove_offload said a forward was running."""
+    from swapio.offload import streamer as streamer_module
+    model = _model()
+    model[1].go.set()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    model = disk_offload(model, tmp_path) if how == "disk" else cpu_offload(model)
+    real = streamer_module.WeightStreamer.begin_call
+
+    def interrupted(self, *args):
+        real(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streamer_module.WeightStreamer, "begin_call", interrupted)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(x)
+    monkeypatch.setattr(streamer_module.WeightStreamer, "begin_call", real)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    remove_offload(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
