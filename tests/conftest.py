@@ -82,6 +82,14 @@ def unaligned_uint8(nbytes, seed=0):
     return t
 
 
+def run_python(code, *argv, timeout=TIMEOUT):
+    """`python -c code *argv` in a fresh interpreter that imports this checkout's swapio (a scenario whose failure
+    may crash the process: the test then sees a return code, not its own death)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def wait_handle(handle, timeout=TIMEOUT):
     """handle.wait() has no timeout parameter: run it on a helper thread and fail if it hangs."""
     box = {}

@@ -86,13 +86,7 @@ class PreloadForward(OffloadedForward):
         streamer, units = self.streamer, self.unit
         if streamer is None:
             return self.inner(*args, **kwargs)
-        call = object()
-        try:
-            if not streamer.begin_call(self, call):
-                return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
-            return self._preloaded(streamer, units, args, kwargs)
-        finally:
-            streamer.end_call(call)
+        return streamer.counted_call(self, lambda: self._preloaded(streamer, units, args, kwargs), args, kwargs)
 
     def _preloaded(self, streamer, units, args, kwargs):
         taken, entered = [], []

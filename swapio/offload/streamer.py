@@ -66,13 +66,7 @@ class OffloadedForward:
         if streamer is None:
             return self.inner(*args, **kwargs)
         refuse_meta_inputs(args, kwargs, streamer.device)
-        call = object()
-        try:
-            if not streamer.begin_call(self, call):
-                return self.inner(*args, **kwargs)  # remove_offload has just finished: the weights are resident
-            return self._timed(unit, streamer, args, kwargs)
-        finally:
-            streamer.end_call(call)
+        return streamer.counted_call(self, lambda: self._timed(unit, streamer, args, kwargs), args, kwargs)
 
     def _timed(self, unit, streamer, args, kwargs):
         nested = unit.lock._is_owned()  # this thread runs the module already (a recursive call)
@@ -167,11 +161,22 @@ class WeightStreamer:
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     # ---- time (stats: forward_s, wait_s) ------------------------------------------------------------------------
+    def counted_call(self, wrapper, body, args, kwargs):
+        """body() as an offloaded forward counted as running (see _calls); wrapper.inner(*args, **kwargs) where
+        remove_offload has finished since the wrapper read its streamer (the weights are resident). The call's
+        token is made before the try, so that its finally gives it back whatever point a Ctrl-C lands at."""
+        call = object()
+        try:
+            if not self.begin_call(wrapper, call):
+                return wrapper.inner(*args, **kwargs)
+            return body()
+        finally:
+            self.end_call(call)
+
     def begin_call(self, wrapper, call):
         """An offloaded module's forward begins (see _calls): True, or False where remove_offload has finished
-        since the wrapper read its streamer (the call passes through). `call` is a token the caller made before
-        its try, whose finally gives it to end_call: a Ctrl-C landing as this returns then cannot leave the call
-        counted (a count incremented here and never decremented kept remove_offload refused for good)."""
+        since the wrapper read its streamer. (A count incremented here and not decremented, a Ctrl-C landing as
+        this returned, kept remove_offload refused for good: counted_call's finally always gives `call` back.)"""
         with self._calls_lock:
             if self._removing:
                 if wrapper.streamer is None:

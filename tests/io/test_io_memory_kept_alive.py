@@ -2,14 +2,11 @@
 (t.set_(...), t.data = ...): the future held the tensor object, not its storage, so the read landed in freed
 memory that later tensors were given (silently changed bytes, or a corrupted heap and a crash; so the scenario
 runs in a child process). Reference: the zeros the later tensors were created with."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import REPO, TIMEOUT
+from conftest import run_python
 
 SCENARIO = textwrap.dedent("""
     import sys, torch, swapio
@@ -38,8 +35,6 @@ SCENARIO = textwrap.dedent("""
 
 @pytest.mark.parametrize("replace", ["set_", "data="])
 def test_a_read_lands_in_the_memory_it_was_given_not_in_later_tensors(tmp_path, replace):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCENARIO, str(tmp_path / "small.bin"), replace], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_python(SCENARIO, str(tmp_path / "small.bin"), replace)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["0"]  # no byte of the read reached a later tensor

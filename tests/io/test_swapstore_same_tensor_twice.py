@@ -2,14 +2,11 @@
 that releases the storage waits for the other write still reading it. It freed the memory under that write: the
 worker crashed (SIGSEGV) or that write failed (EFAULT); so the scenario runs in a child process. Reference: a
 clone of the tensor taken before."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import REPO, TIMEOUT
+from conftest import run_python
 
 SCENARIO = textwrap.dedent("""
     import sys, torch, swapio
@@ -32,8 +29,6 @@ SCENARIO = textwrap.dedent("""
 
 @pytest.mark.parametrize("second", ["both-release", "second-keeps"])
 def test_releasing_waits_for_the_other_write_of_the_same_memory(tmp_path, second):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", SCENARIO, str(tmp_path / "swap"), second], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_python(SCENARIO, str(tmp_path / "swap"), second)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["[True,", "True]"]
