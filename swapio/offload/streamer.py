@@ -122,6 +122,7 @@ class WeightStreamer:
         # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
         # back into a model it had made resident)
         self._calls_lock, self._calls, self._removing = threading.Lock(), set(), False
+        self._threads = set()  # the threads that ran forwards (up to two: see leave's kept-weight check)
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
         self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
@@ -165,7 +166,7 @@ class WeightStreamer:
         """body() as an offloaded forward counted as running (see _calls); wrapper.inner(*args, **kwargs) where
         remove_offload has finished since the wrapper read its streamer (the weights are resident). The call's
         token is made before the try, so that its finally gives it back whatever point a Ctrl-C lands at."""
-        call = object()
+        call = (threading.get_ident(), object())
         try:
             if not self.begin_call(wrapper, call):
                 return wrapper.inner(*args, **kwargs)
@@ -184,7 +185,13 @@ class WeightStreamer:
                 raise RuntimeError("a forward of a model that remove_offload(model) is putting back to resident "
                                    "weights in another thread: call the model after remove_offload has returned")
             self._calls.add(call)
+            if len(self._threads) < 2:
+                self._threads.add(call[0])
             return True
+
+    def _one_thread(self):
+        """Whether every forward of this model so far ran in one thread."""
+        return len(self._threads) <= 1
 
     def end_call(self, call):
         """(Any number of times, begun or not.)"""
@@ -330,7 +337,9 @@ class WeightStreamer:
         for attr, kind, slot in unit.entries:
             set_entry(unit.module, attr, kind, slot.placeholder)
         # (an output that was a view of the weights is referenced by the caller until it gets the copy)
-        referenced = _kept_weight(unit) if finished and not copied else None
+        # (only for a model that one thread runs: another's forwards and backwards hold references to the weights
+        # too, which the count cannot tell from a kept one)
+        referenced = _kept_weight(unit) if finished and not copied and self._one_thread() else None
         unit.lent.clear()
         with self.fetcher.lock:
             for key in [k for k, v in self.live.items() if any(u is unit for _, _, _, u in v)]:
