@@ -30,6 +30,9 @@ class SwappedTensor(NotCopyable):
         self.store, self.name, self.path = store, name, path
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
+        # its layout (a meta tensor: no memory), so a new tensor swap_in makes keeps a channels_last or transposed
+        # source's strides, as torch's .to()/.clone() do
+        self._like = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
         self._source = tensor if release else None  # the caller's object: freed, then refilled by swap_in
         self._release_pending = release  # free the source's storage once the write is waited on
         self._released = False
@@ -67,7 +70,8 @@ class SwappedTensor(NotCopyable):
         """Reads the bytes back; the Future's value is the tensor on `device` (default: where it came from).
 
         With out=None and a released source tensor on that device, the source tensor itself is refilled
-        (its storage regrown), so references to it are valid again. Waits for a pending swap-out first.
+        (its storage regrown), so references to it are valid again; a new tensor has the strides the source's
+        ``.clone()`` would have. Waits for a pending swap-out first.
         If the read fails (or, with verify=True, the bytes do not match their checksum), the source stays
         released (not resident), the swap file stays as it is, and swap_in can be called again.
         """
@@ -99,7 +103,7 @@ class SwappedTensor(NotCopyable):
                 target = out
             else:
                 with cuda_copy.allocating_on_side_stream(dev):
-                    target = torch.empty(self.shape, dtype=self.dtype, device=dev)
+                    target = torch.empty_like(self._like, device=dev)
             try:
                 future = self._read_into(target, refill, caller_owned=out is not None)
             except BaseException:

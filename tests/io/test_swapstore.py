@@ -132,6 +132,20 @@ def test_non_contiguous_tensor_roundtrips_in_logical_order(store, release):
     assert back.shape == expected.shape
 
 
+@pytest.mark.parametrize("make", [lambda t: t.to(memory_format=torch.channels_last), lambda t: t.transpose(0, 1),
+                                  lambda t: t[:, :2], lambda t: t[:, :1].expand(2, 3, 4, 5)],
+                         ids=["channels_last", "transposed", "view", "expanded"])
+def test_swap_in_to_a_new_tensor_keeps_the_layout_as_clone_does(store, make):
+    # swap_in(device=...) of a kept tensor makes a new one: it has torch's .clone() strides (a dense layout kept,
+    # anything else contiguous), not always contiguous ones (a channels_last conv input came back NCHW)
+    t = make(sample(shape=(2, 3, 4, 5)))
+    s = store.swap_out(t, name="t", release=False).wait(timeout=TIMEOUT)
+    back = s.swap_in(device="cpu").wait(timeout=TIMEOUT)
+    assert back.data_ptr() != t.data_ptr()
+    assert torch.equal(back, t)
+    assert back.stride() == t.clone().stride()
+
+
 def test_release_of_view_into_larger_storage_is_value_error(store):
     base = sample(shape=(10, 10))
     with pytest.raises(ValueError, match="release"):
