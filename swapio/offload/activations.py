@@ -176,9 +176,11 @@ class _Hooks:
         graph dropped, they stay), so waiting for the graph to go kept the swap file and memory until close().
         A `with` still open goes on with a fresh session."""
         reopen = session is self.session and session.open
-        session.abort()
-        if reopen:
-            self.session = _new_session(session.res)
+        try:
+            session.abort()
+        finally:  # (abort() raises a Ctrl-C it deferred after cleaning up: the `with` still goes on)
+            if reopen:
+                self.session = _new_session(session.res)
 
 
 def _new_session(res):

@@ -109,3 +109,29 @@ def test_a_tensor_left_in_place_and_changed_fails_the_backward_and_the_offloaded
     assert left_behind(act) == ([], 0, 0)
     del loss
     act.close()
+
+
+def test_a_with_goes_on_after_a_ctrl_c_that_lands_in_the_discard_of_a_failed_backward(tmp_path, monkeypatch):
+    # the session's abort() cleans up, then raises the Ctrl-C it deferred: the `with` kept the aborted session,
+    # and every later forward in it failed
+    act = offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0, staging_bytes=0)
+    with act:
+        loss = forward(leaf())[1]
+        session_type = type(next(iter(act._res.sessions)))
+        abort = session_type.abort
+
+        def abort_then_ctrl_c(self):
+            abort(self)
+            raise KeyboardInterrupt
+        with monkeypatch.context() as patch:
+            patch.setattr(session_type, "abort", abort_then_ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                backward_with_failing_reads(act, loss, monkeypatch)
+        del loss
+        x = leaf()
+        loss = forward(x)[1]
+        loss.backward()
+        assert torch.equal(x.grad, reference_grad())
+        del loss
+    assert left_behind(act) == ([], 0, 0)
+    act.close()
