@@ -496,8 +496,8 @@ def _kept_weight(unit):
     after its module's forward, or None. The fetched Parameter's own references are its Python object's (a
     second while C++ holds it too), for a trainable one autograd's AccumulateGrad, and torch's RNNs' list of their
     weights (refreshed by their next forward); any other, a Python reference (`ctx.weight = weight`) or a view
-    kept (`ctx.wt = weight.t()`), would read the region after the ring reused it. A view kept of a trainable
-    weight that autograd does not hold is not seen."""
+    kept (`ctx.wt = weight.t()`), would read the region after the ring reused it. An alias sharing only the
+    memory (`weight.detach()`, `.data`: the ring's storage, which every weight's view shares) is not seen."""
     listed = unit.module.__dict__.get("_flat_weights") or ()
     for slot, ref in unit.lent:
         t = ref()

@@ -107,3 +107,23 @@ def test_a_weight_kept_as_a_ctx_attribute_is_refused(tmp_path, storage, frozen):
 @pytest.mark.parametrize("storage", ["disk", "ckpt"])
 def test_weights_not_kept_train_as_resident(tmp_path, storage, cls):
     train_both(tmp_path, cls, storage)
+
+
+class KeptAsView(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.x, ctx.wt = x, w.t()
+        return x @ ctx.wt + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.wt.t(), g.t() @ ctx.x, g.sum(0)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_a_view_of_the_weight_kept_as_a_ctx_attribute_is_refused(tmp_path, frozen):
+    # (what docs/offload.md says: a view kept is seen, of a trained weight too)
+    cls = deep(KeptAsView, frozen)
+    model = offload(build(cls), "disk", tmp_path, cls, buffer_bytes=8192)
+    with pytest.raises(RuntimeError, match=r"layers\.0\.weight is offloaded by swapio, and something still "):
+        model(torch.randn(3, IN, requires_grad=frozen))
