@@ -102,7 +102,9 @@ class StreamingCheckpointCallback(_SavesBeforeTrainer):
 
     def _save(self, args: Any, state: Any, control: Any, optimizer: Any) -> None:
         opt = _offload_optimizer(optimizer)
-        if opt is None or not control.should_save or args.save_only_model:
+        # args.should_save: only the process Trainer writes optimizer.pt from (DDP ranks hold the same state and
+        # would all save into the one directory at once)
+        if opt is None or not control.should_save or args.save_only_model or not args.should_save:
             return
         _install(opt)  # here, not at on_init_end: an optimizer Trainer builds itself appears only in train()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", SUBDIR)

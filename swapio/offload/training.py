@@ -40,7 +40,7 @@ from .trainable import TrainableOwner
 from .weight_store import current_value
 
 _by_placeholder = {}  # id(placeholder) -> (weakref to it, weakref to Training, slot); tensors compare by value
-OWNERS = "OffloadAdamW, OffloadAdam or OffloadLion (swapio.optim)"
+OWNERS = "OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim)"
 
 
 def _forget(key):

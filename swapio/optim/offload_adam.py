@@ -13,8 +13,9 @@ class OffloadAdam(OffloadOptimizer):
     decoupled_weight_decay (True gives AdamW). Parameters may be on the CPU or a CUDA device, fp32, bf16 or
     fp16, or DTensors (FSDP2's fully_shard), whose local shards are stepped and keep the state. The optimizer
     keeps an fp32 master copy of every parameter that is not itself a contiguous fp32 CPU tensor, steps it on
-    the CPU, and writes the result back into the parameter (for a GPU through pinned memory with non_blocking
-    copies, synchronised before step() returns). A parameter changed outside the optimizer since its last step
+    the CPU, and writes the result back into the parameter (for a GPU through pinned memory, copied on a side
+    stream that the compute stream is made to wait for: the host does not wait; docs/optim.md, "Parameters on a
+    GPU"). A parameter changed outside the optimizer since its last step
     (in-place writes, not through `.data`) has its changed elements adopted into the master, with one warning
     (docs/optim.md, "Master weights").
 
@@ -27,10 +28,11 @@ class OffloadAdam(OffloadOptimizer):
         mode the same budget sizes the staging buffers for GPU parameters.
     cpu_threads: threads of the update kernel (None: every core this process may run on, os.sched_getaffinity).
     io_config: a JSON file (or dict) written by `swapio tune`; **io_kwargs: AioHandle settings (block_size,
-        queue_depth, threads, engine, direct) overriding it. Used for the swap file and for save()/load().
-    in_backward: update each offloaded module's weights during backward, as soon as their gradients are
-        complete, on a CPU thread while backward goes on (the gradient is never stored); step() finishes what
-        backward started. One backward per step, no clip_grad_norm_. See docs/offload.md, "Training".
+        queue_depth, threads, engine, direct, submit_batch) overriding it. Used for the swap file and for save()/load().
+    in_backward: update each offloaded module's weights (and, with offload="cpu", each GPU parameter) during
+        backward, as soon as their gradients are complete, on a CPU thread while backward goes on; step()
+        finishes what backward started. One backward per step, no clip_grad_norm_. See docs/offload.md,
+        "Training", and docs/optim.md, "Parameters on a GPU".
     state_dtype: how the moments are stored: "fp32" (default), "bf16" (stochastic rounding) or "int8"
         (block-wise dynamic quantisation, 256 elements a block); the master copy stays fp32. Not with amsgrad.
         See swapio.optim.state_format and docs/optim.md ("Smaller state").

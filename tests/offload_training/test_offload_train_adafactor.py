@@ -58,3 +58,18 @@ def test_resident_model_trains_like_torch_adafactor(tmp_path, off):
         assert g.item() == pytest.approx(w.item(), rel=1e-5, abs=1e-6)
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_error_for_an_unowned_weight_names_offload_adafactor_too(tmp_path):
+    """A gradient reaching an offloaded weight no swapio optimizer owns is a ValueError that lists the optimizers
+    that can own it: every one of swapio.optim's, OffloadAdafactor included (it trains them, above; the message
+    named only the Adam and Lion ones)."""
+    import swapio.optim
+    from swapio.offload import disk_offload
+    model = disk_offload(torch.nn.Sequential(torch.nn.Linear(4, 4)), offload_dir=str(tmp_path / "od"))
+    with pytest.raises(ValueError, match="no swapio optimizer owns it") as err:
+        model(torch.randn(2, 4)).sum().backward()
+    for name in swapio.optim.__all__:
+        if name != "OffloadOptimizer":
+            assert name in str(err.value), name
+    remove_offload(model)
