@@ -217,6 +217,17 @@ def claim(directory, created):
         raise
 
 
+def make_parent(swap_dir):
+    """Makes a swap_dir that does not exist yet (as DeepSpeed makes its swap folders); ValueError where the path
+    is something else than a directory, OSError naming it where it cannot be made."""
+    if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
+        raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
+    try:
+        os.makedirs(swap_dir, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create swap_dir: {exc.strerror}", swap_dir) from None
+
+
 def private_directory(parent):
     """A new private directory (mode 0700) under parent, claimed by this process; first removes the private
     directories of owners that died."""

@@ -59,6 +59,7 @@ class _Resources:
                                     "peak_staged_bytes", "forward_wait_s", "backward_wait_s"), 0)
         self.owner = self.handle = self.directory = None
         if to == "nvme":
+            _swapdir.make_parent(swap_dir)  # (made once all arguments passed their checks) as the optimizers do
             _swapdir.warn_if_ram_backed(os.path.abspath(swap_dir), "swap_dir")
             self.owner = _swapdir.private_directory(swap_dir)  # removes those of processes that died
             self.directory = self.owner.directory
@@ -317,7 +318,7 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
             raise TypeError(f"offload_activations got unexpected arguments {unknown}; its AioHandle settings are "
                             f"{list(IO_SETTINGS)}")
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
-        if not os.path.isdir(swap_dir):
+        if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
     elif swap_dir is not None:
         raise ValueError('swap_dir is for to="nvme"; to="cpu" keeps the activations in pinned RAM')

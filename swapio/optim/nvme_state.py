@@ -205,12 +205,7 @@ class NvmeState:
         if swap_dir is None:
             raise ValueError('offload="nvme" needs swap_dir, a directory on the disk that holds the state')
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
-        if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
-            raise ValueError(f"swap_dir {swap_dir!r} is not a directory")
-        try:
-            os.makedirs(swap_dir, exist_ok=True)  # as DeepSpeed makes its swap folders
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create swap_dir: {exc.strerror}", swap_dir) from None
+        _swapdir.make_parent(swap_dir)
         self.format, self.state = fmt, state
         state.default_factory = StepOnly  # (torch's state is a defaultdict(dict)) the entries step() makes
         # the rule steps whole parameters (rules.Rule.whole): a parameter is never split over chunks, and a

@@ -270,7 +270,7 @@ def test_close_discards_what_a_graph_still_holds(tmp_path):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(to="gpu"), ValueError, "to must be"),
     (dict(to="nvme"), ValueError, "needs swap_dir"),
-    (dict(to="nvme", swap_dir="/nonexistent/dir"), ValueError, "not a directory"),
+    (dict(to="nvme", swap_dir=__file__), ValueError, "not a directory"),
     (dict(to="cpu", swap_dir="."), ValueError, "swap_dir is for"),
     (dict(to="cpu", queue_depth=4), TypeError, "no file I/O"),
     (dict(min_bytes=-1), ValueError, "min_bytes"),
@@ -368,3 +368,24 @@ def test_cuda_second_backward_and_cpu_tensors_stay(tmp_path, monkeypatch):
     cpu_model = make_stack()
     grads_of(cpu_model, batch(), act)
     assert seen == []
+
+
+def test_a_swap_dir_that_does_not_exist_is_made_as_the_optimizers_make_theirs(tmp_path):
+    # (it was a ValueError, where OffloadAdamW(offload="nvme") and SwapStore make the directory)
+    swap_dir = tmp_path / "a" / "b"
+    act = offload_activations(to="nvme", swap_dir=swap_dir, min_bytes=0)
+    assert act.directory.startswith(str(swap_dir) + os.sep)
+    x = torch.randn(64, 64, requires_grad=True)
+    with act:
+        loss = (x * 2).sin().sum()
+    loss.backward()
+    assert torch.equal(x.grad, (2 * (x * 2).cos()).detach())
+    act.close()
+    assert os.listdir(swap_dir) == []
+
+
+def test_a_swap_dir_that_cannot_be_made_is_an_os_error_naming_it(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError, match="cannot create swap_dir") as info:
+        offload_activations(to="nvme", swap_dir=tmp_path / "file" / "under")
+    assert info.value.filename == str(tmp_path / "file" / "under")
