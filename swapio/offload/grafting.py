@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from . import dora, onload
+from . import dora, graph_capture, onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
@@ -115,6 +115,7 @@ class _Restore:
         self.streamer = streamer
 
     def __call__(self, module, args):
+        graph_capture.refuse_capture()  # (before restore: export's fake tensors are not the user's replacements)
         restore(self.streamer)
 
     def __reduce_ex__(self, protocol):

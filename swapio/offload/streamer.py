@@ -17,7 +17,7 @@ import torch
 
 from ..core._ranges import section
 from ..core._signals import DeferredSigint
-from . import compiled, conversions, loading, onload, saved_tensors, saving
+from . import compiled, conversions, graph_capture, loading, onload, saved_tensors, saving
 from .data_parallel import WrappedForwardCheck
 from .fetch import view
 from .no_copy import refuse_copy
@@ -60,11 +60,16 @@ class OffloadedForward:
     def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
         return self.inner
 
+    @property
+    def __code__(self):  # torch.export reads it before it calls the forward (which then refuses: graph_capture)
+        return self.inner.__code__
+
     def __call__(self, *args, **kwargs):
         args = self.unbound(args)
         unit, streamer = self.unit, self.streamer
         if streamer is None:
             return self.inner(*args, **kwargs)
+        graph_capture.refuse_capture()
         refuse_meta_inputs(args, kwargs, streamer.device)
         return streamer.counted_call(self, lambda: self._timed(unit, streamer, args, kwargs), args, kwargs)
 
@@ -142,6 +147,7 @@ class WeightStreamer:
             self.handles.append(self.model.register_forward_pre_hook(inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
+            graph_capture.install(self)
             loading.install(self)
             saving.install(self)
             for dressing in self.dressings:
@@ -406,6 +412,7 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
+        graph_capture.uninstall(self.model)
         loading.uninstall(self)
         onload.remove(self.units)
         saving.uninstall(self)
