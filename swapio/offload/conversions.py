@@ -7,6 +7,8 @@ device; users call model.to(device) out of habit): the placeholders are left alo
 model's resident tensors. One that changes either would make the placeholders describe weights that are not
 there: torch then raises about meta tensors (suggesting to_empty(), which would throw the weights away) or the
 model silently keeps computing in the old dtype. It is refused, before any tensor changed, with what to do instead.
+So is model.share_memory() on the CPU (an _apply of share_memory_): the offloaded weights cannot be shared, and
+a no-op lost the updates of Hogwild training in another process without a word.
 Each module whose subtree holds offloaded tensors gets an instance `_apply` that checks `fn` on an empty tensor of
 each offloaded dtype on the execution device, the outermost call for the whole subtree.
 """
@@ -37,6 +39,8 @@ class GuardedApply:
                 raise _refusal(self.slots, dtype, device) from exc
             if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != probe.device:
                 raise _refusal(self.slots, dtype, device)
+            if out.device.type == "cpu" and out.is_shared():  # share_memory(): a fresh probe is never shared
+                raise _sharing_refusal(self.slots)
         kept = {id(t) for s in self.slots for t in (s.placeholder, s.stand_in) if t is not None}
 
         def keep_offloaded(t):
@@ -85,6 +89,15 @@ def _refusal(slots, dtype, device):
         "in its files as they are. Convert before offloading, or remove_offload(model) first (the weights then need "
         "memory), convert, and offload again; or offload a model in the wanted dtype, with execution_device= the "
         "wanted device. A conversion to the same dtype and execution device is allowed (a no-op for them)")
+
+
+def _sharing_refusal(slots):
+    return RuntimeError(
+        f"share_memory() of a model offloaded by swapio cannot share its offloaded weights ({slots[0].name}"
+        f"{' and the others' if len(slots) > 1 else ''}): they live in swapio's host copies or files, not in the module's tensors, so another process "
+        "(Hogwild training with torch.multiprocessing) would change its own copy and this one would never see it. "
+        "Train an offloaded model in one process, or remove_offload(model) first (the weights then need memory) "
+        "and share the resident model")
 
 
 def install(streamer):
