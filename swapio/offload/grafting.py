@@ -73,7 +73,7 @@ def restore(streamer):
     _with_stand_ins.discard(streamer)
     wrappers = list(_wrappers.pop(streamer, ()))
     for unit in streamer.units:
-        if unit.depth:
+        if unit.depth or unit.module is None:
             continue
         for attr, kind, slot in unit.entries:
             stand_in = slot.stand_in

@@ -420,7 +420,8 @@ class WeightStreamer:
             dressing.uninstall(self.model)
         for unit in self.units:
             own, ref = getattr(unit, "own_forward", None), getattr(unit, "wrapper", None)
-            if own is None:
+            if own is None or unit.module is None:  # (not wrapped, or replaced in the model and collected)
+                unit.own_forward = unit.wrapper = None
                 continue
             wrapper = ref() if ref is not None else None
             if wrapper is not None:
@@ -454,6 +455,8 @@ class WeightStreamer:
     def install(self, resident):
         """Points every offloaded attribute at resident[slot] (ties kept: one object per slot)."""
         for unit in self.units:
+            if unit.module is None:
+                continue  # replaced in the model and collected since
             for attr, kind, slot in unit.entries:
                 set_entry(unit.module, attr, kind, resident[slot])
 

@@ -268,6 +268,8 @@ def check_entries(units, forward=False):
 
 def _check_entries_of(unit, forward):
     module = unit.module
+    if module is None:
+        return  # replaced in the model (`model.head = nn.Linear(...)`) and collected: nothing reads its weights
     for attr, kind, slot in unit.entries:
         now = table_of(module, kind).get(attr)
         if now is slot.placeholder or (now is slot.stand_in and now is not None):
