@@ -56,6 +56,7 @@ def _on_register(parent, name, child):
             if _table(unit.module, kind).get(attr) is slot.placeholder:
                 if slot.stand_in is None:
                     slot.stand_in = _stand_in(slot, streamer.device)
+                    streamer.training.register_stand_in(slot)
                 set_entry(unit.module, attr, kind, slot.stand_in)
                 _with_stand_ins.add(streamer)
     if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol

@@ -81,6 +81,14 @@ class OffloadedParams(TrainableOwner):
         """The device p's module computes on: where a resident p's gradient would be."""
         return self.entries[p][0].streamer.device
 
+    def placeholder_for(self, p):
+        """p, or the placeholder of the offloaded weight whose stand-in p is (grafting.py): what the model's
+        parameters() yield from its next forward on. A wrapper's parameters() before that forward (a backbone and
+        a new head, built and given to the optimizer at once) gave the stand-ins, which were taken for resident
+        parameters: the first gradient then said no swapio optimizer owned the weight."""
+        found = lookup(p)
+        return found[1].placeholder if found is not None else p
+
     def adopt(self, p):
         """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
         found = lookup(p)
