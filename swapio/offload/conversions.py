@@ -94,8 +94,9 @@ def _refusal(slots, dtype, device):
 def _sharing_refusal(slots):
     return RuntimeError(
         f"share_memory() of a model offloaded by swapio cannot share its offloaded weights ({slots[0].name}"
-        f"{' and the others' if len(slots) > 1 else ''}): they live in swapio's host copies or files, not in the module's tensors, so another process "
-        "(Hogwild training with torch.multiprocessing) would change its own copy and this one would never see it. "
+        f"{' and the others' if len(slots) > 1 else ''}): they live in swapio's host copies or files, not in the "
+        "module's tensors, so another process (Hogwild training with torch.multiprocessing) would change its own "
+        "copy and this one would never see it. "
         "Train an offloaded model in one process, or remove_offload(model) first (the weights then need memory) "
         "and share the resident model")
 

@@ -11,6 +11,7 @@ import torch
 
 from .no_copy import refuse_copy
 
+
 def _refusal(what, verb):
     return RuntimeError(
         f"{what} of a model offloaded by swapio is not supported: its offloaded modules' forwards swap the weights "
