@@ -2,7 +2,7 @@
 torch counts how many of the tensors' gradient nodes the running backward executes, and calls the hook when that
 many gradients arrived; an offloaded weight's placeholder is in no backward's graph (each forward computes with a
 fresh leaf), so the count was 0 and the hook never ran, without a word (with resident parameters in the list it
-ran early, on part of the gradients). It is now a RuntimeError at registration naming the weight and the per-weight
+ran several times per backward, each time on part of the gradients). It is now a RuntimeError at registration naming the weight and the per-weight
 hooks that work; mode="any" runs as on the resident model."""
 import pytest
 import torch
@@ -12,9 +12,10 @@ from helpers.offload_training import MLP, batches, build_opt, loss_of, make_mode
 pytest.importorskip("safetensors")
 
 
+@pytest.mark.parametrize("keep", [(), ("c",)], ids=["all-offloaded", "c-resident"])
 @pytest.mark.parametrize("storage", ["disk", "cpu"])
-def test_mode_all_is_refused_at_registration(tmp_path, storage):
-    model = offload(make_model(), storage, tmp_path)
+def test_mode_all_is_refused_at_registration(tmp_path, storage, keep):
+    model = offload(make_model(), storage, tmp_path, keep_resident=list(keep))
     with pytest.raises(RuntimeError, match=r"(?s)register_multi_grad_hook\(mode='all'\) was given a\.weight, which is "
                                            r"offloaded by swapio.*p\.register_hook\(fn\)"):
         torch.autograd.graph.register_multi_grad_hook(list(model.parameters()), lambda grads: None)
