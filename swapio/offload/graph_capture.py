@@ -63,8 +63,9 @@ def install(streamer):
             module.__dict__[_ATTR] = RefuseScripting()
 
 
-def uninstall(model):
-    """Takes the refusals off (idempotent)."""
-    for module in model.modules():
+def uninstall(streamer):
+    """Takes the refusals off (idempotent), also from units replaced in the model since (still held elsewhere)."""
+    alive = [unit.module for unit in streamer.units if unit.module is not None]
+    for module in [*streamer.model.modules(), *alive]:
         if isinstance(module.__dict__.get(_ATTR), RefuseScripting):
             del module.__dict__[_ATTR]

@@ -412,7 +412,7 @@ class WeightStreamer:
         self.handles = []
         self.training.unregister(self.slots)
         conversions.uninstall(self.model)
-        graph_capture.uninstall(self.model)
+        graph_capture.uninstall(self)
         loading.uninstall(self)
         onload.remove(self.units)
         saving.uninstall(self)

@@ -76,3 +76,13 @@ def test_strict_export_names_swapio(tmp_path):
     with pytest.raises(Exception, match=r"offloaded by swapio runs eagerly"):
         torch.export.export(model, (X,), strict=True)
     assert torch.equal(model(X), make("sequential")(X))
+
+
+def test_a_replaced_submodule_scripts_after_remove_offload(tmp_path):
+    """An offloaded submodule replaced in the model and kept elsewhere is resident again after remove_offload: the
+    refusal goes with the offload."""
+    model = cpu_offload(make("sequential"))
+    old = model[2]
+    model[2] = torch.nn.Linear(8, 3)
+    remove_offload(model)
+    assert torch.equal(torch.jit.script(old)(torch.ones(1, 8)), old(torch.ones(1, 8)))
