@@ -122,11 +122,13 @@ def install(streamer):
         if slots:
             mine = module.__dict__.get("_apply", _NONE)
             module._apply = GuardedApply(streamer, slots, unit_of.get(id(module)), module._apply, mine)
+            streamer.guarded.add(module)
 
 
-def uninstall(model):
-    """Puts each module's own _apply back (idempotent)."""
-    for module in model.modules():
+def uninstall(streamer):
+    """Puts each module's own _apply back (idempotent), also on modules replaced in the model since (a module
+    kept elsewhere is resident again after remove_offload, and converts as torch does)."""
+    for module in [*streamer.model.modules(), *streamer.guarded]:
         guard = module.__dict__.get("_apply")
         if isinstance(guard, GuardedApply):
             if guard.own is _NONE:

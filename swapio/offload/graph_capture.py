@@ -61,11 +61,11 @@ def install(streamer):
     for module in streamer.model.modules():
         if holds(module) and _ATTR not in module.__dict__:
             module.__dict__[_ATTR] = RefuseScripting()
+            streamer.guarded.add(module)
 
 
 def uninstall(streamer):
-    """Takes the refusals off (idempotent), also from units replaced in the model since (still held elsewhere)."""
-    alive = [unit.module for unit in streamer.units if unit.module is not None]
-    for module in [*streamer.model.modules(), *alive]:
+    """Takes the refusals off (idempotent), also from modules replaced in the model since (still held elsewhere)."""
+    for module in [*streamer.model.modules(), *streamer.guarded]:
         if isinstance(module.__dict__.get(_ATTR), RefuseScripting):
             del module.__dict__[_ATTR]

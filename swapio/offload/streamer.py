@@ -118,6 +118,7 @@ class WeightStreamer:
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
         self.handles = []
+        self.guarded = weakref.WeakSet()  # modules given an instance _apply or __prepare_scriptable__ (detach: off)
         self._check_wrapper = WrappedForwardCheck(model, slots)  # DDP around the model: data_parallel.py
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
@@ -411,7 +412,7 @@ class WeightStreamer:
             h.remove()
         self.handles = []
         self.training.unregister(self.slots)
-        conversions.uninstall(self.model)
+        conversions.uninstall(self)
         graph_capture.uninstall(self)
         loading.uninstall(self)
         onload.remove(self.units)

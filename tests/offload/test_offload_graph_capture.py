@@ -78,11 +78,12 @@ def test_strict_export_names_swapio(tmp_path):
     assert torch.equal(model(X), make("sequential")(X))
 
 
-def test_a_replaced_submodule_scripts_after_remove_offload(tmp_path):
+def test_a_replaced_submodule_scripts_and_converts_after_remove_offload(tmp_path):
     """An offloaded submodule replaced in the model and kept elsewhere is resident again after remove_offload: the
-    refusal goes with the offload."""
+    refusals (scripting, conversions) go with the offload."""
     model = cpu_offload(make("sequential"))
     old = model[2]
     model[2] = torch.nn.Linear(8, 3)
     remove_offload(model)
     assert torch.equal(torch.jit.script(old)(torch.ones(1, 8)), old(torch.ones(1, 8)))
+    assert old.double().weight.dtype == torch.float64
