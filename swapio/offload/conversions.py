@@ -7,6 +7,8 @@ device; users call model.to(device) out of habit): the placeholders are left alo
 model's resident tensors. One that changes either would make the placeholders describe weights that are not
 there: torch then raises about meta tensors (suggesting to_empty(), which would throw the weights away) or the
 model silently keeps computing in the old dtype. It is refused, before any tensor changed, with what to do instead.
+So is model.share_memory() on the CPU (an _apply of share_memory_): the offloaded weights cannot be shared, and
+a no-op lost the updates of Hogwild training in another process without a word.
 Each module whose subtree holds offloaded tensors gets an instance `_apply` that checks `fn` on an empty tensor of
 each offloaded dtype on the execution device, the outermost call for the whole subtree.
 """
@@ -37,6 +39,8 @@ class GuardedApply:
                 raise _refusal(self.slots, dtype, device) from exc
             if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.device != probe.device:
                 raise _refusal(self.slots, dtype, device)
+            if out.device.type == "cpu" and out.is_shared():  # share_memory(): a fresh probe is never shared
+                raise _sharing_refusal(self.slots)
         kept = {id(t) for s in self.slots for t in (s.placeholder, s.stand_in) if t is not None}
 
         def keep_offloaded(t):
@@ -87,6 +91,16 @@ def _refusal(slots, dtype, device):
         "wanted device. A conversion to the same dtype and execution device is allowed (a no-op for them)")
 
 
+def _sharing_refusal(slots):
+    return RuntimeError(
+        f"share_memory() of a model offloaded by swapio cannot share its offloaded weights ({slots[0].name}"
+        f"{' and the others' if len(slots) > 1 else ''}): they live in swapio's host copies or files, not in the "
+        "module's tensors, so another process (Hogwild training with torch.multiprocessing) would change its own "
+        "copy and this one would never see it. "
+        "Train an offloaded model in one process, or remove_offload(model) first (the weights then need memory) "
+        "and share the resident model")
+
+
 def install(streamer):
     """Guards the _apply of every module whose subtree holds the streamer's offloaded tensors."""
     own, unit_of = {}, {}
@@ -108,11 +122,13 @@ def install(streamer):
         if slots:
             mine = module.__dict__.get("_apply", _NONE)
             module._apply = GuardedApply(streamer, slots, unit_of.get(id(module)), module._apply, mine)
+            streamer.guarded.add(module)
 
 
-def uninstall(model):
-    """Puts each module's own _apply back (idempotent)."""
-    for module in model.modules():
+def uninstall(streamer):
+    """Puts each module's own _apply back (idempotent), also on modules replaced in the model since (a module
+    kept elsewhere is resident again after remove_offload, and converts as torch does)."""
+    for module in [*streamer.model.modules(), *streamer.guarded]:
         guard = module.__dict__.get("_apply")
         if isinstance(guard, GuardedApply):
             if guard.own is _NONE:

@@ -69,6 +69,14 @@ def _streamer_of(model, part=False):
     """The model's WeightStreamer, or None for a model whose weights are its own (not offloaded, or held by
     cpu_offload_with_hook). part: the model may be a part of the offloaded one."""
     owner = offloaded.get(model)
+    if owner is None:
+        # a module of the user's own holding an offloaded model (a backbone and a new head): its weights were
+        # saved as the stand-ins shown until the model's next forward (NaN), or refused as meta ones after it
+        inside = {id(o): o for o in map(offloaded.get, model.modules()) if isinstance(o, WeightStreamer)}
+        if len(inside) > 1:
+            raise ValueError(f"save_checkpoint saves the weights of one offloaded model, but this module holds "
+                             f"{len(inside)} models offloaded by swapio: save each of them with save_checkpoint")
+        return next(iter(inside.values()), None)
     if not isinstance(owner, WeightStreamer):
         return None
     if owner.model is not model and not part:

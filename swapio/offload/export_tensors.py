@@ -59,12 +59,21 @@ def items(model, streamer=None):
     for slot in streamer.slots if streamer is not None else ():
         by_name.update((n, slot) for n in slot.names)
         by_id.update((id(t), slot) for t in (slot.placeholder, slot.stand_in) if t is not None)
+    holders = {}  # slot index -> ids of the modules that hold it (a forward running in another thread: its fetched)
+    for unit in streamer.units if streamer is not None else ():
+        for _, _, slot in unit.entries:
+            holders.setdefault(slot.index, set()).add(id(unit.module))
+    modules = dict(model.named_modules(remove_duplicate=False))
     seen, out = set(), []
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict entry {name!r} is a {type(t).__name__} (a module's extra state), which a "
                             "safetensors checkpoint cannot hold")
-        slot = by_name.get(name) or by_id.get(id(t))
+        slot = by_id.get(id(t))
+        named = by_name.get(name) if slot is None else None
+        if named is not None and id(modules.get(name.rpartition(".")[0])) in holders[named.index]:
+            slot = named  # under its name, in its own module: fetched there by a running forward
+        # (else a module put in the offloaded one's place, `model.head = nn.Linear(...)`: its own tensor is saved)
         if slot is None and t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device and not offloaded by swapio: it has no value to save")
         key = ("slot", slot.index) if slot is not None else _key(t)

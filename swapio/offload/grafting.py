@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from . import dora, onload
+from . import dora, graph_capture, onload
 from .compiled import is_compile_wrapper, runs_eagerly
 from .no_copy import refuse_copy
 from .streamer import WeightStreamer
@@ -56,6 +56,7 @@ def _on_register(parent, name, child):
             if _table(unit.module, kind).get(attr) is slot.placeholder:
                 if slot.stand_in is None:
                     slot.stand_in = _stand_in(slot, streamer.device)
+                    streamer.training.register_stand_in(slot)
                 set_entry(unit.module, attr, kind, slot.stand_in)
                 _with_stand_ins.add(streamer)
     if name == "base_layer":  # peft's tuner layer: its merges bring the weights in through accelerate's protocol
@@ -73,7 +74,7 @@ def restore(streamer):
     _with_stand_ins.discard(streamer)
     wrappers = list(_wrappers.pop(streamer, ()))
     for unit in streamer.units:
-        if unit.depth:
+        if unit.depth or unit.module is None:
             continue
         for attr, kind, slot in unit.entries:
             stand_in = slot.stand_in
@@ -115,6 +116,7 @@ class _Restore:
         self.streamer = streamer
 
     def __call__(self, module, args):
+        graph_capture.refuse_capture()  # (before restore: export's fake tensors are not the user's replacements)
         restore(self.streamer)
 
     def __reduce_ex__(self, protocol):

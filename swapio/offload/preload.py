@@ -8,6 +8,8 @@ would skip the leave on a KeyboardInterrupt). The units' own wrappers then find 
 thread holds their locks, and the streamer counts nested entries (unit.depth), so they neither fetch again nor
 release early. streamer.detach() removes these wrappers first (they sit on top of the units' own).
 """
+import torch
+
 from .compiled import runs_eagerly
 from .streamer import NO_OWN_FORWARD, OffloadedForward
 
@@ -38,13 +40,17 @@ def check(preload_module_classes):
     return _class_names(preload_module_classes)
 
 
+# torch's own modules whose forward reads a submodule's weight directly: preloaded without being named.
+# nn.MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward, so it (and nn.Transformer,
+# nn.TransformerEncoder/DecoderLayer, built on it) failed on the meta placeholder unless the user knew to name it.
+ALWAYS = (torch.nn.MultiheadAttention,)
+
+
 def attach(streamer, class_names):
-    """Wraps the forward of every module of the model whose class is named in `class_names`."""
-    if not class_names:
-        return
+    """Wraps the forward of every module of the model whose class is named in `class_names` (or in ALWAYS)."""
     by_module = {id(u.module): u for u in streamer.units}
     for module in streamer.model.modules():
-        if type(module).__name__ not in class_names:
+        if type(module).__name__ not in class_names and not isinstance(module, ALWAYS):
             continue
         units = [by_module[id(m)] for m in module.modules() if id(m) in by_module]
         if units:

@@ -17,7 +17,7 @@ import torch
 
 from ..core._ranges import section
 from ..core._signals import DeferredSigint
-from . import compiled, conversions, loading, onload, saved_tensors, saving
+from . import compiled, conversions, graph_capture, loading, onload, saved_tensors, saving
 from .data_parallel import WrappedForwardCheck
 from .fetch import view
 from .no_copy import refuse_copy
@@ -60,11 +60,16 @@ class OffloadedForward:
     def __wrapped__(self):  # inspect.signature(module.forward) shows the module's own (generate() inspects it)
         return self.inner
 
+    @property
+    def __code__(self):  # torch.export reads it before it calls the forward (which then refuses: graph_capture)
+        return self.inner.__code__
+
     def __call__(self, *args, **kwargs):
         args = self.unbound(args)
         unit, streamer = self.unit, self.streamer
         if streamer is None:
             return self.inner(*args, **kwargs)
+        graph_capture.refuse_capture()
         refuse_meta_inputs(args, kwargs, streamer.device)
         return streamer.counted_call(self, lambda: self._timed(unit, streamer, args, kwargs), args, kwargs)
 
@@ -113,6 +118,7 @@ class WeightStreamer:
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
         self.handles = []
+        self.guarded = weakref.WeakSet()  # modules given an instance _apply or __prepare_scriptable__ (detach: off)
         self._check_wrapper = WrappedForwardCheck(model, slots)  # DDP around the model: data_parallel.py
         self.live = {}  # id(storage data_ptr) -> [(start, end, slot, unit)] of weights materialized right now
         self.saved = saved_tensors.SavedWeights(self)
@@ -142,6 +148,7 @@ class WeightStreamer:
             self.handles.append(self.model.register_forward_pre_hook(inputs, with_kwargs=True))
             install_placeholders(self.units)
             conversions.install(self)
+            graph_capture.install(self)
             loading.install(self)
             saving.install(self)
             for dressing in self.dressings:
@@ -405,7 +412,8 @@ class WeightStreamer:
             h.remove()
         self.handles = []
         self.training.unregister(self.slots)
-        conversions.uninstall(self.model)
+        conversions.uninstall(self)
+        graph_capture.uninstall(self)
         loading.uninstall(self)
         onload.remove(self.units)
         saving.uninstall(self)
@@ -413,7 +421,8 @@ class WeightStreamer:
             dressing.uninstall(self.model)
         for unit in self.units:
             own, ref = getattr(unit, "own_forward", None), getattr(unit, "wrapper", None)
-            if own is None:
+            if own is None or unit.module is None:  # (not wrapped, or replaced in the model and collected)
+                unit.own_forward = unit.wrapper = None
                 continue
             wrapper = ref() if ref is not None else None
             if wrapper is not None:
@@ -447,6 +456,8 @@ class WeightStreamer:
     def install(self, resident):
         """Points every offloaded attribute at resident[slot] (ties kept: one object per slot)."""
         for unit in self.units:
+            if unit.module is None:
+                continue  # replaced in the model and collected since
             for attr, kind, slot in unit.entries:
                 set_entry(unit.module, attr, kind, resident[slot])
 

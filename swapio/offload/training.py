@@ -96,12 +96,21 @@ class Training:
                 _by_placeholder[key] = (weakref.ref(slot.placeholder, lambda _, k=key: _forget(k)),
                                         weakref.ref(self), slot)
 
+    def register_stand_in(self, slot):
+        """lookup() finds the slot from its stand-in too (grafting.py: shown while the model is put under a module
+        of its own, until its next forward): an optimizer built from that module's parameters before the forward
+        gets the stand-ins, and takes each for its placeholder (OffloadedParams.placeholder_for)."""
+        if slot.is_param and slot.stand_in is not None:
+            key = id(slot.stand_in)
+            _by_placeholder[key] = (weakref.ref(slot.stand_in, lambda _, k=key: _forget(k)), weakref.ref(self), slot)
+
     def unregister(self, slots):
         self.closed = True
         for slot in slots:
-            entry = _by_placeholder.get(id(slot.placeholder))
-            if entry is not None and entry[1]() is self:
-                del _by_placeholder[id(slot.placeholder)]
+            for t in (slot.placeholder, slot.stand_in):
+                entry = _by_placeholder.get(id(t))
+                if t is not None and entry is not None and entry[1]() is self:
+                    del _by_placeholder[id(t)]
 
     # ---- for owners: ownership ------------------------------------------------------------------------------
     def claim(self, slot, owner):

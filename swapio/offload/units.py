@@ -63,6 +63,17 @@ class Placeholder(torch.nn.Parameter):
                     "give it no gradient. Call loss.backward() without inputs= and train offloaded weights with a "
                     "swapio optimizer, or keep their modules resident (keep_resident=[...]) to take their "
                     "gradients with torch.autograd.grad")
+        if func is torch.Tensor.register_hook and len(args) > 1 and \
+                "register_multi_grad_hook" in getattr(args[1], "__qualname__", ""):
+            # mode="all" counts how many of its tensors' nodes the running backward executes: a placeholder's is in
+            # no graph (each forward computes with a fresh leaf), so the count was 0 and the hook never ran
+            raise RuntimeError(
+                f"torch.autograd.graph.register_multi_grad_hook(mode='all') was given {args[0].weight_name}, which is "
+                "offloaded by swapio: between forwards it is a placeholder that no backward's graph contains (each "
+                "forward computes with a fresh copy), so the hook would never run. Register a hook on each weight "
+                "(p.register_hook(fn) or p.register_post_accumulate_grad_hook(fn), which run once per backward on "
+                "an offloaded weight as on a resident one), use mode='any', or keep those modules resident "
+                "(keep_resident=[...])")
         return call(func, args, kwargs)  # as torch.nn.Parameter's, but values from a meta one are refused
 
     def detach(self):
@@ -268,6 +279,8 @@ def check_entries(units, forward=False):
 
 def _check_entries_of(unit, forward):
     module = unit.module
+    if module is None:
+        return  # replaced in the model (`model.head = nn.Linear(...)`) and collected: nothing reads its weights
     for attr, kind, slot in unit.entries:
         now = table_of(module, kind).get(attr)
         if now is slot.placeholder or (now is slot.stand_in and now is not None):

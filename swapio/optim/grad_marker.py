@@ -24,6 +24,22 @@ class GradMarker(torch.Tensor):
 
     weight_name = "?"
 
+    @property  # type: ignore[override]
+    def data(self):
+        """A marker too, sharing this one's version counter. torch's `.data` is a plain meta tensor with a counter
+        of its own, so the older habits `p.grad.data.zero_()` (zeroing) and `p.grad.data.div_(n)` (scaling for
+        accumulation, clipping by hand) changed nothing, without a word: the step used the gradient as it was.
+        Now zeroing through it counts as p.grad.zero_() does, and the rest raises this module's error."""
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = torch.Tensor.detach(self)  # (shares the version counter, unlike torch's .data)
+        out = torch.Tensor._make_subclass(GradMarker, plain)
+        out.weight_name = self.weight_name
+        return out
+
+    @data.setter
+    def data(self, value):
+        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
@@ -47,6 +63,10 @@ def _instead(name):
     if "unscale" in name:  # torch.amp.GradScaler's unscale_ (also called by scaler.step)
         return ("torch.amp.GradScaler cannot unscale it: train with torch.autocast(dtype=torch.bfloat16), which "
                 "needs no loss scaling and no GradScaler")
+    if name.strip("_").startswith(("mul", "div", "imul", "itruediv", "foreach_mul", "foreach_div")):
+        return ("To scale it (gradient accumulation, averaging, clipping by hand), scale the loss before backward, "
+                "(loss / n).backward(), or each backward's gradient with a hook, p.register_hook(lambda g: g / n); "
+                "to clip by norm, call opt.clip_grad_norm_(max_norm)")
     return ("To clip, call opt.clip_grad_norm_(max_norm) instead of torch.nn.utils.clip_grad_norm_ or "
             "accelerator.clip_grad_norm_ (the same global norm, over every gradient the optimizer owns)")
 

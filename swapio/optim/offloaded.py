@@ -81,6 +81,14 @@ class OffloadedParams(TrainableOwner):
         """The device p's module computes on: where a resident p's gradient would be."""
         return self.entries[p][0].streamer.device
 
+    def placeholder_for(self, p):
+        """p, or the placeholder of the offloaded weight whose stand-in p is (grafting.py): what the model's
+        parameters() yield from its next forward on. A wrapper's parameters() before that forward (a backbone and
+        a new head, built and given to the optimizer at once) gave the stand-ins, which were taken for resident
+        parameters: the first gradient then said no swapio optimizer owned the weight."""
+        found = lookup(p)
+        return found[1].placeholder if found is not None else p
+
     def adopt(self, p):
         """Takes p if it is an offloaded weight's placeholder (claiming its slot); returns whether it did."""
         found = lookup(p)
@@ -370,11 +378,30 @@ class OffloadedParams(TrainableOwner):
                                "gradient is applied during backward and not kept. Call zero_grad() and backward() "
                                "before each step(), or build the optimizer with in_backward=False")
 
+    def check_assigned(self):
+        """RuntimeError, before step() or a clip changes anything, when p.grad of an offloaded weight was assigned a
+        tensor of the user's (`p.grad = torch.zeros_like(p)` for a weight that got no gradient, as code that
+        all-reduces or fills in missing gradients does). Such a tensor is meta, with no values to read, and was
+        dropped without a word, where torch steps with it (Adam's moments and the weight decay still move a weight
+        whose .grad is zero)."""
+        for p in self.entries:
+            g = p.grad
+            if g is not None and g is not self.markers.get(p, (None,))[0]:
+                raise RuntimeError(
+                    f"p.grad of the offloaded weight {self.entries[p][1].name!r} was assigned a tensor "
+                    f"({tuple(g.shape)} {g.dtype} on {g.device}) that is not the gradient its swapio optimizer keeps: "
+                    "an offloaded weight's gradient lives in the optimizer, which cannot read values from such a "
+                    "tensor (torch would step with them; a weight given p.grad = torch.zeros_like(p) still moves "
+                    "with Adam's moments and the weight decay). Set p.grad = None to drop a gradient, or "
+                    "p.grad.zero_() to zero one the optimizer holds; a weight that got no gradient cannot be given "
+                    "one: leave p.grad None, and step() skips it as torch's optimizers skip such a parameter")
+
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
         self._flush_parts()
         self.check_step()
+        self.check_assigned()
         for training, slot in self.entries.values():
             training.check_attached(slot)
         summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
@@ -420,6 +447,7 @@ class OffloadedParams(TrainableOwner):
         """{p: the 2-norm of p's gradient sum} (clip_grad_norm_), gradients still partial included."""
         self.wait()
         self._flush_parts()
+        self.check_assigned()
         for p in list(self.entries):
             self._sync(p)
         return self.grads.norms(list(self.entries))

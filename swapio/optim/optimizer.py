@@ -226,7 +226,8 @@ class OffloadOptimizer(Optimizer):
                             if any(q is p for q in group["params"][:i])})
             raise ValueError(f"a param group lists a parameter more than once (at positions {twice}); "
                              f"{type(self).__name__} steps each parameter once: list each one once")
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
+            p = group["params"][i] = self._offloaded.placeholder_for(p)
             # an offloaded weight: the optimizer keeps its master, the storage its compute copy (a trainable one of
             # another dtype is refused below, as a resident one: a complex one's imaginary part was dropped)
             if p.device.type == "meta" and (p.dtype in PARAM_DTYPES or not p.requires_grad) \
