@@ -447,7 +447,10 @@ class WeightStreamer:
             try:
                 for slot in record.slots:
                     t = view(fetch, slot)
-                    t = t.clone() if fetch.transient else t
+                    if slot.layout is not None:  # the offloaded tensor's strides, not the stored order's
+                        t = torch.empty_like(slot.layout, device=t.device).copy_(t)
+                    elif fetch.transient:
+                        t = t.clone()
                     resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
             finally:
                 self.fetcher.release(fetch)

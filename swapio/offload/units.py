@@ -122,13 +122,18 @@ class Slot:
     """One offloaded tensor: its names in the model, metadata, and the meta placeholder standing in for it."""
 
     __slots__ = ("names", "shape", "dtype", "is_param", "placeholder", "record", "index", "nbytes", "stand_in",
-                 "version")
+                 "version", "layout")
 
     def __init__(self, index, name, tensor, is_param):
         self.index, self.names = index, [name]
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
         self.nbytes = tensor.numel() * tensor.element_size()
         self.is_param = is_param
+        # a meta tensor of the strides remove_offload gives back: a channels_last weight's (what .clone() keeps);
+        # the stored bytes and the fetched views are in logical order
+        self.layout = (None if tensor.is_contiguous() else
+                       torch.empty_like(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                                            device="meta")))
         meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
         # a buffer's (offload_buffers) holds no values either: `total += model.bn.running_var` did nothing
         self.placeholder = (Placeholder(meta, requires_grad=bool(tensor.requires_grad)) if is_param
