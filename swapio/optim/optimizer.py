@@ -202,6 +202,29 @@ class OffloadOptimizer(Optimizer):
             return
         super().__setattr__(name, value)
 
+    @property
+    def _step_supports_amp_scaling(self):
+        """What torch.amp.GradScaler asks before its step(): True makes it call step() even when it found an inf or
+        NaN (its found_inf then set on the optimizer), instead of skipping it. With in_backward=True and GPU
+        parameters, backward has already updated them with the scaled gradients, so a skipped step was silently
+        not skipped (NaN weights while the scaler backed off, never calling step() to be refused): now step() is
+        always reached, and refuses the scaler (_refuse_grad_scaler)."""
+        copies = self.__dict__.get("_grad_copies")
+        return self.__dict__.get("_gpu_in_backward") is not None and bool(copies.places)
+
+    def _refuse_grad_scaler(self):
+        """RuntimeError when GradScaler.step() called step() (it set found_inf: _step_supports_amp_scaling)."""
+        if "found_inf" not in self.__dict__:
+            return
+        del self.__dict__["found_inf"]  # (GradScaler deletes them only after a step() that returned)
+        self.__dict__.pop("grad_scale", None)
+        raise RuntimeError(f"torch.amp.GradScaler cannot drive this {type(self).__name__}: it has in_backward=True, "
+                           "so backward already updated its GPU parameters with the scaled gradients, before the "
+                           "scaler could unscale them or skip a step whose gradients hold an inf or NaN (those "
+                           "updates stay: restore the weights from a checkpoint). Build the optimizer with "
+                           "in_backward=False to use a GradScaler, or train with "
+                           "torch.autocast(dtype=torch.bfloat16), which needs no loss scaling")
+
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "
                         "the optimizer object): its state lives in a backend of RAM buffers or swap files that a "
@@ -389,6 +412,7 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def _step(self, closure):
         self._check_open()
+        self._refuse_grad_scaler()
         self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()
         loss = None
