@@ -19,6 +19,7 @@ raise it).
 """
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -26,8 +27,33 @@ from ..core._errors import SwapioWarning
 from ..core._signals import DeferredSigint
 from ..core.backward_end import on_backward_end
 from .cuda_staging import StepCopies
-from .params import shard
+from .params import on_gpu, shard
 from .worker import HeldStep, UpdateWorker, second_backward_error
+
+# GPU parameters a live in_backward=True optimizer updates during backward: id(p) -> (weak p, weak GpuInBackward).
+# Its hooks stay on the model while it lives: a second optimizer given them (a new one for the next phase, the
+# old one still referenced by a scheduler or a variable) had its steps silently mixed with the old one's updates.
+_updaters = {}
+_updaters_lock = threading.Lock()
+
+
+def check_unclaimed(params, index_of, name, claimant=None):
+    """ValueError where a GPU parameter among params is updated during backward by another live in_backward=True
+    optimizer (index_of(p): its index here, for the message; name: this optimizer's class name); then claimant
+    (this optimizer's GpuInBackward, if it has one) claims them."""
+    gpu = [p for p in params if p.requires_grad and on_gpu(shard(p))]
+    with _updaters_lock:
+        for p in gpu:
+            held, other = _updaters.get(id(p), (None, None))
+            other = other() if held is not None and held() is p else None
+            if other is not None and other is not claimant and not other.released:
+                raise ValueError(f"parameter {index_of(p)} given to this {name} is on a GPU and updated during "
+                                 "backward by another swapio optimizer built with in_backward=True and still alive: "
+                                 "its hooks would go on updating it at every backward, beside this optimizer's "
+                                 "steps. close() that optimizer first")
+        if claimant is not None:
+            for p in gpu:
+                _updaters[id(p)] = (weakref.ref(p), weakref.ref(claimant))
 
 
 class GpuInBackward:
@@ -43,6 +69,7 @@ class GpuInBackward:
         self.copies = StepCopies(in_backward=True)
         self.worker = UpdateWorker(self.lock, "swapio-gpu-in-backward")
         self.backwards = set()  # graph tasks of the backwards running that handed gradients
+        self.released = False   # closed: its parameters may be given to another optimizer (check_unclaimed)
 
     def check_fresh(self, p):
         """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
@@ -146,6 +173,10 @@ class GpuInBackward:
                           "then updates what is left)", SwapioWarning, stacklevel=2)
 
     def close(self):
+        self.released = True
+        with _updaters_lock:
+            for key in [k for k, (_, owner) in _updaters.items() if owner() in (self, None)]:
+                del _updaters[key]
         try:
             self.worker.close()
         finally:  # (as OffloadedParams.close)

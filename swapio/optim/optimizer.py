@@ -27,7 +27,7 @@ from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
 from ..offload.compiled import methods_run_eagerly
-from .gpu_in_backward import GpuInBackward
+from .gpu_in_backward import GpuInBackward, check_unclaimed
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState, unread_entries_message
 from .offloaded import OffloadedParams
@@ -273,8 +273,16 @@ class OffloadOptimizer(Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+        resident = [p for p in group["params"] if p not in self._offloaded.entries]
+        try:
+            first = sum(len(g["params"]) for g in self.param_groups[:-1])
+            check_unclaimed(resident, lambda p: first + next(i for i, q in enumerate(group["params"]) if q is p),
+                            type(self).__name__, self.__dict__.get("_gpu_in_backward"))
+        except BaseException:
+            self.param_groups.pop()
+            raise
         if self.__dict__.get("_grad_copies") is not None:
-            self._grad_copies.attach(p for p in group["params"] if p not in self._offloaded.entries)
+            self._grad_copies.attach(resident)
 
     # torch's hook registration, keeping this optimizer's state-dict hooks where they must run
     # (state_dict_hooks.keep_in_place): the user's see the whole state, as with torch
