@@ -64,6 +64,10 @@ class GpuInBackward:
         self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
+        # p -> the gradient backward produced, from its hook until its update ran: the update uses it whatever the
+        # caller does to p.grad meanwhile (p.grad = None or model.zero_grad() right after backward made the update
+        # of each parameter depend on whether the worker had reached it yet)
+        self.grads = {}
         self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
@@ -90,6 +94,7 @@ class GpuInBackward:
                 self.backwards.add(task)
             self.handed.add(p)
             self.ready.append(p)
+            self.grads[p] = p.grad
             self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
         if first:
             on_backward_end(self.backward_ended, task)
@@ -120,6 +125,15 @@ class GpuInBackward:
                 # those of the batch stepped before the error are stepped: step() must not step them again
                 self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
                 self.worker.keep_error(exc)
+            finally:
+                with self.lock:
+                    for p in batch:
+                        self.grads.pop(p, None)
+
+    def gradient_of(self, p):
+        """The gradient backward produced for p (the worker's updates use it), or None."""
+        with self.lock:
+            return self.grads.get(p)
 
     def _step_params(self, params, copies):
         self._step()(params, copies)
@@ -147,7 +161,13 @@ class GpuInBackward:
             stepped, self.stepped = self.stepped, {}
             for p, (ref, version) in stepped.items():
                 g = shard(p.grad) if p.grad is not None else None
-                if g is not None and (ref() is not g or g._version != version):
+                if g is None:  # torch's step() would leave p as it was; its update ran in backward
+                    raise RuntimeError("a gradient was dropped (p.grad = None, model.zero_grad()) after "
+                                       "in_backward=True had already used it to update its parameter during "
+                                       "backward: torch's step() would skip that parameter, but its update has run. "
+                                       "To decide after backward which parameters step, build the optimizer with "
+                                       "in_backward=False")
+                if ref() is not g or g._version != version:
                     raise RuntimeError("a gradient changed after in_backward=True had already used it to update its "
                                        "parameter during backward (torch.nn.utils.clip_grad_norm_, "
                                        "GradScaler.unscale_, an edit in place): that change cannot take effect. To "
@@ -159,7 +179,7 @@ class GpuInBackward:
     def forget(self):
         """zero_grad(): whatever backward stepped is history."""
         self.wait()
-        self.stepped, self.handed = {}, set()
+        self.stepped, self.handed, self.grads = {}, set(), {}
         self.copies.end()
 
     def _dropped(self):

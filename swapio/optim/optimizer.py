@@ -497,7 +497,7 @@ class OffloadOptimizer(Optimizer):
     def _step_in_backward(self, params, copies):
         """GpuInBackward's worker: steps GPU parameters whose gradients are complete, during backward."""
         with torch.no_grad():
-            self._step_params(params, lambda p: p.grad, copies=copies)
+            self._step_params(params, self._gpu_in_backward.gradient_of, copies=copies)
 
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped (zeroed with
