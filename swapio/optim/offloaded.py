@@ -180,6 +180,7 @@ class OffloadedParams(TrainableOwner):
             with self.lock:
                 if state is None:
                     self.partial.pop(p, None)
+                    self.fresh.discard(p)  # no gradient of this backward reaches the update (check_dropped)
                 else:
                     self.partial[p].zero_()
                     self._mark(p)
@@ -370,11 +371,31 @@ class OffloadedParams(TrainableOwner):
                                "gradient is applied during backward and not kept. Call zero_grad() and backward() "
                                "before each step(), or build the optimizer with in_backward=False")
 
+    def check_dropped(self):
+        """RuntimeError, before step() changes anything, where p.grad of a weight that a backward (one that ended)
+        updated with in_backward=True was dropped or zeroed since (p.grad = None to freeze a layer for a step,
+        model.zero_grad() or p.grad.zero_() before step()): torch's step() would skip that weight or step it with
+        zeros, but its update has run. Before, step() went on silently."""
+        if not self.in_backward:
+            return
+        with self.lock:
+            done = {r for r, backward in self.queued.items() if backward not in self.failed_backwards}
+            changed = [p for p in self.entries  # (in the optimizer's order)
+                       if p in self.fresh and self.entries[p][1].record in done and self._marker_state(p) != "kept"]
+        if changed:
+            names = ", ".join(repr(self.entries[p][1].name) for p in changed[:3])
+            raise RuntimeError(f"p.grad of {names}{', ...' if len(changed) > 3 else ''} was dropped or zeroed after "
+                               "in_backward=True had already used the gradient to update the weight during backward: "
+                               "torch's step() would skip it (or step it with zeros), but its update has run. To "
+                               "decide after backward which weights step, build the optimizer with "
+                               "in_backward=False; zero_grad() goes on from here")
+
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
         self._flush_parts()
         self.check_step()
+        self.check_dropped()
         for training, slot in self.entries.values():
             training.check_attached(slot)
         summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
