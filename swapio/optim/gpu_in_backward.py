@@ -52,6 +52,8 @@ def check_unclaimed(params, index_of, name, claimant=None):
                                  "its hooks would go on updating it at every backward, beside this optimizer's "
                                  "steps. close() that optimizer first")
         if claimant is not None:
+            for key in [k for k, (held, owner) in _updaters.items() if held() is None or owner() is None]:
+                del _updaters[key]  # (parameters or optimizers freed since)
             for p in gpu:
                 _updaters[id(p)] = (weakref.ref(p), weakref.ref(claimant))
 
