@@ -203,14 +203,20 @@ class OffloadOptimizer(Optimizer):
         super().__setattr__(name, value)
 
     @property
+    def _updates_gpu_in_backward(self):
+        """Whether backward updates GPU parameters of this optimizer (in_backward=True, offload="cpu", parameters
+        that were on a GPU when they were given to it): then nothing may change their gradients after backward."""
+        copies = self.__dict__.get("_grad_copies")
+        return self.__dict__.get("_gpu_in_backward") is not None and bool(copies.places)
+
+    @property
     def _step_supports_amp_scaling(self):
         """What torch.amp.GradScaler asks before its step(): True makes it call step() even when it found an inf or
         NaN (its found_inf then set on the optimizer), instead of skipping it. With in_backward=True and GPU
         parameters, backward has already updated them with the scaled gradients, so a skipped step was silently
         not skipped (NaN weights while the scaler backed off, never calling step() to be refused): now step() is
         always reached, and refuses the scaler (_refuse_grad_scaler)."""
-        copies = self.__dict__.get("_grad_copies")
-        return self.__dict__.get("_gpu_in_backward") is not None and bool(copies.places)
+        return self._updates_gpu_in_backward
 
     def _refuse_grad_scaler(self):
         """RuntimeError when GradScaler.step() called step() (it set found_inf: _step_supports_amp_scaling)."""
