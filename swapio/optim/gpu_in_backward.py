@@ -76,6 +76,8 @@ class GpuInBackward:
         self.worker = UpdateWorker(self.lock, "swapio-gpu-in-backward")
         self.backwards = set()  # graph tasks of the backwards running that handed gradients
         self.released = False   # closed: its parameters may be given to another optimizer (check_unclaimed)
+        self.abandoned = False  # a backward that handed gradients raised since the last step() or zero_grad()
+        self.answered = False   # step() (or a load) was called since the last gradient handed over
 
     def check_fresh(self, p):
         """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
@@ -83,6 +85,7 @@ class GpuInBackward:
         its copy would also overwrite the one the worker may still read)."""
         with self.lock:
             if p in self.handed:
+                self.answered = True  # (its error names the way on: zero_grad())
                 raise second_backward_error("a parameter on a GPU got a gradient")
 
     def gradient_ready(self, p):
@@ -97,6 +100,7 @@ class GpuInBackward:
             self.handed.add(p)
             self.ready.append(p)
             self.grads[p] = p.grad
+            self.answered = False
             self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
         if first:
             on_backward_end(self.backward_ended, task)
@@ -107,6 +111,7 @@ class GpuInBackward:
         the caller sets next), and as for offloaded weights (OffloadedParams.backward_abandoned)."""
         with self.lock:
             self.backwards.discard(task)
+            self.abandoned = self.abandoned or not ended
         if not ended:
             with DeferredSigint():  # (in autograd's finalizer, where a second Ctrl-C could only be printed)
                 self.worker.idle()
@@ -159,7 +164,7 @@ class GpuInBackward:
         that their gradients did not change since; the compute streams then wait for the copies."""
         try:
             self.wait()
-            self.handed = set()
+            self.handed, self.abandoned = set(), False
             stepped, self.stepped = self.stepped, {}
             for p, (ref, version) in stepped.items():
                 g = shard(p.grad) if p.grad is not None else None
@@ -179,10 +184,13 @@ class GpuInBackward:
             self.copies.end()
 
     def forget(self):
-        """zero_grad(): whatever backward stepped is history."""
+        """zero_grad(): whatever backward stepped is history. Returns whether a backward that ended (not one that
+        raised) had updated parameters since the last step(): a step skipped after backward, which cannot be."""
         self.wait()
-        self.stepped, self.handed, self.grads = {}, set(), {}
+        unstepped = bool(self.stepped) and not self.abandoned and not self.answered
+        self.stepped, self.handed, self.grads, self.abandoned, self.answered = {}, set(), {}, False, False
         self.copies.end()
+        return unstepped
 
     def _dropped(self):
         """The optimizer was freed without close() (never while its work is in flight: see HeldStep)."""

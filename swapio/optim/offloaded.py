@@ -58,6 +58,7 @@ class OffloadedParams(TrainableOwner):
         self.fresh = set()   # in_backward: weights that got a gradient since the last step()
         self.queued = {}     # in_backward: record handed to the worker since the last step() -> its backward
         self.failed_backwards = set()  # in_backward: backwards that raised since the last step() or zero_grad()
+        self.answered = False  # in_backward: step() (or a load) was called since the last record was handed over
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
@@ -163,8 +164,10 @@ class OffloadedParams(TrainableOwner):
         training = self.entries[p][0]
         with self.lock:
             if self._updated_in_backward(slot.record):
+                self.answered = True  # (its error names the way on: zero_grad())
                 raise second_backward_error(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
+                self.answered = True
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
                                    "applied: torch would add the two and step with the sum, but with in_backward=True "
                                    "the last gradient is not kept. Call opt.zero_grad() (or model.zero_grad()) after "
@@ -193,6 +196,7 @@ class OffloadedParams(TrainableOwner):
         with self.lock:
             updated = self._updated_in_backward(record)
         if updated:
+            self.answered = True
             raise second_backward_error(f"a backward needs the weights of {record}")
 
     def _updated_in_backward(self, record):
@@ -254,6 +258,7 @@ class OffloadedParams(TrainableOwner):
             if not grads:
                 return
             self.queued[record] = backward
+            self.answered = False
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
@@ -453,8 +458,12 @@ class OffloadedParams(TrainableOwner):
 
     def zero_grad(self, set_to_none=True):
         """Drops every gradient; set_to_none=False zeroes the sums instead, as torch zeroes .grad (a step()
-        then steps with zeros)."""
+        then steps with zeros). Returns whether a backward that ended (not one that raised) had updated weights
+        (in_backward=True) since the last step(): a step skipped after backward, which cannot be."""
         self.wait()
+        unstepped = self.in_backward and not self.answered and any(b not in self.failed_backwards
+                                                                   for b in self.queued.values())
+        self.answered = False
         if self.grads is not None:
             summed = [] if set_to_none or self.in_backward else [p for p in self.entries if self._sync(p)]
             if summed:
@@ -475,6 +484,7 @@ class OffloadedParams(TrainableOwner):
         self.failed = False
         for training in self._records():
             training.reset(stepped=False)
+        return unstepped
 
     def rewrite_from_master(self, read_state):
         """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest

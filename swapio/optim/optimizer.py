@@ -127,6 +127,7 @@ class OffloadOptimizer(Optimizer):
         self._backend = None
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
+        self._warned_unstepped = False  # zero_grad() warned of updates in backward that no step() followed
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         # in_backward: param group index -> [(the options (rule.hyper) an update run before step() used, [(p, weak
         # reference to the p.grad it stepped)])], so that step() can refuse options changed since
@@ -426,6 +427,7 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def _step(self, closure):
         self._check_open()
+        self._answer_in_backward_updates()
         self._refuse_grad_scaler()
         self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()
@@ -505,12 +507,27 @@ class OffloadOptimizer(Optimizer):
         with torch.no_grad():
             self._step_params(params, self._gpu_in_backward.gradient_of, copies=copies)
 
+    def _answer_in_backward_updates(self):
+        """step() (even one that raises) or a load answers the updates backward ran (in_backward): a zero_grad()
+        after it is the way on that its errors name, not a step skipped silently (the warning in zero_grad())."""
+        self._offloaded.answered = True
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.answered = True
+
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped (zeroed with
         set_to_none=False, as torch zeroes .grad)."""
-        self._offloaded.zero_grad(set_to_none)
+        unstepped = self._offloaded.zero_grad(set_to_none)
         if self._gpu_in_backward is not None:
-            self._gpu_in_backward.forget()
+            unstepped = self._gpu_in_backward.forget() or unstepped
+        if unstepped and not self._warned_unstepped:
+            self._warned_unstepped = True  # once per optimizer
+            warnings.warn(f"zero_grad() without step() after a backward whose updates this {type(self).__name__} "
+                          "(in_backward=True) had already applied: they stay. A step cannot be skipped after "
+                          "backward (a non-finite loss found then), and another loss's backward that reaches these "
+                          "parameters (a GAN's generator loss through its discriminator) updates them too. Decide "
+                          "before backward, keep them out of other backwards (requires_grad_(False)), or build the "
+                          "optimizer with in_backward=False", SwapioWarning, stacklevel=2)
         self._hyper_used.clear()  # the updates of backward are history
         if self._grad_copies is not None:
             self._grad_copies.forget()
@@ -783,6 +800,7 @@ class OffloadOptimizer(Optimizer):
 
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
+            self._answer_in_backward_updates()
             self.__setstate__({"state": state, "param_groups": groups})
             for p, _ in self.param_fields():  # (a parameter the loaded state leaves out holds none now)
                 self._backend.note_entry(p, self.state.get(p))
