@@ -31,6 +31,7 @@ that loads the reference (_install's load_reference).
 import os
 from typing import Any, Callable, Dict, Optional
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -210,7 +211,10 @@ class OffloadedTrainerMixin:
       (StreamingCheckpointCallback, added unless a swapio checkpoint callback is given); resume_from_checkpoint
       reads only the resident tensors from the checkpoint, and the optimizer's load rewrites every offloaded
       weight from its fp32 master; a peft model's adapters are saved and resumed by Trainer (resident);
-    - DDP / FSDP / DeepSpeed over offloaded weights: a ValueError (not supported)."""
+    - DDP / FSDP / DeepSpeed over offloaded weights: a ValueError (not supported).
+    For a resident model, only with an optimizer that updates its GPU parameters during backward (in_backward=True):
+    the norm Trainer logs with max_grad_norm=0 is taken without rewriting the gradients, and max_grad_norm > 0 or
+    gradient accumulation is a ValueError when the trainer is built."""
 
     # Trainer's, which the mixin is put in front of (annotations only, for type checkers)
     model: Any
@@ -224,6 +228,7 @@ class OffloadedTrainerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if not _offloaded(self.model):
+            self._check_in_backward(self.optimizer)  # (a GPU model's optimizer with in_backward=True)
             return
         if not any(isinstance(c, _SavesBeforeTrainer) for c in self.callback_handler.callbacks):
             self.add_callback(StreamingCheckpointCallback())
@@ -241,8 +246,13 @@ class OffloadedTrainerMixin:
     def _check_in_backward(self, optimizer: Any) -> None:
         """ValueError, before any weight changes, for what an optimizer with in_backward=True cannot do: clip (it
         updates each module during backward) or accumulate gradients over several backward passes."""
-        opt = _owned_optimizer(optimizer)
-        if opt is None or not opt._offloaded.in_backward:
+        if _offloaded(self.model):
+            opt = _owned_optimizer(optimizer)
+            active = opt is not None and opt._offloaded.in_backward
+        else:  # a resident model: backward updates its parameters only where they are on a GPU
+            opt = _offload_optimizer(optimizer)
+            active = opt is not None and opt._updates_gpu_in_backward
+        if not active:
             return
         if self.args.max_grad_norm:
             raise ValueError(f"max_grad_norm={self.args.max_grad_norm}, but the {type(opt).__name__} has "
@@ -261,6 +271,7 @@ class OffloadedTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         if not _offloaded(self.model):
+            self._log_norm_without_clipping()
             return
         accelerator = self.accelerator
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))  # DistributedType
@@ -281,6 +292,23 @@ class OffloadedTrainerMixin:
 
         setattr(accelerator, "clip_grad_norm_", clip_grad_norm_)  # this instance only
 
+    def _log_norm_without_clipping(self) -> None:
+        """A resident model: Trainer takes the norm it logs with max_grad_norm=0 through
+        accelerator.clip_grad_norm_(params, inf), which rewrites every gradient (times 1). An optimizer updating GPU
+        parameters during backward (in_backward=True) refuses a gradient changed after its update at step(), so it
+        gets the same norm without the rewrite."""
+        accelerator = self.accelerator
+        generic = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            opt = _offload_optimizer(self.optimizer)
+            if opt is None or not opt._updates_gpu_in_backward or max_norm != float("inf"):
+                return generic(parameters, max_norm, norm_type=norm_type)
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+
+        setattr(accelerator, "clip_grad_norm_", clip_grad_norm_)  # this instance only
+
     def create_optimizer(self, model: Any = None) -> Any:
         optimizer = super().create_optimizer(model)  # type: ignore[misc]
         if _offloaded(self.model) and _owned_optimizer(optimizer) is None \
@@ -289,8 +317,7 @@ class OffloadedTrainerMixin:
                              "Trainer an OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.optim) "
                              "built over model.parameters(), with optimizers=(opt, scheduler) or "
                              "optimizer_cls_and_kwargs")
-        if _offloaded(self.model):
-            self._check_in_backward(optimizer)
+        self._check_in_backward(optimizer)
         return optimizer
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:

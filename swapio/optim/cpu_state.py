@@ -133,18 +133,27 @@ class CpuState:
         """RuntimeError, before anything is stepped, where int8 codes in state[p] were changed or replaced since
         this backend wrote them: they are codes, not values, so torch's ways to reset a moment (zero_(), a new
         zero tensor) would set it to about -1 x its block's scale (the signed map's code 0), silently."""
-        seen = self._codes.get(w.p)
-        if not seen:
-            return
-        st = self.state.get(w.p, {})
+        problem = self._codes_problem(w.p)
+        if problem:
+            raise RuntimeError(f"a parameter of shape {tuple(w.t.shape)}: {problem}; or del opt.state[p] to start its "
+                               "state afresh")
+
+    def _codes_problem(self, p):
+        """Why p's int8 codes in state[p] cannot be taken (changed or replaced since this backend wrote them), or
+        None. Also what state_dict() and save() check (through adopt_entry): they exported such codes as moments
+        (zero_() as about -1 x the block's scale), a checkpoint a resumed run went on from silently."""
+        seen = self._codes.get(p)
+        st = self.state.get(p)
+        if not seen or not st:  # (no entry: the parameter starts afresh)
+            return None
         now_ = _codes_of({name: st[name] for name in seen if torch.is_tensor(st.get(name))})
         edited = [name for name in seen if now_.get(name) != seen[name]]
-        if edited:
-            raise RuntimeError(f"{edited[0]!r} of a parameter of shape {tuple(w.t.shape)} was changed or replaced in "
-                               "optimizer.state[p] since its last step: with state_dtype='int8' it holds codes, not "
-                               "values (code 0 stands for about -1 x the block's scale, so zero_() does not zero "
-                               "the moment). To start the parameter's state afresh, del opt.state[p]; to set "
-                               "moments, load_state_dict() a state dict with them in fp32")
+        if not edited:
+            return None
+        return (f"{edited[0]!r} was changed or replaced in optimizer.state[p] since its last step: with "
+                "state_dtype='int8' it holds codes, not values (code 0 stands for about -1 x the block's scale, so "
+                "zero_() does not zero the moment): to set moments, load_state_dict() a state dict with them in "
+                "fp32")
 
     def adopt_entry(self, p, names):
         """Makes the arrays of `names` that the user put in state[p] what the kernel walks, as torch's step takes
@@ -178,7 +187,7 @@ class CpuState:
                 return (f"{name!r} was given a {t.dtype} tensor on {t.device}, which holds no real values to "
                         "step with: give it a floating tensor")
             st[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
-        return None
+        return self._codes_problem(p)
 
     def _empty(self, name, p):
         """A new state array; the fp32 master of an fp32 GPU parameter in pinned memory, so that its new values go

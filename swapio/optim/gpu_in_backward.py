@@ -19,6 +19,7 @@ raise it).
 """
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -26,8 +27,35 @@ from ..core._errors import SwapioWarning
 from ..core._signals import DeferredSigint
 from ..core.backward_end import on_backward_end
 from .cuda_staging import StepCopies
-from .params import shard
+from .params import on_gpu, shard
 from .worker import HeldStep, UpdateWorker, second_backward_error
+
+# GPU parameters a live in_backward=True optimizer updates during backward: id(p) -> (weak p, weak GpuInBackward).
+# Its hooks stay on the model while it lives: a second optimizer given them (a new one for the next phase, the
+# old one still referenced by a scheduler or a variable) had its steps silently mixed with the old one's updates.
+_updaters = {}
+_updaters_lock = threading.Lock()
+
+
+def check_unclaimed(params, index_of, name, claimant=None):
+    """ValueError where a GPU parameter among params is updated during backward by another live in_backward=True
+    optimizer (index_of(p): its index here, for the message; name: this optimizer's class name); then claimant
+    (this optimizer's GpuInBackward, if it has one) claims them."""
+    gpu = [p for p in params if p.requires_grad and on_gpu(shard(p))]
+    with _updaters_lock:
+        for p in gpu:
+            held, other = _updaters.get(id(p), (None, None))
+            other = other() if held is not None and held() is p else None
+            if other is not None and other is not claimant and not other.released:
+                raise ValueError(f"parameter {index_of(p)} given to this {name} is on a GPU and updated during "
+                                 "backward by another swapio optimizer built with in_backward=True and still alive: "
+                                 "its hooks would go on updating it at every backward, beside this optimizer's "
+                                 "steps. close() that optimizer first")
+        if claimant is not None:
+            for key in [k for k, (held, owner) in _updaters.items() if held() is None or owner() is None]:
+                del _updaters[key]  # (parameters or optimizers freed since)
+            for p in gpu:
+                _updaters[id(p)] = (weakref.ref(p), weakref.ref(claimant))
 
 
 class GpuInBackward:
@@ -38,11 +66,18 @@ class GpuInBackward:
         self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
         self.lock = threading.Lock()
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
+        # p -> the gradient backward produced, from its hook until its update ran: the update uses it whatever the
+        # caller does to p.grad meanwhile (p.grad = None or model.zero_grad() right after backward made the update
+        # of each parameter depend on whether the worker had reached it yet)
+        self.grads = {}
         self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)
         self.copies = StepCopies(in_backward=True)
         self.worker = UpdateWorker(self.lock, "swapio-gpu-in-backward")
         self.backwards = set()  # graph tasks of the backwards running that handed gradients
+        self.released = False   # closed: its parameters may be given to another optimizer (check_unclaimed)
+        self.abandoned = False  # a backward that handed gradients raised since the last step() or zero_grad()
+        self.answered = False   # step() (or a load) was called since the last gradient handed over
 
     def check_fresh(self, p):
         """From GradCopies' hook, before p's gradient is copied: a second gradient of p before step() (a second
@@ -50,6 +85,7 @@ class GpuInBackward:
         its copy would also overwrite the one the worker may still read)."""
         with self.lock:
             if p in self.handed:
+                self.answered = True  # (its error names the way on: zero_grad())
                 raise second_backward_error("a parameter on a GPU got a gradient")
 
     def gradient_ready(self, p):
@@ -63,6 +99,8 @@ class GpuInBackward:
                 self.backwards.add(task)
             self.handed.add(p)
             self.ready.append(p)
+            self.grads[p] = p.grad
+            self.answered = False
             self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
         if first:
             on_backward_end(self.backward_ended, task)
@@ -73,6 +111,7 @@ class GpuInBackward:
         the caller sets next), and as for offloaded weights (OffloadedParams.backward_abandoned)."""
         with self.lock:
             self.backwards.discard(task)
+            self.abandoned = self.abandoned or not ended
         if not ended:
             with DeferredSigint():  # (in autograd's finalizer, where a second Ctrl-C could only be printed)
                 self.worker.idle()
@@ -93,6 +132,15 @@ class GpuInBackward:
                 # those of the batch stepped before the error are stepped: step() must not step them again
                 self.stepped.update((p, u) for p, u in used.items() if u is not None and self._count(p) != counts[p])
                 self.worker.keep_error(exc)
+            finally:
+                with self.lock:
+                    for p in batch:
+                        self.grads.pop(p, None)
+
+    def gradient_of(self, p):
+        """The gradient backward produced for p (the worker's updates use it), or None."""
+        with self.lock:
+            return self.grads.get(p)
 
     def _step_params(self, params, copies):
         self._step()(params, copies)
@@ -116,11 +164,17 @@ class GpuInBackward:
         that their gradients did not change since; the compute streams then wait for the copies."""
         try:
             self.wait()
-            self.handed = set()
+            self.handed, self.abandoned = set(), False
             stepped, self.stepped = self.stepped, {}
             for p, (ref, version) in stepped.items():
                 g = shard(p.grad) if p.grad is not None else None
-                if g is not None and (ref() is not g or g._version != version):
+                if g is None:  # torch's step() would leave p as it was; its update ran in backward
+                    raise RuntimeError("a gradient was dropped (p.grad = None, model.zero_grad()) after "
+                                       "in_backward=True had already used it to update its parameter during "
+                                       "backward: torch's step() would skip that parameter, but its update has run. "
+                                       "To decide after backward which parameters step, build the optimizer with "
+                                       "in_backward=False")
+                if ref() is not g or g._version != version:
                     raise RuntimeError("a gradient changed after in_backward=True had already used it to update its "
                                        "parameter during backward (torch.nn.utils.clip_grad_norm_, "
                                        "GradScaler.unscale_, an edit in place): that change cannot take effect. To "
@@ -130,10 +184,13 @@ class GpuInBackward:
             self.copies.end()
 
     def forget(self):
-        """zero_grad(): whatever backward stepped is history."""
+        """zero_grad(): whatever backward stepped is history. Returns whether a backward that ended (not one that
+        raised) had updated parameters since the last step(): a step skipped after backward, which cannot be."""
         self.wait()
-        self.stepped, self.handed = {}, set()
+        unstepped = bool(self.stepped) and not self.abandoned and not self.answered
+        self.stepped, self.handed, self.grads, self.abandoned, self.answered = {}, set(), {}, False, False
         self.copies.end()
+        return unstepped
 
     def _dropped(self):
         """The optimizer was freed without close() (never while its work is in flight: see HeldStep)."""
@@ -146,6 +203,10 @@ class GpuInBackward:
                           "then updates what is left)", SwapioWarning, stacklevel=2)
 
     def close(self):
+        self.released = True
+        with _updaters_lock:
+            for key in [k for k, (_, owner) in _updaters.items() if owner() in (self, None)]:
+                del _updaters[key]
         try:
             self.worker.close()
         finally:  # (as OffloadedParams.close)

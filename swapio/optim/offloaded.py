@@ -58,6 +58,7 @@ class OffloadedParams(TrainableOwner):
         self.fresh = set()   # in_backward: weights that got a gradient since the last step()
         self.queued = {}     # in_backward: record handed to the worker since the last step() -> its backward
         self.failed_backwards = set()  # in_backward: backwards that raised since the last step() or zero_grad()
+        self.answered = False  # in_backward: step() (or a load) was called since the last record was handed over
         self.ready = []      # in_backward: (Training, record, grads, bytes) waiting for the worker, in order
         self.ready_bytes = 0
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
@@ -171,8 +172,10 @@ class OffloadedParams(TrainableOwner):
         training = self.entries[p][0]
         with self.lock:
             if self._updated_in_backward(slot.record):
+                self.answered = True  # (its error names the way on: zero_grad())
                 raise second_backward_error(f"{slot.name!r} got a gradient")
             if p in self.consumed and self._marker_state(p) == "kept":
+                self.answered = True
                 raise RuntimeError(f"{slot.name!r} got a gradient while p.grad still holds the one the last step() "
                                    "applied: torch would add the two and step with the sum, but with in_backward=True "
                                    "the last gradient is not kept. Call opt.zero_grad() (or model.zero_grad()) after "
@@ -188,6 +191,7 @@ class OffloadedParams(TrainableOwner):
             with self.lock:
                 if state is None:
                     self.partial.pop(p, None)
+                    self.fresh.discard(p)  # no gradient of this backward reaches the update (check_dropped)
                 else:
                     self.partial[p].zero_()
                     self._mark(p)
@@ -200,6 +204,7 @@ class OffloadedParams(TrainableOwner):
         with self.lock:
             updated = self._updated_in_backward(record)
         if updated:
+            self.answered = True
             raise second_backward_error(f"a backward needs the weights of {record}")
 
     def _updated_in_backward(self, record):
@@ -261,6 +266,7 @@ class OffloadedParams(TrainableOwner):
             if not grads:
                 return
             self.queued[record] = backward
+            self.answered = False
             nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
             self.ready.append((training, record, grads, nbytes))
             self.ready_bytes += nbytes
@@ -396,12 +402,32 @@ class OffloadedParams(TrainableOwner):
                     "p.grad.zero_() to zero one the optimizer holds; a weight that got no gradient cannot be given "
                     "one: leave p.grad None, and step() skips it as torch's optimizers skip such a parameter")
 
+    def check_dropped(self):
+        """RuntimeError, before step() changes anything, where p.grad of a weight that a backward (one that ended)
+        updated with in_backward=True was dropped or zeroed since (p.grad = None to freeze a layer for a step,
+        model.zero_grad() or p.grad.zero_() before step()): torch's step() would skip that weight or step it with
+        zeros, but its update has run. Before, step() went on silently."""
+        if not self.in_backward:
+            return
+        with self.lock:
+            done = {r for r, backward in self.queued.items() if backward not in self.failed_backwards}
+            changed = [p for p in self.entries  # (in the optimizer's order)
+                       if p in self.fresh and self.entries[p][1].record in done and self._marker_state(p) != "kept"]
+        if changed:
+            names = ", ".join(repr(self.entries[p][1].name) for p in changed[:3])
+            raise RuntimeError(f"p.grad of {names}{', ...' if len(changed) > 3 else ''} was dropped or zeroed after "
+                               "in_backward=True had already used the gradient to update the weight during backward: "
+                               "torch's step() would skip it (or step it with zeros), but its update has run. To "
+                               "decide after backward which weights step, build the optimizer with "
+                               "in_backward=False; zero_grad() goes on from here")
+
     def finish(self):
         """step(): waits for the worker, then updates every weight that has a gradient and no update yet."""
         self.wait()
         self._flush_parts()
         self.check_step()
         self.check_assigned()
+        self.check_dropped()
         for training, slot in self.entries.values():
             training.check_attached(slot)
         summed = set() if self.in_backward else {p for p in self.entries if self._sync(p)}
@@ -460,8 +486,12 @@ class OffloadedParams(TrainableOwner):
 
     def zero_grad(self, set_to_none=True):
         """Drops every gradient; set_to_none=False zeroes the sums instead, as torch zeroes .grad (a step()
-        then steps with zeros)."""
+        then steps with zeros). Returns whether a backward that ended (not one that raised) had updated weights
+        (in_backward=True) since the last step(): a step skipped after backward, which cannot be."""
         self.wait()
+        unstepped = self.in_backward and not self.answered and any(b not in self.failed_backwards
+                                                                   for b in self.queued.values())
+        self.answered = False
         if self.grads is not None:
             summed = [] if set_to_none or self.in_backward else [p for p in self.entries if self._sync(p)]
             if summed:
@@ -482,6 +512,7 @@ class OffloadedParams(TrainableOwner):
         self.failed = False
         for training in self._records():
             training.reset(stepped=False)
+        return unstepped
 
     def rewrite_from_master(self, read_state):
         """After a load: every offloaded weight with state is rewritten from its fp32 master (rounded to nearest

@@ -27,7 +27,7 @@ from .cpu_state import CpuState
 from .finish import finish_all
 from ..core._signals import DeferredSigint
 from ..offload.compiled import methods_run_eagerly
-from .gpu_in_backward import GpuInBackward
+from .gpu_in_backward import GpuInBackward, check_unclaimed
 from .grad_copies import GradCopies
 from .nvme_state import NvmeState, unread_entries_message
 from .offloaded import OffloadedParams
@@ -127,6 +127,7 @@ class OffloadOptimizer(Optimizer):
         self._backend = None
         self._written = {}  # p -> (version, data_ptr) after this optimizer's last write of p
         self._warned_edit = False
+        self._warned_unstepped = False  # zero_grad() warned of updates in backward that no step() followed
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
         # in_backward: param group index -> [(the options (rule.hyper) an update run before step() used, [(p, weak
         # reference to the p.grad it stepped)])], so that step() can refuse options changed since
@@ -202,6 +203,35 @@ class OffloadOptimizer(Optimizer):
             return
         super().__setattr__(name, value)
 
+    @property
+    def _updates_gpu_in_backward(self):
+        """Whether backward updates GPU parameters of this optimizer (in_backward=True, offload="cpu", parameters
+        that were on a GPU when they were given to it): then nothing may change their gradients after backward."""
+        copies = self.__dict__.get("_grad_copies")
+        return self.__dict__.get("_gpu_in_backward") is not None and bool(copies.places)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        """What torch.amp.GradScaler asks before its step(): True makes it call step() even when it found an inf or
+        NaN (its found_inf then set on the optimizer), instead of skipping it. With in_backward=True and GPU
+        parameters, backward has already updated them with the scaled gradients, so a skipped step was silently
+        not skipped (NaN weights while the scaler backed off, never calling step() to be refused): now step() is
+        always reached, and refuses the scaler (_refuse_grad_scaler)."""
+        return self._updates_gpu_in_backward
+
+    def _refuse_grad_scaler(self):
+        """RuntimeError when GradScaler.step() called step() (it set found_inf: _step_supports_amp_scaling)."""
+        if "found_inf" not in self.__dict__:
+            return
+        del self.__dict__["found_inf"]  # (GradScaler deletes them only after a step() that returned)
+        self.__dict__.pop("grad_scale", None)
+        raise RuntimeError(f"torch.amp.GradScaler cannot drive this {type(self).__name__}: it has in_backward=True, "
+                           "so backward already updated its GPU parameters with the scaled gradients, before the "
+                           "scaler could unscale them or skip a step whose gradients hold an inf or NaN (those "
+                           "updates stay: restore the weights from a checkpoint). Build the optimizer with "
+                           "in_backward=False to use a GradScaler, or train with "
+                           "torch.autocast(dtype=torch.bfloat16), which needs no loss scaling")
+
     def __reduce_ex__(self, protocol):
         raise TypeError(f"a {type(self).__name__} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of "
                         "the optimizer object): its state lives in a backend of RAM buffers or swap files that a "
@@ -251,8 +281,16 @@ class OffloadOptimizer(Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+        resident = [p for p in group["params"] if p not in self._offloaded.entries]
+        try:
+            first = sum(len(g["params"]) for g in self.param_groups[:-1])
+            check_unclaimed(resident, lambda p: first + next(i for i, q in enumerate(group["params"]) if q is p),
+                            type(self).__name__, self.__dict__.get("_gpu_in_backward"))
+        except BaseException:
+            self.param_groups.pop()
+            raise
         if self.__dict__.get("_grad_copies") is not None:
-            self._grad_copies.attach(p for p in group["params"] if p not in self._offloaded.entries)
+            self._grad_copies.attach(resident)
 
     # torch's hook registration, keeping this optimizer's state-dict hooks where they must run
     # (state_dict_hooks.keep_in_place): the user's see the whole state, as with torch
@@ -390,6 +428,8 @@ class OffloadOptimizer(Optimizer):
     @torch.no_grad()
     def _step(self, closure):
         self._check_open()
+        self._answer_in_backward_updates()
+        self._refuse_grad_scaler()
         self._offloaded.wait()  # an update in backward (in_backward) that failed reports its own error first
         self._check_whole()
         loss = None
@@ -466,14 +506,29 @@ class OffloadOptimizer(Optimizer):
     def _step_in_backward(self, params, copies):
         """GpuInBackward's worker: steps GPU parameters whose gradients are complete, during backward."""
         with torch.no_grad():
-            self._step_params(params, lambda p: p.grad, copies=copies)
+            self._step_params(params, self._gpu_in_backward.gradient_of, copies=copies)
+
+    def _answer_in_backward_updates(self):
+        """step() (even one that raises) or a load answers the updates backward ran (in_backward): a zero_grad()
+        after it is the way on that its errors name, not a step skipped silently (the warning in zero_grad())."""
+        self._offloaded.answered = True
+        if self._gpu_in_backward is not None:
+            self._gpu_in_backward.answered = True
 
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad for resident parameters; offloaded weights' gradient sums are dropped (zeroed with
         set_to_none=False, as torch zeroes .grad)."""
-        self._offloaded.zero_grad(set_to_none)
+        unstepped = self._offloaded.zero_grad(set_to_none)
         if self._gpu_in_backward is not None:
-            self._gpu_in_backward.forget()
+            unstepped = self._gpu_in_backward.forget() or unstepped
+        if unstepped and not self._warned_unstepped:
+            self._warned_unstepped = True  # once per optimizer
+            warnings.warn(f"zero_grad() without step() after a backward whose updates this {type(self).__name__} "
+                          "(in_backward=True) had already applied: they stay. A step cannot be skipped after "
+                          "backward (a non-finite loss found then), and another loss's backward that reaches these "
+                          "parameters (a GAN's generator loss through its discriminator) updates them too. Decide "
+                          "before backward, keep them out of other backwards (requires_grad_(False)), or build the "
+                          "optimizer with in_backward=False", SwapioWarning, stacklevel=2)
         self._hyper_used.clear()  # the updates of backward are history
         if self._grad_copies is not None:
             self._grad_copies.forget()
@@ -746,6 +801,7 @@ class OffloadOptimizer(Optimizer):
 
         def commit():
             self._installs += 1  # (load_state_dict: from here the backend holds the new state)
+            self._answer_in_backward_updates()
             self.__setstate__({"state": state, "param_groups": groups})
             for p, _ in self.param_fields():  # (a parameter the loaded state leaves out holds none now)
                 self._backend.note_entry(p, self.state.get(p))

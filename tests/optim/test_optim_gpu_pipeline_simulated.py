@@ -96,7 +96,8 @@ def fake_gpu(monkeypatch):
     def synchronize(*args):
         raise AssertionError("the step waited for the whole device")
     Event.trace = trace
-    for module in (params_mod, work_mod, grad_copies, swapio.optim.nvme_state, swapio.optim.cpu_state):
+    for module in (params_mod, work_mod, grad_copies, swapio.optim.nvme_state, swapio.optim.cpu_state,
+                   swapio.optim.gpu_in_backward):
         monkeypatch.setattr(module, "on_gpu", on_gpu, raising=False)
     monkeypatch.setattr(cuda_copy, "copy_async", copy_async)
     monkeypatch.setattr(cuda_copy, "copy_stream", lambda device, direction="to_device": sides[direction])
@@ -436,7 +437,9 @@ def test_reading_the_state_right_after_backward_waits_for_the_in_backward_worker
         if read == "memory_report":
             return [opt.memory_report()["params"]]
         opt.save(tmp_path / "ckpt")
-        other = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+        # (over copies: the model's parameters are claimed by opt, whose hooks update them during backward)
+        other = swapio.optim.OffloadAdamW([p.detach().clone().requires_grad_() for p in model.parameters()],
+                                          lr=1e-2, offload="cpu")
         other.load(tmp_path / "ckpt")
         return [int(st["step"]) for st in other.state_dict()["state"].values()]
     seen = []
