@@ -14,17 +14,18 @@ step() borrows what the weights do not use meanwhile (lend()) to write the train
 import collections
 import ctypes
 import errno
-import threading
 import weakref
 
 import torch
 
 from ..core import cuda_copy
+from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from ..core.pinned import GrowingBlock, empty_pinned, is_pinned
 from ..safetensors.files import WrittenInPlace, check_unchanged, wait_checked
 from .layout import round_up, slot_view
 from .ring import PinnedRing
+from .units import FORWARD
 
 
 # Counters (swapio.offload.stats): wait_s and forward_s are seconds the streamer measures (streamer.py)
@@ -101,7 +102,7 @@ class Fetcher:
         self._died = collections.deque()
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
-        self.lock = threading.RLock()
+        self.lock = ForkAwareLock("this offloaded model", FORWARD)  # (a fork child: see units.Unit.lock)
         self.stats = dict(ZERO_STATS)
 
     def io_of(self, path):

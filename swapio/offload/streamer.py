@@ -8,6 +8,7 @@ runs; outputs that are views of them are copied out first, and autograd saves th
 again in backward (see saved_tensors.py).
 """
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import weakref
 
 import torch
 
+from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from ..core._signals import DeferredSigint
 from . import compiled, conversions, loading, onload, saved_tensors, saving
@@ -23,7 +25,7 @@ from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
+from .units import FORWARD, check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -121,11 +123,11 @@ class WeightStreamer:
         # offloaded forwards running now, in any thread; remove_offload refuses while there are any, and new ones
         # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
         # back into a model it had made resident)
-        self._calls_lock, self._calls, self._removing = threading.Lock(), set(), False
+        self._calls_lock, self._calls, self._removing = ForkAwareLock("this offloaded model", FORWARD), set(), False
         self._threads = set()  # the threads that ran forwards (up to two: see leave's kept-weight check)
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
-        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
+        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close, os.getpid())
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def attach(self):
@@ -456,9 +458,14 @@ class WeightStreamer:
             self._finalizer()
 
 
-def _close(fetcher, extra_close):
+def _close(fetcher, extra_close, pid):
     """streamer.close(), also run when an streamer is collected without remove_offload: reads still in flight into
-    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
+    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then). In a
+    fork child (its interpreter's exit runs this too) nothing: the reads, handles and files are the parent's, and
+    waiting for them could block on a lock another thread of the parent held at the fork."""
+    if os.getpid() != pid:
+        extra_close.clear()
+        return
     with DeferredSigint():  # it runs once: a Ctrl-C is raised when all of it is done, never left half done
         fetcher.drain()
         errors = []
