@@ -27,7 +27,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
 
         def write_and_commit():
             with f:
-                f.write_pieces(pieces, staging, handle=handle)
+                f.write_pieces(pieces, staging, handle=handle, stop=background.abandoned)
                 return f.commit()
         return background.submit(write_and_commit, slot)
     except BaseException:
