@@ -12,7 +12,12 @@ run of the worker keeps it alive until the run returns, so the updates of a back
 the program drops the optimizer right after (or during) it. At rest the optimizer is held weakly: the model's
 hooks reach the worker, and an optimizer the program dropped must stop updating the model and free its files at
 once. When it is freed, the owner's on_drop() reports what its last backward could not finish.
+
+Fork. The worker thread is not in a forked child: work handed to the parent's executor there never ran, and the
+child's next step() waited for it forever. The child starts a thread of its own; if the parent's was updating
+weights at the fork, those may be half-updated in the child, which is refused (RuntimeError) instead.
 """
+import os
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +34,13 @@ class UpdateWorker:
         self.working = None  # the run's future while it runs
         self.last = None     # the last run's future: done once that run has let go of what it kept alive
         self.error = None
+        self.forked_busy = False  # a fork child of a process whose worker was running (see the module)
+        _workers.add(self)
 
     def start(self, run, keep=None):
         """Starts run() on the worker thread unless it is running; the caller holds `lock`. keep: what the work
         needs alive (the optimizer's step), held until run() returns."""
+        self._refuse_if_forked_busy()
         if self.working is None:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
@@ -62,6 +70,7 @@ class UpdateWorker:
     def idle(self):
         """Waits until the worker has nothing left to do and its last run has returned (an optimizer dropped
         meanwhile is freed by then); its error stays for raise_error()."""
+        self._refuse_if_forked_busy()
         while True:
             with self.lock:
                 working, last = self.working, self.last
@@ -88,6 +97,29 @@ class UpdateWorker:
                 with DeferredSigint():
                     self.executor.shutdown(wait=True)
                 self.executor = None
+
+
+    def _refuse_if_forked_busy(self):
+        if self.forked_busy:
+            raise RuntimeError(
+                "this optimizer's in_backward=True worker was updating weights when this process was forked from it "
+                "(os.fork, a multiprocessing pool): the weights and optimizer state here may be half-updated. Build "
+                "the model and optimizer anew in the child (or fork after step() returned)")
+
+    def _after_fork_in_child(self):
+        self.forked_busy = self.forked_busy or self.working is not None
+        self.executor = self.working = self.last = None  # the parent's thread: a new one starts on demand
+
+
+_workers: "weakref.WeakSet[UpdateWorker]" = weakref.WeakSet()
+
+
+def _reset_in_child():
+    for worker in list(_workers):
+        worker._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def _drop_locals(exc):
