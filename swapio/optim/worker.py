@@ -16,8 +16,13 @@ once. When it is freed, the owner's on_drop() reports what its last backward cou
 Fork. The worker thread is not in a forked child: work handed to the parent's executor there never ran, and the
 child's next step() waited for it forever. The child starts a thread of its own; if the parent's was updating
 weights at the fork, those may be half-updated in the child, which is refused (RuntimeError) instead.
+
+Exit. The interpreter waits for the updates in flight (_finish_at_exit) before Python joins the executor's thread.
 """
+import atexit
 import os
+import sys
+import threading
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -120,6 +125,32 @@ def _reset_in_child():
 
 
 os.register_at_fork(after_in_child=_reset_in_child)
+
+
+def _finish_at_exit():
+    """Run as the interpreter exits: waits until every worker is idle. A Ctrl-C during Python's own join of the
+    executor's thread stopped that wait, printed its traceback and finalized the interpreter under a thread still
+    updating (at times an abort: "terminate called without an active exception"). Here the wait goes on, said once
+    on stderr: what is left is at most the few batches of gradients a backward may run ahead of the worker."""
+    said = False
+    for worker in list(_workers):
+        while True:
+            try:
+                worker.idle()
+                break
+            except KeyboardInterrupt:
+                if not said:
+                    said = True
+                    sys.stderr.write("swapio: Ctrl-C at exit: waiting for the in_backward=True updates in flight (a "
+                                     "few batches at most) to finish\n")
+            except Exception:  # noqa: BLE001 - the run's error was the program's to see; a fork child's refusal
+                break
+
+
+# before Python joins the executor's threads (concurrent.futures' hook, registered earlier, runs after this one),
+# and once more among the atexit functions: a Ctrl-C at the very start of the shutdown skips the first
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
+atexit.register(_finish_at_exit)
 
 
 def _drop_locals(exc):
