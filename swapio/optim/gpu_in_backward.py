@@ -17,17 +17,17 @@ a backward, it still updates every parameter that backward handed it; once freed
 those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
 raise it).
 """
-import threading
 import warnings
 
 import torch
 
 from ..core._errors import SwapioWarning
+from ..core._fork_lock import ForkAwareLock
 from ..core._signals import DeferredSigint
 from ..core.backward_end import on_backward_end
 from .cuda_staging import StepCopies
 from .params import shard
-from .worker import HeldStep, UpdateWorker, second_backward_error
+from .worker import IN_BACKWARD, HeldStep, UpdateWorker, second_backward_error
 
 
 class GpuInBackward:
@@ -36,7 +36,7 @@ class GpuInBackward:
         # queuing their copies on `copies`
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
         self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
-        self.lock = threading.Lock()
+        self.lock = ForkAwareLock("this optimizer", IN_BACKWARD)  # (a fork child: see offloaded.OffloadedParams)
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
         self.handed = set()    # parameters handed to the worker since the last step() or zero_grad()
         self.stepped = {}      # p -> (weak ref to the gradient it was stepped with, its version then)

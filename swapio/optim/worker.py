@@ -32,6 +32,10 @@ import torch
 from ..core._signals import DeferredSigint
 
 
+# what another thread may have been doing with an in_backward=True optimizer at a fork (ForkAwareLock's error)
+IN_BACKWARD = "a backward handing it gradients, a step, or its in_backward worker updating weights"
+
+
 class UpdateWorker:
     def __init__(self, lock, name):
         self.lock, self.name = lock, name
