@@ -139,9 +139,9 @@ class _Resources:
         parent's (the child's files there would collide with the parent's, and its close() remove them)."""
         if self.to == "nvme" and os.getpid() != self.pid:
             raise RuntimeError(
-                f"this ActivationOffload(to=\"nvme\") was made in process {self.pid}, and this is a child forked from it "
-                "(os.fork, a DataLoader worker, a multiprocessing pool): its swap directory and I/O handle are the "
-                "parent's. Make another with offload_activations in the child")
+                f"this ActivationOffload(to=\"nvme\") was made in process {self.pid}, and this is a child forked from "
+                "it (os.fork, a DataLoader worker, a multiprocessing pool): its swap directory and I/O handle are "
+                "the parent's. Make another with offload_activations in the child")
 
 
 def _close(owner, handle, pool, read_blocks, pid):
