@@ -223,6 +223,7 @@ class WeightStreamer:
     def enter(self, unit):
         """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
         if not unit.depth:  # before depth counts it: leave() then puts nothing back (a weight taken out stays out)
+            self.fetcher.check_process()
             check_entries((unit,), forward=True)
         unit.depth += 1
         if unit.depth > 1:
@@ -249,8 +250,12 @@ class WeightStreamer:
         fetcher.pump()
         t0 = time.perf_counter()
         try:
-            for record in unit.records:
-                unit.fetches.append(fetcher.acquire(record))
+            # a Ctrl-C lands once each fetch is in unit.fetches, which leave() gives back: one landing between
+            # acquire() and the append left the fetch counted as in use for good (every later step refused to
+            # rewrite those weights). (It waits at most for this module's reads.)
+            with DeferredSigint():
+                for record in unit.records:
+                    unit.fetches.append(fetcher.acquire(record))
         finally:  # the forward waits here for its weights: reads (and for CUDA, issuing their copies)
             waited = time.perf_counter() - t0
             with fetcher.lock:
