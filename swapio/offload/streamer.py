@@ -441,14 +441,16 @@ class WeightStreamer:
             for later in self.records[i + 1:i + 1 + self.prefetch]:
                 if self.fetcher.start(later) is None:
                     break
-            fetch = self.fetcher.acquire(record)
-            try:
-                for slot in record.slots:
-                    t = view(fetch, slot)
-                    t = t.clone() if fetch.transient else t
-                    resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
-            finally:
-                self.fetcher.release(fetch)
+            with DeferredSigint():  # a Ctrl-C lands once the fetch is released (see _put_weights_in)
+                fetch = self.fetcher.acquire(record)
+                try:
+                    for slot in record.slots:
+                        t = view(fetch, slot)
+                        t = t.clone() if fetch.transient else t
+                        resident[slot] = (torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param
+                                          else t)
+                finally:
+                    self.fetcher.release(fetch)
         return resident
 
     def install(self, resident):

@@ -1,4 +1,5 @@
-"""A Ctrl-C landing right after a module's weights were fetched, before the forward (or backward) kept the fetch:
+"""A Ctrl-C landing right after a module's weights were fetched, before the forward (or backward's refetch,
+remove_offload's read, opt.param_value) kept the fetch:
 the fetch stayed counted as in use for good, so every later optimizer step refused to rewrite those weights
 ("rewritten by an optimizer step while a module runs with them") and their ring space never came back. The
 interrupted call now raises the KeyboardInterrupt with the fetch given back, and training goes on exactly as an
@@ -9,6 +10,7 @@ import signal
 import pytest
 import torch
 
+import swapio.offload
 from swapio.offload import disk_offload, remove_offload
 from swapio.offload.fetch import Fetcher
 from swapio.optim import OffloadAdamW
@@ -29,13 +31,28 @@ def step(net, opt, x):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("where", ["acquire", "claim"], ids=["forward", "backward-refetch"])
-def test_ctrl_c_after_a_fetch_leaves_training_working(tmp_path, monkeypatch, where):
+def remove(net, opt, x):
+    remove_offload(net)
+
+
+def param_value(net, opt, x):
+    opt.param_value(net[1].weight)
+
+
+def save_checkpoint(net, opt, x):
+    swapio.offload.save_checkpoint(net, net.saved_to)
+
+
+@pytest.mark.parametrize("where, interrupted", [("acquire", step), ("claim", step), ("acquire", remove),
+                                                ("acquire", param_value), ("acquire", save_checkpoint)],
+                         ids=["forward", "backward-refetch", "remove_offload", "param_value", "save_checkpoint"])
+def test_ctrl_c_after_a_fetch_leaves_training_working(tmp_path, monkeypatch, where, interrupted):
     x = torch.randn(4, 32)
     reference, reference_opt = trained(tmp_path, "reference")
     for _ in range(2):
         step(reference, reference_opt, x)
     net, opt = trained(tmp_path, "interrupted")
+    net.saved_to = tmp_path / "saved.safetensors"
     real, fired = getattr(Fetcher, where), []
 
     def then_ctrl_c(self, record):  # the SIGINT arrives as the fetch is handed over
@@ -47,7 +64,7 @@ def test_ctrl_c_after_a_fetch_leaves_training_working(tmp_path, monkeypatch, whe
 
     monkeypatch.setattr(Fetcher, where, then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        step(net, opt, x)
+        interrupted(net, opt, x)
     assert fired
     opt.zero_grad()
     monkeypatch.undo()
