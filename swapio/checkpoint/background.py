@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 
-from ..core._signals import start_shielded
+from ..core._signals import DeferredSigint, start_shielded
 from ..core.futures import Future
 
 _lock = threading.Lock()
@@ -27,31 +27,37 @@ def abandoned():
 
 
 class Slot:
-    """A capture's place among the QUEUED: released once, by the save's job when it finishes, or by the caller
-    when no job ran (an error or an interruption before or while submitting). The job marks it taken when it
-    starts; an interruption that lands between starting the job's thread and that mark lets the caller release
-    it early, never twice."""
+    """A capture's place among the QUEUED, once reserve() holds it: released once, by the save's job when it
+    finishes, or by the caller when no job ran (an error or an interruption before or while submitting). The job
+    marks it taken when it starts; an interruption that lands between starting the job's thread and that mark
+    lets the caller release it early, never twice."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.taken = False   # by a running job
-        self._held = True
+        self._held = False
+
+    def reserve(self):
+        """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished), then holds the
+        place. A Ctrl-C while waiting is raised within 0.05 s; one arriving as the place is taken, once this slot
+        holds it, for the caller's release(): landing in between, it lost the place for good, and after QUEUED
+        such interrupts every async_save waited forever."""
+        while True:
+            with DeferredSigint():
+                if _slots.acquire(timeout=0.05):
+                    self._held = True
+                    return
 
     def release(self):
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            _slots.release()
+        with DeferredSigint():  # (a place let go of in the caller's thread: whole, see reserve)
+            with self._lock:
+                held, self._held = self._held, False
+            if held:
+                _slots.release()
 
     def release_unless_taken(self):
         if not self.taken:
             self.release()
-
-
-def reserve():
-    """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished): its Slot."""
-    _slots.acquire()
-    return Slot()
 
 
 class _Job:
@@ -99,9 +105,11 @@ class _Job:
 
 
 def submit(fn, slot):
-    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserve()."""
+    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserved Slot."""
     global _last
-    with _lock:
+    # a Ctrl-C lands once the job is both the last and started: one landing between the two left a last job whose
+    # thread never ran, and every later save waited for it forever (the exit too). Raised then, the save goes on.
+    with DeferredSigint(), _lock:
         job = _Job(fn, _last, slot)
         _last = job
         start_shielded(job._thread)
