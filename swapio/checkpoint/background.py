@@ -1,48 +1,63 @@
 """Background writes for async_save: one thread per save, each starting after the previous one finished, so
 saves land in the order they were asked for. The threads are not daemons: an interpreter that exits (Ctrl-C
-included) first finishes the saves already captured.
+included) first finishes the saves already captured. A Ctrl-C while it waits for them at exit abandons those still
+writing (see _finish_at_exit).
 
 A child forked while saves are in flight (DataLoader workers, multiprocessing pools) starts with none: the
 parent's threads are not there to finish them, so their queue, slots and lock would block the child's first
 save forever. Their futures tell a child that waits on them that the save is the parent's."""
+import atexit
 import os
+import sys
 import threading
 
-from ..core._signals import start_shielded
+from ..core._signals import DeferredSigint, start_shielded
 from ..core.futures import Future
 
 _lock = threading.Lock()
 _last = None  # the _Job most recently submitted
 QUEUED = 2  # captures held at once: the one being written and one waiting behind it
 _slots = threading.BoundedSemaphore(QUEUED)
+_abandoned = threading.Event()  # a Ctrl-C at exit: the saves still writing stop and remove their temporary files
+
+
+def abandoned():
+    """Whether the saves still writing are to stop (their writers check this at each window)."""
+    return _abandoned.is_set()
 
 
 class Slot:
-    """A capture's place among the QUEUED: released once, by the save's job when it finishes, or by the caller
-    when no job ran (an error or an interruption before or while submitting). The job marks it taken when it
-    starts; an interruption that lands between starting the job's thread and that mark lets the caller release
-    it early, never twice."""
+    """A capture's place among the QUEUED, once reserve() holds it: released once, by the save's job when it
+    finishes, or by the caller when no job ran (an error or an interruption before or while submitting). The job
+    marks it taken when it starts; an interruption that lands between starting the job's thread and that mark
+    lets the caller release it early, never twice."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.taken = False   # by a running job
-        self._held = True
+        self._held = False
+
+    def reserve(self):
+        """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished), then holds the
+        place. A Ctrl-C while waiting is raised within 0.05 s; one arriving as the place is taken, once this slot
+        holds it, for the caller's release(): landing in between, it lost the place for good, and after QUEUED
+        such interrupts every async_save waited forever."""
+        while True:
+            with DeferredSigint():
+                if _slots.acquire(timeout=0.05):
+                    self._held = True
+                    return
 
     def release(self):
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            _slots.release()
+        with DeferredSigint():  # (a place let go of in the caller's thread: whole, see reserve)
+            with self._lock:
+                held, self._held = self._held, False
+            if held:
+                _slots.release()
 
     def release_unless_taken(self):
         if not self.taken:
             self.release()
-
-
-def reserve():
-    """Blocks until a capture may be taken (fewer than QUEUED saves captured and unfinished): its Slot."""
-    _slots.acquire()
-    return Slot()
 
 
 class _Job:
@@ -90,9 +105,11 @@ class _Job:
 
 
 def submit(fn, slot):
-    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserve()."""
+    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserved Slot."""
     global _last
-    with _lock:
+    # a Ctrl-C lands once the job is both the last and started: one landing between the two left a last job whose
+    # thread never ran, and every later save waited for it forever (the exit too). Raised then, the save goes on.
+    with DeferredSigint(), _lock:
         job = _Job(fn, _last, slot)
         _last = job
         start_shielded(job._thread)
@@ -113,3 +130,26 @@ def wait_all():
         job = _last
     if job is not None:
         job.wait()
+
+
+def _finish_at_exit():
+    """Run as the interpreter exits, before Python joins the writer threads. A Ctrl-C during Python's own join
+    stopped the waiting and finalized the interpreter under the writers: the process aborted ("terminate called
+    without an active exception") and their temporary files stayed. Here a Ctrl-C abandons the saves still writing
+    instead (their previous files stay), and the waiting goes on until their threads have removed their files,
+    which takes at most a window's write."""
+    while True:
+        try:
+            wait_all()
+            return
+        except KeyboardInterrupt:
+            if not _abandoned.is_set():
+                _abandoned.set()
+                sys.stderr.write("swapio: Ctrl-C at exit: abandoning the async_save still writing (the file at its "
+                                 "path stays as it was); waiting for its thread to remove its temporary file\n")
+
+
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]  # (concurrent.futures' hook, 3.9+)
+# and once more after it: a Ctrl-C at the very start of Python's shutdown cuts it short before the hook above runs
+# (Python then goes on to the atexit functions with the writers still running)
+atexit.register(_finish_at_exit)

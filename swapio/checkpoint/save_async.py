@@ -13,8 +13,9 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     """Captures `state` and writes it to the safetensors file `path` in the background. The returned
     swapio.Future's wait() gives the file's size, or raises what made the save fail (the previous file at path
     is then intact). A save submitted while another is in flight starts when that one has finished."""
-    slot = background.reserve()  # at most one capture waits behind the one being written: else block until one is done
+    slot = background.Slot()
     try:
+        slot.reserve()  # at most one capture waits behind the one being written: else block until one is done
         check_staging_bytes(staging_bytes)
         plan = plan_state(state, metadata)
         f = FileWriter(os.fsdecode(os.fspath(path)), plan)  # (a bytes path as its str, as save() takes it)
@@ -27,7 +28,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
 
         def write_and_commit():
             with f:
-                f.write_pieces(pieces, staging, handle=handle)
+                f.write_pieces(pieces, staging, handle=handle, stop=background.abandoned)
                 return f.commit()
         return background.submit(write_and_commit, slot)
     except BaseException:

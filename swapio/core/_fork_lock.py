@@ -1,46 +1,49 @@
 """ForkAwareLock: a reentrant lock around an object's state that a fork() child can still use, or is told why not.
 
 fork() copies a lock held by another thread as held, and no thread of the child will ever release it: a child that
-then takes it (a DataLoader worker, a multiprocessing pool started by fork, touching the parent's optimizer) hung
-for good. After a fork the child's copy is a new lock. If some thread held it at the fork, what it guarded may be
-half-changed (a step or a load in progress), so entering it in the child raises `RuntimeError` naming that instead.
+then takes it (a DataLoader worker, a multiprocessing pool started by fork, touching the parent's optimizer or
+offloaded model) hung for good. If some thread other than the forking one held it at the fork, what it guarded
+may be half-changed (a step or a forward in progress), so in the child the lock is made free again and entering
+it raises `RuntimeError` naming that instead.
+
+It is the C `RLock` itself (a subclass): taking it costs what an RLock does, which matters on paths that take it
+hundreds of times per module (the offload's fetcher). Only a child's refused copy runs Python code.
 """
+import _thread
 import os
-import threading
 import weakref
 
 _locks: "weakref.WeakSet[ForkAwareLock]" = weakref.WeakSet()
 
 
-class ForkAwareLock:
-    """`with lock:` as a threading.RLock (see the module); `what` names the guarded object in the child's error."""
+class ForkAwareLock(_thread.RLock):  # type: ignore[misc]  # (typeshed says final; CPython allows it)
+    """`with lock:`, acquire() and release() of a threading.RLock (see the module); `what` names the guarded
+    object in the child's error, `doing` what a thread may have been doing with it."""
 
-    def __init__(self, what):
-        self.what = what
-        self._lock = threading.RLock()
-        self._depth = 0  # holds of the lock, changed only by its holder
-        self._forked_while_held = False
+    def __init__(self, what, doing="a step, state_dict(), save() or load()"):
+        self.what, self.doing = what, doing
         _locks.add(self)
 
-    def __enter__(self):
-        if self._forked_while_held:
-            raise RuntimeError(
-                f"{self.what} was in use on another thread (a step, state_dict(), save() or load()) when this process "
-                "was forked from it: its copy here may be half-changed. Build a new one in the child (or fork "
-                "before training starts, or while no other thread uses it)")
-        self._lock.acquire()
-        self._depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        if self._depth:  # (0 in a child forked by the holder itself: the lock it took is gone)
-            self._depth -= 1
-            self._lock.release()
-        return False
-
     def _after_fork_in_child(self):
-        self._forked_while_held = self._depth > 0
-        self._lock, self._depth = threading.RLock(), 0
+        if self._is_owned():
+            return  # taken by the thread that forked, which goes on in the child and releases it
+        if self.acquire(blocking=False):  # nobody held it
+            self.release()
+            return
+        self._at_fork_reinit()  # type: ignore[attr-defined]  # (free: the holder is not in this process)
+        self.__class__ = _ForkedWhileHeld
+
+
+class _ForkedWhileHeld(ForkAwareLock):  # type: ignore[misc]
+    """A child's copy of a lock another thread of the parent held at the fork: refused."""
+
+    def acquire(self, blocking=True, timeout=-1):
+        raise RuntimeError(
+            f"{self.what} was in use on another thread ({self.doing}) when this process was forked from it: its "
+            "copy here may be half-changed. Build a new one in the child (or fork before using it, or while no "
+            "other thread uses it)")
+
+    __enter__ = acquire
 
 
 def _reset_in_child():

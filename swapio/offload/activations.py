@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from ..core import _swapdir
+from ..core._fork_lock import ForkAwareLock
 from ..core._errors import SwapioWarning, caller_stacklevel, check_int
 from ..core._signals import DeferredSigint
 from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
@@ -47,7 +48,9 @@ class _Resources:
     def __init__(self, to, swap_dir, model, min_bytes, prefetch, staging_bytes, io_kwargs):
         self.to, self.min_bytes, self.prefetch, self.staging_bytes = to, min_bytes, prefetch, staging_bytes
         self.model_ref = None if model is None else weakref.ref(model)
-        self.lock = threading.RLock()
+        # (a fork child is refused it if another thread held it at the fork: see _fork_lock)
+        self.lock = ForkAwareLock("this ActivationOffload", "a forward or backward saving or reading activations")
+        self.pid = os.getpid()  # a fork child's copy leaves the swap directory and the sessions' files alone
         self.pool = PinnedPool(size_class)  # saved tensors of many nearby sizes, step after step
         self.read_blocks = ReadBlocks()     # what CPU tensors are read back into (to="nvme")
         self.file_hint = 0                  # the largest swap file a forward needed: reserved at once
@@ -68,7 +71,8 @@ class _Resources:
             except BaseException:
                 self.owner.remove_everything()
                 raise
-        self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool, self.read_blocks)
+        self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool, self.read_blocks,
+                                           self.pid)
 
     def note_model(self):
         """Storages of the model's parameters and buffers, which are never offloaded (read at each forward:
@@ -123,14 +127,29 @@ class _Resources:
 
     def close(self):
         with DeferredSigint():  # every session and then the finalizer (which runs once), whole; then a Ctrl-C
-            with self.lock:
-                for session in list(self.sessions):
-                    session.abort()
+            if os.getpid() == self.pid:
+                with self.lock:
+                    for session in list(self.sessions):
+                        session.abort()
+            # (a fork child: the sessions, their files and transfers, are the parent's; to="nvme" refused it any
+            # of its own, to="cpu" keeps its own memory until its graphs go)
             self._finalizer()
 
+    def check_process(self):
+        """RuntimeError in a fork child of the process that made a to="nvme" offload: its directory is the
+        parent's (the child's files there would collide with the parent's, and its close() remove them)."""
+        if self.to == "nvme" and os.getpid() != self.pid:
+            raise RuntimeError(
+                f"this ActivationOffload(to=\"nvme\") was made in process {self.pid}, and this is a child forked from "
+                "it (os.fork, a DataLoader worker, a multiprocessing pool): its swap directory and I/O handle are "
+                "the parent's. Make another with offload_activations in the child")
 
-def _close(owner, handle, pool, read_blocks):
+
+def _close(owner, handle, pool, read_blocks, pid):
     # runs once (a finalizer): a Ctrl-C is raised when all of it is done, never left half done for good
+    if os.getpid() != pid:
+        return  # a fork child's copy (its exit runs this too): the directory and handle are the parent's, and the
+        # pools' locks may have been held by another thread of the parent at the fork; the memory goes with it
     with DeferredSigint():
         try:
             if handle is not None:
@@ -234,6 +253,7 @@ class ActivationOffload:
         res = self._res
         if res._finalizer.alive is False:
             raise RuntimeError("this ActivationOffload was closed; make a new one")
+        res.check_process()
         session = _new_session(res)
         hooks = _Hooks(session)
         entered = self._stack.entered

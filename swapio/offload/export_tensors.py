@@ -10,6 +10,7 @@ original layout, hf_original_layout.py), all the parts of one value from one rea
 """
 import torch
 
+from ..core._signals import DeferredSigint
 from ..safetensors.bytes_of import flat_bytes
 from ..safetensors.layout import Entry
 from .fetch import view
@@ -130,7 +131,8 @@ class Reader:
             for later in self.sequence[self.next:self.next + self.ahead]:
                 if self.fetcher.start(later) is None:
                     break  # the ring is full: reads go on from here at the next record
-            self.held = self.fetcher.acquire(slot.record)
+            with DeferredSigint():  # a Ctrl-C lands once `held` names the fetch that release() gives back
+                self.held = self.fetcher.acquire(slot.record)
         return view(self.held, slot)
 
     def release(self):

@@ -14,17 +14,19 @@ step() borrows what the weights do not use meanwhile (lend()) to write the train
 import collections
 import ctypes
 import errno
-import threading
+import os
 import weakref
 
 import torch
 
 from ..core import cuda_copy
+from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from ..core.pinned import GrowingBlock, empty_pinned, is_pinned
 from ..safetensors.files import WrittenInPlace, check_unchanged, wait_checked
 from .layout import round_up, slot_view
 from .ring import PinnedRing
+from .units import FORWARD
 
 
 # Counters (swapio.offload.stats): wait_s and forward_s are seconds the streamer measures (streamer.py)
@@ -84,6 +86,7 @@ class Fetcher:
     def __init__(self, records, device, *, handle=None, hosts=None, buffer_bytes=0, sources=None):
         self.device, self.cuda = device, device.type == "cuda"
         self.handle, self.hosts = handle, hosts
+        self.pid = os.getpid()  # the process whose handle reads (check_process)
         # a checkpoint file's path -> a Location in it (its source: the file whose header gave the offsets): a file
         # replaced at that name since is refused by the reads (OSError ESTALE), never read at the old header's
         # offsets, and one written in place since by the check after each read (check_read). swapio's own data
@@ -101,8 +104,19 @@ class Fetcher:
         self._died = collections.deque()
         self._deferred = []   # (event, fetch): regions to free once the copy out of them completed
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
-        self.lock = threading.RLock()
+        self.lock = ForkAwareLock("this offloaded model", FORWARD)  # (a fork child: see units.Unit.lock)
         self.stats = dict(ZERO_STATS)
+
+    def check_process(self):
+        """RuntimeError in a fork child of the process that offloaded to disk: the reads go through that process's
+        I/O handle, whose threads the child does not have (the handle's own error said to make a new handle, which
+        a model's user cannot)."""
+        if self.handle is not None and os.getpid() != self.pid:
+            raise RuntimeError(
+                f"this model's weights were offloaded with disk_offload in process {self.pid}, and this process was "
+                "forked from it (os.fork, a DataLoader worker, a multiprocessing pool): its reads go through the "
+                "parent's I/O handle. Offload the model in the child (disk_offload(model, checkpoint=...) reads a "
+                "checkpoint in place), or run it in the parent")
 
     def io_of(self, path):
         """(the path to read, the identity the file there must have: None for swapio's own files) of a span's path."""

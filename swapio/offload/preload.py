@@ -10,6 +10,7 @@ release early. streamer.detach() removes these wrappers first (they sit on top o
 """
 import torch
 
+from ..core._signals import DeferredSigint
 from .compiled import runs_eagerly
 from .streamer import NO_OWN_FORWARD, OffloadedForward
 
@@ -99,8 +100,11 @@ class PreloadForward(OffloadedForward):
         try:
             for unit in units:
                 nested = unit.lock._is_owned()
-                unit.lock.acquire()
-                taken.append(unit)
+                # a Ctrl-C lands once `taken` lists the lock, which the except below releases: one landing
+                # between the two left it held for good, and other threads' forwards waited forever
+                with DeferredSigint():
+                    unit.lock.acquire()
+                    taken.append(unit)
                 if not nested and (unit.depth or unit.fetches or unit.hooks_entered):
                     unit.depth = 1  # stale state of an interrupted call (see OffloadedForward)
                     streamer.leave(unit, None)

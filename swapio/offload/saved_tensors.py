@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from ..core._signals import DeferredSigint
 from .fetch import view
 from .kept import Kept, modified_in_place
 
@@ -160,7 +161,9 @@ class SavedWeights:
             return t
         streamer, fetcher = self.streamer, self.streamer.fetcher
         streamer.training.check_backward(slot.record)
-        with fetcher.lock:
+        # a Ctrl-C lands once the claim is let go of (or its alias owns it): one landing between claim() and the
+        # try left the fetch counted as in use for good (every later step refused to rewrite those weights)
+        with fetcher.lock, DeferredSigint():
             claim = fetcher.claim(slot.record)
             fetch = claim.fetch
             try:

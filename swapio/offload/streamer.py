@@ -8,6 +8,7 @@ runs; outputs that are views of them are copied out first, and autograd saves th
 again in backward (see saved_tensors.py).
 """
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import weakref
 
 import torch
 
+from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from ..core._signals import DeferredSigint
 from . import compiled, conversions, graph_capture, loading, onload, saved_tensors, saving
@@ -23,7 +25,7 @@ from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
+from .units import FORWARD, check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
@@ -127,11 +129,11 @@ class WeightStreamer:
         # offloaded forwards running now, in any thread; remove_offload refuses while there are any, and new ones
         # are refused while it runs (it takes the weights out from under them: a closed handle, placeholders put
         # back into a model it had made resident)
-        self._calls_lock, self._calls, self._removing = threading.Lock(), set(), False
+        self._calls_lock, self._calls, self._removing = ForkAwareLock("this offloaded model", FORWARD), set(), False
         self._threads = set()  # the threads that ran forwards (up to two: see leave's kept-weight check)
         self.training = Training(self, store)  # trainable weights: gradients out, new weights in (training.py)
         self.extra_close.append(store.close)
-        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close)
+        self._finalizer = weakref.finalize(self, _close, fetcher, self.extra_close, os.getpid())
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def attach(self):
@@ -228,6 +230,7 @@ class WeightStreamer:
     def enter(self, unit):
         """Fetches the unit's weights and puts them in place. On failure the caller (OffloadedForward) leaves."""
         if not unit.depth:  # before depth counts it: leave() then puts nothing back (a weight taken out stays out)
+            self.fetcher.check_process()
             check_entries((unit,), forward=True)
         unit.depth += 1
         if unit.depth > 1:
@@ -254,8 +257,12 @@ class WeightStreamer:
         fetcher.pump()
         t0 = time.perf_counter()
         try:
-            for record in unit.records:
-                unit.fetches.append(fetcher.acquire(record))
+            # a Ctrl-C lands once each fetch is in unit.fetches, which leave() gives back: one landing between
+            # acquire() and the append left the fetch counted as in use for good (every later step refused to
+            # rewrite those weights). (It waits at most for this module's reads.)
+            with DeferredSigint():
+                for record in unit.records:
+                    unit.fetches.append(fetcher.acquire(record))
         finally:  # the forward waits here for its weights: reads (and for CUDA, issuing their copies)
             waited = time.perf_counter() - t0
             with fetcher.lock:
@@ -443,17 +450,19 @@ class WeightStreamer:
             for later in self.records[i + 1:i + 1 + self.prefetch]:
                 if self.fetcher.start(later) is None:
                     break
-            fetch = self.fetcher.acquire(record)
-            try:
-                for slot in record.slots:
-                    t = view(fetch, slot)
-                    if slot.layout is not None:  # the offloaded tensor's strides, not the stored order's
-                        t = torch.empty_like(slot.layout, device=t.device).copy_(t)
-                    elif fetch.transient:
-                        t = t.clone()
-                    resident[slot] = torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param else t
-            finally:
-                self.fetcher.release(fetch)
+            with DeferredSigint():  # a Ctrl-C lands once the fetch is released (see _put_weights_in)
+                fetch = self.fetcher.acquire(record)
+                try:
+                    for slot in record.slots:
+                        t = view(fetch, slot)
+                        if slot.layout is not None:  # the offloaded tensor's strides, not the stored order's
+                            t = torch.empty_like(slot.layout, device=t.device).copy_(t)
+                        elif fetch.transient:
+                            t = t.clone()
+                        resident[slot] = (torch.nn.Parameter(t, requires_grad=slot.requires_grad) if slot.is_param
+                                          else t)
+                finally:
+                    self.fetcher.release(fetch)
         return resident
 
     def install(self, resident):
@@ -470,9 +479,14 @@ class WeightStreamer:
             self._finalizer()
 
 
-def _close(fetcher, extra_close):
+def _close(fetcher, extra_close, pid):
     """streamer.close(), also run when an streamer is collected without remove_offload: reads still in flight into
-    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then)."""
+    the ring are waited for before the ring's memory can go (the finalizer holds the fetcher until then). In a
+    fork child (its interpreter's exit runs this too) nothing: the reads, handles and files are the parent's, and
+    waiting for them could block on a lock another thread of the parent held at the fork."""
+    if os.getpid() != pid:
+        extra_close.clear()
+        return
     with DeferredSigint():  # it runs once: a Ctrl-C is raised when all of it is done, never left half done
         fetcher.drain()
         errors = []

@@ -27,16 +27,17 @@ handed to the update worker) -> the owner's update: begin(record) -> the optimiz
 values into view(buf, slot) -> end(record, buf) -> the weight store writes the record (weight_store.py) -> the
 next forward fetches it (fetch.py).
 """
-import threading
 import weakref
 
 import torch
 
 from ..core import _checksum
+from ..core._fork_lock import ForkAwareLock
 from ..core.backward_end import on_backward_end
 from ..core.heap import HeapTrim
 from .compiled import methods_run_eagerly
 from .trainable import TrainableOwner
+from .units import FORWARD
 from .weight_store import current_value
 
 _by_placeholder = {}  # id(placeholder) -> (weakref to it, weakref to Training, slot); tensors compare by value
@@ -76,7 +77,7 @@ class Training:
         self.made = {}      # slot -> weakrefs to the leaves forwards made since the last step()
         self.made_before = {}  # slot -> those of the forwards before it still alive at that step()
         self.arrived = {}   # graph task (a backward) -> {slot: [ids of the leaves it brought a gradient of, complete]}
-        self.lock = threading.Lock()
+        self.lock = ForkAwareLock("this offloaded model", FORWARD)  # (a fork child: see units.Unit.lock)
         self.closed = False  # remove_offload: the model's weights are resident again, no longer these slots
         self.reported = None  # report(): an error of a gone owner's updates, for the next forward or remove_offload
         self.heap = HeapTrim()  # gradients freed one after another in backward: the heap gives their pages back

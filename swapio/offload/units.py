@@ -7,12 +7,15 @@ wte) is one Slot used by several units: stored once, fetched by each unit that r
 Tensors reached from a module named in keep_resident stay resident, and a tied tensor that any resident module
 uses stays resident for all of them.
 """
-import threading
 import weakref
 
 import torch
 
+from ..core._fork_lock import ForkAwareLock
 from .no_values import NoValues, call, refuse_pickle
+
+# what another thread may have been doing with an offloaded model when a child forked (ForkAwareLock's error)
+FORWARD = "a forward, a backward, an optimizer step or remove_offload"
 
 
 class Placeholder(torch.nn.Parameter):
@@ -171,7 +174,9 @@ class Unit:
         self.depth = 0             # nesting of this module's forward calls in progress
         self.fetches = []          # the records' fetches while the forward runs
         self.hooks_entered = []    # saved-tensor hooks installed with the weights (SavedWeights.enter)
-        self.lock = threading.RLock()  # one thread at a time runs the module (its weights are shared attributes)
+        # one thread at a time runs the module (its weights are shared attributes); a fork child is refused it if
+        # another thread ran the module at the fork
+        self.lock = ForkAwareLock("this offloaded model", FORWARD)
         self.own_forward = None    # while offloaded: the module's own instance forward (or streamer.NO_OWN_FORWARD)
         self.wrapper = None        # while offloaded: a weakref to the OffloadedForward installed as its forward
         self.buffers_in = []       # (attr, slot, tensor installed, its bytes then or None) of the offloaded buffers

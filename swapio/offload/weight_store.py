@@ -27,11 +27,12 @@ from .layout import pack, place_on_disk, round_up
 
 def current_value(fetcher, slot):
     """A CPU copy of the slot's value as the streamer reads it now."""
-    fetch = fetcher.acquire(slot.record)
-    try:
-        return view(fetch, slot).to("cpu", copy=True)
-    finally:
-        fetcher.release(fetch)
+    with DeferredSigint():  # a Ctrl-C lands once the fetch is released (streamer._put_weights_in says why)
+        fetch = fetcher.acquire(slot.record)
+        try:
+            return view(fetch, slot).to("cpu", copy=True)
+        finally:
+            fetcher.release(fetch)
 
 
 class RecordTurns:

@@ -17,18 +17,18 @@ a backward, it still updates every parameter that backward handed it; once freed
 those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
 raise it).
 """
-import threading
 import warnings
 import weakref
 
 import torch
 
 from ..core._errors import SwapioWarning
+from ..core._fork_lock import ForkAwareLock
 from ..core._signals import DeferredSigint
 from ..core.backward_end import on_backward_end
 from .cuda_staging import StepCopies
 from .params import on_gpu, shard
-from .worker import HeldStep, UpdateWorker, second_backward_error
+from .worker import IN_BACKWARD, HeldStep, UpdateWorker, second_backward_error
 
 # GPU parameters a live in_backward=True optimizer updates during backward: id(p) -> (weak p, weak GpuInBackward).
 # Its hooks stay on the model while it lives: a second optimizer given them (a new one for the next phase, the
@@ -64,7 +64,7 @@ class GpuInBackward:
         # queuing their copies on `copies`
         self._copied_as = copied_as      # p -> (weak ref to the gradient copied in backward, its version then)
         self.state = {}                  # the optimizer's state dict, once it has one: a parameter's step count
-        self.lock = threading.Lock()
+        self.lock = ForkAwareLock("this optimizer", IN_BACKWARD)  # (a fork child: see offloaded.OffloadedParams)
         self.ready = []        # parameters whose gradient copy is queued, in arrival order
         # p -> the gradient backward produced, from its hook until its update ran: the update uses it whatever the
         # caller does to p.grad meanwhile (p.grad = None or model.zero_grad() right after backward made the update

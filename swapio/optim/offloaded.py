@@ -26,6 +26,7 @@ import torch
 
 from ..core import cuda_copy
 from ..core._align import round_up
+from ..core._fork_lock import ForkAwareLock
 from ..core._signals import DeferredSigint
 from ..offload.trainable import TrainableOwner
 from ..offload.training import lookup
@@ -33,7 +34,7 @@ from .grad_marker import new_marker
 from .grad_store import FileGrads, RamGrads
 from .finish import finish_all
 from .params import FP32, MASTER
-from .worker import HeldStep, UpdateWorker, second_backward_error
+from .worker import IN_BACKWARD, HeldStep, UpdateWorker, second_backward_error
 
 
 class OffloadedParams(TrainableOwner):
@@ -64,8 +65,10 @@ class OffloadedParams(TrainableOwner):
         self.batch_bytes = batch_bytes  # gradient bytes of the records one update steps together
         self.failed = False  # an update of the worker failed since the last step() or zero_grad(): it updates no more
         self.closed = False
-        self.lock = threading.Lock()
-        self.accepting = threading.RLock()  # _accept: one gradient at a time (a hook may hand over another)
+        # (a fork child is refused them if another thread held them at the fork, never left waiting: _fork_lock)
+        self.lock = ForkAwareLock("this optimizer", IN_BACKWARD)
+        self.accepting = ForkAwareLock("this optimizer", IN_BACKWARD)  # _accept: one gradient at a time (a hook
+        # may hand over another)
         self.ready_changed = threading.Condition(self.lock)
         self.worker = UpdateWorker(self.lock, "swapio-in-backward")
 

@@ -12,7 +12,17 @@ run of the worker keeps it alive until the run returns, so the updates of a back
 the program drops the optimizer right after (or during) it. At rest the optimizer is held weakly: the model's
 hooks reach the worker, and an optimizer the program dropped must stop updating the model and free its files at
 once. When it is freed, the owner's on_drop() reports what its last backward could not finish.
+
+Fork. The worker thread is not in a forked child: work handed to the parent's executor there never ran, and the
+child's next step() waited for it forever. The child starts a thread of its own; if the parent's was updating
+weights at the fork, those may be half-updated in the child, which is refused (RuntimeError) instead.
+
+Exit. The interpreter waits for the updates in flight (_finish_at_exit) before Python joins the executor's thread.
 """
+import atexit
+import os
+import sys
+import threading
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +32,10 @@ import torch
 from ..core._signals import DeferredSigint
 
 
+# what another thread may have been doing with an in_backward=True optimizer at a fork (ForkAwareLock's error)
+IN_BACKWARD = "a backward handing it gradients, a step, or its in_backward worker updating weights"
+
+
 class UpdateWorker:
     def __init__(self, lock, name):
         self.lock, self.name = lock, name
@@ -29,10 +43,13 @@ class UpdateWorker:
         self.working = None  # the run's future while it runs
         self.last = None     # the last run's future: done once that run has let go of what it kept alive
         self.error = None
+        self.forked_busy = False  # a fork child of a process whose worker was running (see the module)
+        _workers.add(self)
 
     def start(self, run, keep=None):
         """Starts run() on the worker thread unless it is running; the caller holds `lock`. keep: what the work
         needs alive (the optimizer's step), held until run() returns."""
+        self._refuse_if_forked_busy()
         if self.working is None:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
@@ -62,6 +79,7 @@ class UpdateWorker:
     def idle(self):
         """Waits until the worker has nothing left to do and its last run has returned (an optimizer dropped
         meanwhile is freed by then); its error stays for raise_error()."""
+        self._refuse_if_forked_busy()
         while True:
             with self.lock:
                 working, last = self.working, self.last
@@ -88,6 +106,55 @@ class UpdateWorker:
                 with DeferredSigint():
                     self.executor.shutdown(wait=True)
                 self.executor = None
+
+
+    def _refuse_if_forked_busy(self):
+        if self.forked_busy:
+            raise RuntimeError(
+                "this optimizer's in_backward=True worker was updating weights when this process was forked from it "
+                "(os.fork, a multiprocessing pool): the weights and optimizer state here may be half-updated. Build "
+                "the model and optimizer anew in the child (or fork after step() returned)")
+
+    def _after_fork_in_child(self):
+        self.forked_busy = self.forked_busy or self.working is not None
+        self.executor = self.working = self.last = None  # the parent's thread: a new one starts on demand
+
+
+_workers: "weakref.WeakSet[UpdateWorker]" = weakref.WeakSet()
+
+
+def _reset_in_child():
+    for worker in list(_workers):
+        worker._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
+def _finish_at_exit():
+    """Run as the interpreter exits: waits until every worker is idle. A Ctrl-C during Python's own join of the
+    executor's thread stopped that wait, printed its traceback and finalized the interpreter under a thread still
+    updating (at times an abort: "terminate called without an active exception"). Here the wait goes on, said once
+    on stderr: what is left is at most the few batches of gradients a backward may run ahead of the worker."""
+    said = False
+    for worker in list(_workers):
+        while True:
+            try:
+                worker.idle()
+                break
+            except KeyboardInterrupt:
+                if not said:
+                    said = True
+                    sys.stderr.write("swapio: Ctrl-C at exit: waiting for the in_backward=True updates in flight (a "
+                                     "few batches at most) to finish\n")
+            except Exception:  # noqa: BLE001 - the run's error was the program's to see; a fork child's refusal
+                break
+
+
+# before Python joins the executor's threads (concurrent.futures' hook, registered earlier, runs after this one),
+# and once more among the atexit functions: a Ctrl-C at the very start of the shutdown skips the first
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
+atexit.register(_finish_at_exit)
 
 
 def _drop_locals(exc):

@@ -42,16 +42,17 @@ class FileWriter:
         staging = writer.Staging(staging_bytes, segments[-1][2] + segments[-1][1] - segments[-1][0])
         self.write_pieces(pieces, staging, handle=handle, direct=direct, segments=segments, stream=stream)
 
-    def write_pieces(self, pieces, staging, *, handle=None, direct=(), segments=None, stream=None):
+    def write_pieces(self, pieces, staging, *, handle=None, direct=(), segments=None, stream=None, stop=None):
         """The bytes of the file into its temporary file, not yet published: pieces through staging (writer.write),
         direct: (offset, bytes) written from the tensors' own memory. stream: None, or stream(write) that produces
         the bytes of the placeholder tensors piece by piece from memory it reuses: write(offset, bytes) submits a
         positional write and returns its future, which stream waits before reusing that memory. It runs after the
         direct writes are submitted and before the staged pieces are assembled, so a staged source (the header)
-        may depend on what it streamed (checksums). The staging is released once no request uses it."""
+        may depend on what it streamed (checksums). The staging is released once no request uses it. stop: None,
+        or a callable checked at each staged window: True stops the write (writer.write's KeyboardInterrupt)."""
         try:
             with buffers.handle_for(handle) as h:
-                self._write(h, pieces, staging, direct, segments, stream)
+                self._write(h, pieces, staging, direct, segments, stream, stop)
         except WrittenInPlace:  # a source file's error, not the writing's: said as it is, naming that file
             staging.release()
             raise
@@ -61,7 +62,7 @@ class FileWriter:
                                      f"{exc.strerror or exc}", self.pending.final) from exc
         staging.release()  # (not after an interruption: a request may still be reading them)
 
-    def _write(self, h, pieces, staging, direct, segments, stream):
+    def _write(self, h, pieces, staging, direct, segments, stream, stop):
         """The direct requests are all submitted first (the handle copies misaligned memory through its own
         bounce buffers, pipelined with the device), then the stream's, then the staged pieces follow; every
         request is waited for before this returns or raises."""
@@ -76,7 +77,7 @@ class FileWriter:
             if stream is not None:
                 stream(submit)
             writer.write(h, pending.path, self.plan.total, pieces, staging, identity=pending.identity,
-                         segments=segments)
+                         segments=segments, stop=stop)
         except OSError as exc:
             error = exc
         finally:

@@ -82,14 +82,16 @@ def segments_of(pieces):
     return [tuple(s) for s in segs], moved
 
 
-def write(handle, path, total, pieces, staging, identity=None, segments=None, bar=None):
+def write(handle, path, total, pieces, staging, identity=None, segments=None, bar=None, stop=None):
     """Writes bytes [0, total) of the file at path from pieces (sorted by offset, together covering every byte
     that matters) through `staging` (a Staging). Returns once every request finished; raises the first error
     after waiting for all requests in flight (so no buffer is reused or freed under the kernel).
     segments: None (pieces cover the whole file, at their file offsets in staging) or [(start, end, position)]
     from segments_of: pieces are then at staging positions and only those file ranges are written, each by
     requests of exactly its bytes (the handle writes unaligned edges through a buffered descriptor).
-    bar: a progress bar (or None), advanced by each window once its write finished."""
+    bar: a progress bar (or None), advanced by each window once its write finished. stop: None or a callable,
+    asked before each window: True raises KeyboardInterrupt there (async_save abandoned at exit), once the requests
+    in flight have finished."""
     w, n = staging.window, staging.n
     if segments is None:
         segments = [(0, total, 0)]
@@ -100,6 +102,8 @@ def write(handle, path, total, pieces, staging, identity=None, segments=None, ba
     i, data, error, si = 0, None, None, 0
     try:
         for j, start in enumerate(range(0, span, w)):
+            if stop is not None and stop():
+                raise KeyboardInterrupt("the write was abandoned (Ctrl-C as the interpreter exited)")
             buf = staging.buffer(j)
             waiting, pending[j % n] = pending[j % n], []
             for f, nbytes in waiting:
