@@ -17,6 +17,7 @@ a backward, it still updates every parameter that backward handed it; once freed
 those copies (step() would have made them) and an update that failed is a SwapioWarning (no step() is left to
 raise it).
 """
+import threading
 import warnings
 import weakref
 

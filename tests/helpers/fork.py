@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from conftest import REPO, TIMEOUT
 
@@ -63,6 +64,9 @@ def run_in_child(body):
     pid = os.fork()
     if pid == 0:  # child: never return into pytest
         faulthandler.dump_traceback_later(TIMEOUT / 2, exit=True)  # a hang says where
+        # torch's OpenMP pool does not survive a fork: a child's first parallel op hung where the parent had used
+        # it (2 cores and more); one thread, as DataLoader's workers run (swapio's kernels give the same bits)
+        torch.set_num_threads(1)
         code = 1
         try:
             body()
