@@ -67,7 +67,9 @@ def main(argv=None):
         state_bytes = sum(c.record_bytes for c in backend.chunks)
 
         # compute alone: the same kernel calls on the same chunk ranges, state in RAM
-        flat_p = [p.detach().view(-1) for p in params]
+        # (param_out into copies: writing the optimizer's own parameters made its next step adopt them as changed
+        # outside it, a pass over the master that the step measured here does not make)
+        flat_p = [p.detach().clone().view(-1) for p in params]
         flat_g = [p.grad.view(-1) for p in params]
         master = [fp.float() for fp in flat_p]
         m = [torch.zeros(per) for _ in params]

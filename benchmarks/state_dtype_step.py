@@ -70,12 +70,19 @@ def main(argv=None):
     params = [torch.empty(per, dtype=torch.bfloat16).normal_().requires_grad_(True) for _ in range(args.tensors)]
     for p in params:
         p.grad = torch.empty_like(p).normal_().mul_(1e-2)
+
+    def own_copy():  # each optimizer its own parameters: one stepping another's would make every step adopt the
+        # other's writes as changes made outside it (a pass over the master), which is not the step measured here
+        copies = [p.detach().clone().requires_grad_(True) for p in params]
+        for c, p in zip(copies, params):
+            c.grad = p.grad
+        return copies
     cls = so.OffloadAdamW if args.optimizer == "adamw" else so.OffloadLion
     root = tempfile.mkdtemp(prefix="swapio-bench-", dir=args.dir)
     opts = {}
     try:
         for dtype in DTYPES:
-            opts[dtype] = cls(params, lr=1e-4, offload="nvme", swap_dir=root, state_dtype=dtype,
+            opts[dtype] = cls(own_copy(), lr=1e-4, offload="nvme", swap_dir=root, state_dtype=dtype,
                               buffer_bytes=args.buffer_mib * MiB, cpu_threads=args.cpu_threads)
             opts[dtype].step()  # creates the state on disk (writes only)
         times = {d: [] for d in DTYPES}
