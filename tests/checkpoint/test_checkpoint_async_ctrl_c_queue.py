@@ -18,6 +18,23 @@ from helpers.checkpoint import leftovers
 pytestmark = pytest.mark.usefixtures("ctrl_c_raises")  # real SIGINTs raise even under an ignoring runner
 
 
+def assert_a_later_save_works(tmp_path, hang_message):
+    """An async_save after the interrupted ones finishes (in a thread: a hang fails with hang_message), writes its
+    file, and nothing else is left in tmp_path."""
+    done = {}
+
+    def save():
+        done["size"] = swapio.checkpoint.async_save({"t": torch.ones(10)}, tmp_path / "c.safetensors").wait()
+
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    saver.join(TIMEOUT)
+    assert not saver.is_alive(), hang_message
+    assert done["size"] > 0
+    assert torch.equal(swapio.checkpoint.load(tmp_path / "c.safetensors")["t"], torch.ones(10))
+    assert leftovers(tmp_path) == []
+
+
 def test_ctrl_c_as_async_save_takes_its_place_loses_no_place(tmp_path, monkeypatch):
     semaphore = background._slots
     real = type(semaphore).acquire
@@ -33,18 +50,8 @@ def test_ctrl_c_as_async_save_takes_its_place_loses_no_place(tmp_path, monkeypat
         with pytest.raises(KeyboardInterrupt):
             swapio.checkpoint.async_save({"t": torch.ones(10)}, tmp_path / "interrupted.safetensors")
     monkeypatch.undo()
-    done = {}
-
-    def save():
-        done["size"] = swapio.checkpoint.async_save({"t": torch.ones(10)}, tmp_path / "c.safetensors").wait()
-
-    saver = threading.Thread(target=save, daemon=True)
-    saver.start()
-    saver.join(TIMEOUT)
-    assert not saver.is_alive(), "async_save waited for a place the interrupted calls had lost"
-    assert done["size"] > 0
-    assert torch.equal(swapio.checkpoint.load(tmp_path / "c.safetensors")["t"], torch.ones(10))
-    assert not os.path.exists(tmp_path / "interrupted.safetensors") and leftovers(tmp_path) == []
+    assert_a_later_save_works(tmp_path, "async_save waited for a place the interrupted calls had lost")
+    assert not os.path.exists(tmp_path / "interrupted.safetensors")
 
 
 def test_ctrl_c_as_async_save_starts_its_writer_leaves_later_saves_working(tmp_path, monkeypatch):
@@ -58,14 +65,4 @@ def test_ctrl_c_as_async_save_starts_its_writer_leaves_later_saves_working(tmp_p
     with pytest.raises(KeyboardInterrupt):
         swapio.checkpoint.async_save({"t": torch.zeros(10)}, tmp_path / "interrupted.safetensors")
     monkeypatch.undo()
-    done = {}
-
-    def save():
-        done["size"] = swapio.checkpoint.async_save({"t": torch.ones(10)}, tmp_path / "c.safetensors").wait()
-
-    saver = threading.Thread(target=save, daemon=True)
-    saver.start()
-    saver.join(TIMEOUT)
-    assert not saver.is_alive(), "async_save waited for a save whose thread never started"
-    assert torch.equal(swapio.checkpoint.load(tmp_path / "c.safetensors")["t"], torch.ones(10))
-    assert leftovers(tmp_path) == []
+    assert_a_later_save_works(tmp_path, "async_save waited for a save whose thread never started")

@@ -31,6 +31,32 @@ def step(net, opt, x):
         return net(x)
 
 
+def fork_while_a_backward_is_inside(monkeypatch, net, x, method, in_child):
+    """Forks while a backward of another thread is held inside OffloadedParams.<method>; in_child() must raise a
+    RuntimeError naming the fork in the child. The backward is let go and joined after."""
+    started, release, real = threading.Event(), threading.Event(), getattr(offloaded.OffloadedParams, method)
+
+    def held(self, *args, **kwargs):
+        started.set()
+        assert release.wait(TIMEOUT)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(offloaded.OffloadedParams, method, held)
+    backward = threading.Thread(target=lambda: net(x).square().mean().backward())
+    backward.start()
+    try:
+        assert started.wait(TIMEOUT)
+
+        def child():
+            with pytest.raises(RuntimeError, match="fork"):
+                in_child()
+
+        assert run_in_child(child) == 0
+    finally:
+        release.set()
+        backward.join(TIMEOUT)
+
+
 def test_a_child_forked_while_the_worker_is_idle_trains_as_the_parent(tmp_path):
     net, opt = trained()
     x = torch.randn(4, 32)
@@ -48,27 +74,7 @@ def test_a_child_forked_while_the_worker_updates_is_refused(monkeypatch):
     net, opt = trained()
     x = torch.randn(4, 32)
     step(net, opt, x)
-    started, release, real = threading.Event(), threading.Event(), offloaded.OffloadedParams.update
-
-    def held_update(self, *args, **kwargs):  # the worker, busy updating, until the child is done
-        started.set()
-        assert release.wait(TIMEOUT)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(offloaded.OffloadedParams, "update", held_update)
-    backward = threading.Thread(target=lambda: net(x).square().mean().backward())
-    backward.start()
-    try:
-        assert started.wait(TIMEOUT)
-
-        def child():
-            with pytest.raises(RuntimeError, match="fork"):
-                opt.step()
-
-        assert run_in_child(child) == 0
-    finally:
-        release.set()
-        backward.join(TIMEOUT)
+    fork_while_a_backward_is_inside(monkeypatch, net, x, "update", opt.step)  # (the worker, busy updating)
     opt.step()
     opt.zero_grad()
     monkeypatch.undo()
@@ -85,27 +91,8 @@ def test_a_child_forked_while_a_backward_hands_over_a_gradient_is_refused(monkey
     step(reference, reference_opt, x)
     expected = step(reference, reference_opt, x)
     reference_opt.close()
-    started, release, real = threading.Event(), threading.Event(), offloaded.OffloadedParams._accept_one
-
-    def held_accept(self, *args, **kwargs):  # a backward thread inside the optimizer (its lock held)
-        started.set()
-        assert release.wait(TIMEOUT)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(offloaded.OffloadedParams, "_accept_one", held_accept)
-    backward = threading.Thread(target=lambda: net(x).square().mean().backward())
-    backward.start()
-    try:
-        assert started.wait(TIMEOUT)
-
-        def child():
-            with pytest.raises(RuntimeError, match="fork"):
-                net(x).square().mean().backward()
-
-        assert run_in_child(child) == 0
-    finally:
-        release.set()
-        backward.join(TIMEOUT)
+    # (a backward thread inside the optimizer, its lock held)
+    fork_while_a_backward_is_inside(monkeypatch, net, x, "_accept_one", lambda: net(x).square().mean().backward())
     monkeypatch.undo()
     opt.step()
     opt.zero_grad()

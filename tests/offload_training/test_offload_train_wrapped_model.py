@@ -6,7 +6,7 @@ stand-in for its weight's placeholder, and training equals the resident model's 
 import pytest
 import torch
 
-from helpers.offload_training import MLP, batches, loss_of, make_model, offload, one_thread, weights
+from helpers.offload_training import MLP, batches, make_model, offload, train, weights
 from swapio.offload import remove_offload
 from swapio.optim import OffloadAdamW
 
@@ -22,18 +22,6 @@ class WithHead(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.backbone(x))
-
-
-def train(model, opt, data):
-    losses = []
-    with one_thread():
-        for b in data:
-            loss = loss_of(model, b)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-    return losses
 
 
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "nvme", False), ("cpu", "cpu", False),
