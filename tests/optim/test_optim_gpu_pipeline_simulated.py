@@ -133,6 +133,21 @@ def _loss(model, i):
     return model(x).float().square().mean()
 
 
+def _steps_match_torch(model, compute, opt, ref, ref_opt, batches):
+    """Steps opt (on the simulated GPU) and torch's ref_opt (over ref, copies of model's parameters) on each batch
+    index of `batches`; the parameters stay within float32 rounding of torch's."""
+    for i in batches:
+        _loss(model, i).backward()
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        compute.run_until(len(compute.ops))
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("habit", ["plain", "torch_clip", "accumulate", "opt_clip"])

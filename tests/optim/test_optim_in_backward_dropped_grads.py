@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import swapio
-from test_optim_gpu_pipeline_simulated import _loss, _model, fake_gpu  # noqa: F401 - the simulated GPU fixture
+from test_optim_gpu_pipeline_simulated import (  # noqa: F401 - fake_gpu: the simulated GPU fixture
+    _loss, _model, _steps_match_torch, fake_gpu)
 
 
 def _drop(model, how):
@@ -52,15 +53,5 @@ def test_a_gradient_dropped_after_backward_is_refused_and_every_update_ran(fake_
     assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
     for p, r in zip(model.parameters(), ref):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
-    # and training goes on as torch's
-    for i in range(1, 3):
-        _loss(model, i).backward()
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.clone()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        compute.run_until(len(compute.ops))
-    for p, r in zip(model.parameters(), ref):
-        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
+    _steps_match_torch(model, compute, opt, ref, ref_opt, range(1, 3))  # and training goes on as torch's
     opt.close()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import swapio
-from test_optim_gpu_pipeline_simulated import _loss, _model, fake_gpu  # noqa: F401 - the simulated GPU fixture
+from test_optim_gpu_pipeline_simulated import (  # noqa: F401 - fake_gpu: the simulated GPU fixture
+    _loss, _model, _steps_match_torch, fake_gpu)
 
 
 def _on_gpu(gpu):
@@ -30,17 +31,7 @@ def _first_phase(model, compute, in_backward):
 
 def _second_phase_matches_torch(model, compute, new):
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    ref_opt = torch.optim.AdamW(ref, lr=1e-3)
-    for i in range(1, 4):
-        _loss(model, i).backward()
-        for r, p in zip(ref, model.parameters()):
-            r.grad = p.grad.clone()
-        new.step()
-        ref_opt.step()
-        new.zero_grad()
-        compute.run_until(len(compute.ops))
-    for p, r in zip(model.parameters(), ref):
-        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
+    _steps_match_torch(model, compute, new, ref, torch.optim.AdamW(ref, lr=1e-3), range(1, 4))
     new.close()
 
 
