@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import swapio
-from swapio.offload import disk_offload, remove_offload, stats
+from swapio.offload import cpu_offload, disk_offload, remove_offload, stats
 from swapio.offload.api import _offloaded
+from swapio.offload.fetch import Fetcher
 from helpers.offload import assert_same_outputs, meta_model, one_thread, reference, resident_model
 
 
@@ -159,3 +160,26 @@ def test_backward_reads_ahead_through_what_the_forward_read_ahead(tmp_path):
     assert seen[6] == [4, 5, 6]  # not the next forward's layers 0-2, read ahead at the end of the forward
     assert all(i in started for i, started in seen.items())  # every layer's read started before it was needed
     assert stats(model)["temp"] == 0
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_a_forward_walks_ahead_a_bounded_number_of_modules(tmp_path, monkeypatch, offload):
+    # a model of small modules (under the size that counts towards prefetch, all in the ring) was walked to its end
+    # at every module: a forward quadratic in the module count (800 small Linears: 0.8 ms a module)
+    n = 300
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = model(x)
+    cpu_offload(model) if offload == "cpu" else disk_offload(model, tmp_path / "od")
+    with torch.no_grad():
+        model(x)  # (the first forward learns the order)
+        starts, real = [0], Fetcher.start
+
+        def counted(self, *args, **kwargs):
+            starts[0] += 1
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(Fetcher, "start", counted)
+        assert torch.equal(model(x), want)
+    per_module = starts[0] / n
+    assert per_module <= 2 * (64 + 2), per_module  # two records a Linear, WALK_UNITS ahead (was about n)
