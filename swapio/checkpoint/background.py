@@ -1,17 +1,16 @@
 """Background writes for async_save: one thread per save, each starting after the previous one finished, so
 saves land in the order they were asked for. The threads are not daemons: an interpreter that exits (Ctrl-C
 included) first finishes the saves already captured. A Ctrl-C while it waits for them at exit abandons those still
-writing (see _finish_at_exit).
+writing (see _abandon_at_ctrl_c).
 
 A child forked while saves are in flight (DataLoader workers, multiprocessing pools) starts with none: the
 parent's threads are not there to finish them, so their queue, slots and lock would block the child's first
 save forever. Their futures tell a child that waits on them that the save is the parent's."""
-import atexit
 import os
 import sys
 import threading
 
-from ..core._signals import DeferredSigint, start_shielded
+from ..core._signals import DeferredSigint, start_shielded, wait_at_exit
 from ..core.futures import Future
 
 _lock = threading.Lock()
@@ -132,24 +131,13 @@ def wait_all():
         job.wait()
 
 
-def _finish_at_exit():
-    """Run as the interpreter exits, before Python joins the writer threads. A Ctrl-C during Python's own join
-    stopped the waiting and finalized the interpreter under the writers: the process aborted ("terminate called
-    without an active exception") and their temporary files stayed. Here a Ctrl-C abandons the saves still writing
-    instead (their previous files stay), and the waiting goes on until their threads have removed their files,
-    which takes at most a window's write."""
-    while True:
-        try:
-            wait_all()
-            return
-        except KeyboardInterrupt:
-            if not _abandoned.is_set():
-                _abandoned.set()
-                sys.stderr.write("swapio: Ctrl-C at exit: abandoning the async_save still writing (the file at its "
-                                 "path stays as it was); waiting for its thread to remove its temporary file\n")
+def _abandon_at_ctrl_c():
+    """A Ctrl-C while the exit waits for the writers: the saves still writing stop at their next window and remove
+    their temporary files (the file at each path stays as it was), which takes at most a window's write."""
+    if not _abandoned.is_set():
+        _abandoned.set()
+        sys.stderr.write("swapio: Ctrl-C at exit: abandoning the async_save still writing (the file at its "
+                         "path stays as it was); waiting for its thread to remove its temporary file\n")
 
 
-threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]  # (concurrent.futures' hook, 3.9+)
-# and once more after it: a Ctrl-C at the very start of Python's shutdown cuts it short before the hook above runs
-# (Python then goes on to the atexit functions with the writers still running)
-atexit.register(_finish_at_exit)
+wait_at_exit(wait_all, _abandon_at_ctrl_c)

@@ -22,7 +22,13 @@ the duration of start() makes a signal arrive right after it instead, once the c
 (its try/finally then joins or accounts for it. The new thread inherits the blocked mask, which suits a worker:
 Python runs signal handlers on the main thread only. This narrows the window, it does not close it: a signal
 that another thread's C handler catches still runs its Python handler on this thread at its next call.)
+
+wait_at_exit. Background threads that must finish their work (writers, update workers) are waited for as the
+interpreter exits, before Python joins them: a Ctrl-C during Python's own join stopped that wait and finalized
+the interpreter under the running threads (a traceback, at times an abort: "terminate called without an active
+exception"), with their work half done.
 """
+import atexit
 import signal
 import threading
 
@@ -77,3 +83,22 @@ def start_shielded(thread: threading.Thread) -> None:
         thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def wait_at_exit(wait, on_ctrl_c):
+    """Runs wait() as the interpreter exits, until it returns (see the module); each Ctrl-C meanwhile calls
+    on_ctrl_c() (say what is waited for; abandon work that can be) and waits on. Registered before Python joins
+    its threads (concurrent.futures' hook comes after it) and once more among the atexit functions: a Ctrl-C at
+    the very start of the shutdown skips the first. An Exception from wait() ends the wait (its error was the
+    program's to see)."""
+    def run():
+        while True:
+            try:
+                wait()
+                return
+            except KeyboardInterrupt:
+                on_ctrl_c()
+            except Exception:  # noqa: BLE001 - see above
+                return
+    threading._register_atexit(run)  # type: ignore[attr-defined]
+    atexit.register(run)

@@ -25,7 +25,8 @@ from .fetch import view
 from .no_copy import refuse_copy
 from .schedule import Schedule
 from .training import Training
-from .units import FORWARD, check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs, set_entry
+from .units import (FORWARD, check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs,
+                    set_entry)
 
 SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
 # the most units one read-ahead walk visits: without a bound, a model of small modules (each under SMALL, or all in

@@ -17,19 +17,17 @@ Fork. The worker thread is not in a forked child: work handed to the parent's ex
 child's next step() waited for it forever. The child starts a thread of its own; if the parent's was updating
 weights at the fork, those may be half-updated in the child, which is refused (RuntimeError) instead.
 
-Exit. The interpreter waits for the updates in flight (_finish_at_exit) before Python joins the executor's thread.
+Exit. The interpreter waits for the updates in flight (_wait_for_workers) before Python joins the executor's thread.
 """
-import atexit
 import os
 import sys
-import threading
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..core._signals import DeferredSigint
+from ..core._signals import DeferredSigint, wait_at_exit
 
 
 # what another thread may have been doing with an in_backward=True optimizer at a fork (ForkAwareLock's error)
@@ -107,7 +105,6 @@ class UpdateWorker:
                     self.executor.shutdown(wait=True)
                 self.executor = None
 
-
     def _refuse_if_forked_busy(self):
         if self.forked_busy:
             raise RuntimeError(
@@ -131,30 +128,29 @@ def _reset_in_child():
 os.register_at_fork(after_in_child=_reset_in_child)
 
 
-def _finish_at_exit():
-    """Run as the interpreter exits: waits until every worker is idle. A Ctrl-C during Python's own join of the
-    executor's thread stopped that wait, printed its traceback and finalized the interpreter under a thread still
-    updating (at times an abort: "terminate called without an active exception"). Here the wait goes on, said once
-    on stderr: what is left is at most the few batches of gradients a backward may run ahead of the worker."""
-    said = False
+def _wait_for_workers():
+    """Waits until every worker is idle: what is left is at most the few batches of gradients a backward may run
+    ahead of its worker. (Stopping at a Ctrl-C finalized the interpreter under a thread still updating.)"""
     for worker in list(_workers):
-        while True:
-            try:
-                worker.idle()
-                break
-            except KeyboardInterrupt:
-                if not said:
-                    said = True
-                    sys.stderr.write("swapio: Ctrl-C at exit: waiting for the in_backward=True updates in flight (a "
-                                     "few batches at most) to finish\n")
-            except Exception:  # noqa: BLE001 - the run's error was the program's to see; a fork child's refusal
-                break
+        try:
+            worker.idle()
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - the run's error was the program's to see; a fork child's refusal
+            continue
 
 
-# before Python joins the executor's threads (concurrent.futures' hook, registered earlier, runs after this one),
-# and once more among the atexit functions: a Ctrl-C at the very start of the shutdown skips the first
-threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
-atexit.register(_finish_at_exit)
+class _SayOnce:
+    said = False
+
+    def __call__(self):
+        if not self.said:
+            self.said = True
+            sys.stderr.write("swapio: Ctrl-C at exit: waiting for the in_backward=True updates in flight (a "
+                             "few batches at most) to finish\n")
+
+
+wait_at_exit(_wait_for_workers, _SayOnce())
 
 
 def _drop_locals(exc):
