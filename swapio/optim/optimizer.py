@@ -276,13 +276,9 @@ class OffloadOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__} cannot optimize a parameter with {problem}")
             # a frozen one is taken, as torch's optimizers take it (model.parameters() with a bitsandbytes int8 or
             # a float64 weight in it), and never stepped; step() refuses it if it gets a gradient
-        try:
-            self._fill_group(group)
-        except BaseException:
-            self.param_groups.pop()
-            raise
         resident = [p for p in group["params"] if p not in self._offloaded.entries]
         try:
+            self._fill_group(group)
             first = sum(len(g["params"]) for g in self.param_groups[:-1])
             check_unclaimed(resident, lambda p: first + next(i for i, q in enumerate(group["params"]) if q is p),
                             type(self).__name__, self.__dict__.get("_gpu_in_backward"))
