@@ -129,7 +129,7 @@ class OffloadOptimizer(Optimizer):
         self._warned_edit = False
         self._warned_unstepped = False  # zero_grad() warned of updates in backward that no step() followed
         self._torn = set()  # parameters an error inside step() left half-stepped (see _check_whole)
-        # in_backward: param group index -> [(the options (rule.hyper) an update run before step() used, [(p, weak
+        # in_backward: param group index -> [(the options (rule.options) an update run before step() used, [(p, weak
         # reference to the p.grad it stepped)])], so that step() can refuse options changed since
         # (_check_hyper_unchanged)
         self._hyper_used = {}
@@ -478,7 +478,7 @@ class OffloadOptimizer(Optimizer):
             if i >= len(self.param_groups):
                 continue
             try:
-                now = self._rule.hyper(self.param_groups[i])
+                now = self._rule.options(self.param_groups[i])
             except (TypeError, ValueError):
                 continue  # the step below raises it, naming the group
             for old, grads in used:
@@ -670,7 +670,7 @@ class OffloadOptimizer(Optimizer):
             given = [] if wanted is None else [p for p in group["params"] if id(p) in wanted]
             if given:  # an update before step(): what it used, and the p.grad it stepped (_check_hyper_unchanged)
                 self._hyper_used.setdefault(i, []).append(
-                    (hyper, [(p, weakref.ref(p.grad)) for p in given if p.grad is not None]))
+                    (rule.options(group), [(p, weakref.ref(p.grad)) for p in given if p.grad is not None]))
             for p in group["params"]:
                 index += 1  # the parameter's index in state_dict(): its seed of bf16 rounding
                 if wanted is not None and id(p) not in wanted:

@@ -66,6 +66,11 @@ class Rule:
     def _hyper(self, group):
         raise NotImplementedError
 
+    def options(self, group):
+        """hyper(group) and the options that decide what state an update keeps (amsgrad): what an update run
+        before step() (in_backward) used, which step() compares with the group's options then."""
+        return self.hyper(group)
+
 
 class AdamRule(Rule):
     """Adam/AdamW: exp_avg, exp_avg_sq, and max_exp_avg_sq (fp32 state only) with amsgrad."""
@@ -76,6 +81,9 @@ class AdamRule(Rule):
 
     def moments(self, group):
         return self.MOMENTS + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def options(self, group):
+        return {**self.hyper(group), "amsgrad": bool(group["amsgrad"])}
 
     def _hyper(self, group):
         if group["amsgrad"] and not self.format.supports_amsgrad:

@@ -276,7 +276,7 @@ def test_in_backward_backward_after_step_needs_cleared_grads(tmp_path, clear):
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
-@pytest.mark.parametrize("edit", ["lr", "betas", "scheduler_first"])
+@pytest.mark.parametrize("edit", ["lr", "betas", "amsgrad_on", "amsgrad_off", "scheduler_first"])
 @pytest.mark.parametrize("storage,off", [("disk", "nvme"), ("cpu", "cpu")])
 def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_path, edit, storage, off):
     """torch's step() uses a group's options as they are at step(); in_backward=True's updates ran during
@@ -286,7 +286,7 @@ def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_p
     weights included); with the options set back it steps, and training goes on exactly as the resident model's
     with the options never changed."""
     data = batches(MLP, 3)
-    pairs = both(tmp_path, off, storage, keep=("c",), in_backward=True)
+    pairs = both(tmp_path, off, storage, keep=("c",), in_backward=True, amsgrad=edit == "amsgrad_off")
     (ref, ref_opt), (model, opt) = pairs
     with one_thread():
         for m, o in pairs:
@@ -299,13 +299,15 @@ def test_in_backward_options_changed_between_backward_and_step_are_refused(tmp_p
             group["lr"] = 0.5
         elif edit == "betas":
             group["betas"] = (0.5, 0.9)
+        elif edit.startswith("amsgrad"):  # whether the updates kept max_exp_avg_sq (off: silently mixed)
+            group["amsgrad"] = not group["amsgrad"]
         else:
             torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1).step()
         with pytest.raises(RuntimeError, match=r"(?s)options changed after in_backward=True.*in_backward=False"):
             opt.step()
         after = values(model, opt)
         assert all(torch.equal(after[n], before[n]) for n in before)  # c (resident) not stepped either
-        group.update({k: old[k] for k in ("lr", "betas")})
+        group.update({k: old[k] for k in ("lr", "betas", "amsgrad")})
         opt.step()
         ref_opt.step()
         for m, o in pairs:
