@@ -195,7 +195,8 @@ def fresh_accelerate_state():
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    """swapio warns once per directory per process; start this test with no warning given yet."""
+    """swapio warns once per file system (O_DIRECT fallback, RAM-backed) per process; start this test with no
+    warning given yet."""
     monkeypatch.setattr(swapio.core._errors, "_warned", set())
 
 

@@ -22,6 +22,16 @@ def warn_once(key: Hashable, message: str) -> None:
         warnings.warn(message, SwapioWarning, stacklevel=3)
 
 
+def file_system_key(path: str) -> Hashable:
+    """What a warning about the file system holding `path` is given once for: its device (each nvme optimizer and
+    activation offload writes in a private directory with a new name, so a key per directory warned, and was kept,
+    once more per rebuild); the path where it cannot be read."""
+    try:
+        return ("device", os.stat(path).st_dev)
+    except OSError:
+        return path
+
+
 def caller_stacklevel() -> int:
     """warnings.warn's stacklevel, from the function calling this one, of the first frame outside swapio and torch:
     the caller's line, whatever wrappers lie between (torch.compile's around swapio's boundaries come and go)."""

@@ -28,7 +28,7 @@ import weakref
 
 from .. import _C
 from . import _durable
-from ._errors import warn_once
+from ._errors import file_system_key, warn_once
 from ._owned_fd import OwnedFd
 from ._signals import DeferredSigint
 
@@ -323,8 +323,8 @@ def ram_file_system(path):
 def warn_if_ram_backed(path, what):
     kind = ram_file_system(path)
     if kind is not None:
-        warn_once(("ram", path), f"{what} {path} is on {kind}, which lives in RAM: swapping there frees no "
-                  "memory (use a directory on a disk)")
+        warn_once(("ram", file_system_key(path)), f"{what} {path} is on {kind}, which lives in RAM: swapping there "
+                  "frees no memory (use a directory on a disk)")
     return kind
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._closeable import Closeable
-from ._errors import NotCopyable, StrPath, check_int, check_path, warn_once
+from ._errors import NotCopyable, StrPath, check_int, check_path, file_system_key, warn_once
 from .futures import Future
 from .pinned import is_pinned
 from .tensors import check_writable_in_place, cpu_memory, mark_written
@@ -146,7 +146,7 @@ class AioHandle(NotCopyable, Closeable):
                 _remove_if_empty(path)  # the open created it, then failed (O_DIRECT refused, ...)
             raise
         if request.fell_back:
-            warn_once(("fallback", os.path.dirname(os.path.abspath(path))),
+            warn_once(("fallback", file_system_key(os.path.dirname(os.path.abspath(path)))),
                       f"{path}: the file system refuses O_DIRECT; swapio falls back to buffered I/O "
                       "(pass direct=False to silence this, direct=True to make it an error)")
         # the storage too: a tensor given other memory meanwhile (t.set_(...), t.data = ...) lets go of this one

@@ -45,9 +45,18 @@ OWNERS = "OffloadAdamW, OffloadAdam, OffloadLion or OffloadAdafactor (swapio.opt
 
 
 def _forget(key):
+    """Drops the entry under `key` once its placeholder or its Training is gone. The Training's going matters: a
+    model dropped without remove_offload never unregisters, and the entry's slot holds the placeholder, so the
+    placeholder's own going never came (every dropped model's slots, records and units stayed for good)."""
     entry = _by_placeholder.get(key)
-    if entry is not None and entry[0]() is None:
+    if entry is not None and (entry[0]() is None or entry[1]() is None):
         del _by_placeholder[key]
+
+
+def _entry(t, training, slot):
+    key = id(t)
+    return key, (weakref.ref(t, lambda _, k=key: _forget(k)), weakref.ref(training, lambda _, k=key: _forget(k)),
+                 slot)
 
 
 def lookup(p):
@@ -93,17 +102,16 @@ class Training:
     def register(self, slots):
         for slot in slots:
             if slot.is_param:
-                key = id(slot.placeholder)
-                _by_placeholder[key] = (weakref.ref(slot.placeholder, lambda _, k=key: _forget(k)),
-                                        weakref.ref(self), slot)
+                key, entry = _entry(slot.placeholder, self, slot)
+                _by_placeholder[key] = entry
 
     def register_stand_in(self, slot):
         """lookup() finds the slot from its stand-in too (grafting.py: shown while the model is put under a module
         of its own, until its next forward): an optimizer built from that module's parameters before the forward
         gets the stand-ins, and takes each for its placeholder (OffloadedParams.placeholder_for)."""
         if slot.is_param and slot.stand_in is not None:
-            key = id(slot.stand_in)
-            _by_placeholder[key] = (weakref.ref(slot.stand_in, lambda _, k=key: _forget(k)), weakref.ref(self), slot)
+            key, entry = _entry(slot.stand_in, self, slot)
+            _by_placeholder[key] = entry
 
     def unregister(self, slots):
         self.closed = True

@@ -32,3 +32,21 @@ def test_a_dropped_offloaded_model_is_collected(kind, tmp_path):
     del model
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_a_dropped_offloaded_models_weights_bookkeeping_is_collected(kind, tmp_path):
+    """Not only the model: its weights' placeholders (and with them the slots, records and units that describe
+    them) go too. A process-wide table from placeholders to their slots, meant to be emptied by remove_offload,
+    held every dropped model's slots, whose placeholders kept their own entries alive: each model offloaded and
+    dropped in a long-running process (a notebook rebuilding it) stayed in memory for good."""
+    model = Root()
+    model = cpu_offload(model) if kind == "cpu" else disk_offload(model, offload_dir=tmp_path / "od")
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+    refs = [weakref.ref(p) for p in model.parameters()]
+    assert len(refs) == 3
+    del model
+    gc.collect()  # the model and its streamer; the streamer's finalizer then lets go of what the next one frees
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
