@@ -57,8 +57,9 @@ Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, 
     thread_ = std::thread([this] { run(); });
   } catch (const std::system_error& e) {  // (std::thread's refusal was a bare RuntimeError naming nothing)
     const int err = e.code().value();
-    throw IoError(err, std::string("cannot start an I/O worker thread: ") + std::strerror(err) +
-                           " (the process's thread limit: ulimit -u, or a container's pids.max?)",
+    throw IoError(err,
+                  std::string("cannot start an I/O worker thread: ") + std::strerror(err) +
+                      " (the process's thread limit, ulimit -u or a container's pids.max, or no memory for its stack?)",
                   "", 0);
   }
 }

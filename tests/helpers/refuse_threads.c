@@ -11,8 +11,9 @@ static atomic_int allowed = -1; /* threads that may still start; -1: no limit */
 void refuse_threads_after(int n) { atomic_store(&allowed, n); }
 
 int pthread_create(pthread_t *thread, const pthread_attr_t *attr, void *(*start)(void *), void *arg) {
-  static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
-  if (!real) real = (int (*)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *))dlsym(RTLD_NEXT, "pthread_create");
+  typedef int (*create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+  static create_fn real;
+  if (!real) real = (create_fn)dlsym(RTLD_NEXT, "pthread_create");
   int left = atomic_load(&allowed);
   while (left >= 0) {
     if (left == 0) return EAGAIN;
