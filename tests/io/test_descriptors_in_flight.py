@@ -48,3 +48,36 @@ def test_checkpoint_of_many_big_tensors(tmp_path, few_descriptors):
     swapio.checkpoint.save(state, tmp_path / "c.safetensors")
     loaded = swapio.checkpoint.load(tmp_path / "c.safetensors")
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def _deep_model(depth):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(depth)])
+
+
+def test_offloaded_training_step_of_hundreds_of_modules(tmp_path, few_descriptors):
+    model, reference = _deep_model(300), _deep_model(300)
+    swapio.offload.disk_offload(model, tmp_path / "weights", execution_device="cpu")
+    x = torch.randn(4, 32)
+    with swapio.optim.OffloadAdamW(model.parameters(), offload="cpu") as opt:
+        few_descriptors()
+        model(x).sum().backward()
+        opt.step()  # writes every module's weights back
+    torch_opt = torch.optim.AdamW(reference.parameters())
+    reference(x).sum().backward()
+    torch_opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+
+
+def test_activation_offload_of_hundreds_of_tensors(tmp_path, few_descriptors):
+    model, reference = _deep_model(600), _deep_model(600)
+    x = torch.randn(4, 32)
+    few_descriptors()
+    offload = swapio.offload.offload_activations(to="nvme", swap_dir=tmp_path, min_bytes=0)
+    with offload:
+        loss = model(x).sum()
+    loss.backward()
+    offload.close()
+    reference(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
