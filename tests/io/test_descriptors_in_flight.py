@@ -55,11 +55,12 @@ def _deep_model(depth):
     return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(depth)])
 
 
-def test_offloaded_training_step_of_hundreds_of_modules(tmp_path, few_descriptors):
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])  # (nvme: the gradient sums' file too)
+def test_offloaded_training_step_of_hundreds_of_modules(tmp_path, few_descriptors, offload):
     model, reference = _deep_model(300), _deep_model(300)
     swapio.offload.disk_offload(model, tmp_path / "weights", execution_device="cpu")
     x = torch.randn(4, 32)
-    with swapio.optim.OffloadAdamW(model.parameters(), offload="cpu") as opt:
+    with swapio.optim.OffloadAdamW(model.parameters(), offload=offload, swap_dir=tmp_path / "swap") as opt:
         few_descriptors()
         model(x).sum().backward()
         opt.step()  # writes every module's weights back
