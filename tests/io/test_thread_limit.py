@@ -25,8 +25,8 @@ def refuse_threads_shim(tmp_path):
 def test_paths_at_the_thread_limit_fail_clearly_and_recover(refuse_threads_shim, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ, LD_PRELOAD=str(refuse_threads_shim), PYTHONPATH=os.pathsep.join([REPO, HELPERS]),
-               OMP_NUM_THREADS="1")
+    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(refuse_threads_shim)]))  # (ASan's first)
+    env = dict(os.environ, LD_PRELOAD=preload, PYTHONPATH=os.pathsep.join([REPO, HELPERS]), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-X", "faulthandler", os.path.join(HELPERS, "thread_limit_child.py"),
                           str(work)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "passed" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
