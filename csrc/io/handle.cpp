@@ -103,7 +103,17 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)), pid_(getpid())
     const unsigned batch = opt_.submit_batch > 0 ? static_cast<unsigned>(std::min<int64_t>(opt_.submit_batch, depth))
                                                  : depth;
     const size_t slot = static_cast<size_t>(std::max<int64_t>(opt_.block_size, 4096));
-    for (void* ctx : contexts) workers_.push_back(std::make_unique<Worker>(*ops, ctx, depth, batch, slot));
+    // A worker that cannot be made (no thread for it) owns nothing: its context and the ones after it are
+    // cleaned here, the workers already made by the members' destructor (each held an io_uring descriptor).
+    workers_.reserve(contexts.size());
+    for (size_t i = 0; i < contexts.size(); i++) {
+      try {
+        workers_.push_back(std::make_unique<Worker>(*ops, contexts[i], depth, batch, slot));
+      } catch (...) {
+        for (size_t j = i; j < contexts.size(); j++) ops->cleanup(contexts[j]);
+        throw;
+      }
+    }
     return;
   }
   throw IoError(-last_rc, "cannot set up I/O engine '" + wanted + "': " + std::strerror(-last_rc), "", 0);

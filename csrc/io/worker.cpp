@@ -8,8 +8,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include <sys/mman.h>
+
+#include "common/errors.h"
 
 namespace swapio::io {
 namespace {
@@ -50,7 +53,15 @@ Worker::Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, 
     : ops_(ops), ctx_(ctx), depth_(depth), batch_(ops.sync ? 1 : batch),
       slot_bytes_((slot_bytes + 4095) & ~size_t(4095)), slots_(2 * size_t(depth)), done_(depth) {
   for (auto& s : slots_) free_.push_back(&s);
-  thread_ = std::thread([this] { run(); });
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (const std::system_error& e) {  // (std::thread's refusal was a bare RuntimeError naming nothing)
+    const int err = e.code().value();
+    throw IoError(err,
+                  std::string("cannot start an I/O worker thread: ") + std::strerror(err) +
+                      " (the process's thread limit, ulimit -u or a container's pids.max, or no memory for its stack?)",
+                  "", 0);
+  }
 }
 
 Worker::~Worker() {

@@ -34,8 +34,8 @@ struct Task {
 
 class Worker {
  public:
-  // Takes ownership of ctx; hands the engine at most `batch` pieces per submit call; bounce buffers for
-  // misaligned memory are slot_bytes each.
+  // Takes ownership of ctx (not when it throws: no thread for it); hands the engine at most `batch` pieces per
+  // submit call; bounce buffers for misaligned memory are slot_bytes each.
   Worker(const EngineOps& ops, void* ctx, unsigned depth, unsigned batch, size_t slot_bytes);
   ~Worker();                                               // finishes queued work, then joins
   Worker(const Worker&) = delete;

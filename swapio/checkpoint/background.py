@@ -104,14 +104,16 @@ class _Job:
 
 
 def submit(fn, slot):
-    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserved Slot."""
+    """A swapio.Future of fn() run in the background after every earlier submit(); slot: the caller's reserved Slot.
+    Raises RuntimeError, with nothing queued, when no thread can be started (the process's thread limit)."""
     global _last
     # a Ctrl-C lands once the job is both the last and started: one landing between the two left a last job whose
     # thread never ran, and every later save waited for it forever (the exit too). Raised then, the save goes on.
+    # The job becomes the last once its thread runs: a start refused by the system left it last, never to finish.
     with DeferredSigint(), _lock:
         job = _Job(fn, _last, slot)
-        _last = job
         start_shielded(job._thread)
+        _last = job
     return Future(job)
 
 

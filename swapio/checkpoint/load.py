@@ -21,6 +21,7 @@ import torch
 from .. import _C
 from ..core import cuda_copy
 from ..core._align import ALIGN, round_up
+from ..core._in_flight import InFlight
 from ..core.tensors import storage_bytes_needed
 from ..safetensors import buffers, layout
 from ..safetensors.bytes_of import copyable
@@ -267,11 +268,12 @@ def read_state(opened, *, device="cpu", out=None, staging_bytes=DEFAULT_STAGING,
         tensors[name] = t
         pairs.append((tg.loc, tg.byte_view(dest), dest.device))
     with buffers.handle_for(handle) as h:
-        futures = []
+        futures, in_flight = [], InFlight()
         try:
-            # all in flight at once; staged unless in swapio's pinned (huge-page) memory (see the module)
+            # staged unless in swapio's pinned (huge-page) memory (see the module)
             for loc, view in direct:
-                futures.append(h.pread(view, loc.io_path, loc.offset, identity=loc.identity, staged="auto"))
+                futures.append(in_flight.submit(
+                    lambda: h.pread(view, loc.io_path, loc.offset, identity=loc.identity, staged="auto")))
             for dev in {d for _, _, d in pairs}:  # read_into streams to one device at a time
                 for run in _runs([(loc, view) for loc, view, d in pairs if d == dev]):
                     span = run[-1][0].offset + run[-1][0].nbytes - run[0][0].offset

@@ -30,7 +30,11 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
             with f:
                 f.write_pieces(pieces, staging, handle=handle, stop=background.abandoned)
                 return f.commit()
-        return background.submit(write_and_commit, slot)
+        try:
+            return background.submit(write_and_commit, slot)
+        except RuntimeError:  # no writer thread: nothing was queued, and the temporary file would stay
+            f.abort()
+            raise
     except BaseException:
         slot.release_unless_taken()
         raise

@@ -107,7 +107,11 @@ class Future(NotCopyable):
                 return
             if not self.done():
                 self._callbacks = [fn]
-                _watcher.add(self)
+                try:
+                    _watcher.add(self)
+                except RuntimeError:  # no watcher thread (the process's thread limit): fn is not registered
+                    self._callbacks = None
+                    raise
                 return
         self._call_back(fn)
 
@@ -210,7 +214,12 @@ class _CallbackWatcher:
         self._pending.append(future)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="swapio-future-callbacks", daemon=True)
-            self._thread.start()
+            try:
+                self._thread.start()
+            except RuntimeError:  # refused by the system: kept, the thread that never ran blocked every later add
+                self._thread = None
+                self._pending.remove(future)
+                raise
 
     def _run(self) -> None:
         while True:

@@ -29,6 +29,7 @@ import torch
 
 from ..core import _swapdir
 from ..core._align import ALIGN, round_up
+from ..core._in_flight import MAX_IN_FLIGHT
 from ..core._owned_fd import OwnedFd
 from ..core._signals import DeferredSigint
 from ..core.cuda_copy import DeviceCopyFuture, allocating_on_side_stream, copy_async, copy_stream
@@ -298,6 +299,13 @@ class Session:
                 self.poll()
                 while self.resident and self.staged + nbytes > self.res.staging_bytes:
                     self._unstage(self.resident.popleft())
+            self.res.stats["forward_wait_s"] += time.perf_counter() - t0
+        # each write holds the file open until it finishes: a forward saving hundreds of small tensors had as many
+        # in flight (EMFILE near ulimit -n), which the staging room, in bytes, let through
+        while sum(e.write is not None for e in self.pending) >= MAX_IN_FLIGHT:
+            t0 = time.perf_counter()
+            self._advance(next(e for e in self.pending if e.write is not None), block=True)
+            self.poll()
             self.res.stats["forward_wait_s"] += time.perf_counter() - t0
 
     def poll(self):

@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from ..core._in_flight import MAX_IN_FLIGHT
 from ..core._signals import DeferredSigint
 from ..core.pinned import empty_pinned
 from ..safetensors.files import wait_checked
@@ -282,6 +283,16 @@ class DiskStore(RecordTurns):
         """Writes the record from `buf`; `keep`: slots whose bytes in buf are not valid (an update that failed
         before them, on a buffer begin() did not fill), read back from the file first."""
         path, offset, length, _ = record.spans[0]
+        try:  # each write holds the file open until done: a batch of hundreds of small records had as many
+            while True:
+                with self._lock:
+                    oldest = self._writes[0] if len(self._writes) >= MAX_IN_FLIGHT else None
+                if oldest is None:
+                    break
+                self._reap(oldest)
+        except BaseException:  # (a Ctrl-C while waiting: given up as a failed submission is, below)
+            self.abort(record)
+            raise
         with DeferredSigint():  # from taken to written, or back (see _put_back)
             with self._lock:
                 whole = self._taken.pop(record)

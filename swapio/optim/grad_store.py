@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..core._align import round_up
+from ..core._in_flight import InFlight
 from ..core.handle import AioHandle
 from ..core.pinned import GrowingBlock
 from .finish import finish_all
@@ -168,17 +169,22 @@ class FileGrads:
 
     def start_reads(self, params, arena=0):
         """Starts reading the sums of params (a batch) into read arena `arena` (0 or 1: the next batch is read
-        while this one steps), all reads in flight at once; returns a callable that waits and gives {p: sum,
+        while this one steps), up to 32 reads in flight at once; returns a callable that waits and gives {p: sum,
         its clip scale applied}, views valid until the arena's next start_reads or the next add()."""
         self._wait_writes()
         self.check()
         sizes = [round_up(shard(p).numel() * 4) for p in params]
         buf = self._sized(arena, sum(sizes))
-        views, futures, at = {}, [], 0
-        for p, size in zip(params, sizes):
-            futures.append(self.handle.pread(buf[at:at + size], self.path, self.extents[p]))
-            views[p] = buf[at:at + shard(p).numel() * 4].view(FP32).view(shard(p).shape)
-            at += size
+        views, futures, at, in_flight = {}, [], 0, InFlight()  # (each read holds the file open until done)
+        try:
+            for p, size in zip(params, sizes):
+                futures.append(in_flight.submit(
+                    lambda: self.handle.pread(buf[at:at + size], self.path, self.extents[p])))
+                views[p] = buf[at:at + shard(p).numel() * 4].view(FP32).view(shard(p).shape)
+                at += size
+        except BaseException:  # none still reads into the arena once the error propagates
+            finish_all(f.exception for f in futures)
+            raise
 
         def result():
             finish_all(f.wait for f in futures)

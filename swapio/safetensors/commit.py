@@ -99,9 +99,10 @@ def _close_on_helper(replaced):
         earlier.close()  # (closed by its thread already, unless an interrupted commit's thread never ran)
     try:
         thread.start()
-    except BaseException:
+    except BaseException as exc:
         replaced.close()
-        raise
+        if not isinstance(exc, RuntimeError):  # no thread (the process's limit): the save is done all the same,
+            raise                              # it only waited for the close (raised, it looked failed)
 
 
 def _refuse(exc, final):

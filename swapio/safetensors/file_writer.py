@@ -13,6 +13,7 @@ from their own buffers). With `source` the caller gives every tensor's bytes ins
 reads offloaded weights through the model's fetcher). A file whose bytes were captured already (async_save's image)
 goes through write_pieces.
 """
+from ..core._in_flight import InFlight
 from . import buffers, writer
 from .bytes_of import flat_bytes
 from .commit import PendingFile, commit_pending
@@ -66,10 +67,11 @@ class FileWriter:
         """The direct requests are all submitted first (the handle copies misaligned memory through its own
         bounce buffers, pipelined with the device), then the stream's, then the staged pieces follow; every
         request is waited for before this returns or raises."""
-        futures, error, pending = [], None, self.pending
+        futures, error, pending, in_flight = [], None, self.pending, InFlight()
 
         def submit(offset, view):
-            return h.pwrite(view, pending.path, offset, identity=pending.identity, staged="auto")
+            return in_flight.submit(lambda: h.pwrite(view, pending.path, offset, identity=pending.identity,
+                                                     staged="auto"))
 
         try:
             for offset, view in direct:

@@ -210,15 +210,19 @@ def test_ctrl_c_while_close_waits_for_writes_reaches_the_user_after_the_cleanup(
     real, writes = handle_module.AioHandle.pwrite, []
 
     def pwrite(self, *args, **kwargs):
-        writes.append(HeldWrite(real(self, *args, **kwargs), interrupt=not writes))
+        writes.append(HeldWrite(real(self, *args, **kwargs), interrupt=False))
         return writes[-1]
     monkeypatch.setattr(handle_module.AioHandle, "pwrite", pwrite)
     with act:
         loss = model(x.clone().requires_grad_(True)).sum()
     assert len(writes) >= 2
+    # the first close() waits for (the forward waited for the oldest ones while 32 were in flight)
+    first = next(i for i, w in enumerate(writes) if not w.future.observed)
+    assert first < len(writes) - 1
+    writes[first].interrupt = True
     with pytest.raises(KeyboardInterrupt):
         act.close()
-    assert all(w.future.done() and w.future.observed for w in writes[1:])  # the others were still waited for
+    assert all(w.future.done() and w.future.observed for w in writes[first + 1:])  # the others still waited for
     assert_clean(act)
     with pytest.raises(RuntimeError, match="discarded|released"):
         loss.backward()

@@ -10,6 +10,7 @@ import torch
 
 from ... import _progress
 from ...core import _checksum
+from ...core._in_flight import InFlight
 from .. import state_transfer, unstepped_weights, validate
 from ..params import shard
 from ..state_format import SCALE, StateFormat
@@ -57,6 +58,8 @@ def restore(opt, meta, path, progress=False):
                 for entry in meta["state"].values() for name in entry["fields"])
     with _progress.byte_bar(progress, total, "swapio: loading optimizer") as bar, \
             state_transfer.io_handles(opt) as (rh, _):
+        in_flight = InFlight()
+
         def read(p, name, a, view):
             """Reads the stored elements of `name` for parameter elements from a into view (a future), feeding
             the checksum and checking the values once they are in."""
@@ -73,7 +76,8 @@ def restore(opt, meta, path, progress=False):
                     bad.append(exc)
                 return n
 
-            return rh.pread(view, data_path, offsets[p][name] + first * view.element_size())._chain(arrived)
+            return in_flight.submit(
+                lambda: rh.pread(view, data_path, offsets[p][name] + first * view.element_size())._chain(arrived))
 
         def source(p, a, b, views):
             if saved_fmt == fmt:  # as stored: straight into the views
