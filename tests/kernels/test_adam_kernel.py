@@ -319,6 +319,24 @@ def test_bad_argument_raises_value_error(overrides, kw):
         call(overrides, **kw)
 
 
+_STEPS = {
+    "adam": lambda t, step: ops.adam_step_(*t, torch.zeros(8), step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                           weight_decay=0.0),
+    "lion": lambda t, step: ops.lion_step_(*t, step=step, lr=1e-3),
+    "adafactor": lambda t, step: ops.adafactor_step_(t[0], t[1], shape=(8,), variance=t[2], step=step),
+}
+
+
+@pytest.mark.parametrize("step", [2**63, 2**64, 1e19], ids=repr)
+@pytest.mark.parametrize("kernel", sorted(_STEPS))
+def test_a_step_past_int64_is_a_value_error_naming_step(kernel, step):
+    # it reached the int64 binding, whose TypeError dumped pybind11's C++ signature
+    t = (torch.zeros(8), torch.ones(8), torch.zeros(8))
+    with pytest.raises(ValueError, match="step must be <= 2\\*\\*63 - 1"):
+        _STEPS[kernel](t, step)
+    assert not t[0].any() and not t[2].any()  # nothing was written
+
+
 def test_binding_rejects_bad_raw_arguments():
     t = torch.zeros(8)
     ptr = t.data_ptr()
