@@ -45,8 +45,10 @@ def check_int(name: str, value: object, minimum: Optional[int] = None,
 
 
 def check_path(name: str, value: StrPath) -> str:
+    """A path argument as a str: a bytes path (or a PathLike giving bytes) as os.fsdecode reads it, as open() takes
+    both (swapio joins str names to it)."""
     try:
-        return os.fspath(value)
+        return os.fsdecode(os.fspath(value))
     except TypeError:
         raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}") from None
 

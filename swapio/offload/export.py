@@ -25,6 +25,7 @@ import secrets
 import torch
 
 from ..core import _durable
+from ..core._errors import check_path
 from ..core._signals import DeferredSigint
 from ..safetensors import buffers, layout
 from ..safetensors.commit import PendingFile, commit_pending
@@ -132,7 +133,7 @@ def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False
     if unwrap(model) is not model:  # torch.compile's wrapper: the plain model's names, as save_pretrained
         model, part = unwrap(model), True
     limit = None if max_shard_size is None else shard_size(max_shard_size)
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(check_path("path", path))
     single = path.endswith(".safetensors") or (limit is None and not os.path.isdir(path))
     if single and limit is not None:
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "

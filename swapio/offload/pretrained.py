@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from ..core._errors import check_path
 from ..safetensors.opened import open_checkpoint
 
 
@@ -102,7 +103,7 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
         if "execution_device" in disk_offload_kwargs:
             raise TypeError("pass device_map= or execution_device=, not both: both name where the model computes")
         disk_offload_kwargs["execution_device"] = _device_of(device_map)
-    directory = os.fspath(checkpoint_dir)
+    directory = check_path("checkpoint_dir", checkpoint_dir)
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir {directory} is not a directory (save_pretrained's output)")
     config, build = _model_class(transformers, model_class_or_config, directory)
