@@ -119,7 +119,7 @@ def _shards(stored, limit):
 def save_checkpoint(model, path, max_shard_size=None):
     """Writes the model's current weights (offloaded by disk_offload or cpu_offload, or a plain nn.Module) as
     safetensors: the file `path`, or the shards and index save_pretrained writes in the directory `path` when it
-    is a directory or max_shard_size is given. Ties are stored once, under their first state_dict name. Returns
+    is a directory, ends in a slash, or max_shard_size is given. Ties are stored once, under their first state_dict name. Returns
     the path written (the file, or the index)."""
     return write_checkpoint(model, path, max_shard_size)
 
@@ -133,8 +133,10 @@ def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False
     if unwrap(model) is not model:  # torch.compile's wrapper: the plain model's names, as save_pretrained
         model, part = unwrap(model), True
     limit = None if max_shard_size is None else shard_size(max_shard_size)
-    path = os.path.abspath(check_path("path", path))
-    single = path.endswith(".safetensors") or (limit is None and not os.path.isdir(path))
+    given = check_path("path", path)
+    path = os.path.abspath(given)  # (which drops a trailing slash: "out/" names a directory all the same)
+    single = not given.endswith(("/", os.sep)) and (path.endswith(".safetensors") or
+                                                     (limit is None and not os.path.isdir(path)))
     if single and limit is not None:
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "
                          "file: pass a directory")
