@@ -23,7 +23,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     saves its own state into the directory `path` (sharded.py). Saves land in the order they were called: this
     first waits for every async_save queued before it (their errors stay with their futures)."""
     path = _path(path)
-    check_staging_bytes(staging_bytes)
+    staging_bytes = check_staging_bytes(staging_bytes)
     background.wait_all()
     if distributed:
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle, metadata=metadata)
@@ -36,7 +36,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=single.DEFAULT_STAGING, 
     those tensors (and the saved non-tensor values). A directory saved with distributed=True loads this rank's
     state (group: the process group, default the world)."""
     path = _path(path)
-    check_staging_bytes(staging_bytes)
+    staging_bytes = check_staging_bytes(staging_bytes)
     background.wait_all()  # async_saves queued before this call land first (as save() does): it reads what they wrote
     if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
         raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)

@@ -16,7 +16,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     slot = background.Slot()
     try:
         slot.reserve()  # at most one capture waits behind the one being written: else block until one is done
-        check_staging_bytes(staging_bytes)
+        staging_bytes = check_staging_bytes(staging_bytes)
         plan = plan_state(state, metadata)
         f = FileWriter(os.fsdecode(os.fspath(path)), plan)  # (a bytes path as its str, as save() takes it)
         try:

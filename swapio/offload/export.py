@@ -18,6 +18,7 @@ save_pretrained's model.safetensors). Tagged shards are then given their usual n
 """
 import errno
 import json
+import numbers
 import os
 import re
 import secrets
@@ -50,8 +51,8 @@ def shard_size(value):
     """max_shard_size as transformers takes it: bytes (int), or "5GB" (10^9), "5GiB" (2^30), "5Gb" (gigabits),
     K/M/G/T; ValueError otherwise. (swapio.tools.parse_size reads "5GB" as binary, as fio does: not the same.)"""
     n = 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (numpy's too)
+        n = int(value)
     elif isinstance(value, str) and _SIZE.fullmatch(value.strip()):
         number, unit, binary, b = _SIZE.fullmatch(value.strip()).groups()
         n = int(number)

@@ -11,6 +11,7 @@ release_buffers() frees them all.
 """
 import atexit
 import contextlib
+import numbers
 import os
 import threading
 from typing import Optional
@@ -27,12 +28,13 @@ _spare_handle: list[AioHandle] = []   # at most one
 
 
 def check_staging_bytes(staging_bytes):
-    """staging_bytes must be a positive int (TypeError / ValueError otherwise)."""
-    if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool):
+    """staging_bytes as an int: a positive int, numpy's included (TypeError / ValueError otherwise)."""
+    if not isinstance(staging_bytes, numbers.Integral) or isinstance(staging_bytes, bool):
         raise TypeError(f"staging_bytes must be a positive int (bytes), got {type(staging_bytes).__name__} "
                         f"{staging_bytes!r}")
     if staging_bytes <= 0:
         raise ValueError(f"staging_bytes must be a positive int (bytes), got {staging_bytes}")
+    return int(staging_bytes)
 
 
 def new_handle():
