@@ -293,6 +293,9 @@ class SwapStore(NotCopyable, Closeable):
     def remove(self, swapped: SwappedTensor) -> None:
         """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised
         here only if nobody has seen it yet."""
+        if not isinstance(swapped, SwappedTensor):
+            hint = f" (by name: remove(store[{swapped!r}]))" if isinstance(swapped, str) else ""
+            raise TypeError(f"remove() takes the SwappedTensor swap_out returned, got {type(swapped).__name__}{hint}")
         with self._lock:
             if self._tensors.get(swapped.name) is not swapped:
                 self._check_open()  # close() removed every tensor: say so, not that this one is a stranger

@@ -120,8 +120,8 @@ def _shards(stored, limit):
 def save_checkpoint(model, path, max_shard_size=None):
     """Writes the model's current weights (offloaded by disk_offload or cpu_offload, or a plain nn.Module) as
     safetensors: the file `path`, or the shards and index save_pretrained writes in the directory `path` when it
-    is a directory, ends in a slash, or max_shard_size is given. Ties are stored once, under their first state_dict name. Returns
-    the path written (the file, or the index)."""
+    is a directory, ends in a slash, or max_shard_size is given. Ties are stored once, under their first
+    state_dict name. Returns the path written (the file, or the index)."""
     return write_checkpoint(model, path, max_shard_size)
 
 

@@ -328,6 +328,16 @@ def test_remove_of_foreign_swapped_tensor_is_value_error(tmp_path, store):
             store.remove(s)
 
 
+@pytest.mark.parametrize("other", ["kept", 3, None, torch.ones(2)], ids=["its name", "int", "None", "a tensor"])
+def test_remove_of_something_else_is_a_type_error_and_removes_nothing(store, other):
+    # (an AttributeError: 'str' object has no attribute 'name')
+    s = store.swap_out(sample(), name="kept", release=False).wait(timeout=TIMEOUT)
+    by_name = r".*remove\(store\['kept'\]\)" if other == "kept" else ""
+    with pytest.raises(TypeError, match="SwappedTensor swap_out returned" + by_name):
+        store.remove(other)
+    assert "kept" in store and os.path.exists(s.path)
+
+
 def test_close_removes_files_and_created_directory(tmp_path):
     directory = tmp_path / "made-by-store"
     store = swapio.SwapStore(directory)
