@@ -8,6 +8,7 @@ from ..safetensors.buffers import check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING
 from ..safetensors.opened import open_checkpoint
 from . import background, load as single, sharded
+from .format import check_metadata_type
 from .save import save_file
 
 
@@ -24,6 +25,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     first waits for every async_save queued before it (their errors stay with their futures)."""
     path = _path(path)
     staging_bytes = check_staging_bytes(staging_bytes)
+    check_metadata_type(metadata)  # (a distributed save makes its directory first)
     background.wait_all()
     if distributed:
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle, metadata=metadata)

@@ -337,6 +337,16 @@ def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call,
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("metadata", ["k=v", [("k", "v")], 3, {"k": 1}], ids=repr)
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_metadata_that_is_not_a_dict_of_str_is_a_type_error_naming_it(tmp_path, call, metadata):
+    # (a str raised dict()'s ValueError "dictionary update sequence element #0 has length 1", an int
+    # "'int' object is not iterable", and a list of pairs was taken, which safetensors' save_file refuses)
+    with pytest.raises(TypeError, match="metadata must be a dict of str to str"):
+        getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+
 def _rank_0_of_1(save_id):
     """The __metadata__ a distributed save of one rank writes into its file."""
     from swapio.checkpoint import sharded
