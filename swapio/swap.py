@@ -12,7 +12,7 @@ import torch
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
 from .core._signals import DeferredSigint
-from .core._errors import NotCopyable, StrPath, check_path
+from .core._errors import NotCopyable, StrPath, check_bool, check_path
 from .core.futures import Future
 from .core.handle import AioHandle
 from .core.cuda_copy import usable_device
@@ -186,8 +186,7 @@ class SwapStore(NotCopyable, Closeable):
             raise ValueError("pass either handle or AioHandle keyword arguments, not both")
         if handle is not None and not isinstance(handle, AioHandle):
             raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
+        verify = check_bool("verify", verify)
         self._closed = True  # until set up (close(), from the finalizer too, lets go of self._owner once it is set)
         own_handle = AioHandle(**handle_kwargs) if handle is None else None  # bad settings fail before mkdir
         chosen = handle if handle is not None else own_handle

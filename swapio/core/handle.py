@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._closeable import Closeable
-from ._errors import NotCopyable, StrPath, check_int, check_path, warn_once
+from ._errors import NotCopyable, StrPath, check_bool, check_int, check_path, warn_once
 from .futures import Future
 from .pinned import is_pinned
 from .tensors import check_writable_in_place, cpu_memory, mark_written
@@ -44,8 +44,8 @@ class AioHandle(NotCopyable, Closeable):
         threads = check_int("threads", threads, 1)
         if not isinstance(engine, str):
             raise TypeError(f"engine must be a str, got {type(engine).__name__}")
-        if direct is not None and not isinstance(direct, bool):
-            raise TypeError(f"direct must be None, True or False, got {type(direct).__name__}")
+        if direct is not None:
+            direct = check_bool("direct", direct, "None, True or False")
         submit_batch = check_int("submit_batch", submit_batch, 0)
         self._native = _C.Handle(block_size, queue_depth, threads, engine, direct, submit_batch)
         self.block_size, self.queue_depth, self.threads, self.direct = block_size, queue_depth, threads, direct
@@ -111,8 +111,7 @@ class AioHandle(NotCopyable, Closeable):
         virtio-blk (Firecracker) reads into it ran at 0.63-0.81x of reads into huge pages, staged at 0.92-1.0x;
         writes 0.77x, staged 0.95x. staged="auto": staged unless the memory is swapio pinned memory (huge pages
         already; what swapio's own checkpoints, swaps and offload use)."""
-        if not isinstance(restores, bool):
-            raise TypeError(f"restores must be True or False, got {type(restores).__name__}")
+        restores = check_bool("restores", restores)
         return self._submit("read", tensor, path, offset, identity=identity, staged=staged, changes=not restores)
 
     def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
@@ -131,8 +130,8 @@ class AioHandle(NotCopyable, Closeable):
             if staged != "auto":
                 raise ValueError(f"staged must be True, False or 'auto', got {staged!r}")
             staged = not is_pinned(tensor)
-        elif not isinstance(staged, bool):
-            raise TypeError(f"staged must be True, False or 'auto', got {type(staged).__name__}")
+        else:
+            staged = check_bool("staged", staged, "True, False or 'auto'")
         existed = op != "write" or os.path.lexists(path)
         if changes:
             check_writable_in_place(tensor)

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from ..core._errors import check_int
+from ..core._errors import check_bool, check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
@@ -190,9 +190,7 @@ def _check_path(name, path):
 
 def _check_common(prefetch, offload_buffers):
     prefetch = check_int("prefetch", prefetch, 0)
-    if not isinstance(offload_buffers, bool):
-        raise TypeError(f"offload_buffers must be a bool, got {type(offload_buffers).__name__}")
-    return prefetch
+    return prefetch, check_bool("offload_buffers", offload_buffers, "a bool")
 
 
 def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=None, preload_module_classes=None, *,
@@ -204,7 +202,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     submodules' weights at the start of their forward. Returns the model."""
     _check_model(model)
     refuse_wrapped(model)
-    prefetch = _check_common(prefetch, offload_buffers)
+    prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
     if state_dict is not None:  # a model built on meta: what disk_offload(checkpoint=) supplies, from the dict
@@ -313,9 +311,9 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     refuse_wrapped(model)
     offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
     checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
-    prefetch = _check_common(prefetch, offload_buffers)
+    if progress is not None:
+        progress = check_bool("progress", progress, "None, True or False")
+    prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):

@@ -19,7 +19,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ..core._errors import SwapioWarning, check_int
+from ..core._errors import SwapioWarning, check_bool, check_int
 from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from . import checkpoint, reference, state_dict_hooks, timing, validate
@@ -919,8 +919,7 @@ class OffloadOptimizer(Optimizer):
         0 in cpu mode) and "read_gbps", "write_gbps" (those bytes per second of wall time, in GB/s). Measured with
         perf_counter around work the step does anyway: no synchronisation is added. reset=True starts the
         totals (and "last") afresh after returning them. See docs/optim.md, "Seeing where time goes"."""
-        if not isinstance(reset, bool):
-            raise TypeError(f"reset must be a bool, got {type(reset).__name__}")
+        reset = check_bool("reset", reset, "a bool")
         report = {"last": self._last_step, "total": self._step_total}
         if reset:
             self._last_step = self._step_total = None
