@@ -27,6 +27,29 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
+def config_settings(config: Union[StrPath, Dict[str, Any]], name: str = "config") -> Dict[str, Any]:
+    """The AioHandle settings of a dict or of a JSON file as written by `swapio tune` (its "handle" object, or the
+    whole); TypeError/ValueError naming `name` or the file for a config that is neither, or has unknown keys."""
+    source = "the config"
+    if isinstance(config, dict):
+        doc: Any = config
+    else:
+        source = check_path(name, config)
+        with open(source) as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
+    settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
+    if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
+        raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
+                         f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
+    unknown = set(settings) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
+    return dict(settings)
+
+
 class AioHandle(NotCopyable, Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
@@ -58,24 +81,7 @@ class AioHandle(NotCopyable, Closeable):
     @classmethod
     def from_config(cls, config: Union[StrPath, Dict[str, Any]]) -> AioHandle:
         """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
-        source = "the config"
-        if isinstance(config, dict):
-            doc: Any = config
-        else:
-            source = check_path("config", config)
-            with open(source) as f:
-                try:
-                    doc = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
-        settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
-        if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
-            raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
-                             f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
-        unknown = set(settings) - set(_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
-        return cls(**settings)
+        return cls(**config_settings(config))
 
     @property
     def engine(self) -> str:

@@ -159,5 +159,8 @@ def round_bf16_stochastic(x: torch.Tensor, random16: torch.Tensor) -> torch.Tens
 
 def state_bytes_per_element(state_dtype: str) -> float:
     """Bytes one moment element takes in RAM or on disk (int8 includes its share of the block scale)."""
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[state_dtype]
+    sizes = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
+    if not isinstance(state_dtype, str) or state_dtype not in sizes:  # (a KeyError)
+        raise ValueError(f"state_dtype must be one of {list(sizes)}, got {state_dtype!r}")
+    return sizes[state_dtype]
 
