@@ -4,6 +4,7 @@ to save.py / load.py."""
 import errno
 import os
 
+from ..core._errors import check_path
 from ..safetensors.buffers import check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING
 from ..safetensors.opened import open_checkpoint
@@ -14,7 +15,7 @@ from .save import save_file
 
 def _path(path):
     """path as a str (a bytes path as os.fsdecode gives it: open() takes both, swapio's path handling str)."""
-    return os.fsdecode(os.fspath(path))
+    return check_path("path", path)
 
 
 def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=None, distributed=False,

@@ -1,7 +1,6 @@
 """async_save(state, path): returns a swapio.Future once every tensor's bytes are copied (capture.py); the
 file is written and committed in the background (background.py), exactly as save() would."""
-import os
-
+from ..core._errors import check_path
 from ..safetensors.buffers import check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from . import background
@@ -18,7 +17,7 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
         slot.reserve()  # at most one capture waits behind the one being written: else block until one is done
         staging_bytes = check_staging_bytes(staging_bytes)
         plan = plan_state(state, metadata)
-        f = FileWriter(os.fsdecode(os.fspath(path)), plan)  # (a bytes path as its str, as save() takes it)
+        f = FileWriter(check_path("path", path), plan)  # (a bytes path as its str, as save() takes it)
         try:
             pieces, staging = capture(plan, staging_bytes)
         except BaseException:

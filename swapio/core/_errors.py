@@ -57,11 +57,15 @@ def check_bool(name: str, value: object, allowed: str = "True or False") -> bool
 
 def check_path(name: str, value: StrPath) -> str:
     """A path argument as a str: a bytes path (or a PathLike giving bytes) as os.fsdecode reads it, as open() takes
-    both (swapio joins str names to it)."""
+    both (swapio joins str names to it). An empty one is a ValueError: as a directory it meant the current one,
+    which got the files (an unset environment variable, most likely; "." says it)."""
     try:
-        return os.fsdecode(os.fspath(value))
+        path = os.fsdecode(os.fspath(value))
     except TypeError:
         raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}") from None
+    if not path:
+        raise ValueError(f"{name} is an empty path (for the current directory, pass '.')")
+    return path
 
 
 

@@ -185,6 +185,8 @@ def _check_path(name, path):
         fs = os.fspath(path)
     except TypeError:
         raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), got {type(path).__name__}") from None
+    if not fs:  # (offload_dir="" wrote the weight files into the current directory)
+        raise ValueError(f"{name} is an empty path (for the current directory, pass '.')")
     return os.fsdecode(fs) if isinstance(fs, bytes) else path
 
 
