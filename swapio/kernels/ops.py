@@ -105,9 +105,13 @@ def _seed(seed):
     return int(seed)
 
 
-def _index_base(index_base):
+def _index_base(index_base, n):
+    """index_base, whose elements' indices index_base + i (i < n) the kernels hold in an int64: past 2**63 - 1
+    they reached the binding (pybind11's dump of its C++ signature) or overflowed."""
     if isinstance(index_base, bool) or not isinstance(index_base, numbers.Integral) or index_base < 0:
         raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    if index_base + n > 1 << 63:
+        raise ValueError(f"index_base + the element count must be <= 2**63, got {index_base!r} + {n}")
     return int(index_base)
 
 
@@ -151,7 +155,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     step = check_step(step)
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
-    seed, index_base = _seed(seed), _index_base(index_base)
+    seed, index_base = _seed(seed), _index_base(index_base, param.numel())
     n = param.numel()
     if n == 0:
         return param
@@ -205,7 +209,7 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
-    seed, index_base = _seed(seed), _index_base(index_base)
+    seed, index_base = _seed(seed), _index_base(index_base, param.numel())
     n = param.numel()
     if n == 0:
         return param
@@ -262,7 +266,7 @@ def lion_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
-    state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, index_base)
+    state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, _index_base(index_base, param.numel()))
     m = state.values[0]
     p = param.reshape(-1)
     g = grad.reshape(-1).to(p.dtype)
@@ -296,7 +300,7 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     """
     if exp_avg.dtype in (torch.bfloat16, torch.uint8):
         state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed,
-                         check_step(step), index_base)
+                         check_step(step), _index_base(index_base, param.numel()))
         adam_step_reference_(param.reshape(-1), grad.reshape(-1), *state.values, step=step, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize)
         state.store()

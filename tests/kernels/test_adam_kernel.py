@@ -337,6 +337,33 @@ def test_a_step_past_int64_is_a_value_error_naming_step(kernel, step):
     assert not t[0].any() and not t[2].any()  # nothing was written
 
 
+_BF16_STEPS = {
+    "adam": lambda step, t, index_base: step(t[0], t[1], t[2], t[3], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                                             eps=1e-8, weight_decay=0.0, index_base=index_base),
+    "lion": lambda step, t, index_base: step(t[0], t[1], t[2], lr=1e-3, index_base=index_base),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(_BF16_STEPS))
+def test_index_base_up_to_int64_matches_the_reference_and_past_it_is_a_value_error(kernel):
+    # past 2**63 - 1 it reached the int64 binding of a bf16 state (pybind11's dump of the C++ signature)
+    def state():
+        torch.manual_seed(0)
+        return (torch.randn(8), torch.randn(8), torch.randn(8).bfloat16(), torch.rand(8).bfloat16())
+    native, reference = getattr(ops, kernel + "_step_"), getattr(ops, kernel + "_step_reference_")
+    last = 2**63 - 8  # its 8 elements' indices end at 2**63 - 1
+    a, b = state(), state()
+    _BF16_STEPS[kernel](native, a, last)
+    _BF16_STEPS[kernel](reference, b, last)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for step in (native, reference):
+        for index_base in (last + 1, 2**64):
+            t = state()
+            with pytest.raises(ValueError, match="index_base"):
+                _BF16_STEPS[kernel](step, t, index_base)
+            assert all(torch.equal(x, y) for x, y in zip(t, state()))  # nothing was written
+
+
 def test_binding_rejects_bad_raw_arguments():
     t = torch.zeros(8)
     ptr = t.data_ptr()
