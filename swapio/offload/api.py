@@ -438,6 +438,7 @@ def stats(model, reset=False):
     outermost offloaded forwards), wait_s (of it, waiting for weights: reads not yet done, issuing device
     copies), compute_s (forward_s - wait_s), read_gbps (bytes_read per second of forward_s, GB/s).
     reset=True zeroes every counter after returning them. See docs/offload.md, "Seeing where time goes"."""
+    reset = check_bool("reset", reset, "a bool")  # (reset="False" zeroed the counters)
     owner = _offloaded.get(model)
     if not isinstance(owner, WeightStreamer):
         raise ValueError("this model is not offloaded by swapio's cpu_offload or disk_offload")
