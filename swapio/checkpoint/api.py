@@ -4,7 +4,7 @@ to save.py / load.py."""
 import errno
 import os
 
-from ..core._errors import check_path
+from ..core._errors import check_bool, check_path
 from ..safetensors.buffers import check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING
 from ..safetensors.opened import open_checkpoint
@@ -27,6 +27,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     path = _path(path)
     staging_bytes = check_staging_bytes(staging_bytes)
     check_metadata_type(metadata)  # (a distributed save makes its directory first)
+    distributed = check_bool("distributed", distributed)  # ("False" was a distributed save)
     background.wait_all()
     if distributed:
         return sharded.save(state, path, group=group, staging_bytes=staging_bytes, handle=handle, metadata=metadata)

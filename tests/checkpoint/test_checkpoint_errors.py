@@ -347,6 +347,14 @@ def test_metadata_that_is_not_a_dict_of_str_is_a_type_error_naming_it(tmp_path, 
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("distributed", ["False", 0, None], ids=repr)
+def test_distributed_must_be_a_bool(tmp_path, distributed):
+    # ("False" asked for a distributed save: a directory of rank files where a process group exists)
+    with pytest.raises(TypeError, match="^distributed must be True or False"):
+        swapio.checkpoint.save({"t": torch.ones(3)}, tmp_path / "c.safetensors", distributed=distributed)
+    assert os.listdir(tmp_path) == []
+
+
 def _rank_0_of_1(save_id):
     """The __metadata__ a distributed save of one rank writes into its file."""
     from swapio.checkpoint import sharded
