@@ -227,6 +227,7 @@ class SwapStore(NotCopyable, Closeable):
         self._check_open()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        release = check_bool("release", release)  # (release="False" freed the tensor's memory)
         check_dense(tensor)
         if tensor.device.type == "meta":
             raise ValueError("tensor is on the meta device: it has no bytes to swap out")

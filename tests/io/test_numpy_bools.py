@@ -1,6 +1,6 @@
 """Flags take numpy's bool (what comparing numpy numbers gives: verify=size > limit) as torch and Python take it;
 they refused it as "must be True or False, got bool". An int or a str there stays a TypeError naming the flag
-(offload.stats took any reset=: "False" zeroed the counters)."""
+(offload.stats took any reset=: "False" zeroed the counters; swap_out any release=: "False" freed the memory)."""
 import pytest
 import torch
 
@@ -16,6 +16,11 @@ def _handle(call):
         h.close()
 
 
+def _store(tmp, call):
+    with swapio.SwapStore(tmp / "s") as store:
+        call(store)
+
+
 def _optimizer(call=lambda opt: None, **kw):
     opt = swapio.optim.OffloadAdamW(torch.nn.Linear(2, 2).parameters(), **kw)
     try:
@@ -27,6 +32,7 @@ def _optimizer(call=lambda opt: None, **kw):
 FLAGS = {
     "verify": lambda tmp, v: swapio.SwapStore(tmp / "s", verify=v).close(),
     "direct": lambda tmp, v: swapio.AioHandle(direct=v).close(),
+    "release": lambda tmp, v: _store(tmp, lambda s: s.swap_out(torch.ones(4), release=v).wait()),
     "staged": lambda tmp, v: _handle(lambda h: h.pwrite(torch.ones(4), tmp / "f", staged=v).wait()),
     "restores": lambda tmp, v: _handle(lambda h: (h.pwrite(torch.ones(4), tmp / "f").wait(),
                                                    h.pread(torch.empty(4), tmp / "f", restores=v).wait())),
