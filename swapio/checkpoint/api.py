@@ -5,7 +5,7 @@ import errno
 import os
 
 from ..core._errors import check_bool, check_path
-from ..safetensors.buffers import check_staging_bytes
+from ..safetensors.buffers import check_handle, check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING
 from ..safetensors.opened import open_checkpoint
 from . import background, load as single, sharded
@@ -26,6 +26,7 @@ def save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metadata=No
     first waits for every async_save queued before it (their errors stay with their futures)."""
     path = _path(path)
     staging_bytes = check_staging_bytes(staging_bytes)
+    check_handle(handle)
     check_metadata_type(metadata)  # (a distributed save makes its directory first)
     distributed = check_bool("distributed", distributed)  # ("False" was a distributed save)
     background.wait_all()
@@ -41,6 +42,7 @@ def load(path, *, device="cpu", out=None, staging_bytes=single.DEFAULT_STAGING, 
     state (group: the process group, default the world)."""
     path = _path(path)
     staging_bytes = check_staging_bytes(staging_bytes)
+    check_handle(handle)
     background.wait_all()  # async_saves queued before this call land first (as save() does): it reads what they wrote
     if not os.path.exists(path):  # (a dangling symlink included) an OSError like open()'s, not a ValueError
         raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} does not exist", path)

@@ -37,6 +37,12 @@ def check_staging_bytes(staging_bytes):
     return int(staging_bytes)
 
 
+def check_handle(handle):
+    """TypeError unless handle is None or an AioHandle (an AttributeError on .pwrite came from deep inside)."""
+    if handle is not None and not isinstance(handle, AioHandle):
+        raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+
+
 def new_handle():
     """The handle a checkpoint uses when the caller gives none: 1 MiB requests, 32 in flight per worker, two
     workers (each takes half of a window), O_DIRECT where the file system allows it."""

@@ -15,7 +15,7 @@ from ..core import cuda_copy
 from ..core._align import ALIGN, round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
-from .buffers import check_staging_bytes
+from .buffers import check_handle, check_staging_bytes
 from .files import check_unchanged
 from .opened import open_checkpoint
 
@@ -38,6 +38,7 @@ def _pieces(items, start, end):
 def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20):
     """{name: tensor} of a safetensors file, a save_pretrained directory or a sharded index."""
     staging_bytes = check_staging_bytes(staging_bytes)
+    check_handle(handle)
     device = cuda_copy.usable_device(device, "load_file")
     locations = open_checkpoint(checkpoint)
     names = list(locations)

@@ -310,6 +310,23 @@ def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
     assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
 
 
+@pytest.mark.parametrize("call", ["save", "async_save", "load", "load_file"])
+def test_a_handle_that_is_not_an_aiohandle_is_a_type_error(tmp_path, call):
+    # (an AttributeError: 'int' object has no attribute 'pwrite')
+    path = tmp_path / "c.safetensors"
+    reads = call.startswith("load")
+    if reads:
+        swapio.checkpoint.save({"t": torch.ones(3)}, path)
+    with pytest.raises(TypeError, match="^handle must be a swapio.AioHandle, got int"):
+        if call == "load":
+            swapio.checkpoint.load(path, handle=3)
+        elif call == "load_file":
+            swapio.offload.load_file(path, handle=3)
+        else:
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, handle=3)
+    assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
+
+
 def test_sizes_take_numpy_integers_and_a_huge_staging_allocates_what_the_file_needs(tmp_path):
     # numpy ints were refused ("got int64"; max_shard_size: "must be a positive number of bytes ... got
     # np.int64(1000)"), as swapio's other sizes take them; load_file allocated two windows of half the
