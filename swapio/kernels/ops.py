@@ -231,9 +231,14 @@ class _Decoded:
     def __init__(self, moments, seed, step, index_base):
         self.moments, self.seed, self.step, self.index_base = moments, seed, step, index_base
         self.values = []
-        for t, scale, signed in moments:
+        for (t, scale, signed), name in zip(moments, ("exp_avg", "exp_avg_sq")):
             if t.dtype == torch.uint8:
-                self.values.append(quant.dequantize(t, scale, signed))
+                if scale is None:  # (an AttributeError; decoded before anything is written, as the kernel checks)
+                    raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
+                try:
+                    self.values.append(quant.dequantize(t, scale, signed))
+                except ValueError as exc:  # (a wrong count of scales failed at the end, the parameter updated)
+                    raise ValueError(f"{name}_scale: {exc}") from None
             else:
                 self.values.append(t.reshape(-1).float())
 

@@ -110,8 +110,15 @@ def drop_nonfinite_pairs(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> Non
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 values of codes (uint8, n) with scales (fp32, one per BLOCK): code value * block scale."""
+    """fp32 values of codes (uint8, n) with scales (fp32, one per BLOCK): code value * block scale. ValueError for
+    other codes or another count of scales (int8 codes indexed the table from its end, one scale was broadcast
+    over every block: other values, silently)."""
     n = codes.numel()
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be torch.uint8 (what quantize() gives), got {codes.dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != num_blocks(n):
+        got = f"{scale.numel()}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"scale must hold one scale per {BLOCK} codes ({num_blocks(n)} for {n} codes), got {got}")
     values = _MAPS[bool(signed)].codes[codes.reshape(-1).long()]
     full = torch.nn.functional.pad(values, (0, num_blocks(n) * BLOCK - n)).view(-1, BLOCK)
     res = (full * scale.reshape(-1, 1)).reshape(-1)[:n]
