@@ -115,6 +115,19 @@ def _index_base(index_base, n):
     return int(index_base)
 
 
+def _check_counter(nonfinite):
+    """nonfinite is None or a one-element int64 tensor: checked before the step, since the count is added after it
+    (a list raised an AttributeError once the parameter was written; an int8 counter wrapped, two elements both
+    counted)."""
+    if nonfinite is None:
+        return
+    if not isinstance(nonfinite, torch.Tensor):
+        raise TypeError(f"nonfinite must be None or a one-element int64 tensor, got {type(nonfinite).__name__}")
+    if nonfinite.dtype != torch.int64 or nonfinite.numel() != 1:
+        raise ValueError(f"nonfinite must be a one-element int64 tensor, got {nonfinite.dtype} "
+                         f"{tuple(nonfinite.shape)}")
+
+
 def _count(nonfinite, found):
     if nonfinite is not None and found:
         nonfinite.add_(found)
@@ -156,6 +169,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base, param.numel())
+    _check_counter(nonfinite)
     n = param.numel()
     if n == 0:
         return param
@@ -210,6 +224,7 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
     seed, index_base = _seed(seed), _index_base(index_base, param.numel())
+    _check_counter(nonfinite)
     n = param.numel()
     if n == 0:
         return param
