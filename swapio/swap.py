@@ -19,7 +19,7 @@ from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
 from .core.tensors import check_dense, check_writable_in_place, mark_written, restoring, spans_whole_storage
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: "$" let a trailing newline through
 SUFFIX = ".swap"
 
 
@@ -247,7 +247,7 @@ class SwapStore(NotCopyable, Closeable):
                 name = f"tensor{self._counter}"
             if not isinstance(name, str):
                 raise TypeError(f"a swap name must be a str, got {type(name).__name__} {name!r}")
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):
                 raise ValueError(f"bad swap name {name!r}: use letters, digits, '_', '.', '-' (not starting "
                                  "with '.' or '-', at most 200 characters)")
             if name in self._tensors:

@@ -197,8 +197,9 @@ def test_duplicate_name_is_value_error(store):
         store.swap_out(sample(), name="dup", release=False)
 
 
-@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "-dash", "", "x" * 201, "sp ace"],
-                         ids=["dotdot", "slash", "dot-first", "dash-first", "empty", "too-long", "space"])
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "-dash", "", "x" * 201, "sp ace", "w\n"],
+                         ids=["dotdot", "slash", "dot-first", "dash-first", "empty", "too-long", "space",
+                              "trailing-newline"])  # (the pattern's "$" let "w\n" through: a file "w\n.swap")
 def test_unsafe_name_is_value_error(store, name):
     with pytest.raises(ValueError):
         store.swap_out(sample(), name=name, release=False)
