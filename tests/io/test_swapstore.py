@@ -329,6 +329,17 @@ def test_remove_of_foreign_swapped_tensor_is_value_error(tmp_path, store):
             store.remove(s)
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)], ids=repr)
+def test_swap_in_to_cpu_with_an_index_refills_the_released_source(store, device):
+    # ("cpu:0" is the device of the CPU tensors torch makes, but compared unequal to theirs: a new tensor was
+    # returned and the source stayed released)
+    t = torch.arange(6.0)
+    s = store.swap_out(t).wait(timeout=TIMEOUT)
+    back = s.swap_in(device=device).result(timeout=TIMEOUT)
+    assert s.is_resident  # first: reading a released tensor (pytest's repr of it too) is a segfault in torch
+    assert id(back) == id(t) and torch.equal(t, torch.arange(6.0))
+
+
 @pytest.mark.parametrize("other", ["kept", 3, None, torch.ones(2)], ids=["its name", "int", "None", "a tensor"])
 def test_remove_of_something_else_is_a_type_error_and_removes_nothing(store, other):
     # (an AttributeError: 'str' object has no attribute 'name')
