@@ -327,6 +327,21 @@ def test_a_handle_that_is_not_an_aiohandle_is_a_type_error(tmp_path, call):
     assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
 
 
+@pytest.mark.parametrize("call", ["save", "async_save", "save_checkpoint"])
+def test_a_tensor_released_by_swap_out_is_a_value_error_before_any_write(tmp_path, call):
+    # (save and save_checkpoint: torch's "setStorage: ... out of bounds for storage of size 0" while the file was
+    # written; async_save's capture said so already)
+    model = torch.nn.Linear(4, 4)
+    with swapio.SwapStore(tmp_path / "swap") as store:
+        store.swap_out(model.weight.data).wait()
+        with pytest.raises(ValueError, match="released by SwapStore.swap_out"):
+            if call == "save_checkpoint":
+                swapio.offload.save_checkpoint(model, tmp_path / "out")
+            else:
+                getattr(swapio.checkpoint, call)(model.state_dict(), tmp_path / "c.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
 def test_sizes_take_numpy_integers_and_a_huge_staging_allocates_what_the_file_needs(tmp_path):
     # numpy ints were refused ("got int64"; max_shard_size: "must be a positive number of bytes ... got
     # np.int64(1000)"), as swapio's other sizes take them; load_file allocated two windows of half the
