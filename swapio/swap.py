@@ -14,7 +14,7 @@ from .core._closeable import Closeable
 from .core._signals import DeferredSigint
 from .core._errors import NotCopyable, StrPath, check_bool, check_path
 from .core.futures import Future
-from .core.handle import AioHandle
+from .core.handle import AioHandle, check_moves_data
 from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
 from .core.tensors import check_dense, check_writable_in_place, mark_written, restoring, spans_whole_storage
@@ -191,6 +191,12 @@ class SwapStore(NotCopyable, Closeable):
         own_handle = AioHandle(**handle_kwargs) if handle is None else None  # bad settings fail before mkdir
         chosen = handle if handle is not None else own_handle
         assert chosen is not None
+        try:
+            check_moves_data(chosen, "SwapStore")  # (engine="null": swap_in gave garbage)
+        except BaseException:
+            if own_handle is not None:
+                own_handle.close()
+            raise
         self.directory = directory
         self.handle: AioHandle = chosen
         self._owns_handle = handle is None

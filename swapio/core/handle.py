@@ -50,11 +50,20 @@ def config_settings(config: Union[StrPath, Dict[str, Any]], name: str = "config"
     return dict(settings)
 
 
+def check_moves_data(handle: Union[AioHandle, str], who: str) -> None:
+    """ValueError for a handle (or an engine name) that moves no data ("null": swapio's own overhead, for
+    benchmarks): what `who` wrote would be lost and what it read garbage, silently."""
+    if (handle if isinstance(handle, str) else handle.engine) == "null":
+        raise ValueError(f"{who} needs an AioHandle that moves data, but engine='null' moves none (it measures "
+                         "swapio's overhead in benchmarks); use engine='auto', 'uring', 'aio' or 'psync'")
+
+
 class AioHandle(NotCopyable, Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
     block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
-    taking a contiguous stripe of a large request; engine: "auto" | "uring" | "aio" | "psync" | "null";
+    taking a contiguous stripe of a large request; engine: "auto" | "uring" | "aio" | "psync" | "null" (moves no
+    data: benchmarks of swapio's overhead; SwapStore, checkpoints, offload and the optimizers refuse it);
     direct: None (O_DIRECT where the file system takes it, else buffered with a warning), True (O_DIRECT
     or an error), False (buffered); submit_batch: most pieces handed to the kernel per system call (fio's
     iodepth_batch_submit, default 1 as in fio; 0: all that are ready, fewer system calls).

@@ -6,7 +6,7 @@ import torch
 
 from ..core._errors import check_bool, check_int
 from ..core.cuda_copy import normalize_device
-from ..core.handle import AioHandle
+from ..core.handle import AioHandle, check_moves_data
 from ..core.pinned import empty_pinned
 from . import dir_owner, dora, grafting, hf_decode, hf_generate, hf_resize, hf_save, preload, renorm, source
 from . import offload_dir as odir
@@ -320,6 +320,8 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+    if handle is not None:
+        check_moves_data(handle, "disk_offload")
     device = _execution_device(model, execution_device)
     keep = _check_keep(keep_resident) + trainable_modules(model)
     names = None

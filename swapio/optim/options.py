@@ -4,7 +4,7 @@ import inspect
 
 from ..core import _align
 from ..core._errors import check_int
-from ..core.handle import AioHandle, config_settings
+from ..core.handle import AioHandle, check_moves_data, config_settings
 
 IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
 MIN_SLOT_BYTES = 64 << 10
@@ -49,5 +49,7 @@ def io_settings(io_config, io_kwargs, owner="OffloadAdam"):
         settings.update(config_settings(io_config, "io_config"))
         AioHandle(**settings).close()  # validates the values now
     settings.update(io_kwargs)
+    if isinstance(settings.get("engine"), str):  # ("null": an nvme state written nowhere, read back as garbage)
+        check_moves_data(settings["engine"], owner)
     return settings
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..core._align import ALIGN
-from ..core.handle import AioHandle
+from ..core.handle import AioHandle, check_moves_data
 from ..core.pinned import empty_pinned
 
 _lock = threading.Lock()
@@ -41,6 +41,8 @@ def check_handle(handle):
     """TypeError unless handle is None or an AioHandle (an AttributeError on .pwrite came from deep inside)."""
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+    if handle is not None:
+        check_moves_data(handle, "a checkpoint")
 
 
 def new_handle():
