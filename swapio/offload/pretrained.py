@@ -74,8 +74,9 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
     class (AutoModel's mapping when it names none). `dtype` (or transformers' older name, `torch_dtype`): None or
     "auto" (the default), the checkpoint's; a dtype or its name ("bfloat16", as transformers takes it) other than
     the checkpoint's is a ValueError, since the weights are read in place, not converted. `device_map`:
-    transformers' argument, for one execution device ("auto": the GPU when there is one, "cpu", "cuda:1", {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other
-    keyword arguments go to disk_offload (offload_dir, prefetch, buffer_bytes, execution_device, keep_resident,
+    transformers' argument, for one execution device ("auto": the GPU when there is one, "cpu", "cuda:1",
+    {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other keyword
+    arguments go to disk_offload (offload_dir, prefetch, buffer_bytes, execution_device, keep_resident,
     handle, offload_buffers, preload_module_classes, progress). The checkpoint is never written: with `offload_dir`,
     the weights an optimizer trains or peft merges are written there (disk_offload(checkpoint=..., offload_dir=...));
     without it, both are refused."""
