@@ -12,14 +12,14 @@ import torch
 from .core import _checksum, _durable, _swapdir, cuda_copy
 from .core._closeable import Closeable
 from .core._signals import DeferredSigint
-from .core._errors import NotCopyable, StrPath, check_path
+from .core._errors import NotCopyable, StrPath, check_bool, check_path
 from .core.futures import Future
-from .core.handle import AioHandle
+from .core.handle import AioHandle, check_moves_data
 from .core.cuda_copy import usable_device
 from .core.pinned import empty_pinned
 from .core.tensors import check_dense, check_writable_in_place, mark_written, restoring, spans_whole_storage
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: "$" let a trailing newline through
 SUFFIX = ".swap"
 
 
@@ -186,12 +186,17 @@ class SwapStore(NotCopyable, Closeable):
             raise ValueError("pass either handle or AioHandle keyword arguments, not both")
         if handle is not None and not isinstance(handle, AioHandle):
             raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be True or False, got {type(verify).__name__}")
+        verify = check_bool("verify", verify)
         self._closed = True  # until set up (close(), from the finalizer too, lets go of self._owner once it is set)
         own_handle = AioHandle(**handle_kwargs) if handle is None else None  # bad settings fail before mkdir
         chosen = handle if handle is not None else own_handle
         assert chosen is not None
+        try:
+            check_moves_data(chosen, "SwapStore")  # (engine="null": swap_in gave garbage)
+        except BaseException:
+            if own_handle is not None:
+                own_handle.close()
+            raise
         self.directory = directory
         self.handle: AioHandle = chosen
         self._owns_handle = handle is None
@@ -228,6 +233,7 @@ class SwapStore(NotCopyable, Closeable):
         self._check_open()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        release = check_bool("release", release)  # (release="False" freed the tensor's memory)
         check_dense(tensor)
         if tensor.device.type == "meta":
             raise ValueError("tensor is on the meta device: it has no bytes to swap out")
@@ -247,7 +253,7 @@ class SwapStore(NotCopyable, Closeable):
                 name = f"tensor{self._counter}"
             if not isinstance(name, str):
                 raise TypeError(f"a swap name must be a str, got {type(name).__name__} {name!r}")
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):
                 raise ValueError(f"bad swap name {name!r}: use letters, digits, '_', '.', '-' (not starting "
                                  "with '.' or '-', at most 200 characters)")
             if name in self._tensors:
@@ -293,6 +299,9 @@ class SwapStore(NotCopyable, Closeable):
     def remove(self, swapped: SwappedTensor) -> None:
         """Forgets a swapped tensor and deletes its file (after any pending write). A write error is raised
         here only if nobody has seen it yet."""
+        if not isinstance(swapped, SwappedTensor):
+            hint = f" (by name: remove(store[{swapped!r}]))" if isinstance(swapped, str) else ""
+            raise TypeError(f"remove() takes the SwappedTensor swap_out returned, got {type(swapped).__name__}{hint}")
         with self._lock:
             if self._tensors.get(swapped.name) is not swapped:
                 self._check_open()  # close() removed every tensor: say so, not that this one is a stranger

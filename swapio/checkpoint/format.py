@@ -4,6 +4,7 @@ and `structure`, laid out by swapio.safetensors.layout.plan. A file without that
 a save_pretrained directory) loads as {name: tensor} in file order.
 """
 import json
+from collections.abc import Mapping
 
 from ..safetensors import layout
 from ..safetensors.header import json_depth
@@ -28,7 +29,15 @@ def plan_state(state, metadata=None, placeholders=False):
     return layout.plan(entries, _metadata(skeleton, metadata))
 
 
+def check_metadata_type(extra):
+    """TypeError unless metadata= is None or a mapping (dict() of a str raised "update sequence element")."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"metadata must be a dict of str to str (safetensors' __metadata__), got "
+                        f"{type(extra).__name__}")
+
+
 def _metadata(skeleton, extra):
+    check_metadata_type(extra)
     metadata = dict(extra or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must be a dict of str to str (safetensors' __metadata__)")

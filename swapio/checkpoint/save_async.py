@@ -1,8 +1,7 @@
 """async_save(state, path): returns a swapio.Future once every tensor's bytes are copied (capture.py); the
 file is written and committed in the background (background.py), exactly as save() would."""
-import os
-
-from ..safetensors.buffers import check_staging_bytes
+from ..core._errors import check_path
+from ..safetensors.buffers import check_handle, check_staging_bytes
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
 from . import background
 from .capture import capture
@@ -16,9 +15,10 @@ def async_save(state, path, *, staging_bytes=DEFAULT_STAGING, handle=None, metad
     slot = background.Slot()
     try:
         slot.reserve()  # at most one capture waits behind the one being written: else block until one is done
-        check_staging_bytes(staging_bytes)
+        staging_bytes = check_staging_bytes(staging_bytes)
+        check_handle(handle)
         plan = plan_state(state, metadata)
-        f = FileWriter(os.fsdecode(os.fspath(path)), plan)  # (a bytes path as its str, as save() takes it)
+        f = FileWriter(check_path("path", path), plan)  # (a bytes path as its str, as save() takes it)
         try:
             pieces, staging = capture(plan, staging_bytes)
         except BaseException:

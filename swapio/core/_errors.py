@@ -54,11 +54,28 @@ def check_int(name: str, value: object, minimum: Optional[int] = None,
     return number
 
 
+def check_bool(name: str, value: object, allowed: str = "True or False") -> bool:
+    """value as a bool: True, False, or numpy's bool (what comparing numpy numbers gives; it was refused as "got
+    bool"). TypeError naming `name` otherwise: an int or a str there is likely a mistake."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be {allowed}, got {kind.__name__}")
+
+
 def check_path(name: str, value: StrPath) -> str:
+    """A path argument as a str: a bytes path (or a PathLike giving bytes) as os.fsdecode reads it, as open() takes
+    both (swapio joins str names to it). An empty one is a ValueError: as a directory it meant the current one,
+    which got the files (an unset environment variable, most likely; "." says it)."""
     try:
-        return os.fspath(value)
+        path = os.fsdecode(os.fspath(value))
     except TypeError:
         raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}") from None
+    if not path:
+        raise ValueError(f"{name} is an empty path (for the current directory, pass '.')")
+    return path
 
 
 

@@ -20,7 +20,9 @@ _staging = {}    # CUDA device -> GrowingBlock to_host copies into (one copy at 
 
 
 def normalize_device(device):
-    """A torch.device with an explicit index for CUDA ("cuda" -> "cuda:<current device>"); ints mean CUDA."""
+    """A torch.device with an explicit index for CUDA ("cuda" -> "cuda:<current device>"), and none for the CPU
+    ("cpu:0" -> "cpu", the device torch gives its CPU tensors: swap_in(device="cpu:0") made a new tensor instead
+    of refilling its released source); ints mean CUDA."""
     if isinstance(device, bool):
         raise TypeError("device must be a str, int or torch.device, got bool")
     if isinstance(device, int):
@@ -31,6 +33,8 @@ def normalize_device(device):
         raise TypeError(f"device must be a str, int or torch.device, got {type(device).__name__}")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type == "cpu" and device.index is not None:
+        device = torch.device("cpu")
     return device
 
 

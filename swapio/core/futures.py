@@ -148,6 +148,8 @@ class Future(NotCopyable):
                 raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
             if timeout is not None and not timeout >= 0:
                 raise ValueError(f"timeout must be None or >= 0, got {timeout}")
+            if timeout is not None and timeout > threading.TIMEOUT_MAX:  # (inf: threading's waits overflowed)
+                timeout = None  # longer than the platform can wait: until done
             if not self._request.wait(timeout):
                 raise TimeoutError(f"the operation did not finish within {timeout} s")
             with self._lock:

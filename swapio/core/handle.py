@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ._closeable import Closeable
-from ._errors import NotCopyable, StrPath, check_int, check_path, file_system_key, warn_once
+from ._errors import NotCopyable, StrPath, check_bool, check_int, check_path, file_system_key, warn_once
 from .futures import Future
 from .pinned import is_pinned
 from .tensors import check_writable_in_place, cpu_memory, mark_written
@@ -27,11 +27,43 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
+def config_settings(config: Union[StrPath, Dict[str, Any]], name: str = "config") -> Dict[str, Any]:
+    """The AioHandle settings of a dict or of a JSON file as written by `swapio tune` (its "handle" object, or the
+    whole); TypeError/ValueError naming `name` or the file for a config that is neither, or has unknown keys."""
+    source = "the config"
+    if isinstance(config, dict):
+        doc: Any = config
+    else:
+        source = check_path(name, config)
+        with open(source) as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
+    settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
+    if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
+        raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
+                         f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
+    unknown = set(settings) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
+    return dict(settings)
+
+
+def check_moves_data(handle: Union[AioHandle, str], who: str) -> None:
+    """ValueError for a handle (or an engine name) that moves no data ("null": swapio's own overhead, for
+    benchmarks): what `who` wrote would be lost and what it read garbage, silently."""
+    if (handle if isinstance(handle, str) else handle.engine) == "null":
+        raise ValueError(f"{who} needs an AioHandle that moves data, but engine='null' moves none (it measures "
+                         "swapio's overhead in benchmarks); use engine='auto', 'uring', 'aio' or 'psync'")
+
+
 class AioHandle(NotCopyable, Closeable):
     """Async O_DIRECT I/O between CPU tensors and files.
 
     block_size: bytes per I/O piece; queue_depth: pieces in flight per worker; threads: workers, each
-    taking a contiguous stripe of a large request; engine: "auto" | "uring" | "aio" | "psync" | "null";
+    taking a contiguous stripe of a large request; engine: "auto" | "uring" | "aio" | "psync" | "null" (moves no
+    data: benchmarks of swapio's overhead; SwapStore, checkpoints, offload and the optimizers refuse it);
     direct: None (O_DIRECT where the file system takes it, else buffered with a warning), True (O_DIRECT
     or an error), False (buffered); submit_batch: most pieces handed to the kernel per system call (fio's
     iodepth_batch_submit, default 1 as in fio; 0: all that are ready, fewer system calls).
@@ -44,8 +76,8 @@ class AioHandle(NotCopyable, Closeable):
         threads = check_int("threads", threads, 1)
         if not isinstance(engine, str):
             raise TypeError(f"engine must be a str, got {type(engine).__name__}")
-        if direct is not None and not isinstance(direct, bool):
-            raise TypeError(f"direct must be None, True or False, got {type(direct).__name__}")
+        if direct is not None:
+            direct = check_bool("direct", direct, "None, True or False")
         submit_batch = check_int("submit_batch", submit_batch, 0)
         self._native = _C.Handle(block_size, queue_depth, threads, engine, direct, submit_batch)
         self.block_size, self.queue_depth, self.threads, self.direct = block_size, queue_depth, threads, direct
@@ -58,24 +90,7 @@ class AioHandle(NotCopyable, Closeable):
     @classmethod
     def from_config(cls, config: Union[StrPath, Dict[str, Any]]) -> AioHandle:
         """A handle from a dict or a JSON file as written by `swapio tune` (unknown keys are an error)."""
-        source = "the config"
-        if isinstance(config, dict):
-            doc: Any = config
-        else:
-            source = check_path("config", config)
-            with open(source) as f:
-                try:
-                    doc = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{source} is not valid JSON ({e}); `swapio tune` writes this file") from None
-        settings: Any = doc.get("handle", doc) if isinstance(doc, dict) else doc
-        if not isinstance(settings, dict):  # else an AttributeError or TypeError from deep inside
-            raise ValueError(f"{source}: the AioHandle settings must be a JSON object (a dict) of "
-                             f"{list(_CONFIG_KEYS)}, got {type(settings).__name__}")
-        unknown = set(settings) - set(_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"unknown AioHandle config keys: {sorted(unknown)} (known: {list(_CONFIG_KEYS)})")
-        return cls(**settings)
+        return cls(**config_settings(config))
 
     @property
     def engine(self) -> str:
@@ -111,8 +126,7 @@ class AioHandle(NotCopyable, Closeable):
         virtio-blk (Firecracker) reads into it ran at 0.63-0.81x of reads into huge pages, staged at 0.92-1.0x;
         writes 0.77x, staged 0.95x. staged="auto": staged unless the memory is swapio pinned memory (huge pages
         already; what swapio's own checkpoints, swaps and offload use)."""
-        if not isinstance(restores, bool):
-            raise TypeError(f"restores must be True or False, got {type(restores).__name__}")
+        restores = check_bool("restores", restores)
         return self._submit("read", tensor, path, offset, identity=identity, staged=staged, changes=not restores)
 
     def _submit(self, op: str, tensor: torch.Tensor, path: StrPath, offset: int, record_latency: bool = False,
@@ -131,8 +145,8 @@ class AioHandle(NotCopyable, Closeable):
             if staged != "auto":
                 raise ValueError(f"staged must be True, False or 'auto', got {staged!r}")
             staged = not is_pinned(tensor)
-        elif not isinstance(staged, bool):
-            raise TypeError(f"staged must be True, False or 'auto', got {type(staged).__name__}")
+        else:
+            staged = check_bool("staged", staged, "True, False or 'auto'")
         existed = op != "write" or os.path.lexists(path)
         if changes:
             check_writable_in_place(tensor)

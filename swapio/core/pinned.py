@@ -2,6 +2,7 @@
 blocks (PinnedPool: blocks of recurring sizes; GrowingBlock: one buffer sized by its largest request)."""
 import bisect
 import math
+import numbers
 import os
 import sys
 import threading
@@ -159,8 +160,8 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
     tensor or view using it dies. If the kernel refuses to lock it (RLIMIT_MEMLOCK), a warning is given once and
     the memory is used unlocked.
     """
-    if isinstance(shape, int):
-        shape = (shape,)
+    if isinstance(shape, (int, numbers.Integral)):  # (numpy's too, as torch.empty takes them)
+        shape = (check_int("shape entry", shape, 0),)
     shape = tuple(check_int("shape entry", s, 0) for s in shape)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
@@ -190,6 +191,8 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         raise TypeError(f"is_pinned needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         return False
+    if tensor.layout != torch.strided:  # (a sparse tensor has no data_ptr: torch asks its parts)
+        return _cuda_in_use() and tensor.is_pinned()
     if _block_of(tensor.data_ptr()) is not None:
         return True
     return _cuda_in_use() and tensor.is_pinned()  # memory torch pinned implies CUDA was initialised

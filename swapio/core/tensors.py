@@ -7,7 +7,10 @@ import torch
 
 
 def check_dense(tensor: torch.Tensor, name: str = "tensor") -> None:
-    """ValueError for sparse (COO, CSR, ...) tensors, whose values are not one block of memory."""
+    """ValueError for sparse (COO, CSR, ...) and nested tensors, whose values are not one block of memory."""
+    if tensor.is_nested:  # (a strided one raised torch's "Internal error: NestedTensorImpl doesn't support sizes")
+        raise ValueError(f"{name} is a nested tensor (torch.nested); swapio moves dense tensors only: move each of "
+                         "its components (.unbind()) instead")
     if tensor.layout != torch.strided:
         raise ValueError(f"{name} is a sparse tensor ({tensor.layout}); swapio moves dense (strided) tensors "
                          "only: call .to_dense() first")

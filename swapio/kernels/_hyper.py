@@ -31,8 +31,11 @@ def pair(name, value, entries):
     return first, second
 
 
+STEP_LIMIT = 2**63 - 1  # the native steps take an int64
+
+
 def check_step(step):
-    if type(step) is int and step >= 1:
+    if type(step) is int and 1 <= step <= STEP_LIMIT:
         return step
     if isinstance(step, torch.Tensor):
         if step.numel() != 1:
@@ -45,6 +48,8 @@ def check_step(step):
     step = int(step)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the step being taken, counting from 1), got {step}")
+    if step > STEP_LIMIT:
+        raise ValueError(f"step must be <= 2**63 - 1, got {step}")
     return step
 
 

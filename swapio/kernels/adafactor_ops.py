@@ -17,6 +17,8 @@ Parameters agree with torch.optim.Adafactor to float32 rounding, and the kernel 
 level and thread count.
 """
 import math
+import operator
+from collections.abc import Iterable
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -41,7 +43,28 @@ def factored_dims(shape: Sequence[int]) -> Optional[Tuple[int, int, int]]:
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
+def check_shape(shape) -> Tuple[int, ...]:
+    """The parameter's shape as a tuple of ints (numpy's, a torch.Size's, 0-d integer tensors' taken):
+    TypeError/ValueError otherwise (floats reached the native step's int64 arguments: pybind11's dump; a str, the
+    product of its characters)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(f"shape must be a sequence of ints (the parameter's shape), got {type(shape).__name__}")
+    dims = []
+    for s in shape:
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            dim = operator.index(s)
+        except TypeError:
+            raise TypeError(f"shape must hold ints, got {type(s).__name__} in {shape!r}") from None
+        if dim < 0:
+            raise ValueError(f"shape must hold sizes >= 0, got {shape!r}")
+        dims.append(dim)
+    return tuple(dims)
+
+
 def _check(param, grad, row_var, col_var, variance, shape, param_out):
+    shape = check_shape(shape)
     check_tensor("param", param)
     check_tensor("grad", grad)
     n = param.numel()
@@ -116,7 +139,7 @@ def adafactor_step_reference_(param: torch.Tensor, grad: torch.Tensor, *, shape:
     lr, beta2_decay, eps1, eps2, d, weight_decay = check_adafactor_hyper(lr, beta2_decay, (eps1, eps2), d,
                                                                          weight_decay)
     eps1 = EPS1_DEFAULT if eps1 is None else eps1
-    shape = tuple(shape)
+    shape = check_shape(shape)
     if (row_var is None or col_var is None) if len(shape) > 1 else variance is None:
         raise ValueError(f"a parameter of shape {shape} keeps " + ("row_var and col_var" if len(shape) > 1
                                                                     else "variance") + "; it is missing")

@@ -105,10 +105,27 @@ def _seed(seed):
     return int(seed)
 
 
-def _index_base(index_base):
+def _index_base(index_base, n):
+    """index_base, whose elements' indices index_base + i (i < n) the kernels hold in an int64: past 2**63 - 1
+    they reached the binding (pybind11's dump of its C++ signature) or overflowed."""
     if isinstance(index_base, bool) or not isinstance(index_base, numbers.Integral) or index_base < 0:
         raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    if index_base + n > 1 << 63:
+        raise ValueError(f"index_base + the element count must be <= 2**63, got {index_base!r} + {n}")
     return int(index_base)
+
+
+def _check_counter(nonfinite):
+    """nonfinite is None or a one-element int64 tensor: checked before the step, since the count is added after it
+    (a list raised an AttributeError once the parameter was written; an int8 counter wrapped, two elements both
+    counted)."""
+    if nonfinite is None:
+        return
+    if not isinstance(nonfinite, torch.Tensor):
+        raise TypeError(f"nonfinite must be None or a one-element int64 tensor, got {type(nonfinite).__name__}")
+    if nonfinite.dtype != torch.int64 or nonfinite.numel() != 1:
+        raise ValueError(f"nonfinite must be a one-element int64 tensor, got {nonfinite.dtype} "
+                         f"{tuple(nonfinite.shape)}")
 
 
 def _count(nonfinite, found):
@@ -151,7 +168,8 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     step = check_step(step)
     lr, beta1, beta2, eps, weight_decay = check_adam_hyper(lr, beta1, beta2, eps, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
-    seed, index_base = _seed(seed), _index_base(index_base)
+    seed, index_base = _seed(seed), _index_base(index_base, param.numel())
+    _check_counter(nonfinite)
     n = param.numel()
     if n == 0:
         return param
@@ -205,7 +223,8 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
     threads, capability = _threads(threads), _capability(capability)
-    seed, index_base = _seed(seed), _index_base(index_base)
+    seed, index_base = _seed(seed), _index_base(index_base, param.numel())
+    _check_counter(nonfinite)
     n = param.numel()
     if n == 0:
         return param
@@ -227,9 +246,14 @@ class _Decoded:
     def __init__(self, moments, seed, step, index_base):
         self.moments, self.seed, self.step, self.index_base = moments, seed, step, index_base
         self.values = []
-        for t, scale, signed in moments:
+        for (t, scale, signed), name in zip(moments, ("exp_avg", "exp_avg_sq")):
             if t.dtype == torch.uint8:
-                self.values.append(quant.dequantize(t, scale, signed))
+                if scale is None:  # (an AttributeError; decoded before anything is written, as the kernel checks)
+                    raise ValueError(f"uint8 {name} (int8 codes) needs {name}_scale")
+                try:
+                    self.values.append(quant.dequantize(t, scale, signed))
+                except ValueError as exc:  # (a wrong count of scales failed at the end, the parameter updated)
+                    raise ValueError(f"{name}_scale: {exc}") from None
             else:
                 self.values.append(t.reshape(-1).float())
 
@@ -262,7 +286,7 @@ def lion_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
-    state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, index_base)
+    state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, _index_base(index_base, param.numel()))
     m = state.values[0]
     p = param.reshape(-1)
     g = grad.reshape(-1).to(p.dtype)
@@ -296,7 +320,7 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     """
     if exp_avg.dtype in (torch.bfloat16, torch.uint8):
         state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed,
-                         check_step(step), index_base)
+                         check_step(step), _index_base(index_base, param.numel()))
         adam_step_reference_(param.reshape(-1), grad.reshape(-1), *state.values, step=step, lr=lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize)
         state.store()

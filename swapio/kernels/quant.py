@@ -110,8 +110,15 @@ def drop_nonfinite_pairs(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> Non
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 values of codes (uint8, n) with scales (fp32, one per BLOCK): code value * block scale."""
+    """fp32 values of codes (uint8, n) with scales (fp32, one per BLOCK): code value * block scale. ValueError for
+    other codes or another count of scales (int8 codes indexed the table from its end, one scale was broadcast
+    over every block: other values, silently)."""
     n = codes.numel()
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be torch.uint8 (what quantize() gives), got {codes.dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != num_blocks(n):
+        got = f"{scale.numel()}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"scale must hold one scale per {BLOCK} codes ({num_blocks(n)} for {n} codes), got {got}")
     values = _MAPS[bool(signed)].codes[codes.reshape(-1).long()]
     full = torch.nn.functional.pad(values, (0, num_blocks(n) * BLOCK - n)).view(-1, BLOCK)
     res = (full * scale.reshape(-1, 1)).reshape(-1)[:n]
@@ -159,5 +166,8 @@ def round_bf16_stochastic(x: torch.Tensor, random16: torch.Tensor) -> torch.Tens
 
 def state_bytes_per_element(state_dtype: str) -> float:
     """Bytes one moment element takes in RAM or on disk (int8 includes its share of the block scale)."""
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[state_dtype]
+    sizes = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
+    if not isinstance(state_dtype, str) or state_dtype not in sizes:  # (a KeyError)
+        raise ValueError(f"state_dtype must be one of {list(sizes)}, got {state_dtype!r}")
+    return sizes[state_dtype]
 

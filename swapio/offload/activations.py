@@ -24,7 +24,7 @@ from ..core import _swapdir
 from ..core._fork_lock import ForkAwareLock
 from ..core._errors import SwapioWarning, caller_stacklevel, check_int
 from ..core._signals import DeferredSigint
-from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle
+from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle, check_moves_data
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
 from .activation_store import Session
@@ -68,7 +68,10 @@ class _Resources:
             self.directory = self.owner.directory
             try:
                 self.handle = AioHandle(**io_kwargs)
+                check_moves_data(self.handle, "offload_activations")
             except BaseException:
+                if self.handle is not None:
+                    self.handle.close()
                 self.owner.remove_everything()
                 raise
         self._finalizer = weakref.finalize(self, _close, self.owner, self.handle, self.pool, self.read_blocks,
@@ -337,6 +340,8 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
         if unknown:
             raise TypeError(f"offload_activations got unexpected arguments {unknown}; its AioHandle settings are "
                             f"{list(IO_SETTINGS)}")
+        if isinstance(io_kwargs.get("engine"), str):  # (before swap_dir is made)
+            check_moves_data(io_kwargs["engine"], "offload_activations")
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")

@@ -4,9 +4,9 @@ import os
 
 import torch
 
-from ..core._errors import check_int
+from ..core._errors import check_bool, check_int
 from ..core.cuda_copy import normalize_device
-from ..core.handle import AioHandle
+from ..core.handle import AioHandle, check_moves_data
 from ..core.pinned import empty_pinned
 from . import dir_owner, dora, grafting, hf_decode, hf_generate, hf_resize, hf_save, preload, renorm, source
 from . import offload_dir as odir
@@ -185,14 +185,14 @@ def _check_path(name, path):
         fs = os.fspath(path)
     except TypeError:
         raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), got {type(path).__name__}") from None
+    if not fs:  # (offload_dir="" wrote the weight files into the current directory)
+        raise ValueError(f"{name} is an empty path (for the current directory, pass '.')")
     return os.fsdecode(fs) if isinstance(fs, bytes) else path
 
 
 def _check_common(prefetch, offload_buffers):
     prefetch = check_int("prefetch", prefetch, 0)
-    if not isinstance(offload_buffers, bool):
-        raise TypeError(f"offload_buffers must be a bool, got {type(offload_buffers).__name__}")
-    return prefetch
+    return prefetch, check_bool("offload_buffers", offload_buffers, "a bool")
 
 
 def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=None, preload_module_classes=None, *,
@@ -204,7 +204,7 @@ def cpu_offload(model, execution_device=None, offload_buffers=False, state_dict=
     submodules' weights at the start of their forward. Returns the model."""
     _check_model(model)
     refuse_wrapped(model)
-    prefetch = _check_common(prefetch, offload_buffers)
+    prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     preload_names = preload.check(preload_module_classes)
     device = _execution_device(model, execution_device)
     if state_dict is not None:  # a model built on meta: what disk_offload(checkpoint=) supplies, from the dict
@@ -313,13 +313,15 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     refuse_wrapped(model)
     offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
     checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
-    prefetch = _check_common(prefetch, offload_buffers)
+    if progress is not None:
+        progress = check_bool("progress", progress, "None, True or False")
+    prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+    if handle is not None:
+        check_moves_data(handle, "disk_offload")
     device = _execution_device(model, execution_device)
     keep = _check_keep(keep_resident) + trainable_modules(model)
     names = None
@@ -438,6 +440,7 @@ def stats(model, reset=False):
     outermost offloaded forwards), wait_s (of it, waiting for weights: reads not yet done, issuing device
     copies), compute_s (forward_s - wait_s), read_gbps (bytes_read per second of forward_s, GB/s).
     reset=True zeroes every counter after returning them. See docs/offload.md, "Seeing where time goes"."""
+    reset = check_bool("reset", reset, "a bool")  # (reset="False" zeroed the counters)
     owner = _offloaded.get(model)
     if not isinstance(owner, WeightStreamer):
         raise ValueError("this model is not offloaded by swapio's cpu_offload or disk_offload")

@@ -18,6 +18,7 @@ save_pretrained's model.safetensors). Tagged shards are then given their usual n
 """
 import errno
 import json
+import numbers
 import os
 import re
 import secrets
@@ -25,6 +26,7 @@ import secrets
 import torch
 
 from ..core import _durable
+from ..core._errors import check_path
 from ..core._signals import DeferredSigint
 from ..safetensors import buffers, layout
 from ..safetensors.commit import PendingFile, commit_pending
@@ -49,8 +51,8 @@ def shard_size(value):
     """max_shard_size as transformers takes it: bytes (int), or "5GB" (10^9), "5GiB" (2^30), "5Gb" (gigabits),
     K/M/G/T; ValueError otherwise. (swapio.tools.parse_size reads "5GB" as binary, as fio does: not the same.)"""
     n = 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (numpy's too)
+        n = int(value)
     elif isinstance(value, str) and _SIZE.fullmatch(value.strip()):
         number, unit, binary, b = _SIZE.fullmatch(value.strip()).groups()
         n = int(number)
@@ -118,8 +120,8 @@ def _shards(stored, limit):
 def save_checkpoint(model, path, max_shard_size=None):
     """Writes the model's current weights (offloaded by disk_offload or cpu_offload, or a plain nn.Module) as
     safetensors: the file `path`, or the shards and index save_pretrained writes in the directory `path` when it
-    is a directory or max_shard_size is given. Ties are stored once, under their first state_dict name. Returns
-    the path written (the file, or the index)."""
+    is a directory, ends in a slash, or max_shard_size is given. Ties are stored once, under their first
+    state_dict name. Returns the path written (the file, or the index)."""
     return write_checkpoint(model, path, max_shard_size)
 
 
@@ -132,8 +134,10 @@ def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False
     if unwrap(model) is not model:  # torch.compile's wrapper: the plain model's names, as save_pretrained
         model, part = unwrap(model), True
     limit = None if max_shard_size is None else shard_size(max_shard_size)
-    path = os.path.abspath(os.fspath(path))
-    single = path.endswith(".safetensors") or (limit is None and not os.path.isdir(path))
+    given = check_path("path", path)
+    path = os.path.abspath(given)  # (which drops a trailing slash: "out/" names a directory all the same)
+    single = not given.endswith(("/", os.sep)) and (path.endswith(".safetensors") or
+                                                     (limit is None and not os.path.isdir(path)))
     if single and limit is not None:
         raise ValueError(f"max_shard_size shards the checkpoint into a directory, but {path} names a .safetensors "
                          "file: pass a directory")

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from ..core._errors import check_path
 from ..safetensors.opened import open_checkpoint
 
 
@@ -71,10 +72,11 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
     mode. `model_class_or_config`: a model class (LlamaForCausalLM, or an Auto class such as
     AutoModelForCausalLM), with the config read from the directory; or a config, whose `architectures` names the
     class (AutoModel's mapping when it names none). `dtype` (or transformers' older name, `torch_dtype`): None or
-    "auto" (the default), the checkpoint's; another dtype is a ValueError, since the weights are read in place, not
-    converted. `device_map`: transformers' argument, for one execution device ("auto": the GPU when there is one,
-    "cpu", "cuda:1", {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other
-    keyword arguments go to disk_offload (offload_dir, prefetch, buffer_bytes, execution_device, keep_resident,
+    "auto" (the default), the checkpoint's; a dtype or its name ("bfloat16", as transformers takes it) other than
+    the checkpoint's is a ValueError, since the weights are read in place, not converted. `device_map`:
+    transformers' argument, for one execution device ("auto": the GPU when there is one, "cpu", "cuda:1",
+    {"": 0}). `low_cpu_mem_usage` is accepted (loading never holds the weights in memory). Other keyword
+    arguments go to disk_offload (offload_dir, prefetch, buffer_bytes, execution_device, keep_resident,
     handle, offload_buffers, preload_module_classes, progress). The checkpoint is never written: with `offload_dir`,
     the weights an optimizer trains or peft merges are written there (disk_offload(checkpoint=..., offload_dir=...));
     without it, both are refused."""
@@ -102,16 +104,18 @@ def from_pretrained(model_class_or_config, checkpoint_dir, *, dtype=None, torch_
         if "execution_device" in disk_offload_kwargs:
             raise TypeError("pass device_map= or execution_device=, not both: both name where the model computes")
         disk_offload_kwargs["execution_device"] = _device_of(device_map)
-    directory = os.fspath(checkpoint_dir)
+    directory = check_path("checkpoint_dir", checkpoint_dir)
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint_dir {directory} is not a directory (save_pretrained's output)")
     config, build = _model_class(transformers, model_class_or_config, directory)
     opened = open_checkpoint(directory)  # parsed once: disk_offload takes it as the checkpoint
     stored = _checkpoint_dtype(opened) or torch.get_default_dtype()
+    if isinstance(dtype, str) and dtype != "auto" and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)  # "bfloat16", as transformers takes it (a config's torch_dtype is one)
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         dtype = stored
     elif not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+        raise TypeError(f"dtype must be a torch.dtype, its name ('bfloat16') or 'auto', got {dtype!r}")
     elif dtype != stored:
         raise ValueError(f"{directory} holds {stored} weights, and from_pretrained reads them in place without "
                          f"converting: dtype={dtype} cannot be served. Use dtype='auto' (or None), or convert the "

@@ -26,6 +26,7 @@ import torch
 
 from ..core import cuda_copy
 from ..core._align import round_up
+from ..core._errors import check_bool
 from ..core._fork_lock import ForkAwareLock
 from ..core._signals import DeferredSigint
 from ..offload.trainable import TrainableOwner
@@ -44,8 +45,7 @@ class OffloadedParams(TrainableOwner):
     it exists)."""
 
     def __init__(self, step, in_backward, batch_bytes):
-        if not isinstance(in_backward, bool):
-            raise TypeError(f"in_backward must be a bool, got {type(in_backward).__name__}")
+        in_backward = check_bool("in_backward", in_backward, "a bool")
         self.step = HeldStep(step, self._dropped)  # self.step() is the method, while the optimizer lives
         self.state = {}      # the optimizer's state dict: p -> {"step", ...}
         self.in_backward = in_backward

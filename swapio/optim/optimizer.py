@@ -11,6 +11,7 @@ given parameters with the gradients grad_of(p) returns (step() passes every para
 same Ctrl-C atomicity, counting and warnings. See docs/optim.md, "Design".
 """
 import contextlib
+import numbers
 import os
 import warnings
 import weakref
@@ -19,7 +20,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ..core._errors import SwapioWarning, check_int
+from ..core._errors import SwapioWarning, check_bool, check_int
 from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from . import checkpoint, reference, state_dict_hooks, timing, validate
@@ -547,6 +548,8 @@ class OffloadOptimizer(Optimizer):
                                "build it with in_backward=False (gradients summed until step()) to clip")
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
+        if not isinstance(max_norm, (numbers.Real, torch.Tensor)):  # (a str failed later: "unsupported operand")
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
         offloaded = self._offloaded.norms()
         entries = self._offloaded.entries
         if parameters is None:
@@ -833,6 +836,9 @@ class OffloadOptimizer(Optimizer):
         A reference ({REFERENCE_KEY: directory}: what the Trainer integration leaves in optimizer.pt instead of
         the state) loads that streaming checkpoint with load()."""
         self._check_open()
+        if not isinstance(state_dict, dict):  # (None: torch's AttributeError on .copy())
+            raise TypeError(f"load_state_dict takes a state dict (a dict with 'state' and 'param_groups'), got "
+                            f"{type(state_dict).__name__}")
         self._backend.check_process()
         self._settle()
         if reference.target(state_dict) is not None:
@@ -919,8 +925,7 @@ class OffloadOptimizer(Optimizer):
         0 in cpu mode) and "read_gbps", "write_gbps" (those bytes per second of wall time, in GB/s). Measured with
         perf_counter around work the step does anyway: no synchronisation is added. reset=True starts the
         totals (and "last") afresh after returning them. See docs/optim.md, "Seeing where time goes"."""
-        if not isinstance(reset, bool):
-            raise TypeError(f"reset must be a bool, got {type(reset).__name__}")
+        reset = check_bool("reset", reset, "a bool")
         report = {"last": self._last_step, "total": self._step_total}
         if reset:
             self._last_step = self._step_total = None

@@ -1,12 +1,10 @@
 """The offload options every optimizer of the family takes, validated once: the pinned-buffer budget (whose slot
 size both backends use) and the AioHandle settings."""
 import inspect
-import json
-import os
 
 from ..core import _align
 from ..core._errors import check_int
-from ..core.handle import AioHandle
+from ..core.handle import AioHandle, check_moves_data, config_settings
 
 IO_KEYS = tuple(k for k in inspect.signature(AioHandle.__init__).parameters if k != "self")
 MIN_SLOT_BYTES = 64 << 10
@@ -46,13 +44,12 @@ def io_settings(io_config, io_kwargs, owner="OffloadAdam"):
                         f"offload options and AioHandle settings {list(IO_KEYS)} (it always steps with swapio's "
                         "fused CPU kernel, so foreach/fused/capturable/differentiable do not apply)")
     settings = {}
-    if io_config is not None:
-        config = io_config
-        if not isinstance(config, dict):
-            with open(os.fspath(config)) as f:
-                config = json.load(f)
-        settings.update(config.get("handle", config))
-        AioHandle.from_config(dict(settings)).close()  # validates the keys and values now
+    if io_config is not None:  # (parsed as AioHandle.from_config does: a file holding a list, or io_config=3, gave
+        # an AttributeError or a TypeError not naming it)
+        settings.update(config_settings(io_config, "io_config"))
+        AioHandle(**settings).close()  # validates the values now
     settings.update(io_kwargs)
+    if isinstance(settings.get("engine"), str):  # ("null": an nvme state written nowhere, read back as garbage)
+        check_moves_data(settings["engine"], owner)
     return settings
 

@@ -11,6 +11,7 @@ release_buffers() frees them all.
 """
 import atexit
 import contextlib
+import numbers
 import os
 import threading
 from typing import Optional
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..core._align import ALIGN
-from ..core.handle import AioHandle
+from ..core.handle import AioHandle, check_moves_data
 from ..core.pinned import empty_pinned
 
 _lock = threading.Lock()
@@ -27,12 +28,21 @@ _spare_handle: list[AioHandle] = []   # at most one
 
 
 def check_staging_bytes(staging_bytes):
-    """staging_bytes must be a positive int (TypeError / ValueError otherwise)."""
-    if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool):
+    """staging_bytes as an int: a positive int, numpy's included (TypeError / ValueError otherwise)."""
+    if not isinstance(staging_bytes, numbers.Integral) or isinstance(staging_bytes, bool):
         raise TypeError(f"staging_bytes must be a positive int (bytes), got {type(staging_bytes).__name__} "
                         f"{staging_bytes!r}")
     if staging_bytes <= 0:
         raise ValueError(f"staging_bytes must be a positive int (bytes), got {staging_bytes}")
+    return int(staging_bytes)
+
+
+def check_handle(handle):
+    """TypeError unless handle is None or an AioHandle (an AttributeError on .pwrite came from deep inside)."""
+    if handle is not None and not isinstance(handle, AioHandle):
+        raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
+    if handle is not None:
+        check_moves_data(handle, "a checkpoint")
 
 
 def new_handle():

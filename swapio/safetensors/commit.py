@@ -105,6 +105,9 @@ def _close_on_helper(replaced):
             raise                              # it only waited for the close (raised, it looked failed)
 
 
+_SLASHES = tuple({"/", os.sep, os.altsep or os.sep})
+
+
 def _refuse(exc, final):
     return OSError(exc.errno, f"cannot write the checkpoint {final}: {exc.strerror}", final)
 
@@ -113,10 +116,12 @@ class PendingFile:
     """A locked temporary file for `final`; commit() publishes it, abort() removes it (unless committed)."""
 
     def __init__(self, final):
-        self.final = os.path.abspath(os.fspath(final))
+        given = os.fsdecode(os.fspath(final))
+        self.final = os.path.abspath(given)
         directory, base = os.path.split(self.final)
-        if not base:
-            raise OSError(errno.EISDIR, "a checkpoint path must name a file", final)
+        if not base or given.endswith(_SLASHES):  # (abspath drops the trailing slash: "ck/" became the file "ck")
+            raise OSError(errno.EISDIR, "a checkpoint path must name a file, not a directory (it ends in a slash)",
+                          given)
         if os.path.isdir(self.final):
             raise OSError(errno.EISDIR, f"cannot write the checkpoint {self.final}: it is a directory", self.final)
         reclaim(directory)

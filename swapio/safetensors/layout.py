@@ -15,6 +15,7 @@ import struct
 import torch
 
 from ..core._align import ALIGN, round_up
+from ..core.tensors import storage_bytes_needed
 from .dtypes import stored_as, stored_shape
 from .header import MAX_HEADER
 
@@ -28,6 +29,12 @@ class Entry:
     __slots__ = ("name", "tensor", "original", "dtype_name", "raw", "nbytes")
 
     def __init__(self, name, original, key):
+        if original.numel() and original.device.type != "meta":  # (torch's "setStorage: ... out of bounds" as
+            # the file was being written; async_save's capture said so)
+            needed, held = storage_bytes_needed(original), original.untyped_storage().nbytes()
+            if needed > held:
+                raise ValueError(f"{key}: the tensor spans {needed} bytes of its storage, which holds only {held} "
+                                 "(released by SwapStore.swap_out(release=True), or resized): swap it in first")
         self.name, self.original, self.tensor = name, original, original.detach()
         self.dtype_name, self.raw = stored_as(original.dtype, key)
         self.nbytes = original.numel() * original.element_size()

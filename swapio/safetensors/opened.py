@@ -6,6 +6,7 @@ again.
 import os
 from collections.abc import Mapping
 
+from ..core._errors import check_path
 from .files import checkpoint_files, raw_header
 from .header import parse_header
 
@@ -43,6 +44,7 @@ def open_checkpoint(checkpoint):
     returned as it is (no header is read again)."""
     if isinstance(checkpoint, SafetensorsCheckpoint):
         return checkpoint
+    checkpoint = check_path("checkpoint", checkpoint)  # (a bytes path as str: the shard names joined to it are)
     files, weight_map = checkpoint_files(checkpoint)
     locations, metadata = {}, {}
     for path in files:

@@ -15,6 +15,7 @@ from ..core import cuda_copy
 from ..core._align import ALIGN, round_up
 from ..core.handle import AioHandle
 from ..core.pinned import empty_pinned
+from .buffers import check_handle, check_staging_bytes
 from .files import check_unchanged
 from .opened import open_checkpoint
 
@@ -36,6 +37,8 @@ def _pieces(items, start, end):
 
 def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20):
     """{name: tensor} of a safetensors file, a save_pretrained directory or a sharded index."""
+    staging_bytes = check_staging_bytes(staging_bytes)
+    check_handle(handle)
     device = cuda_copy.usable_device(device, "load_file")
     locations = open_checkpoint(checkpoint)
     names = list(locations)
@@ -43,8 +46,10 @@ def load_file(checkpoint, device="cpu", *, handle=None, staging_bytes=128 << 20)
     for name in names:
         with cuda_copy.allocating_on_side_stream(device):
             out.append(torch.empty(locations[name].shape, dtype=locations[name].dtype, device=device))
+    # two windows that hold the largest file's tensors at most: a generous staging_bytes allocates no more
+    span = max((loc.offset + loc.nbytes for loc in locations.values()), default=0)
     read_into([(locations[name], t) for name, t in zip(names, out)], device, handle=handle,
-              staging_bytes=staging_bytes)
+              staging_bytes=min(staging_bytes, 2 * round_up(span + ALIGN)))
     check_unchanged(locations.values())
     return dict(zip(names, out))
 

@@ -293,17 +293,72 @@ def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_t
 
 @pytest.mark.parametrize("staging, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
                                             (None, TypeError), (True, TypeError)])
-@pytest.mark.parametrize("call", ["save", "async_save", "load"])
+@pytest.mark.parametrize("call", ["save", "async_save", "load", "load_file"])
 def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
+    # (offload.load_file took any: 0, -1, 1.5 and True silently, "x" or None with an opaque TypeError)
     path = tmp_path / "c.safetensors"
-    if call == "load":
+    reads = call.startswith("load")
+    if reads:
         swapio.checkpoint.save({"t": torch.ones(3)}, path)
     with pytest.raises(error, match="staging_bytes must be a positive int"):
         if call == "load":
             swapio.checkpoint.load(path, staging_bytes=staging)
+        elif call == "load_file":
+            swapio.offload.load_file(path, staging_bytes=staging)
         else:
             getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, staging_bytes=staging)
-    assert os.listdir(tmp_path) == (["c.safetensors"] if call == "load" else [])
+    assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
+
+
+@pytest.mark.parametrize("call", ["save", "async_save", "load", "load_file"])
+def test_a_handle_that_is_not_an_aiohandle_is_a_type_error(tmp_path, call):
+    # (an AttributeError: 'int' object has no attribute 'pwrite')
+    path = tmp_path / "c.safetensors"
+    reads = call.startswith("load")
+    if reads:
+        swapio.checkpoint.save({"t": torch.ones(3)}, path)
+    with pytest.raises(TypeError, match="^handle must be a swapio.AioHandle, got int"):
+        if call == "load":
+            swapio.checkpoint.load(path, handle=3)
+        elif call == "load_file":
+            swapio.offload.load_file(path, handle=3)
+        else:
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, handle=3)
+    assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
+
+
+@pytest.mark.parametrize("call", ["save", "async_save", "save_checkpoint"])
+def test_a_tensor_released_by_swap_out_is_a_value_error_before_any_write(tmp_path, call):
+    # (save and save_checkpoint: torch's "setStorage: ... out of bounds for storage of size 0" while the file was
+    # written; async_save's capture said so already)
+    model = torch.nn.Linear(4, 4)
+    with swapio.SwapStore(tmp_path / "swap") as store:
+        store.swap_out(model.weight.data).wait()
+        with pytest.raises(ValueError, match="released by SwapStore.swap_out"):
+            if call == "save_checkpoint":
+                swapio.offload.save_checkpoint(model, tmp_path / "out")
+            else:
+                getattr(swapio.checkpoint, call)(model.state_dict(), tmp_path / "c.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+def test_sizes_take_numpy_integers_and_a_huge_staging_allocates_what_the_file_needs(tmp_path):
+    # numpy ints were refused ("got int64"; max_shard_size: "must be a positive number of bytes ... got
+    # np.int64(1000)"), as swapio's other sizes take them; load_file allocated two windows of half the
+    # staging_bytes given whatever the file's size (2**62: an OSError, out of memory)
+    np = pytest.importorskip("numpy")
+    state = {"t": torch.arange(5.0)}
+    path = tmp_path / "c.safetensors"
+    swapio.checkpoint.save(state, path, staging_bytes=np.int64(1 << 20))
+    swapio.checkpoint.async_save(state, path, staging_bytes=np.int32(1 << 20)).wait(timeout=60)
+    assert torch.equal(swapio.checkpoint.load(path, staging_bytes=np.uint64(1 << 20))["t"], state["t"])
+    for staging in (np.int64(1 << 20), 2**62):
+        assert torch.equal(swapio.offload.load_file(path, staging_bytes=staging)["t"], state["t"])
+    model = torch.nn.Linear(4, 3)
+    index = swapio.offload.save_checkpoint(model, tmp_path / "sharded", max_shard_size=np.int64(64))
+    assert len(json.loads(open(index).read())["weight_map"]) == 2
+    loaded = swapio.offload.load_file(tmp_path / "sharded")
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("key", ["format", "format_version", "structure"])
@@ -311,6 +366,24 @@ def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
 def test_reserved_metadata_keys_are_a_value_error_naming_the_key(tmp_path, call, key):
     with pytest.raises(ValueError, match=f"metadata key '{key}' is reserved"):
         getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata={key: "x"})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("metadata", ["k=v", [("k", "v")], 3, {"k": 1}], ids=repr)
+@pytest.mark.parametrize("call", ["save", "async_save"])
+def test_metadata_that_is_not_a_dict_of_str_is_a_type_error_naming_it(tmp_path, call, metadata):
+    # (a str raised dict()'s ValueError "dictionary update sequence element #0 has length 1", an int
+    # "'int' object is not iterable", and a list of pairs was taken, which safetensors' save_file refuses)
+    with pytest.raises(TypeError, match="metadata must be a dict of str to str"):
+        getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, tmp_path / "c.safetensors", metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("distributed", ["False", 0, None], ids=repr)
+def test_distributed_must_be_a_bool(tmp_path, distributed):
+    # ("False" asked for a distributed save: a directory of rank files where a process group exists)
+    with pytest.raises(TypeError, match="^distributed must be True or False"):
+        swapio.checkpoint.save({"t": torch.ones(3)}, tmp_path / "c.safetensors", distributed=distributed)
     assert os.listdir(tmp_path) == []
 
 

@@ -152,3 +152,20 @@ def test_bridged_reads_all_settle(handle, tmp_path):
     done, not_done = cf.wait(bridged, timeout=TIMEOUT)
     assert not not_done and all(b.result() == t.nbytes for b in bridged)
     assert all(torch.equal(o, t) for o in outs)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, threading.TIMEOUT_MAX * 2])
+@pytest.mark.parametrize("call", ["wait", "result", "exception"])
+def test_a_timeout_longer_than_the_platform_can_wait_waits_until_done(call, timeout):
+    """threading's waits (an async_save's) raised OverflowError ("timestamp out of range for platform time_t") for
+    timeout=float('inf'), which passed the check of the timeout and means: no limit."""
+    from swapio.core.futures import Future
+    gate = threading.Event()
+    future = Future(GatedRequest(gate))
+    opener = threading.Timer(0.05, gate.set)
+    opener.start()
+    try:
+        assert getattr(future, call)(timeout=timeout) == (None if call == "exception" else 7)
+    finally:
+        opener.cancel()
+        gate.set()

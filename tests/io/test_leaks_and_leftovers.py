@@ -80,3 +80,20 @@ def test_sparse_tensor_is_value_error_naming_the_layout(handle_factory, tmp_path
     with pytest.raises(ValueError, match="sparse.*to_dense"):
         store.swap_out(t)
     store.close()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_nested_tensor_is_value_error_saying_so(handle_factory, tmp_path, layout):
+    # strided: torch's "Internal error: NestedTensorImpl doesn't support sizes"; jagged: called sparse, with advice
+    # (.to_dense()) a nested tensor lacks
+    t = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=getattr(torch, layout))
+    h = handle_factory()
+    for call in (lambda: h.pwrite(t, tmp_path / "s.bin"), lambda: h.pread(t, tmp_path / "s.bin")):
+        with pytest.raises(ValueError, match=r"nested tensor.*\.unbind\(\)"):
+            call()
+    assert not (tmp_path / "s.bin").exists()
+    with swapio.SwapStore(tmp_path / "store") as store:
+        with pytest.raises(ValueError, match=r"nested tensor.*\.unbind\(\)"):
+            store.swap_out(t, release=False)
+        assert len(store) == 0

@@ -47,6 +47,15 @@ def test_empty_pinned_rejects_bad_shape(bad):
         swapio.empty_pinned(bad, torch.float32)
 
 
+@pytest.mark.parametrize("size", ["np.int64", "np.uint8"])
+def test_empty_pinned_takes_a_numpy_integer_size_as_torch_empty_does(size):
+    # (TypeError: "'numpy.int64' object is not iterable")
+    np = pytest.importorskip("numpy")
+    n = getattr(np, size.split(".")[1])(3)
+    assert swapio.empty_pinned(n).shape == torch.empty(n).shape == (3,)
+    assert swapio.is_pinned(swapio.empty_pinned(n))
+
+
 def test_empty_pinned_rejects_non_dtype():
     with pytest.raises(TypeError):
         swapio.empty_pinned((4,), "float32")
@@ -61,6 +70,14 @@ def test_views_of_pinned_tensor_count_as_pinned():
 def test_ordinary_tensors_are_not_pinned():
     assert not swapio.is_pinned(torch.empty(4096, dtype=torch.uint8))
     assert not swapio.is_pinned(torch.empty(16, device="meta"))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_is_pinned_of_a_sparse_tensor_is_torchs_answer(layout):
+    # (RuntimeError: "Cannot access data pointer of Tensor that doesn't have storage")
+    t = getattr(torch.eye(3), "to_" + layout)()
+    assert swapio.is_pinned(t) is False and t.is_pinned() is False
 
 
 def test_memory_just_past_a_pinned_block_is_not_pinned():

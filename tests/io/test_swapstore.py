@@ -197,8 +197,9 @@ def test_duplicate_name_is_value_error(store):
         store.swap_out(sample(), name="dup", release=False)
 
 
-@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "-dash", "", "x" * 201, "sp ace"],
-                         ids=["dotdot", "slash", "dot-first", "dash-first", "empty", "too-long", "space"])
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "-dash", "", "x" * 201, "sp ace", "w\n"],
+                         ids=["dotdot", "slash", "dot-first", "dash-first", "empty", "too-long", "space",
+                              "trailing-newline"])  # (the pattern's "$" let "w\n" through: a file "w\n.swap")
 def test_unsafe_name_is_value_error(store, name):
     with pytest.raises(ValueError):
         store.swap_out(sample(), name=name, release=False)
@@ -326,6 +327,27 @@ def test_remove_of_foreign_swapped_tensor_is_value_error(tmp_path, store):
         s.wait(timeout=TIMEOUT)
         with pytest.raises(ValueError):
             store.remove(s)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)], ids=repr)
+def test_swap_in_to_cpu_with_an_index_refills_the_released_source(store, device):
+    # ("cpu:0" is the device of the CPU tensors torch makes, but compared unequal to theirs: a new tensor was
+    # returned and the source stayed released)
+    t = torch.arange(6.0)
+    s = store.swap_out(t).wait(timeout=TIMEOUT)
+    back = s.swap_in(device=device).result(timeout=TIMEOUT)
+    assert s.is_resident  # first: reading a released tensor (pytest's repr of it too) is a segfault in torch
+    assert id(back) == id(t) and torch.equal(t, torch.arange(6.0))
+
+
+@pytest.mark.parametrize("other", ["kept", 3, None, torch.ones(2)], ids=["its name", "int", "None", "a tensor"])
+def test_remove_of_something_else_is_a_type_error_and_removes_nothing(store, other):
+    # (an AttributeError: 'str' object has no attribute 'name')
+    s = store.swap_out(sample(), name="kept", release=False).wait(timeout=TIMEOUT)
+    by_name = r".*remove\(store\['kept'\]\)" if other == "kept" else ""
+    with pytest.raises(TypeError, match="SwappedTensor swap_out returned" + by_name):
+        store.remove(other)
+    assert "kept" in store and os.path.exists(s.path)
 
 
 def test_close_removes_files_and_created_directory(tmp_path):

@@ -118,6 +118,36 @@ def test_bad_input_raises_value_error(bad):
         ops.adafactor_step_(args.pop("param"), args.pop("grad"), **args)
 
 
+@pytest.mark.parametrize("shape, error, match", [
+    ((4.0, 4.0), TypeError, "shape must hold ints, got float"),  # (pybind11's dump of the C++ signature)
+    ("44", TypeError, "shape must be a sequence of ints"),       # (can't multiply sequence by non-int of type 'str')
+    ([[4], [4]], TypeError, "shape must hold ints, got list"),
+    ((True, 16), TypeError, "shape must hold ints, got bool"),   # (taken as (1, 16))
+    ((-4, -4), ValueError, "shape must hold sizes >= 0"),        # (its product is 16: "expected -4 elements")
+], ids=repr)
+@pytest.mark.parametrize("step", [ops.adafactor_step_, ops.adafactor_step_reference_], ids=["kernel", "reference"])
+def test_a_shape_that_is_not_sizes_names_shape(step, shape, error, match):
+    param = torch.zeros(16)
+    with pytest.raises(error, match=match):
+        step(param, torch.ones(16), shape=shape, row_var=torch.zeros(4), col_var=torch.zeros(4), step=1)
+    assert not param.any()
+
+
+@pytest.mark.parametrize("shape", [torch.Size([4, 4]), [4, 4], "numpy", "tensor"], ids=repr)
+def test_a_shape_of_ints_in_any_form_steps_as_the_tuple(shape):
+    if shape == "numpy":
+        shape = pytest.importorskip("numpy").array([4, 4])
+    elif shape == "tensor":
+        shape = torch.tensor([4, 4])
+    results = []
+    for s in ((4, 4), shape):
+        torch.manual_seed(0)
+        param, row_var, col_var = torch.randn(16), torch.zeros(4), torch.zeros(4)
+        ops.adafactor_step_(param, torch.randn(16), shape=s, row_var=row_var, col_var=col_var, step=1)
+        results.append(torch.cat([param, row_var, col_var]))
+    assert torch.equal(*results)
+
+
 @pytest.mark.parametrize("case", ["inf", "zero_row", "zero_grad_eps1_0", "zero_row_eps1_1e-30",
                                   "zero_row_eps1_1e-21", "zero_row_eps1_1e-20"])
 def test_edge_values_go_as_with_torch(case):

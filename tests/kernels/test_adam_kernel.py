@@ -319,6 +319,51 @@ def test_bad_argument_raises_value_error(overrides, kw):
         call(overrides, **kw)
 
 
+_STEPS = {
+    "adam": lambda t, step: ops.adam_step_(*t, torch.zeros(8), step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                           weight_decay=0.0),
+    "lion": lambda t, step: ops.lion_step_(*t, step=step, lr=1e-3),
+    "adafactor": lambda t, step: ops.adafactor_step_(t[0], t[1], shape=(8,), variance=t[2], step=step),
+}
+
+
+@pytest.mark.parametrize("step", [2**63, 2**64, 1e19], ids=repr)
+@pytest.mark.parametrize("kernel", sorted(_STEPS))
+def test_a_step_past_int64_is_a_value_error_naming_step(kernel, step):
+    # it reached the int64 binding, whose TypeError dumped pybind11's C++ signature
+    t = (torch.zeros(8), torch.ones(8), torch.zeros(8))
+    with pytest.raises(ValueError, match="step must be <= 2\\*\\*63 - 1"):
+        _STEPS[kernel](t, step)
+    assert not t[0].any() and not t[2].any()  # nothing was written
+
+
+_BF16_STEPS = {
+    "adam": lambda step, t, index_base: step(t[0], t[1], t[2], t[3], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                                             eps=1e-8, weight_decay=0.0, index_base=index_base),
+    "lion": lambda step, t, index_base: step(t[0], t[1], t[2], lr=1e-3, index_base=index_base),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(_BF16_STEPS))
+def test_index_base_up_to_int64_matches_the_reference_and_past_it_is_a_value_error(kernel):
+    # past 2**63 - 1 it reached the int64 binding of a bf16 state (pybind11's dump of the C++ signature)
+    def state():
+        torch.manual_seed(0)
+        return (torch.randn(8), torch.randn(8), torch.randn(8).bfloat16(), torch.rand(8).bfloat16())
+    native, reference = getattr(ops, kernel + "_step_"), getattr(ops, kernel + "_step_reference_")
+    last = 2**63 - 8  # its 8 elements' indices end at 2**63 - 1
+    a, b = state(), state()
+    _BF16_STEPS[kernel](native, a, last)
+    _BF16_STEPS[kernel](reference, b, last)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for step in (native, reference):
+        for index_base in (last + 1, 2**64):
+            t = state()
+            with pytest.raises(ValueError, match="index_base"):
+                _BF16_STEPS[kernel](step, t, index_base)
+            assert all(torch.equal(x, y) for x, y in zip(t, state()))  # nothing was written
+
+
 def test_binding_rejects_bad_raw_arguments():
     t = torch.zeros(8)
     ptr = t.data_ptr()

@@ -69,3 +69,53 @@ def test_simd_encode_edges_bit_identical_to_scalar(level):
     assert_bitwise_equal(p1, p0, f"{level} param")
     codes = st0["exp_avg"]
     assert int(codes.min()) == 0 and int(codes.max()) == 255  # -A (the map's -max) and +A both occur
+
+
+
+@pytest.mark.parametrize("scales", ["missing", "one for three blocks"])
+@pytest.mark.parametrize("step", [ops.adam_step_, ops.adam_step_reference_, ops.lion_step_, ops.lion_step_reference_],
+                         ids=lambda f: f.__name__)
+def test_int8_state_without_its_scales_is_a_value_error_before_any_write(step, scales):
+    """The references raised an AttributeError (missing) or, one scale given for three blocks, torch's broadcast
+    error once the parameter was updated; the kernels checked already."""
+    torch.manual_seed(0)
+    m, m_scale = quant.quantize(torch.randn(600), signed=True)  # 3 blocks
+    v, v_scale = quant.quantize(torch.rand(600), signed=False)
+    p, g = torch.randn(600), torch.randn(600)
+    scale = None if scales == "missing" else m_scale[:1].clone()
+    kept = [p.clone(), m.clone(), v.clone(), v_scale.clone()]
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        if step.__name__.startswith("adam"):
+            step(p, g, m, v, exp_avg_scale=scale, exp_avg_sq_scale=v_scale, step=1, lr=1e-3, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.0)
+        else:
+            step(p, g, m, exp_avg_scale=scale, step=1, lr=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip([p, m, v, v_scale], kept))
+
+
+@pytest.mark.parametrize("counter, error", [([0], TypeError), (torch.zeros(1, dtype=torch.int8), ValueError),
+                                            (torch.zeros(2, dtype=torch.int64), ValueError),
+                                            (torch.zeros(1), ValueError)], ids=["list", "int8", "two", "float"])
+@pytest.mark.parametrize("step", [ops.adam_step_, ops.lion_step_], ids=lambda f: f.__name__)
+def test_nonfinite_that_is_not_one_int64_is_refused_before_the_step(step, counter, error):
+    # (a list: AttributeError once the parameter was written; an int8 counter wrapped; two elements both counted)
+    m, m_scale = quant.quantize(torch.zeros(8), signed=True)
+    v, v_scale = quant.quantize(torch.zeros(8), signed=False)
+    p, g = torch.zeros(8), torch.full((8,), float("nan"))
+    with pytest.raises(error, match="nonfinite must be"):
+        if step is ops.adam_step_:
+            step(p, g, m, v, exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale, step=1, lr=1e-3, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.0, nonfinite=counter)
+        else:
+            step(p, g, m, exp_avg_scale=m_scale, step=1, lr=1e-3, nonfinite=counter)
+    assert not p.any()  # not stepped (NaN otherwise)
+
+
+@pytest.mark.parametrize("codes, scale, match", [
+    (torch.zeros(600, dtype=torch.int8), torch.ones(3), "codes must be torch.uint8"),  # (indexed from the end)
+    (torch.zeros(600, dtype=torch.uint8), torch.ones(1), r"3 for 600 codes\), got 1"),  # (broadcast over all)
+    (torch.zeros(600, dtype=torch.uint8), torch.ones(4), r"3 for 600 codes\), got 4"),
+], ids=["int8 codes", "one scale", "four scales"])
+def test_dequantize_refuses_codes_it_would_decode_wrongly(codes, scale, match):
+    with pytest.raises(ValueError, match=match):
+        quant.dequantize(codes, scale, signed=True)

@@ -64,8 +64,13 @@ def test_dtype_auto_and_a_dtype_it_cannot_serve(tmp_path):
     assert from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype="auto").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="without converting"):
         from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype=torch.float32)
-    with pytest.raises(TypeError, match="dtype must be"):
+    # a dtype's name, as transformers takes it (torch_dtype="bfloat16" in configs and scripts): it was a TypeError
+    assert from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, torch_dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="without converting"):
         from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype="float16")
+    for not_a_dtype in ("fp16", "Tensor", 16):
+        with pytest.raises(TypeError, match="dtype must be a torch.dtype, its name"):
+            from_pretrained(transformers.Qwen2ForCausalLM, tmp_path, dtype=not_a_dtype)
 
 
 def test_bad_arguments_are_clear_errors(saved, tmp_path):

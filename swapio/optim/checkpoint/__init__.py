@@ -26,6 +26,7 @@ import errno
 import os
 
 from ...core import _checksum, _dir_lock as dir_lock, _durable
+from ...core._errors import check_path
 from ...safetensors import commit
 from .. import validate
 from .files import FILE, FORMAT, LEGACY, LEGACY_META, VERSION, regular
@@ -55,7 +56,7 @@ def _missing_directories(path):
 
 
 def save(opt, path, progress=False):
-    path = os.fspath(path)
+    path = check_path("path", path)
     _not_a_directory(path, "save")
     made = _missing_directories(path)
     os.makedirs(path, exist_ok=True)
@@ -77,7 +78,7 @@ def save(opt, path, progress=False):
 
 
 def load(opt, path, progress=False):
-    path = os.fspath(path)
+    path = check_path("path", path)
     _not_a_directory(path, "load")
     if not os.path.isdir(path):
         raise FileNotFoundError(errno.ENOENT, "no swapio optimizer checkpoint directory", path)
