@@ -601,3 +601,28 @@ def test_a_failed_update_of_a_dropped_gpu_in_backward_optimizer_is_a_warning(fak
         gc.enable()
     hits = [w for w in warned if "dropped" in str(w[0])]
     assert len(hits) == 1 and "MemoryError" in hits[0][0] and hits[0][1] is swapio.SwapioWarning
+
+
+@pytest.mark.parametrize("lets_go", ["close", "add_param_group"])
+def test_the_gradient_arena_is_let_go_only_after_the_copies_into_it_after_zero_grad(fake_gpu, lets_go):
+    # backward queues each GPU gradient's copy into the pinned arena; zero_grad() without step() (a skipped step)
+    # forgets which gradients were copied, but not the copies: the arena may not be freed (close) or replaced (a new
+    # parameter grows it) while the GPU may still write into it
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+    _loss(model, 0).backward()
+    d2h = sides["to_host"]
+    assert d2h.ran < len(d2h.ops)  # the copies into the arena are queued, not run
+    opt.zero_grad()
+    if lets_go == "close":
+        opt.close()
+    else:
+        extra = torch.nn.Parameter(torch.zeros(16))
+        gpu.add(extra.detach())
+        opt.add_param_group({"params": [extra]})
+        assert opt._grad_copies.arena is None  # the old arena is let go
+    assert d2h.ran == len(d2h.ops)  # ... after the copies into it ran
+    if lets_go != "close":
+        opt.close()
