@@ -61,6 +61,9 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
     handle = AioHandle() if own else handle
     cuda = device.type == "cuda"
     stream = cuda_copy.copy_stream(device) if cuda else None
+    if cuda:  # the tensors may be the caller's (load's out=, a model's parameters), read or written by work its
+        # stream still has queued: the side stream's copies into them come after that work (a wait on the GPU)
+        stream.wait_stream(torch.cuda.current_stream(device))
     buffers, events = [empty_pinned(window, torch.uint8) for _ in range(2)], [None, None]
     try:
         by_file = {}
