@@ -626,3 +626,54 @@ def test_the_gradient_arena_is_let_go_only_after_the_copies_into_it_after_zero_g
     assert d2h.ran == len(d2h.ops)  # ... after the copies into it ran
     if lets_go != "close":
         opt.close()
+
+
+def test_in_backward_the_temporary_of_a_non_contiguous_gpu_parameter_is_the_copy_streams_memory(fake_gpu, monkeypatch):
+    # The worker updates a non-contiguous parameter (a transposed weight) through a contiguous temporary that the
+    # copy stream writes after the gradient's copy only. Allocated on the worker's current stream, the caching
+    # allocator could give it a block that kernels of the rest of backward, queued on that stream, still use: the
+    # copy would overwrite it under them. Allocated on the copy stream, it gets only memory that stream is done with.
+    gpu, compute, sides, trace = fake_gpu
+    on_side, allocated = [False], {}  # storage address -> allocated while the copy stream was current
+    real_empty, fake_copy_async = torch.empty, cuda_copy.copy_async
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        allocated[t.untyped_storage().data_ptr()] = on_side[0]
+        return t
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, on_side[0] = on_side[0], s is not compute
+        try:
+            yield
+        finally:
+            on_side[0] = before
+
+    writes_into_temporaries = []
+
+    def copy_async(dst, src, stream, wait_for=None, hold=True):
+        ptr = dst.untyped_storage().data_ptr()
+        if stream is sides["to_device"] and not any(ptr == g.untyped_storage().data_ptr() for g in gpu):
+            writes_into_temporaries.append(allocated.get(ptr))
+        return fake_copy_async(dst, src, stream, wait_for, hold)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda_copy, "copy_async", copy_async)
+    model = _model(torch.float32)
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())  # transposed strides
+    gpu.update(p.detach() for p in model.parameters())
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    for step in range(2):
+        _loss(model, step).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        opt.step()
+        compute.run_until(len(compute.ops))
+        ref_opt.step()
+        _assert_matches(model, master)
+        opt.zero_grad()
+    assert writes_into_temporaries and all(writes_into_temporaries)  # the copy stream's own memory, each time
+    opt.close()
