@@ -96,12 +96,15 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
                     else:
                         flat[i][at:at + n].copy_(buf[off:off + n])
     finally:
-        if own:
-            handle.close()
-    if cuda:
-        current = torch.cuda.current_stream(device)
-        for ev in events:
-            if ev is not None:
-                current.wait_event(ev)
-        for t in out:
-            t.record_stream(current)
+        try:
+            if own:
+                handle.close()
+        finally:
+            if cuda:  # after an error too: copies queued before it may still write the tensors, and what the caller
+                # queues next (writing them again after a failed load) must not be overtaken by them
+                current = torch.cuda.current_stream(device)
+                for ev in events:
+                    if ev is not None:
+                        current.wait_event(ev)
+                for t in out:
+                    t.record_stream(current)
