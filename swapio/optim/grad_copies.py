@@ -88,6 +88,7 @@ class GradCopies:
         # until the copy read it
         done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device, "to_host"), wait_for=produced,
                                     hold=False)
+        cuda_copy.keep_until(done, host)  # the arena lives until the copy ran, even if this object goes first
         self.arrivals += 1
         self._last[g.device] = done
         # weak: model.zero_grad() frees the gradient

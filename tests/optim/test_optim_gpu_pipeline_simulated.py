@@ -8,6 +8,8 @@ device, or for each copy before the next kernel, shows it in the trace. Numbers 
 torch.optim.AdamW on resident parameters.
 """
 import contextlib
+import ctypes
+import gc
 import warnings
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 
 import swapio
 from helpers.autograd import OnBackward
-from swapio.core import cuda_copy
+from swapio.core import cuda_copy, pinned
 from swapio.optim import grad_copies, params as params_mod, work as work_mod
 
 
@@ -68,7 +70,7 @@ class Event:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Tensors in `gpu` count as on a GPU; returns (gpu set, compute stream, side streams, trace)."""
-    trace = []
+    trace, wrote_freed = [], []
     compute = Stream("compute", trace)
     sides = {"to_device": Stream("h2d", trace), "to_host": Stream("d2h", trace)}
     gpu = set()
@@ -87,6 +89,17 @@ def fake_gpu(monkeypatch):
         def run(dst=dst.detach(), src=src.detach()):
             with torch.no_grad():
                 dst.data.copy_(src)
+        if not hold and pinned.is_pinned(dst) and dst.is_contiguous():
+            # the caller keeps the pinned destination alive until the copy ran (hold=False): held here only by
+            # its address, a copy that runs once it was freed is recorded (and not made)
+            ptr, shape, dtype, nbytes = dst.data_ptr(), dst.shape, dst.dtype, dst.numel() * dst.element_size()
+
+            def run(src=src.detach()):
+                if pinned._block_of(ptr) is None:
+                    wrote_freed.append(stream.name)
+                    return
+                target = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+                target.view(dtype).view(shape).copy_(src)
         trace.append(("queued", stream.name, what))
         stream.enqueue(run, what)
         event = Event()
@@ -105,7 +118,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    return gpu, compute, sides, trace
+    yield gpu, compute, sides, trace
+    for stream in (compute, *sides.values()):
+        stream.run_until(len(stream.ops))  # what the GPU had left
+    cuda_copy.release_finished()
+    assert not wrote_freed, f"copies on {wrote_freed} wrote into pinned memory already freed"
 
 
 def _model(dtype):
@@ -677,3 +694,16 @@ def test_in_backward_the_temporary_of_a_non_contiguous_gpu_parameter_is_the_copy
         opt.zero_grad()
     assert writes_into_temporaries and all(writes_into_temporaries)  # the copy stream's own memory, each time
     opt.close()
+
+
+def test_a_dropped_optimizer_lets_its_gradient_arena_go_only_after_the_copies_into_it(fake_gpu):
+    # optimizer dropped right after backward (a notebook rebuilding it): the copies backward queued into its
+    # pinned gradient arena may still run on the GPU, so the arena lives until they have (the fixture checks it)
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+    _loss(model, 0).backward()
+    assert sides["to_host"].ran < len(sides["to_host"].ops)
+    del opt
+    gc.collect()
