@@ -70,7 +70,7 @@ class Event:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Tensors in `gpu` count as on a GPU; returns (gpu set, compute stream, side streams, trace)."""
-    trace, wrote_freed = [], []
+    trace, wrote_freed, changed_sources = [], [], []
     compute = Stream("compute", trace)
     sides = {"to_device": Stream("h2d", trace), "to_host": Stream("d2h", trace)}
     gpu = set()
@@ -86,7 +86,12 @@ def fake_gpu(monkeypatch):
         if on_gpu(dst):
             torch.autograd.graph.increment_version(dst)  # as the real copy_ does when it is queued
 
+        # a GPU reads a pinned host source when the copy runs: it must not change before
+        queued = src.detach().clone() if pinned.is_pinned(src) else None
+
         def run(dst=dst.detach(), src=src.detach()):
+            if queued is not None and not torch.equal(_bytes(src), _bytes(queued)):
+                changed_sources.append(stream.name)
             with torch.no_grad():
                 dst.data.copy_(src)
         if not hold and pinned.is_pinned(dst) and dst.is_contiguous():
@@ -123,6 +128,11 @@ def fake_gpu(monkeypatch):
         stream.run_until(len(stream.ops))  # what the GPU had left
     cuda_copy.release_finished()
     assert not wrote_freed, f"copies on {wrote_freed} wrote into pinned memory already freed"
+    assert not changed_sources, f"copies on {changed_sources} read host memory changed after they were queued"
+
+
+def _bytes(t):
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _model(dtype):
