@@ -318,17 +318,17 @@ class Fetcher:
                         wait_checked(fetch.reads, lambda: self._checked(fetch))
                 else:
                     self._checked(fetch)
+                fetch.reads = []
+                if self.cuda:  # (a CUDA out-of-memory error here leaves the fetch unused, as a failed read does)
+                    if fetch.device is None:
+                        self._copy_to_device(fetch)
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(fetch.event)
+                    fetch.device.record_stream(stream)
             except BaseException:
                 fetch.users -= 1
                 self._drop(fetch)
                 raise
-            fetch.reads = []
-            if self.cuda:
-                if fetch.device is None:
-                    self._copy_to_device(fetch)
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(fetch.event)
-                fetch.device.record_stream(stream)
             return fetch
 
     def release(self, fetch):

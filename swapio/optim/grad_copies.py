@@ -33,6 +33,9 @@ class GradCopies:
         self.copied = {}   # p -> (the gradient copied, its version then, event of the copy's completion, arrival)
         self.arrivals = 0
         self._hooks = []
+        # device -> event of the latest copy into the arena (each device's copies run in order on one stream):
+        # kept past forget(), so that the arena is let go only after every copy into it, taken or not
+        self._last = {}
 
     def on_ready(self, callback, check=None):
         """callback(p) (a bound method, held weakly) runs in the hook once p's copy is queued; check(p) (the same),
@@ -85,7 +88,9 @@ class GradCopies:
         # until the copy read it
         done = cuda_copy.copy_async(host, g, cuda_copy.copy_stream(g.device, "to_host"), wait_for=produced,
                                     hold=False)
+        cuda_copy.keep_until(done, host)  # the arena lives until the copy ran, even if this object goes first
         self.arrivals += 1
+        self._last[g.device] = done
         # weak: model.zero_grad() frees the gradient
         self.copied[p] = (weakref.ref(g), g._version, done, self.arrivals)
         if self._on_ready is not None:
@@ -133,8 +138,10 @@ class GradCopies:
         return self.arena.numel() if self.arena is not None else 0
 
     def sync(self):
-        for _, _, done, _ in self.copied.values():
+        """Waits for every copy into the arena (those zero_grad() forgot too), not for the devices."""
+        for done in list(self._last.values()):
             done.synchronize()
+        self._last = {}
 
     def close(self):
         for handle in self._hooks:

@@ -1,6 +1,7 @@
 """One parameter's share of a step, as the optimizer hands it to a state backend."""
 import torch
 
+from ..core import cuda_copy
 from .params import LOW_PRECISION, needs_master, on_gpu, shard
 
 
@@ -38,7 +39,12 @@ class Work:
         if data.is_contiguous():
             self.dst, self.tmp, self.src = data.view(-1), None, data.view(-1)
         else:  # written into a contiguous temporary, copied into the parameter after its last segment
-            self.tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            if self.cuda:  # written and read on the copy stream only: its memory, which the caching allocator hands
+                # out only once that stream is done with it (not a block that compute kernels queued still use)
+                with torch.cuda.stream(cuda_copy.copy_stream(t.device)):
+                    self.tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            else:
+                self.tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             self.dst = self.tmp.view(-1)
             self.src = data.contiguous().view(-1) if new or edited else None
 

@@ -66,6 +66,9 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
     handle = AioHandle() if own else handle
     cuda = device.type == "cuda"
     stream = cuda_copy.copy_stream(device) if cuda else None
+    if cuda:  # the tensors may be the caller's (load's out=, a model's parameters), read or written by work its
+        # stream still has queued: the side stream's copies into them come after that work (a wait on the GPU)
+        stream.wait_stream(torch.cuda.current_stream(device))
     buffers, events = [empty_pinned(window, torch.uint8) for _ in range(2)], [None, None]
     try:
         by_file = {}
@@ -98,12 +101,15 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
                     else:
                         flat[i][at:at + n].copy_(buf[off:off + n])
     finally:
-        if own:
-            handle.close()
-    if cuda:
-        current = torch.cuda.current_stream(device)
-        for ev in events:
-            if ev is not None:
-                current.wait_event(ev)
-        for t in out:
-            t.record_stream(current)
+        try:
+            if own:
+                handle.close()
+        finally:
+            if cuda:  # after an error too: copies queued before it may still write the tensors, and what the caller
+                # queues next (writing them again after a failed load) must not be overtaken by them
+                current = torch.cuda.current_stream(device)
+                for ev in events:
+                    if ev is not None:
+                        current.wait_event(ev)
+                for t in out:
+                    t.record_stream(current)

@@ -119,6 +119,16 @@ def test_swap_in_out_tensor_waits_for_earlier_work_only(tmp_path):
         assert got is out and torch.equal(out.cpu(), src)
 
 
+def test_checkpoint_load_into_gpu_tensors_comes_after_the_work_queued_on_them(tmp_path):
+    saved = torch.randn(1 << 20)
+    swapio.checkpoint.save({"w": saved}, tmp_path / "c.safetensors")
+    w = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(100_000_000)  # the GPU is busy: what follows is still queued when load() runs
+    w.add_(1)  # queued before the load: the copies into w must come after it
+    swapio.checkpoint.load(tmp_path / "c.safetensors", device="cuda", out={"w": w})
+    assert torch.equal(w.cpu(), saved)
+
+
 def test_load_file_to_cuda(tmp_path):
     resident_model().save_pretrained(tmp_path / "ck", max_shard_size="100KB")
     cpu = load_file(tmp_path / "ck")

@@ -8,6 +8,8 @@ device, or for each copy before the next kernel, shows it in the trace. Numbers 
 torch.optim.AdamW on resident parameters.
 """
 import contextlib
+import ctypes
+import gc
 import warnings
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 
 import swapio
 from helpers.autograd import OnBackward
-from swapio.core import cuda_copy
+from swapio.core import cuda_copy, pinned
 from swapio.optim import grad_copies, params as params_mod, work as work_mod
 
 
@@ -68,7 +70,7 @@ class Event:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Tensors in `gpu` count as on a GPU; returns (gpu set, compute stream, side streams, trace)."""
-    trace = []
+    trace, wrote_freed, changed_sources = [], [], []
     compute = Stream("compute", trace)
     sides = {"to_device": Stream("h2d", trace), "to_host": Stream("d2h", trace)}
     gpu = set()
@@ -84,9 +86,25 @@ def fake_gpu(monkeypatch):
         if on_gpu(dst):
             torch.autograd.graph.increment_version(dst)  # as the real copy_ does when it is queued
 
+        # a GPU reads a pinned host source when the copy runs: it must not change before
+        queued = src.detach().clone() if pinned.is_pinned(src) else None
+
         def run(dst=dst.detach(), src=src.detach()):
+            if queued is not None and not torch.equal(_bytes(src), _bytes(queued)):
+                changed_sources.append(stream.name)
             with torch.no_grad():
                 dst.data.copy_(src)
+        if not hold and pinned.is_pinned(dst) and dst.is_contiguous():
+            # the caller keeps the pinned destination alive until the copy ran (hold=False): held here only by
+            # its address, a copy that runs once it was freed is recorded (and not made)
+            ptr, shape, dtype, nbytes = dst.data_ptr(), dst.shape, dst.dtype, dst.numel() * dst.element_size()
+
+            def run(src=src.detach()):
+                if pinned._block_of(ptr) is None:
+                    wrote_freed.append(stream.name)
+                    return
+                target = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+                target.view(dtype).view(shape).copy_(src)
         trace.append(("queued", stream.name, what))
         stream.enqueue(run, what)
         event = Event()
@@ -105,7 +123,16 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    return gpu, compute, sides, trace
+    yield gpu, compute, sides, trace
+    for stream in (compute, *sides.values()):
+        stream.run_until(len(stream.ops))  # what the GPU had left
+    cuda_copy.release_finished()
+    assert not wrote_freed, f"copies on {wrote_freed} wrote into pinned memory already freed"
+    assert not changed_sources, f"copies on {changed_sources} read host memory changed after they were queued"
+
+
+def _bytes(t):
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _model(dtype):
@@ -601,3 +628,92 @@ def test_a_failed_update_of_a_dropped_gpu_in_backward_optimizer_is_a_warning(fak
         gc.enable()
     hits = [w for w in warned if "dropped" in str(w[0])]
     assert len(hits) == 1 and "MemoryError" in hits[0][0] and hits[0][1] is swapio.SwapioWarning
+
+
+@pytest.mark.parametrize("lets_go", ["close", "add_param_group"])
+def test_the_gradient_arena_is_let_go_only_after_the_copies_into_it_after_zero_grad(fake_gpu, lets_go):
+    # backward queues each GPU gradient's copy into the pinned arena; zero_grad() without step() (a skipped step)
+    # forgets which gradients were copied, but not the copies: the arena may not be freed (close) or replaced (a new
+    # parameter grows it) while the GPU may still write into it
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+    _loss(model, 0).backward()
+    d2h = sides["to_host"]
+    assert d2h.ran < len(d2h.ops)  # the copies into the arena are queued, not run
+    opt.zero_grad()
+    if lets_go == "close":
+        opt.close()
+    else:
+        extra = torch.nn.Parameter(torch.zeros(16))
+        gpu.add(extra.detach())
+        opt.add_param_group({"params": [extra]})
+        assert opt._grad_copies.arena is None  # the old arena is let go
+    assert d2h.ran == len(d2h.ops)  # ... after the copies into it ran
+    if lets_go != "close":
+        opt.close()
+
+
+def test_in_backward_the_temporary_of_a_non_contiguous_gpu_parameter_is_the_copy_streams_memory(fake_gpu, monkeypatch):
+    # The worker updates a non-contiguous parameter (a transposed weight) through a contiguous temporary that the
+    # copy stream writes after the gradient's copy only. Allocated on the worker's current stream, the caching
+    # allocator could give it a block that kernels of the rest of backward, queued on that stream, still use: the
+    # copy would overwrite it under them. Allocated on the copy stream, it gets only memory that stream is done with.
+    gpu, compute, sides, trace = fake_gpu
+    on_side, allocated = [False], {}  # storage address -> allocated while the copy stream was current
+    real_empty, fake_copy_async = torch.empty, cuda_copy.copy_async
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        allocated[t.untyped_storage().data_ptr()] = on_side[0]
+        return t
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, on_side[0] = on_side[0], s is not compute
+        try:
+            yield
+        finally:
+            on_side[0] = before
+
+    writes_into_temporaries = []
+
+    def copy_async(dst, src, stream, wait_for=None, hold=True):
+        ptr = dst.untyped_storage().data_ptr()
+        if stream is sides["to_device"] and not any(ptr == g.untyped_storage().data_ptr() for g in gpu):
+            writes_into_temporaries.append(allocated.get(ptr))
+        return fake_copy_async(dst, src, stream, wait_for, hold)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda_copy, "copy_async", copy_async)
+    model = _model(torch.float32)
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())  # transposed strides
+    gpu.update(p.detach() for p in model.parameters())
+    master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2)
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu", in_backward=True)
+    for step in range(2):
+        _loss(model, step).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.clone()
+        opt.step()
+        compute.run_until(len(compute.ops))
+        ref_opt.step()
+        _assert_matches(model, master)
+        opt.zero_grad()
+    assert writes_into_temporaries and all(writes_into_temporaries)  # the copy stream's own memory, each time
+    opt.close()
+
+
+def test_a_dropped_optimizer_lets_its_gradient_arena_go_only_after_the_copies_into_it(fake_gpu):
+    # optimizer dropped right after backward (a notebook rebuilding it): the copies backward queued into its
+    # pinned gradient arena may still run on the GPU, so the arena lives until they have (the fixture checks it)
+    gpu, compute, sides, trace = fake_gpu
+    model = _model(torch.float32)
+    gpu.update(p.detach() for p in model.parameters())
+    opt = swapio.optim.OffloadAdamW(model.parameters(), lr=1e-2, offload="cpu")
+    _loss(model, 0).backward()
+    assert sides["to_host"].ran < len(sides["to_host"].ops)
+    del opt
+    gc.collect()
