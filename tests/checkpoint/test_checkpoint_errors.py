@@ -296,35 +296,33 @@ def test_a_shape_whose_storage_size_overflows_is_a_value_error_naming_file_and_t
 @pytest.mark.parametrize("call", ["save", "async_save", "load", "load_file"])
 def test_staging_bytes_must_be_a_positive_int(tmp_path, call, staging, error):
     # (offload.load_file took any: 0, -1, 1.5 and True silently, "x" or None with an opaque TypeError)
+    with pytest.raises(error, match="staging_bytes must be a positive int"):
+        _refused_call(tmp_path, call, staging_bytes=staging)
+
+
+def _refused_call(tmp_path, call, **kwargs):
+    """`call` (a save or a load of tmp_path/c.safetensors) with kwargs, which must raise; then nothing more than
+    the file loaded is in the directory (a save wrote nothing)."""
     path = tmp_path / "c.safetensors"
     reads = call.startswith("load")
     if reads:
         swapio.checkpoint.save({"t": torch.ones(3)}, path)
-    with pytest.raises(error, match="staging_bytes must be a positive int"):
+    try:
         if call == "load":
-            swapio.checkpoint.load(path, staging_bytes=staging)
+            swapio.checkpoint.load(path, **kwargs)
         elif call == "load_file":
-            swapio.offload.load_file(path, staging_bytes=staging)
+            swapio.offload.load_file(path, **kwargs)
         else:
-            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, staging_bytes=staging)
-    assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
+            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, **kwargs)
+    finally:
+        assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
 
 
 @pytest.mark.parametrize("call", ["save", "async_save", "load", "load_file"])
 def test_a_handle_that_is_not_an_aiohandle_is_a_type_error(tmp_path, call):
     # (an AttributeError: 'int' object has no attribute 'pwrite')
-    path = tmp_path / "c.safetensors"
-    reads = call.startswith("load")
-    if reads:
-        swapio.checkpoint.save({"t": torch.ones(3)}, path)
     with pytest.raises(TypeError, match="^handle must be a swapio.AioHandle, got int"):
-        if call == "load":
-            swapio.checkpoint.load(path, handle=3)
-        elif call == "load_file":
-            swapio.offload.load_file(path, handle=3)
-        else:
-            getattr(swapio.checkpoint, call)({"t": torch.ones(3)}, path, handle=3)
-    assert os.listdir(tmp_path) == (["c.safetensors"] if reads else [])
+        _refused_call(tmp_path, call, handle=3)
 
 
 @pytest.mark.parametrize("call", ["save", "async_save", "save_checkpoint"])
