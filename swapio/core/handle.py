@@ -50,12 +50,20 @@ def config_settings(config: Union[StrPath, Dict[str, Any]], name: str = "config"
     return dict(settings)
 
 
-def check_moves_data(handle: Union[AioHandle, str], who: str) -> None:
-    """ValueError for a handle (or an engine name) that moves no data ("null": swapio's own overhead, for
-    benchmarks): what `who` wrote would be lost and what it read garbage, silently."""
-    if (handle if isinstance(handle, str) else handle.engine) == "null":
+def check_moves_data(handle: Union[AioHandle, str, None], who: str) -> None:
+    """ValueError for a handle (or an engine name; None: the default handle, engine="auto") that moves no data
+    ("null": swapio's own overhead, for benchmarks): what `who` wrote would be lost and what it read garbage,
+    silently. "auto" is what SWAPIO_ENGINE forces, as the handles made for it will open (null included)."""
+    forced = os.environ.get("SWAPIO_ENGINE") or "auto"
+    if handle is None or isinstance(handle, str):
+        engine = forced if handle in (None, "auto") else handle
+    else:
+        engine = handle.engine
+    if engine == "null":
+        cause = " (SWAPIO_ENGINE=null in the environment makes engine='auto' open it: unset it)" \
+            if forced == "null" else ""
         raise ValueError(f"{who} needs an AioHandle that moves data, but engine='null' moves none (it measures "
-                         "swapio's overhead in benchmarks); use engine='auto', 'uring', 'aio' or 'psync'")
+                         f"swapio's overhead in benchmarks){cause}; use engine='auto', 'uring', 'aio' or 'psync'")
 
 
 class AioHandle(NotCopyable, Closeable):

@@ -340,8 +340,8 @@ def offload_activations(to="cpu", *, swap_dir=None, model=None, min_bytes=DEFAUL
         if unknown:
             raise TypeError(f"offload_activations got unexpected arguments {unknown}; its AioHandle settings are "
                             f"{list(IO_SETTINGS)}")
-        if isinstance(io_kwargs.get("engine"), str):  # (before swap_dir is made)
-            check_moves_data(io_kwargs["engine"], "offload_activations")
+        if isinstance(io_kwargs.get("engine", "auto"), str):  # (before swap_dir is made; "auto": SWAPIO_ENGINE's)
+            check_moves_data(io_kwargs.get("engine", "auto"), "offload_activations")
         swap_dir = os.fsdecode(swap_dir)  # (a bytes path too: the swap files get str names)
         if os.path.lexists(swap_dir) and not os.path.isdir(swap_dir):
             raise ValueError(f"swap_dir {swap_dir!r} is not a directory")

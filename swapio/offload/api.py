@@ -320,8 +320,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     preload_names = preload.check(preload_module_classes)
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
-    if handle is not None:
-        check_moves_data(handle, "disk_offload")
+    check_moves_data(handle, "disk_offload")  # (None: its own, which SWAPIO_ENGINE may make null)
     device = _execution_device(model, execution_device)
     keep = _check_keep(keep_resident) + trainable_modules(model)
     names = None

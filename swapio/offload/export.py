@@ -28,6 +28,7 @@ import torch
 from ..core import _durable
 from ..core._errors import check_path
 from ..core._signals import DeferredSigint
+from ..core.handle import check_moves_data
 from ..safetensors import buffers, layout
 from ..safetensors.commit import PendingFile, commit_pending
 from ..safetensors.file_writer import DEFAULT_STAGING, FileWriter
@@ -135,6 +136,7 @@ def write_checkpoint(model, path, max_shard_size=None, relayout=None, part=False
         model, part = unwrap(model), True
     limit = None if max_shard_size is None else shard_size(max_shard_size)
     given = check_path("path", path)
+    check_moves_data(None, "save_checkpoint")  # (its handle's engine="auto", which SWAPIO_ENGINE may make null)
     path = os.path.abspath(given)  # (which drops a trailing slash: "out/" names a directory all the same)
     single = not given.endswith(("/", os.sep)) and (path.endswith(".safetensors") or
                                                      (limit is None and not os.path.isdir(path)))

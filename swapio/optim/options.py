@@ -49,7 +49,8 @@ def io_settings(io_config, io_kwargs, owner="OffloadAdam"):
         settings.update(config_settings(io_config, "io_config"))
         AioHandle(**settings).close()  # validates the values now
     settings.update(io_kwargs)
-    if isinstance(settings.get("engine"), str):  # ("null": an nvme state written nowhere, read back as garbage)
-        check_moves_data(settings["engine"], owner)
+    engine = settings.get("engine", "auto")  # ("auto": SWAPIO_ENGINE may force null)
+    if isinstance(engine, str):  # ("null": an nvme state written nowhere, read back as garbage)
+        check_moves_data(engine, owner)
     return settings
 

@@ -41,8 +41,7 @@ def check_handle(handle):
     """TypeError unless handle is None or an AioHandle (an AttributeError on .pwrite came from deep inside)."""
     if handle is not None and not isinstance(handle, AioHandle):
         raise TypeError(f"handle must be a swapio.AioHandle, got {type(handle).__name__}")
-    if handle is not None:
-        check_moves_data(handle, "a checkpoint")
+    check_moves_data(handle, "a checkpoint")  # (None: the handle made for it, which SWAPIO_ENGINE may make null)
 
 
 def new_handle():
