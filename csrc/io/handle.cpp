@@ -105,9 +105,9 @@ Handle::Handle(HandleOptions options) : opt_(std::move(options)), pid_(getpid())
     const size_t slot = static_cast<size_t>(std::max<int64_t>(opt_.block_size, 4096));
     // A worker that cannot be made (no thread for it) owns nothing: its context and the ones after it are
     // cleaned here, the workers already made by the members' destructor (each held an io_uring descriptor).
-    workers_.reserve(contexts.size());
     for (size_t i = 0; i < contexts.size(); i++) {
       try {
+        if (i == 0) workers_.reserve(contexts.size());  // (inside the try: a bad_alloc cleans the contexts too)
         workers_.push_back(std::make_unique<Worker>(*ops, contexts[i], depth, batch, slot));
       } catch (...) {
         for (size_t j = i; j < contexts.size(); j++) ops->cleanup(contexts[j]);

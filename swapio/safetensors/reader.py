@@ -62,14 +62,14 @@ def read_into(pairs, device="cpu", *, handle=None, staging_bytes=128 << 20):
     flat = [t.reshape(-1).view(torch.uint8) if t.numel() else None for _, t in pairs]
     out = [t for _, t in pairs]
     window = max(ALIGN, staging_bytes // 2 // ALIGN * ALIGN)
-    own = handle is None
-    handle = AioHandle() if own else handle
     cuda = device.type == "cuda"
     stream = cuda_copy.copy_stream(device) if cuda else None
     if cuda:  # the tensors may be the caller's (load's out=, a model's parameters), read or written by work its
         # stream still has queued: the side stream's copies into them come after that work (a wait on the GPU)
         stream.wait_stream(torch.cuda.current_stream(device))
     buffers, events = [empty_pinned(window, torch.uint8) for _ in range(2)], [None, None]
+    own = handle is None  # opened last, right before the try that closes it (a failed allocation left it open)
+    handle = AioHandle() if own else handle
     try:
         by_file = {}
         for i, loc in enumerate(locations):

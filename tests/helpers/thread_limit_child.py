@@ -51,18 +51,28 @@ def future_callbacks(directory):
     """No thread for the callback watcher: add_done_callback raises, and later callbacks still run."""
     path = os.path.join(directory, "cb")
     with swapio.AioHandle() as handle:
-        x = torch.randn(1 << 20)
+        x = torch.randn(4 << 20)
         handle.pwrite(x, path).wait()
-        for limit in (0, -1):
+        # refused: a read that finished before add_done_callback runs its callback inline (no watcher needed), so
+        # the refusal is asserted on the first of a few reads that was still running then
+        refused = None
+        for _ in range(5):
             calls = []
             future = handle.pread(torch.empty_like(x), path)
-            exc = _limited(limit, lambda: future.add_done_callback(calls.append)) if limit >= 0 else \
-                future.add_done_callback(calls.append)
+            exc = _limited(0, lambda: future.add_done_callback(calls.append))
             future.wait()
-            deadline = time.monotonic() + 30
-            while limit < 0 and not calls and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert (isinstance(exc, RuntimeError) and calls == []) if limit >= 0 else calls == [future], (exc, calls)
+            if exc is not None or calls != [future]:
+                refused = (exc, calls)
+                break
+        assert refused is not None and isinstance(refused[0], RuntimeError) and refused[1] == [], refused
+        calls = []
+        future = handle.pread(torch.empty_like(x), path)  # the limit lifted: a watcher starts, the callback runs
+        future.add_done_callback(calls.append)
+        future.wait()
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [future], calls
 
 
 def checkpoints(directory, save):
