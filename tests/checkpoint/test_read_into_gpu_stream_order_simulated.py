@@ -7,46 +7,9 @@ import pytest
 import torch
 
 import swapio
+from helpers.fake_cuda import Event, Stream
 from swapio.core import cuda_copy
 from swapio.safetensors import open_checkpoint, read_into
-
-
-class Stream:
-    def __init__(self):
-        self.ops, self.ran = [], 0
-
-    def run_until(self, mark):
-        while self.ran < mark:
-            self.ran += 1
-            self.ops[self.ran - 1]()
-
-    def run_all(self):
-        self.run_until(len(self.ops))
-
-    def wait_event(self, event):
-        self.ops.append(event.run_until_recorded)
-
-    def wait_stream(self, other):
-        event = Event()
-        event.record(other)
-        self.wait_event(event)
-
-
-class Event:
-    def __init__(self, *args, **kwargs):
-        self.stream, self.mark = None, 0
-
-    def record(self, stream=None):
-        self.stream, self.mark = stream, len(stream.ops)
-
-    def query(self):
-        return self.stream is None or self.stream.ran >= self.mark
-
-    def run_until_recorded(self):
-        if self.stream is not None:
-            self.stream.run_until(self.mark)
-
-    synchronize = run_until_recorded
 
 
 def _fake_cuda(monkeypatch):
@@ -56,7 +19,7 @@ def _fake_cuda(monkeypatch):
     def copy_async(dst, src, stream, wait_for=None, hold=True):
         if wait_for is not None:
             stream.wait_event(wait_for)
-        stream.ops.append(lambda dst=dst, src=src.clone(): dst.copy_(src))  # (src: a buffer refilled later)
+        stream.enqueue(lambda dst=dst, src=src.clone(): dst.copy_(src))  # (src: a buffer refilled later)
         event = Event()
         event.record(stream)
         return event
@@ -75,7 +38,7 @@ def test_copies_into_the_callers_tensors_wait_for_the_work_queued_on_its_stream(
     swapio.checkpoint.save({"w": saved}, tmp_path / "c.safetensors")
     weight = torch.full((4096,), -1.0)  # "on the GPU": a kernel the caller queued still reads its old values
     seen = []
-    compute.ops.append(lambda: seen.append(weight.clone()))
+    compute.enqueue(lambda: seen.append(weight.clone()))
     read_into([(open_checkpoint(tmp_path / "c.safetensors")["w"], weight)], "cuda:0")
     side.run_all()  # the GPU may run the copy stream first ...
     compute.run_all()
@@ -106,7 +69,7 @@ def test_after_a_failed_read_the_callers_stream_does_not_overtake_the_copies_que
                       handle=FailingSecondRead(), staging_bytes=2 * 4096)
     finally:
         real.close()
-    compute.ops.append(lambda: weight.fill_(7.0))  # the caller sets the tensor again after the failed load
+    compute.enqueue(lambda: weight.fill_(7.0))  # the caller sets the tensor again after the failed load
     compute.run_all()  # the GPU may run the caller's stream first ...
     side.run_all()
     assert torch.equal(weight, torch.full((4096,), 7.0))  # ... the late copy did not overwrite what it set

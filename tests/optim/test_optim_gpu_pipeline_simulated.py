@@ -17,54 +17,9 @@ import torch
 
 import swapio
 from helpers.autograd import OnBackward
+from helpers.fake_cuda import Event, Stream
 from swapio.core import cuda_copy, pinned
 from swapio.optim import grad_copies, params as params_mod, work as work_mod
-
-
-class Stream:
-    def __init__(self, name, trace):
-        self.name, self.trace, self.ops, self.ran = name, trace, [], 0
-
-    def enqueue(self, op, what):
-        self.ops.append((op, what))
-
-    def run_until(self, mark):
-        while self.ran < mark:
-            op, what = self.ops[self.ran]
-            self.ran += 1
-            op()
-            self.trace.append(("ran", self.name, what))
-
-    def wait_event(self, event):
-        self.enqueue(event.synchronize_quietly, "wait")
-
-    def wait_stream(self, other):
-        event = Event()
-        event.record(other)
-        self.wait_event(event)
-
-
-class Event:
-    trace = None
-
-    def __init__(self, *args, **kwargs):
-        self.stream, self.mark = None, 0
-
-    def record(self, stream):
-        self.stream, self.mark = stream, len(stream.ops)
-
-    def query(self):
-        return self.stream is None or self.stream.ran >= self.mark
-
-    def synchronize_quietly(self):
-        if self.stream is not None:
-            self.stream.run_until(self.mark)
-
-    def synchronize(self):
-        if not self.query():  # with how many copies to the device queued after the one waited for
-            later = sum(1 for _, what in self.stream.ops[self.mark:] if what == "to device")
-            Event.trace.append(("host waits", self.stream.name, self.stream.ops[self.mark - 1][1], later))
-        self.synchronize_quietly()
 
 
 @pytest.fixture
