@@ -320,3 +320,15 @@ def child(spec):
     opt.close()
     remove_offload(model)
     torch.save({"weights": weights(model), "losses": losses}, spec["out"])
+
+class WithHead(torch.nn.Module):
+    """A module of the user's own holding an offloaded model as its backbone, with a new resident head (seeded)."""
+
+    def __init__(self, backbone, features):
+        super().__init__()
+        self.backbone = backbone
+        torch.manual_seed(9)
+        self.head = torch.nn.Linear(*features)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))

@@ -5,20 +5,10 @@ resident module holds, bit for bit; a module holding two offloaded models is a V
 import pytest
 import torch
 
+from helpers.offload_training import WithHead
 from swapio.offload import cpu_offload, disk_offload, save_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-
-class WithHead(torch.nn.Module):
-    def __init__(self, backbone):
-        super().__init__()
-        self.backbone = backbone
-        torch.manual_seed(9)
-        self.head = torch.nn.Linear(3, 2)
-
-    def forward(self, x):
-        return self.head(self.backbone(x))
 
 
 def backbone():
@@ -33,8 +23,8 @@ def offload(how, model, directory):
 @pytest.mark.parametrize("forward_first", [False, True], ids=["before-forward", "after-forward"])
 @pytest.mark.parametrize("how", ["cpu", "disk"])
 def test_saving_a_module_holding_an_offloaded_model_writes_its_values(tmp_path, how, forward_first):
-    reference = WithHead(backbone())
-    model = WithHead(offload(how, backbone(), tmp_path / "od"))
+    reference = WithHead(backbone(), (3, 2))
+    model = WithHead(offload(how, backbone(), tmp_path / "od"), (3, 2))
     if forward_first:
         assert torch.equal(model(torch.ones(2, 4)), reference(torch.ones(2, 4)))
     save_checkpoint(model, tmp_path / "w.safetensors")

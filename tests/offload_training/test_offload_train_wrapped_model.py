@@ -6,32 +6,21 @@ stand-in for its weight's placeholder, and training equals the resident model's 
 import pytest
 import torch
 
-from helpers.offload_training import MLP, batches, make_model, offload, train, weights
+from helpers.offload_training import MLP, WithHead, batches, make_model, offload, train, weights
 from swapio.offload import remove_offload
 from swapio.optim import OffloadAdamW
 
 pytest.importorskip("safetensors")
 
 
-class WithHead(torch.nn.Module):
-    def __init__(self, backbone):
-        super().__init__()
-        self.backbone = backbone
-        torch.manual_seed(9)
-        self.head = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.head(self.backbone(x))
-
-
 @pytest.mark.parametrize("storage,off,in_backward", [("disk", "nvme", False), ("cpu", "cpu", False),
                                                      ("ckpt", "cpu", True)])
 def test_optimizer_built_from_a_wrapper_before_any_forward_trains_as_resident(tmp_path, storage, off, in_backward):
     data = batches(MLP, 3)
-    ref = WithHead(make_model())
+    ref = WithHead(make_model(), (4, 4))
     with OffloadAdamW(ref.parameters(), lr=1e-2, offload=off, swap_dir=str(tmp_path)) as ref_opt:
         want = train(ref, ref_opt, data)
-    model = WithHead(offload(make_model(), storage, tmp_path))
+    model = WithHead(offload(make_model(), storage, tmp_path), (4, 4))
     opt = OffloadAdamW(model.parameters(), lr=1e-2, offload=off, swap_dir=str(tmp_path), in_backward=in_backward)
     got = train(model, opt, data)
     assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())  # the placeholders
