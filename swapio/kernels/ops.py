@@ -68,8 +68,16 @@ def cpu_capabilities() -> List[str]:
     return list(_C.adam_capability_info()["supported"])
 
 
+def _check_scales_only_with_codes(moments):
+    """A scale given with float moments would be ignored: a caller whose state got mixed up should hear of it."""
+    for name, t, scale in moments:
+        if scale is not None and isinstance(t, torch.Tensor) and t.dtype != torch.uint8:
+            raise ValueError(f"{name}_scale is only for uint8 {name} (int8 codes); {name} is {t.dtype}")
+
+
 def _check_buffers(param, grad, moments, param_out):
     """Checks param, grad, the moments ((name, tensor, scale), ...) and param_out; returns the state type."""
+    _check_scales_only_with_codes(moments)
     _check_tensor("param", param)
     _check_tensor("grad", grad)
     n = param.numel()
@@ -286,6 +294,7 @@ def lion_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     ``capability`` and ``nonfinite`` are accepted for signature compatibility and ignored. Returns ``param``."""
     step = check_step(step)
     lr, beta1, beta2, weight_decay = check_lion_hyper(lr, beta1, beta2, weight_decay)
+    _check_scales_only_with_codes([("exp_avg", exp_avg, exp_avg_scale)])
     state = _Decoded([(exp_avg, exp_avg_scale, True)], seed, step, _index_base(index_base, param.numel()))
     m = state.values[0]
     p = param.reshape(-1)
@@ -318,6 +327,7 @@ def adam_step_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     encoded with ``swapio.quant``. ``threads``, ``capability`` and ``nonfinite`` are accepted for signature
     compatibility and ignored. Returns ``param``.
     """
+    _check_scales_only_with_codes([("exp_avg", exp_avg, exp_avg_scale), ("exp_avg_sq", exp_avg_sq, exp_avg_sq_scale)])
     if exp_avg.dtype in (torch.bfloat16, torch.uint8):
         state = _Decoded([(exp_avg, exp_avg_scale, True), (exp_avg_sq, exp_avg_sq_scale, False)], seed,
                          check_step(step), _index_base(index_base, param.numel()))

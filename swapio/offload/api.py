@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from .. import _progress
 from ..core._errors import check_bool, check_int
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle, check_moves_data
@@ -313,8 +314,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     refuse_wrapped(model)
     offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
     checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
-    if progress is not None:
-        progress = check_bool("progress", progress, "None, True or False")
+    progress = _progress.checked(progress)
     prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)

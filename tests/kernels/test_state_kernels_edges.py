@@ -93,6 +93,26 @@ def test_int8_state_without_its_scales_is_a_value_error_before_any_write(step, s
     assert all(torch.equal(a, b) for a, b in zip([p, m, v, v_scale], kept))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", [ops.adam_step_, ops.adam_step_reference_, ops.lion_step_, ops.lion_step_reference_],
+                         ids=lambda f: f.__name__)
+def test_a_scale_given_with_float_state_is_a_value_error_before_any_write(step, dtype):
+    """The kernels ignored exp_avg_scale (and exp_avg_sq_scale) given with float moments: a caller that had its
+    state mixed up stepped on without a word."""
+    p, g = torch.randn(600), torch.randn(600)
+    m, v = torch.zeros(600, dtype=dtype), torch.zeros(600, dtype=dtype)
+    scale = torch.ones(3)
+    kept = [p.clone(), m.clone(), v.clone()]
+    for which in (["exp_avg_scale", "exp_avg_sq_scale"] if step.__name__.startswith("adam") else ["exp_avg_scale"]):
+        with pytest.raises(ValueError, match=which):
+            if step.__name__.startswith("adam"):
+                step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                     **{which: scale})
+            else:
+                step(p, g, m, step=1, lr=1e-3, **{which: scale})
+        assert all(torch.equal(a, b) for a, b in zip([p, m, v], kept))
+
+
 @pytest.mark.parametrize("counter, error", [([0], TypeError), (torch.zeros(1, dtype=torch.int8), ValueError),
                                             (torch.zeros(2, dtype=torch.int64), ValueError),
                                             (torch.zeros(1), ValueError)], ids=["list", "int8", "two", "float"])
