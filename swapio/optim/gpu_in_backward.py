@@ -98,11 +98,17 @@ class GpuInBackward:
             first = task >= 0 and task not in self.backwards
             if first:
                 self.backwards.add(task)
-            self.handed.add(p)
             self.ready.append(p)
+            try:
+                self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
+            except BaseException:  # no thread (the thread limit): p.grad stays for step(), as in_backward=False
+                self.ready.remove(p)
+                if first:
+                    self.backwards.discard(task)
+                raise
+            self.handed.add(p)
             self.grads[p] = p.grad
             self.answered = False
-            self.worker.start(self._work, keep=self._step())  # the optimizer lives until the run returns
         if first:
             on_backward_end(self.backward_ended, task)
 

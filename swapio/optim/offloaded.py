@@ -268,12 +268,19 @@ class OffloadedParams(TrainableOwner):
                      if self.param_of[s] in self.partial}
             if not grads:
                 return
+            nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
+            item = (training, record, grads, nbytes)
+            self.ready.append(item)
+            self.ready_bytes += nbytes
+            try:
+                self.worker.start(self._work, keep)
+            except BaseException:  # no thread (the thread limit): the gradients stay this backward's, for step()
+                self.ready.remove(item)
+                self.ready_bytes -= nbytes
+                self.partial.update(grads)
+                raise
             self.queued[record] = backward
             self.answered = False
-            nbytes = max(sum(g.nbytes for g in grads.values()), record.nbytes)
-            self.ready.append((training, record, grads, nbytes))
-            self.ready_bytes += nbytes
-            self.worker.start(self._work, keep)
             # backward waits while more gradients than two batches' worth wait for the worker
             while self.ready_bytes > 2 * self.batch_bytes and self.worker.working:
                 self.ready_changed.wait()

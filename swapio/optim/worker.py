@@ -46,12 +46,21 @@ class UpdateWorker:
 
     def start(self, run, keep=None):
         """Starts run() on the worker thread unless it is running; the caller holds `lock`. keep: what the work
-        needs alive (the optimizer's step), held until run() returns."""
+        needs alive (the optimizer's step), held until run() returns. When no thread can start, raises (Python's
+        RuntimeError) with nothing queued: the caller takes back what it handed over."""
         self._refuse_if_forked_busy()
         if self.working is None:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
-            self.working = self.last = self.executor.submit(_run, run, [keep])
+            try:
+                self.working = self.last = self.executor.submit(_run, run, [keep])
+            except BaseException:
+                # no thread could start (the process's thread limit): submit() had queued the run all the same, and
+                # the next submission's thread ran it late, with what the caller had rolled back by then. Dropped
+                # with the executor; the next start() makes another.
+                self.executor.shutdown(wait=False, cancel_futures=True)
+                self.executor = None
+                raise
 
     def keep_error(self, exc):
         """The run's error, kept for raise_error(); returns whether it is the first. Its frames' locals are dropped

@@ -97,9 +97,44 @@ def checkpoints(directory, save):
     raise AssertionError(f"{save}: no save passed with 7 threads")
 
 
+def in_backward_updates(directory):
+    """in_backward=True with no thread for its updates: the backward raises at the first weights it hands over, and
+    their gradients stay for step(), which steps them as torch steps the .grad a failed backward left. They stayed
+    queued, unseen by step(), and the next backward's gradients of the same weights replaced them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from helpers.offload_training import MLP, batches, build_opt, loss_of, make_model, offload
+    ref, model = make_model(), offload(make_model(), "cpu", directory)
+    ref_opt = build_opt("AdamW", ref.parameters(), directory, offload="cpu")
+    opt = build_opt("AdamW", model.parameters(), directory, offload="cpu", in_backward=True)
+    data = batches(MLP, 3)
+    loss = loss_of(model, data[0])
+    exc = _limited(0, loss.backward)
+    assert isinstance(exc, RuntimeError) and "thread" in str(exc), repr(exc)
+    # what has a gradient (p.grad) when the backward stopped: the output layer's first weights handed over
+    with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all(name.startswith("c.") for name in with_grad), with_grad
+    loss_of(ref, data[0]).backward()
+    for name, p in ref.named_parameters():
+        if name not in with_grad:
+            p.grad = None
+    for batch in [None, *data[1:]]:
+        if batch is not None:
+            loss_of(ref, batch).backward()
+            loss_of(model, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    swapio.offload.remove_offload(model)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), (name, (a - b).abs().max())
+    opt.close()
+
+
 def main(directory):
     handle_threads(directory)
     future_callbacks(directory)
+    in_backward_updates(directory)
     for save in ("sync", "async"):
         os.mkdir(os.path.join(directory, save))
         checkpoints(os.path.join(directory, save), save)
