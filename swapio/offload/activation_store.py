@@ -38,13 +38,20 @@ from ..core.tensors import CAN_SET_VERSION, set_version
 from .kept import Kept, modified_in_place
 
 
+def on_gpu(tensor):
+    """Whether a saved tensor is on a CUDA device (its bytes go through the pinned pool). One place to ask, so
+    that the simulated-GPU tests (tests/helpers/fake_cuda.py) can count CPU tensors as on a GPU."""
+    return tensor.device.type == "cuda"
+
+
 class Entry:
-    __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
+    __slots__ = ("index", "nbytes", "device", "gpu", "key", "storage_ref", "version", "host", "pooled", "offset",
+                 "write", "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
                  "generation", "waiting", "held", "owner_ref", "base_ref", "base_version", "restored_own")
 
-    def __init__(self, index, nbytes, device, storage, version, owner):
+    def __init__(self, index, nbytes, device, gpu, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
+        self.gpu = gpu        # a CUDA tensor: copied through pinned blocks of the pool
         self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
         self.owner_ref = weakref.ref(owner)  # the tensor whose version counter `version` was read from
         self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
@@ -210,7 +217,7 @@ class Session:
 
     def _offload(self, tensor, storage, owner):
         res, nbytes, device = self.res, storage.nbytes(), tensor.device
-        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version, owner)
+        entry = Entry(len(self.entries), nbytes, device, on_gpu(tensor), storage, tensor._version, owner)
         source = byte_view(storage, device, nbytes)
         to_disk = res.to == "nvme"
         if to_disk:
@@ -219,7 +226,7 @@ class Session:
             self.staged += nbytes
             res.stats["peak_staged_bytes"] = max(res.stats["peak_staged_bytes"], self.staged)
         try:
-            if device.type == "cuda":
+            if entry.gpu:
                 block = res.pool.alloc(nbytes)
                 entry.host, entry.pooled = block, True
                 ready = torch.cuda.Event()
@@ -457,7 +464,7 @@ class Session:
         """Starts bringing the entry's bytes back to its device: entry.loaded, a future of a uint8 tensor."""
         res, n = self.res, entry.nbytes
         self.poll()
-        if entry.device.type == "cpu":
+        if not entry.gpu:
             if entry.host is not None and self._changed(entry):
                 # changed in place since it was saved: what the file has is what was saved
                 if entry.write is not None:
