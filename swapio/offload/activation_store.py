@@ -45,13 +45,15 @@ def on_gpu(tensor):
 
 
 class Entry:
-    __slots__ = ("index", "nbytes", "device", "gpu", "key", "storage_ref", "version", "host", "pooled", "offset",
-                 "write", "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version", "restored_own")
+    __slots__ = ("index", "nbytes", "device", "gpu", "reading", "key", "storage_ref", "version", "host", "pooled",
+                 "offset", "write", "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch",
+                 "changed_in_flight", "generation", "waiting", "held", "owner_ref", "base_ref", "base_version",
+                 "restored_own")
 
     def __init__(self, index, nbytes, device, gpu, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
         self.gpu = gpu        # a CUDA tensor: copied through pinned blocks of the pool
+        self.reading = None   # (pinned block, its read) of the load whose copy to the device is not queued yet
         self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
         self.owner_ref = weakref.ref(owner)  # the tensor whose version counter `version` was read from
         self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
@@ -433,9 +435,13 @@ class Session:
                     self.res.stats["unpack_misses"] += 1
                 self._load(entry)
             loaded, entry.loaded = entry.loaded, None
-            self._prefetch_below(entry.index)
-            t0 = time.perf_counter()
-            storage = loaded.wait().untyped_storage()
+            try:
+                self._prefetch_below(entry.index)
+                t0 = time.perf_counter()
+                storage = loaded.wait().untyped_storage()
+            except BaseException:
+                self._let_go_of_read(entry)  # (its copy to the device never queued: the block is still the read's)
+                raise
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
             entry.restored = weakref.ref(storage)
             entry.restored_own = entry.host is not None and not entry.pooled
@@ -489,18 +495,36 @@ class Session:
             host, read, keep = entry.host, Future.finished(n), True
         else:
             host, keep = res.pool.alloc(n), False
-            read = res.handle.pread(host[:n], self.path, entry.offset, identity=self.identity)
+            try:
+                read = res.handle.pread(host[:n], self.path, entry.offset, identity=self.identity)
+            except BaseException:
+                res.pool.free(host)  # refused at submission (ESTALE, EMFILE): nothing reads into it
+                raise
+            entry.reading = (host, read)
             res.stats["read_bytes"] += n
 
         def issue():
-            event = copy_async(target, host[:n], stream)
-            with res.lock:
+            # (a Ctrl-C between the copy queued and the block handed to it would give the block back on the read's
+            # end alone, with the copy still reading it)
+            with DeferredSigint(), res.lock:
+                event = copy_async(target, host[:n], stream)
                 if keep:
                     entry.last_copy = event
                 else:
+                    entry.reading = None
                     res.pool.free(host, event)
             return event
         entry.loaded = DeviceCopyFuture(read, issue, target)
+
+    def _let_go_of_read(self, entry):
+        """The load of a CUDA tensor's bytes from the disk ends with no copy to the device queued (its read or
+        the copy's queueing failed, the unpack failed before it, or the saved tensor went with the load unused):
+        its pinned block goes back to the pool, to be handed out again once the read is done with it. (Each
+        left it counted in use for good, and pinned a new block for every later load.)"""
+        if entry.reading is not None:
+            host, read = entry.reading
+            entry.loaded = entry.reading = None
+            self.res.pool.free(host, _ReadDone(read))
 
     # ---- end ----------------------------------------------------------------------------------------------------
     def drop(self, entry, generation):
@@ -531,6 +555,7 @@ class Session:
         if entry.refs > 0:
             return
         self.live -= 1
+        self._let_go_of_read(entry)
         entry.loaded = entry.restored = entry.held = entry.base_ref = None
         if entry.d2h is None and entry.write is None:
             self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
@@ -585,6 +610,7 @@ class Session:
             self.pending.clear()
             self.resident.clear()
             for entry in self.entries:
+                self._let_go_of_read(entry)
                 entry.loaded = entry.restored = entry.held = entry.base_ref = None
                 if entry.staged:
                     self.staged -= entry.staged
@@ -603,6 +629,21 @@ class Session:
             remove_soon(self.path)
             self.res.owner.files.discard(self.path)
             self.path = None
+
+
+class _ReadDone:
+    """A read from the disk into a pinned block, as the pool takes a block's last use (an event's query and
+    synchronize): the block is handed out again only once the read finished, failed or not."""
+    __slots__ = ("read",)
+
+    def __init__(self, read):
+        self.read = read
+
+    def query(self):
+        return self.read.done()
+
+    def synchronize(self):
+        self.read.exception()  # waits (its error was the unpack's, or nobody's: the load went unused)
 
 
 def remove_soon(path):

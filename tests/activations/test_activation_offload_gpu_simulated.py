@@ -25,7 +25,8 @@ def test_gpu_tensors_come_back_as_saved_through_late_copies(gpu, tmp_path, to, p
     model, x = make_stack(), batch(t=16)
     want = grads_of(model, x)
     # staging_bytes=0 (to="nvme"): each save waits for the copy and write before it
-    act, pool = watched_offload(gpu, to, tmp_path, model=model, prefetch=prefetch, staging_bytes=0 if prefetch else 1 << 20)
+    act, pool = watched_offload(gpu, to, tmp_path, model=model, prefetch=prefetch,
+                                staging_bytes=0 if prefetch else 1 << 20)
     for _ in range(2):
         del gpu.trace[:]
         gpu.recorded.clear()
