@@ -332,6 +332,11 @@ class Session:
             entry.d2h.synchronize()
             entry.d2h = None
             self._seen_read(entry)
+            if entry.refs == 0:
+                # dropped while its copy ran (a graph let go in the forward): its block goes now (to="cpu" kept it
+                # until the session's last saved tensor went), with nothing to write (to="nvme" wrote it all the same)
+                self._unstage(entry)
+                return
             if res.to == "nvme":
                 entry.write = res.handle.pwrite(entry.host[:entry.nbytes], self.path, entry.offset,
                                                 identity=self.identity)

@@ -52,3 +52,36 @@ def test_gpu_tensors_come_back_as_saved_through_late_copies(gpu, tmp_path, to, p
         assert all_back(pool)
     assert gpu.side_allocations > 0
     act.close()
+
+
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+def test_a_tensor_dropped_while_its_copy_to_the_host_runs_gives_its_block_back_once_copied(gpu, tmp_path, to):
+    # A graph let go inside the forward (a branch whose result is discarded) drops its saved tensors while their
+    # copies to the host are still queued: once a copy is seen finished, its pinned block goes back to the pool.
+    # to="cpu" kept it until the session's last saved tensor went (after the backward), to="nvme" wrote it out
+    # first, for nothing.
+    act, pool = watched_offload(gpu, to, tmp_path)
+    writes = []
+    if to == "nvme":
+        real = act._res.handle.pwrite
+        act._res.handle.pwrite = lambda *a, **k: (writes.append(1), real(*a, **k))[1]
+    w = torch.randn(256, 256, requires_grad=True)
+    with act:
+        kept = (w * 1).sin()  # saves w * 1
+        gone = (w * 2).sin()
+        del gone
+        gpu.run_all()
+        also_kept = (w * 3).sin()  # its save sees the copies before it finished
+        if to == "cpu":
+            assert pool.in_use == 2 * pool.size(256 * 256 * 4)  # the last one's copy still runs
+    gpu.run_all()
+    if to == "nvme":
+        act._res.handle.wait()
+    with act._res.lock:
+        next(iter(act._res.sessions)).poll()
+    assert len(writes) == (2 if to == "nvme" else 0)
+    (kept.sum() + also_kept.sum()).backward()
+    assert torch.allclose(w.grad, torch.cos(w) + 3 * torch.cos(3 * w), rtol=0, atol=1e-6)
+    del kept, also_kept
+    assert all_back(pool)
+    act.close()
