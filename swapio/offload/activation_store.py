@@ -466,6 +466,8 @@ class Session:
             ahead, lowest = ahead + 1, entry.index
             if entry.loaded is None and (entry.restored is None or entry.restored() is None):
                 self._load(entry)
+            elif entry.loaded is not None:
+                entry.loaded.done()  # (a CUDA tensor's: its read finished since, its copy to the device goes now)
         if ahead < self.res.prefetch:
             # every entry below `lowest` needs nothing: the next unpacks stop there instead of walking down to the
             # first entry each time (quadratic in a backward with thousands of entries kept in RAM)
@@ -520,6 +522,10 @@ class Session:
                     res.pool.free(host, event)
             return event
         entry.loaded = DeviceCopyFuture(read, issue, target)
+        # queued now if the bytes are in host memory already (to="cpu"), else by a later unpack that sees its read
+        # finished (done() queues it): the unpack then finds it running or done. (Each copy was queued only by
+        # its own unpack, which held the host until it finished, and to="cpu" read nothing ahead at all.)
+        entry.loaded.done()
 
     def _let_go_of_read(self, entry):
         """The load of a CUDA tensor's bytes from the disk ends with no copy to the device queued (its read or

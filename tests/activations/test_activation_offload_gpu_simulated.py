@@ -85,3 +85,46 @@ def test_a_tensor_dropped_while_its_copy_to_the_host_runs_gives_its_block_back_o
     del kept, also_kept
     assert all_back(pool)
     act.close()
+
+
+@pytest.mark.parametrize("to", ["cpu", "nvme"])
+@pytest.mark.parametrize("gpu_catches_up", [False, True])
+def test_a_change_in_place_after_the_save_is_refused_as_autograd_refuses_it(gpu, tmp_path, to, gpu_catches_up):
+    # The copy to the host may run after the change (a late GPU): what it copied may be the changed bytes. The
+    # backward refuses the saved tensor, as autograd does without offload, whenever the copy ran.
+    act, pool = watched_offload(gpu, to, tmp_path)
+    w = torch.randn(256, 256, requires_grad=True)
+    with act:
+        y = w * 1
+        z = y.sin()  # saves y
+        if gpu_catches_up:
+            gpu.run_all()
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|changed in place"):
+        z.sum().backward()
+    del z
+    assert all_back(pool)
+    act.close()
+
+
+def test_reading_ahead_queues_the_copies_to_the_device_ahead_of_the_unpacks(gpu, tmp_path):
+    # Each unpack starts "the reads (and host-to-device copies)" of the next `prefetch` saved tensors: the copy of
+    # one read ahead is queued before its unpack, which then finds it running or done. Every copy was queued only
+    # by its own unpack, which then held the host until it finished (and to="cpu" had nothing read ahead at all).
+    model, x = make_stack(), batch(t=16)
+    act, pool = watched_offload(gpu, "cpu", tmp_path, model=model, prefetch=2)
+    xx = x.clone().requires_grad_(True)
+    with act:
+        loss = model(xx).square().mean()
+    gpu.run_all()
+    del gpu.trace[:]
+    loss.backward()
+    waits = [e for e in gpu.trace if e[:3] == ("host waits", "h2d", "to device")]
+    copies = sum(1 for e in gpu.trace if e == ("queued", "h2d", "to device"))
+    assert copies == act.stats()["tensors"]
+    # the host waits (if at all: a copy run already does not hold it) with the copies below queued after the one
+    # it waits for, but for the last unpacks
+    assert waits and all(later >= 1 for *_, later in waits[:-2]), [e[3] for e in waits]
+    del loss
+    assert all_back(pool)
+    act.close()
