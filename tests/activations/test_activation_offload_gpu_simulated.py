@@ -27,7 +27,7 @@ def test_gpu_tensors_come_back_as_saved_through_late_copies(gpu, tmp_path, to, p
     # staging_bytes=0 (to="nvme"): each save waits for the copy and write before it
     act, pool = watched_offload(gpu, to, tmp_path, model=model, prefetch=prefetch,
                                 staging_bytes=0 if prefetch else 1 << 20)
-    for _ in range(2):
+    for step in range(2):
         del gpu.trace[:]
         gpu.recorded.clear()
         model.zero_grad(set_to_none=True)
@@ -42,7 +42,7 @@ def test_gpu_tensors_come_back_as_saved_through_late_copies(gpu, tmp_path, to, p
         got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, xx.grad.clone())
         assert_same_grads(got, want)
         copies_back = sum(1 for e in gpu.trace if e == ("queued", "h2d", "to device"))
-        assert copies_back == act.stats()["tensors"] // (_ + 1)  # one copy back per storage saved
+        assert copies_back == act.stats()["tensors"] // (step + 1)  # one copy back per storage saved
         # the backward's stream waits (on the GPU) for each copy back, and each tensor is marked in use by it
         assert sum(1 for _, what in gpu.compute.ops if what == "wait") >= copies_back
         assert sum(1 for _, stream in gpu.recorded if stream == "compute") == copies_back

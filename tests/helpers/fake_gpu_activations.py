@@ -3,8 +3,9 @@ in pinned memory counted as on a GPU (activation_store.on_gpu).
 
 Copies run only when something waits for them, as a GPU may run them late. `problems` collects what a real GPU
 would have made silently wrong: a copy that runs after its pinned block of the pool was handed out again, a
-block given back to the pool while a read or write of the disk still uses it, a block handed out or given back
-twice. The pool's and the handle's methods are wrapped on the instances of one ActivationOffload (watch()).
+block handed out while a read or write of the disk still uses it (or given back with nothing for the pool to
+wait for), a block handed out or given back twice. The pool's and the handle's methods are wrapped on the
+instances of one ActivationOffload (watch()).
 """
 import contextlib
 import gc
@@ -92,6 +93,8 @@ class FakeGpu:
             ptr = _block(block)
             if ptr in self.in_use:
                 self.problems.append("the pool handed out a block in use")
+            if self._disk_uses(ptr):
+                self.problems.append("the pool handed out a block the disk still reads or writes")
             self.in_use.add(ptr)
             self.handed[ptr] = self.handed.get(ptr, 0) + 1
             return block
@@ -100,7 +103,7 @@ class FakeGpu:
             ptr = _block(block)
             if ptr not in self.in_use:
                 self.problems.append("a block was given back to the pool twice")
-            if any(not f.done() for f in self.io.get(ptr, ())):
+            if event is None and self._disk_uses(ptr):  # (with an event, the pool waits for it: see alloc)
                 self.problems.append("a block was given back to the pool while the disk still reads or writes it")
             self.in_use.discard(ptr)
             free(block, event)
@@ -108,6 +111,9 @@ class FakeGpu:
         if res.handle is not None:
             res.handle = _WatchedHandle(res.handle, self)
         return pool
+
+    def _disk_uses(self, ptr):
+        return any(not f.done() for f in self.io.get(ptr, ()))
 
 
 class _WatchedHandle:
