@@ -617,6 +617,9 @@ class Session:
                     pass
                 except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the user's, raised once all is cleaned up
                     interrupted = interrupted or exc
+                    if entry.d2h is not None and not entry.d2h.query():
+                        # the copy into the block may still run: the pool hands the block out after it only
+                        entry.last_copy = entry.d2h
                 entry.d2h = entry.write = None
             self.pending.clear()
             self.resident.clear()

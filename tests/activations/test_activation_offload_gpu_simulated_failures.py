@@ -3,6 +3,7 @@ copy back or the backward fails: every pinned block goes back to the pool, none 
 import errno
 
 import pytest
+import torch
 
 from helpers.activations import assert_same_grads, batch, grads_of, make_stack
 from helpers.autograd import OnBackward
@@ -104,4 +105,32 @@ def test_a_copy_back_that_fails_to_queue_gives_its_pinned_block_back(gpu, tmp_pa
         grads_of(model, x, act)
     gpu.run_all()
     assert all_back(pool), f"{pool.in_use} bytes of pinned blocks counted in use for good"
+    act.close()
+
+
+def test_a_ctrl_c_while_an_interrupted_forward_waits_for_its_copies_leaves_their_blocks_to_them(gpu, monkeypatch):
+    # A forward interrupted (Ctrl-C) discards what it saved, waiting for the copies to the host still running
+    # into their pinned blocks. A second Ctrl-C during that wait gave the blocks back as free: the next forward's
+    # save was handed one that a late copy then wrote into.
+    from helpers.fake_cuda import Event
+    act, pool = watched_offload(gpu, "cpu", None)
+    w = torch.randn(256, 256, requires_grad=True)
+    real = Event.synchronize
+
+    def second_ctrl_c(event):
+        monkeypatch.setattr(Event, "synchronize", real)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with act:
+            discarded = (w * 1).sin()  # saved: its copy to the host is queued
+            monkeypatch.setattr(Event, "synchronize", second_ctrl_c)
+            raise KeyboardInterrupt
+    del discarded
+    with act:
+        y = (w * 2).sin()  # saves a tensor of the same size
+    gpu.run_all()  # (the fixture's check: no copy ran on a block handed out again)
+    y.sum().backward()
+    assert torch.allclose(w.grad, 2 * torch.cos(2 * w), rtol=0, atol=1e-6)
+    del y
+    assert all_back(pool)
     act.close()
