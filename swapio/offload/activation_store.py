@@ -40,7 +40,7 @@ from .kept import Kept, modified_in_place
 
 def on_gpu(tensor):
     """Whether a saved tensor is on a CUDA device (its bytes go through the pinned pool). One place to ask, so
-    that the simulated-GPU tests (tests/helpers/fake_cuda.py) can count CPU tensors as on a GPU."""
+    that the simulated-GPU tests (tests/helpers/fake_gpu_activations.py) can count CPU tensors as on a GPU."""
     return tensor.device.type == "cuda"
 
 
