@@ -38,13 +38,22 @@ from ..core.tensors import CAN_SET_VERSION, set_version
 from .kept import Kept, modified_in_place
 
 
-class Entry:
-    __slots__ = ("index", "nbytes", "device", "key", "storage_ref", "version", "host", "pooled", "offset", "write",
-                 "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch", "changed_in_flight",
-                 "generation", "waiting", "held", "owner_ref", "base_ref", "base_version", "restored_own")
+def on_gpu(tensor):
+    """Whether a saved tensor is on a CUDA device (its bytes go through the pinned pool). One place to ask, so
+    that the simulated-GPU tests (tests/helpers/fake_gpu_activations.py) can count CPU tensors as on a GPU."""
+    return tensor.device.type == "cuda"
 
-    def __init__(self, index, nbytes, device, storage, version, owner):
+
+class Entry:
+    __slots__ = ("index", "nbytes", "device", "gpu", "reading", "key", "storage_ref", "version", "host", "pooled",
+                 "offset", "write", "d2h", "last_copy", "loaded", "restored", "refs", "staged", "watch",
+                 "changed_in_flight", "generation", "waiting", "held", "owner_ref", "base_ref", "base_version",
+                 "restored_own")
+
+    def __init__(self, index, nbytes, device, gpu, storage, version, owner):
         self.index, self.nbytes, self.device, self.version = index, nbytes, device, version
+        self.gpu = gpu        # a CUDA tensor: copied through pinned blocks of the pool
+        self.reading = None   # (pinned block, its read) of the load whose copy to the device is not queued yet
         self.key, self.storage_ref = storage.data_ptr(), weakref.ref(storage)
         self.owner_ref = weakref.ref(owner)  # the tensor whose version counter `version` was read from
         self.host = None      # the bytes in host memory: the CPU tensor itself, or a pinned block
@@ -210,7 +219,7 @@ class Session:
 
     def _offload(self, tensor, storage, owner):
         res, nbytes, device = self.res, storage.nbytes(), tensor.device
-        entry = Entry(len(self.entries), nbytes, device, storage, tensor._version, owner)
+        entry = Entry(len(self.entries), nbytes, device, on_gpu(tensor), storage, tensor._version, owner)
         source = byte_view(storage, device, nbytes)
         to_disk = res.to == "nvme"
         if to_disk:
@@ -219,7 +228,7 @@ class Session:
             self.staged += nbytes
             res.stats["peak_staged_bytes"] = max(res.stats["peak_staged_bytes"], self.staged)
         try:
-            if device.type == "cuda":
+            if entry.gpu:
                 block = res.pool.alloc(nbytes)
                 entry.host, entry.pooled = block, True
                 ready = torch.cuda.Event()
@@ -323,6 +332,11 @@ class Session:
             entry.d2h.synchronize()
             entry.d2h = None
             self._seen_read(entry)
+            if entry.refs == 0:
+                # dropped while its copy ran (a graph let go in the forward): its block goes now (to="cpu" kept it
+                # until the session's last saved tensor went), with nothing to write (to="nvme" wrote it all the same)
+                self._unstage(entry)
+                return
             if res.to == "nvme":
                 entry.write = res.handle.pwrite(entry.host[:entry.nbytes], self.path, entry.offset,
                                                 identity=self.identity)
@@ -426,9 +440,13 @@ class Session:
                     self.res.stats["unpack_misses"] += 1
                 self._load(entry)
             loaded, entry.loaded = entry.loaded, None
-            self._prefetch_below(entry.index)
-            t0 = time.perf_counter()
-            storage = loaded.wait().untyped_storage()
+            try:
+                self._prefetch_below(entry.index)
+                t0 = time.perf_counter()
+                storage = loaded.wait().untyped_storage()
+            except BaseException:
+                self._let_go_of_read(entry)  # (its copy to the device never queued: the block is still the read's)
+                raise
             self.res.stats["backward_wait_s"] += time.perf_counter() - t0
             entry.restored = weakref.ref(storage)
             entry.restored_own = entry.host is not None and not entry.pooled
@@ -448,6 +466,8 @@ class Session:
             ahead, lowest = ahead + 1, entry.index
             if entry.loaded is None and (entry.restored is None or entry.restored() is None):
                 self._load(entry)
+            elif entry.loaded is not None:
+                entry.loaded.done()  # (a CUDA tensor's: its read finished since, its copy to the device goes now)
         if ahead < self.res.prefetch:
             # every entry below `lowest` needs nothing: the next unpacks stop there instead of walking down to the
             # first entry each time (quadratic in a backward with thousands of entries kept in RAM)
@@ -457,7 +477,7 @@ class Session:
         """Starts bringing the entry's bytes back to its device: entry.loaded, a future of a uint8 tensor."""
         res, n = self.res, entry.nbytes
         self.poll()
-        if entry.device.type == "cpu":
+        if not entry.gpu:
             if entry.host is not None and self._changed(entry):
                 # changed in place since it was saved: what the file has is what was saved
                 if entry.write is not None:
@@ -482,18 +502,40 @@ class Session:
             host, read, keep = entry.host, Future.finished(n), True
         else:
             host, keep = res.pool.alloc(n), False
-            read = res.handle.pread(host[:n], self.path, entry.offset, identity=self.identity)
+            try:
+                read = res.handle.pread(host[:n], self.path, entry.offset, identity=self.identity)
+            except BaseException:
+                res.pool.free(host)  # refused at submission (ESTALE, EMFILE): nothing reads into it
+                raise
+            entry.reading = (host, read)
             res.stats["read_bytes"] += n
 
         def issue():
-            event = copy_async(target, host[:n], stream)
-            with res.lock:
+            # (a Ctrl-C between the copy queued and the block handed to it would give the block back on the read's
+            # end alone, with the copy still reading it)
+            with DeferredSigint(), res.lock:
+                event = copy_async(target, host[:n], stream)
                 if keep:
                     entry.last_copy = event
                 else:
+                    entry.reading = None
                     res.pool.free(host, event)
             return event
         entry.loaded = DeviceCopyFuture(read, issue, target)
+        # queued now if the bytes are in host memory already (to="cpu"), else by a later unpack that sees its read
+        # finished (done() queues it): the unpack then finds it running or done. (Each copy was queued only by
+        # its own unpack, which held the host until it finished, and to="cpu" read nothing ahead at all.)
+        entry.loaded.done()
+
+    def _let_go_of_read(self, entry):
+        """The load of a CUDA tensor's bytes from the disk ends with no copy to the device queued (its read or
+        the copy's queueing failed, the unpack failed before it, or the saved tensor went with the load unused):
+        its pinned block goes back to the pool, to be handed out again once the read is done with it. (Each
+        left it counted in use for good, and pinned a new block for every later load.)"""
+        if entry.reading is not None:
+            host, read = entry.reading
+            entry.loaded = entry.reading = None
+            self.res.pool.free(host, _ReadDone(read))
 
     # ---- end ----------------------------------------------------------------------------------------------------
     def drop(self, entry, generation):
@@ -524,6 +566,7 @@ class Session:
         if entry.refs > 0:
             return
         self.live -= 1
+        self._let_go_of_read(entry)
         entry.loaded = entry.restored = entry.held = entry.base_ref = None
         if entry.d2h is None and entry.write is None:
             self._unstage(entry)  # (a resident one is skipped when its turn to go comes)
@@ -574,10 +617,14 @@ class Session:
                     pass
                 except BaseException as exc:  # noqa: BLE001 - Ctrl-C: the user's, raised once all is cleaned up
                     interrupted = interrupted or exc
+                    if entry.d2h is not None and not entry.d2h.query():
+                        # the copy into the block may still run: the pool hands the block out after it only
+                        entry.last_copy = entry.d2h
                 entry.d2h = entry.write = None
             self.pending.clear()
             self.resident.clear()
             for entry in self.entries:
+                self._let_go_of_read(entry)
                 entry.loaded = entry.restored = entry.held = entry.base_ref = None
                 if entry.staged:
                     self.staged -= entry.staged
@@ -596,6 +643,21 @@ class Session:
             remove_soon(self.path)
             self.res.owner.files.discard(self.path)
             self.path = None
+
+
+class _ReadDone:
+    """A read from the disk into a pinned block, as the pool takes a block's last use (an event's query and
+    synchronize): the block is handed out again only once the read finished, failed or not."""
+    __slots__ = ("read",)
+
+    def __init__(self, read):
+        self.read = read
+
+    def query(self):
+        return self.read.done()
+
+    def synchronize(self):
+        self.read.exception()  # waits (its error was the unpack's, or nobody's: the load went unused)
 
 
 def remove_soon(path):

@@ -27,6 +27,7 @@ from ..core._signals import DeferredSigint
 from ..core.handle import _CONFIG_KEYS as IO_SETTINGS, AioHandle, check_moves_data
 from ..core.pinned import PinnedPool, size_class
 from .activation_blocks import ReadBlocks
+from . import activation_store
 from .activation_store import Session
 from .compiled import methods_run_eagerly
 from .kept import Kept
@@ -85,7 +86,8 @@ class _Resources:
             return
         ptrs = set()
         for t in (*model.parameters(), *model.buffers()):
-            if t.device.type not in ("meta", "cpu") or (t.device.type == "cpu" and self.to == "nvme"):
+            if (activation_store.on_gpu(t) or t.device.type not in ("meta", "cpu")
+                    or (t.device.type == "cpu" and self.to == "nvme")):
                 try:
                     ptrs.add(t.untyped_storage().data_ptr())
                 except (RuntimeError, NotImplementedError):
@@ -98,7 +100,7 @@ class _Resources:
         if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
                 or t.is_neg()):  # (a strided nested tensor has no sizes to rebuild it from)
             return False
-        kind = t.device.type
+        kind = "cuda" if activation_store.on_gpu(t) else t.device.type
         if kind not in ("cuda", "cpu"):
             return False
         base = t._base

@@ -258,14 +258,22 @@ class Fetcher:
                 if got is None:
                     return None
                 fetch = Fetch(record, got[1], got[0], copy)
-                for path, offset, length, region_offset in record.spans:
-                    io_path, identity = self.io_of(path)
-                    fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length], io_path,
-                                                         offset, identity=identity))
-                    self.stats["reads"] += 1
-                    self.stats["bytes_read"] += length
-                    if path in self.sources and path not in fetch.unchecked:
-                        fetch.unchecked.append(path)
+                try:
+                    for path, offset, length, region_offset in record.spans:
+                        io_path, identity = self.io_of(path)
+                        fetch.reads.append(self.handle.pread(fetch.host[region_offset:region_offset + length],
+                                                             io_path, offset, identity=identity))
+                        self.stats["reads"] += 1
+                        self.stats["bytes_read"] += length
+                        if path in self.sources and path not in fetch.unchecked:
+                            fetch.unchecked.append(path)
+                except BaseException:
+                    # a read refused at submission (EMFILE, ESTALE): the region goes back once the reads of the
+                    # record's other spans, submitted already, are done with it (it stayed taken for good)
+                    for f in fetch.reads:
+                        f.exception()
+                    self._free(fetch)
+                    raise
             self.fetches[record] = fetch
             if self.cuda and copy and fetch.device is None and not fetch.reads:
                 self._copy_to_device(fetch)
