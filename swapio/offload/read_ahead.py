@@ -6,7 +6,9 @@ norms and biases, ride along without counting), then, for disk reads, as many mo
 most WALK_UNITS units. Walking those units again at every module, to find them already started, was most of a
 forward of many small modules (800 Linear(16, 16) under cpu_offload: 0.35 ms a module, resident 10 us). So the
 units the last call started are remembered, nearest first; when the next module is the first of them (the walk
-was right), it is taken off and only what the walk now reaches beyond them is started: O(1) a module.
+was right), it is taken off and only what the walk now reaches beyond them is started: O(1) a module once the
+schedule has learned the order (while it learns, in the first forward, each module compares up to WALK_UNITS
+remembered units with the walk, without starting anything).
 
 What is remembered stays true or is forgotten: a unit whose fetch left the fetcher's table since (released, made
 room for another, drained; or its copy flag cleared) is forgotten with the units after it, and started again as
