@@ -39,6 +39,8 @@ OFFLOADED = ("in place while a model was offloaded from it",
              "them back (remove_offload): build it again and offload it from the file as it is now "
              "(disk_offload(model, checkpoint=...) or swapio.offload.from_pretrained)")
 
+REMOVALS_KEPT = 1024  # records a removal log (watch_removals) keeps before it says only "many"
+
 ZERO_STATS = {"reads": 0, "bytes_read": 0, "temp": 0, "copies": 0, "wait_s": 0.0, "forward_s": 0.0}
 
 
@@ -106,6 +108,22 @@ class Fetcher:
         self.writing = {}     # record -> future of a write of its new bytes (training): read only after it
         self.lock = ForkAwareLock("this offloaded model", FORWARD)  # (a fork child: see units.Unit.lock)
         self.stats = dict(ZERO_STATS)
+        self._removal_logs = []  # lists that each get the record of a fetch taken out of `fetches` (read_ahead.py)
+
+    def watch_removals(self):
+        """A list that gets the record of every fetch taken out of the table from now on, or whose copy flag is
+        cleared; its owner empties it. Past REMOVALS_KEPT records it ends with None instead (a reader that did not
+        look for long, the backward's during inference, gets no longer): the reader forgets all it knew."""
+        log = []
+        self._removal_logs.append(log)
+        return log
+
+    def _removed(self, record):
+        for log in self._removal_logs:
+            if len(log) < REMOVALS_KEPT:
+                log.append(record)
+            elif log[-1] is not None:
+                log.append(None)
 
     def check_process(self):
         """RuntimeError in a fork child of the process that offloaded to disk: the reads go through that process's
@@ -461,6 +479,7 @@ class Fetcher:
         lm_head, then wte of the next step) or a record needs the spare. Its device copy goes: device memory
         holds only what runs or comes next, and the spare is reused only after that copy finished (event)."""
         fetch.device, fetch.copy = None, False
+        self._removed(fetch.record)
 
     def resize_spare(self, nbytes):
         """Records changed size (moved to offload_dir for training): the spare fits the largest again."""
@@ -519,6 +538,7 @@ class Fetcher:
     def _detach(self, fetch):
         """Takes a fetch that only aliases from hold() still use out of the table; the last of them frees it."""
         del self.fetches[fetch.record]
+        self._removed(fetch.record)
         fetch.detached = True
 
     def _drop(self, fetch):
@@ -526,6 +546,7 @@ class Fetcher:
             f.exception()      # meanwhile leaves the fetch in the table, for the next drop to free)
         if self.fetches.get(fetch.record) is fetch:
             del self.fetches[fetch.record]
+            self._removed(fetch.record)
         fetch.reads = []
         fetch.device = None
         if fetch.event is not None and not fetch.event.query():

@@ -18,27 +18,37 @@ class Schedule:
         self.prev = {u: units[i - 1] for i, u in enumerate(units)}
         self.unseen = dict.fromkeys(units)  # units that never ran, in registration order (an ordered set)
         self.last = None
+        self.version = 0  # changes whenever a walk may have changed (read_ahead.py checks what it walked then)
 
     def observe(self, unit):
-        if self.last is None:  # the first unit that ever ran starts every forward
-            self.first = unit
-        self.unseen.pop(unit, None)
-        if self.last is not None and self.last is not unit:
-            self.next[self.last] = unit
-            self.prev[unit] = self.last
+        last, changed = self.last, False
+        if last is None and self.first is not unit:  # the first unit that ever ran starts every forward
+            self.first, changed = unit, True
+        if unit in self.unseen:
+            del self.unseen[unit]
+            changed = True
+        if last is not None and last is not unit and (self.next.get(last) is not unit
+                                                      or self.prev.get(unit) is not last):
+            self.next[last] = unit
+            self.prev[unit] = last
+            changed = True
         self.last = unit
+        if changed:
+            self.version += 1
 
     @staticmethod
-    def _walk(links, unit):
-        seen, u = {unit}, links.get(unit)
+    def _walk(links, unit, seen=None):
+        seen, u = {unit} if seen is None else seen, links.get(unit)
         while u is not None and u not in seen:
             yield u
             seen.add(u)
             u = links.get(u)
 
-    def ahead(self, unit):
-        """The units expected to start after `unit`, nearest first, until the chain loops back (lazily)."""
-        seen, u = {unit}, unit
+    def ahead(self, unit, seen=None):
+        """The units expected to start after `unit`, nearest first, until the chain loops back (lazily). `seen`:
+        the units not to yield (default {unit}), which the walk adds to: with `unit` the last one a walk yielded
+        and its `seen`, the rest of that walk."""
+        seen, u = {unit} if seen is None else seen, unit
         while True:
             following = self.next.get(u)
             if following is None:  # nothing learned yet: the units that never ran, then the next forward
@@ -53,6 +63,7 @@ class Schedule:
             seen.add(following)
             u = following
 
-    def behind(self, unit):
-        """The units that ran before `unit`, nearest first (the order backward needs them in), lazily."""
-        return self._walk(self.prev, unit)
+    def behind(self, unit, seen=None):
+        """The units that ran before `unit`, nearest first (the order backward needs them in), lazily (`seen`:
+        as for ahead)."""
+        return self._walk(self.prev, unit, seen)

@@ -23,16 +23,12 @@ from . import compiled, conversions, graph_capture, loading, onload, saved_tenso
 from .data_parallel import WrappedForwardCheck
 from .fetch import view
 from .no_copy import refuse_copy
+from .read_ahead import ReadAhead
 from .schedule import Schedule
 from .training import Training
 from .units import (FORWARD, check_entries, check_placeholders, install_placeholders, move_to, refuse_meta_inputs,
                     set_entry)
 
-SMALL = 1 << 20  # a unit with fewer bytes than this does not count towards `prefetch`
-# the most units one read-ahead walk visits: without a bound, a model of small modules (each under SMALL, or all in
-# the ring) was walked to its end at every module, a forward quadratic in their number (800 Linear(16, 16): 0.8 ms
-# a module under cpu_offload, against 5 us resident)
-WALK_UNITS = 64
 NO_OWN_FORWARD = object()  # a module without a forward of its own in its __dict__ (the usual case)
 
 
@@ -124,6 +120,7 @@ class WeightStreamer:
         self.dressings = tuple(dressings)  # modules whose install(model) / uninstall(model) attach and detach run
         self.fetcher, self.device, self.prefetch = fetcher, device, prefetch
         self.schedule = Schedule(units)
+        self.read_ahead = {}  # walk (Schedule.ahead, .behind) -> its ReadAhead (read_ahead.py), made at first use
         self.handles = []
         self.guarded = weakref.WeakSet()  # modules given an instance _apply or __prepare_scriptable__ (detach: off)
         self._check_wrapper = WrappedForwardCheck(model, slots)  # DDP around the model: data_parallel.py
@@ -297,29 +294,21 @@ class WeightStreamer:
         """Starts fetches ahead along `walk` (schedule.ahead, or .behind in backward): the next `prefetch` units,
         then, for disk reads, as many more as the ring has room for. Reading ahead by bytes keeps the disk busy
         through modules that compute faster than they read (a decode step) and through stalls of the computing
-        thread; the ring bounds it, and WALK_UNITS the units one walk visits. Units with less than SMALL bytes
-        (norms, biases) ride along without counting.
+        thread; the ring bounds it, and read_ahead.WALK_UNITS the units one walk reaches. Units with less than
+        read_ahead.SMALL bytes (norms, biases) ride along without counting. What the last module's call started is
+        remembered and extended (read_ahead.py), not walked again at every module.
         When the ring is full, reads ahead that this walk does not reach yet are dropped to make room (the next
         forward's first modules, read ahead at the end of a forward, when backward starts instead); then it
         stops at the first record the ring has no room for. For CUDA only the first `prefetch` units are copied
         to the device ahead; the rest wait in the ring, so device memory holds no more than before."""
         if not self.prefetch:
             return
-        counted, by_bytes = 0, self.fetcher.ring is not None
-        wanted = set(unit.records)  # before acquire(), the unit's own fetches have no user yet
-        for visited, other in enumerate(walk(unit)):
-            near = counted < self.prefetch
-            if not (near or by_bytes) or visited >= max(WALK_UNITS, self.prefetch):
-                return
-            for record in other.records:
-                wanted.add(record)
-                fetch = self.fetcher.start(record, copy=near)
-                if fetch is None and self.fetcher.drop_unused(keep=wanted):
-                    fetch = self.fetcher.start(record, copy=near)
-                if fetch is None:
-                    return
-            if sum(r.nbytes for r in other.records) >= SMALL:
-                counted += 1
+        key = getattr(walk, "__func__", walk)
+        with self.fetcher.lock:  # (the frontiers are shared by the threads running modules)
+            frontier = self.read_ahead.get(key)
+            if frontier is None:
+                frontier = self.read_ahead[key] = ReadAhead(self.fetcher, self.schedule, self.prefetch)
+            frontier(walk, unit)
 
     def _snapshot(self, unit, fetch, t):
         """The buffer's bytes before the forward, where a change in place would be lost: in memory reused after
