@@ -1,20 +1,19 @@
 """The oldest torch swapio runs on, checked at `import swapio`.
 
-Below it swapio does not merely lack a feature. Weight offload's check that nothing kept a fetched weight past
-its module's forward (streamer._kept_weight) counts references as torch 2.10 keeps them (its PyObject
-preservation rework): on 2.8 it refused sound uses ("something still references the tensor", e.g. training
-offloaded weights with offload_activations). torch 2.6 and 2.7 also lack
-torch._C._autograd._top_saved_tensors_default_hooks (2.8), which activation offload needs; torch 2.1 crashed
-(segfault) in a failed activation unpack and its increment_version takes no list (checkpoint and optimizer loads
-failed). A clear ImportError at the import beats a crash or a refusal halfway through training. pyproject.toml's
-dependency and README.md's "Supported torch versions" name the same version; tests/package/test_torch_floor.py
-keeps the three equal.
+Below it swapio does not merely lack a feature. Before 2.11 torch.autograd.backward does not offer its inputs=
+to __torch_function__, so `loss.backward(inputs=[offloaded weight])` could not be refused and silently gave no
+gradient (2.9, 2.10). On 2.8 weight offload's check that nothing kept a fetched weight refused sound training
+("something still references the tensor"); 2.6 and 2.7 lack torch._C._autograd._top_saved_tensors_default_hooks,
+which activation offload needs; 2.1 crashed (segfault) in a failed activation unpack and its increment_version
+takes no list (checkpoint and optimizer loads failed). A clear ImportError at the import beats a crash or a wrong
+result halfway through training. pyproject.toml's dependency and README.md's "Supported torch versions" name the
+same version; tests/package/test_torch_floor.py keeps the three equal.
 """
 import re
 
 import torch
 
-MINIMUM = (2, 10)
+MINIMUM = (2, 11)
 
 
 def parse(version: str) -> "tuple[int, int]":

@@ -46,7 +46,7 @@ def _without_values(t):
 
 # p.grad = None (model.zero_grad()) in a compiled step comes here as a call of the getset descriptor's __set__:
 # torch 2.14's dynamo fails on that call (InternalTorchDynamoError: GetSetDescriptorVariable has no
-# tp_descr_set_impl), where 2.10-2.13 trace it. There it runs eagerly instead (a graph break, same values).
+# tp_descr_set_impl), where 2.11-2.13 trace it. There it runs eagerly instead (a graph break, same values).
 _DESCRIPTOR_SET_FAILS_IN_DYNAMO = _torch_version(str(torch.__version__)) >= (2, 14)
 
 
