@@ -11,7 +11,9 @@ from . import _interrupt
 # with one line and status 130, as later (a program importing swapio keeps its KeyboardInterrupt)
 with _interrupt.exits_quietly_if_the_command():
     from ._version import __version__
+    from ._torch_floor import check as _check_torch
 
+    _check_torch()  # an older torch: an ImportError naming the version needed, not a crash later
     try:
         from . import _C  # noqa: E402  (the native core; built by `pip install .`)
     except ImportError as _exc:  # without this, Python blames a "circular import"

@@ -11,6 +11,9 @@ naming the weight. Ops that only read metadata (`.shape`, `.grad`, `torch.zeros_
 """
 import torch
 
+from .._torch_floor import parse as _torch_version
+from .compiled import methods_run_eagerly
+
 
 # the tensor attributes that are views of its values (the rest, .shape, .grad, .device, are metadata); .data too:
 # a plain meta tensor from it (an EMA's `add_(b.data)` of a buffer) would let an in-place op do nothing again
@@ -41,11 +44,29 @@ def _without_values(t):
     return isinstance(t, torch.Tensor) and getattr(type(t), "carries_no_values", False) and t.is_meta
 
 
+# p.grad = None (model.zero_grad()) in a compiled step comes here as a call of the getset descriptor's __set__:
+# torch 2.14's dynamo fails on that call (InternalTorchDynamoError: GetSetDescriptorVariable has no
+# tp_descr_set_impl), where 2.11-2.13 trace it. There it runs eagerly instead (a graph break, same values).
+_DESCRIPTOR_SET_FAILS_IN_DYNAMO = _torch_version(str(torch.__version__)) >= (2, 14)
+
+
+@methods_run_eagerly("set", reason="swapio sets p.grad of an offloaded weight eagerly on torch >= 2.14")
+class _EagerSet:
+    def set(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
+
+_EAGER = _EagerSet()
+
+
 def call(func, args, kwargs):
     """func(*args, **kwargs) for __torch_function__ of a tensor that may hold no values (see the module)."""
     kwargs = kwargs or {}
     with torch._C.DisableTorchFunctionSubclass():  # then as plain tensors' (written so dynamo traces it)
         kind = _kind(func)
+        if _DESCRIPTOR_SET_FAILS_IN_DYNAMO and torch.compiler.is_compiling() and \
+                getattr(func, "__name__", "") == "__set__":
+            return _EAGER.set(func, args, kwargs)
         if kind == "metadata" or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         source = next((t for t in _flat(args, kwargs) if _without_values(t)), None)

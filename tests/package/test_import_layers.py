@@ -19,7 +19,8 @@ if not PACKAGE.is_dir():  # the tests sit one folder deeper
 
 # the first dotted component under swapio -> its layer
 LAYERS = {
-    "_C": 0, "_env": 0, "_interrupt": 0, "_native_missing": 0, "_progress": 0, "_version": 0, "core": 0,
+    "_C": 0, "_env": 0, "_interrupt": 0, "_native_missing": 0, "_progress": 0, "_torch_floor": 0, "_version": 0,
+    "core": 0,
     "kernels": 1, "swap": 1,
     "safetensors": 2,
     "checkpoint": 3,
