@@ -48,10 +48,16 @@ def files_open_in(directory):
     found = []
     for fd_dir in glob.glob("/proc/[0-9]*/fd"):
         try:
-            links = [os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir)]
+            fds = os.listdir(fd_dir)
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        found += [link for link in links if link.startswith(str(directory) + os.sep)]
+        for fd in fds:
+            try:  # one at a time: a descriptor closed meanwhile (an I/O request's, as the run's requests finish)
+                link = os.readlink(os.path.join(fd_dir, fd))  # skipped the whole process, the run's file included
+            except OSError:
+                continue
+            if link.startswith(str(directory) + os.sep):
+                found.append(link)
     return found
 
 
