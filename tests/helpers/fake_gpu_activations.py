@@ -10,6 +10,7 @@ instances of one ActivationOffload (watch()).
 import contextlib
 import gc
 
+import pytest
 import torch
 
 from helpers.fake_cuda import Event, Stream
@@ -138,6 +139,16 @@ class _WatchedHandle:
                 self.gpu.problems.append("the disk was given a pool block not handed out")
             self.gpu.io[ptr] = [f for f in self.gpu.io.get(ptr, ()) if not f.done()] + [future]
         return future
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """The simulated GPU for one test (test modules import this fixture): at the end it runs what the GPU had left
+    and fails the test on any problem it saw."""
+    fake = FakeGpu(monkeypatch)
+    yield fake
+    fake.run_all()
+    assert not fake.problems, fake.problems
 
 
 def watched_offload(gpu, to, swap_dir, **kw):
