@@ -10,15 +10,8 @@ import sys
 from typing import Any, Iterator, Optional, TextIO
 
 from . import _env
-from .core._errors import check_bool
 
 ENV = "SWAPIO_PROGRESS"
-
-
-def checked(progress: object) -> Optional[bool]:
-    """A public `progress=` argument: None, or a bool (numpy's too). An int or a str there is likely a mistake,
-    refused before any work starts (1 was taken by opt.save where disk_offload refused it)."""
-    return None if progress is None else check_bool("progress", progress, "None, True or False")
 
 
 def wanted(progress: Optional[bool] = None, stream: Optional[TextIO] = None) -> bool:

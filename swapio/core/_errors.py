@@ -65,6 +65,12 @@ def check_bool(name: str, value: object, allowed: str = "True or False") -> bool
     raise TypeError(f"{name} must be {allowed}, got {kind.__name__}")
 
 
+def check_progress(progress: object) -> Optional[bool]:
+    """A public `progress=` argument: None, or a bool (numpy's too). An int or a str there is likely a mistake,
+    refused before any work starts (1 was taken by opt.save where disk_offload refused it)."""
+    return None if progress is None else check_bool("progress", progress, "None, True or False")
+
+
 def check_path(name: str, value: StrPath) -> str:
     """A path argument as a str: a bytes path (or a PathLike giving bytes) as os.fsdecode reads it, as open() takes
     both (swapio joins str names to it). An empty one is a ValueError: as a directory it meant the current one,

@@ -4,8 +4,7 @@ import os
 
 import torch
 
-from .. import _progress
-from ..core._errors import check_bool, check_int
+from ..core._errors import check_bool, check_int, check_progress
 from ..core.cuda_copy import normalize_device
 from ..core.handle import AioHandle, check_moves_data
 from ..core.pinned import empty_pinned
@@ -314,7 +313,7 @@ def disk_offload(model, offload_dir=None, execution_device=None, offload_buffers
     refuse_wrapped(model)
     offload_dir = None if offload_dir is None else _check_path("offload_dir", offload_dir)
     checkpoint = None if checkpoint is None else _check_path("checkpoint", checkpoint)
-    progress = _progress.checked(progress)
+    progress = check_progress(progress)
     prefetch, offload_buffers = _check_common(prefetch, offload_buffers)
     buffer_bytes = check_int("buffer_bytes", buffer_bytes, 4096)
     preload_names = preload.check(preload_module_classes)

@@ -20,8 +20,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from .. import _progress
-from ..core._errors import SwapioWarning, check_bool, check_int
+from ..core._errors import SwapioWarning, check_bool, check_int, check_progress
 from ..core._fork_lock import ForkAwareLock
 from ..core._ranges import section
 from . import checkpoint, reference, state_dict_hooks, timing, validate
@@ -873,7 +872,7 @@ class OffloadOptimizer(Optimizer):
         swapio.optim.checkpoint.
         progress: a bar of the bytes written, on stderr (None: only when stderr is a terminal or
         SWAPIO_PROGRESS=1; True/False: always/never; needs tqdm)."""
-        progress = _progress.checked(progress)
+        progress = check_progress(progress)
         self._settle()
         self._offloaded.flush()  # updates run by backward (in_backward) belong to the state saved
         with self._state_lock:
@@ -885,7 +884,7 @@ class OffloadOptimizer(Optimizer):
         """Loads a checkpoint written by save() (from either offload mode, or an older swapio's format version 3),
         streaming one chunk at a time.
         progress: a bar of the bytes read, as for save()."""
-        progress = _progress.checked(progress)
+        progress = check_progress(progress)
         self._check_open()
         self._backend.check_process()
         self._settle()
